@@ -1,0 +1,35 @@
+"""Run a worker script under torchrun (gloo, CPU) from a pytest test and return its output.
+
+Multi-process tests write a small script under tests/dist/ and call `run_torchrun`; the script
+prints or saves what the test compares, and any rank's failure fails the test with its log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 600) -> str:
+    """Launch `script` on `nproc` local ranks; return combined stdout+stderr, raise on failure."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{out[-8000:]}")
+    return out
