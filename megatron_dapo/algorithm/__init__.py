@@ -1,1 +1,45 @@
+"""DAPO maths on plain tensors: policy loss, advantages, dynamic sampling, overlong shaping.
 
+No Megatron, no I/O: everything here is a pure function or a small stateful accumulator.
+"""
+
+from megatron_dapo.algorithm.advantages import broadcast_to_tokens, group_advantages
+from megatron_dapo.algorithm.dynamic_sampling import (
+    BatchFiller,
+    DynamicSamplingConfig,
+    GenerationBudgetExhausted,
+    group_is_informative,
+)
+from megatron_dapo.algorithm.loss import (
+    AGG_MODES,
+    PolicyLossConfig,
+    PolicyLossOutput,
+    aggregate,
+    policy_loss,
+    reduce_metrics,
+)
+from megatron_dapo.algorithm.overlong import (
+    OverlongConfig,
+    overlong_keep_mask,
+    overlong_penalties,
+    overlong_penalty,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "BatchFiller",
+    "DynamicSamplingConfig",
+    "GenerationBudgetExhausted",
+    "OverlongConfig",
+    "PolicyLossConfig",
+    "PolicyLossOutput",
+    "aggregate",
+    "broadcast_to_tokens",
+    "group_advantages",
+    "group_is_informative",
+    "overlong_keep_mask",
+    "overlong_penalties",
+    "overlong_penalty",
+    "policy_loss",
+    "reduce_metrics",
+]

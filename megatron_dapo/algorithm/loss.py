@@ -1,0 +1,177 @@
+"""DAPO policy loss: decoupled clip (Clip-Higher) with token-level aggregation.
+
+Paper: DAPO, arXiv 2503.14476, Eq. 8 (objective) and Eq. 10 (Clip-Higher):
+
+    J(theta) = E[ 1 / sum_i |o_i| * sum_i sum_t min(r_it * A_it,
+                                                    clip(r_it, 1 - eps_low, 1 + eps_high) * A_it) ]
+
+with r_it = pi_theta(o_it | q, o_i,<t) / pi_old(o_it | q, o_i,<t). We minimise the negative.
+
+Deviations, all off by default or numerically motivated:
+- the log-ratio is clamped to [-20, 20] before exp, so one badly off token cannot overflow;
+- optional dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A < 0 the loss is
+  capped at -c * A, c > 1. DAPO does not use it (dual_clip_c=None);
+- two other aggregations are kept for comparison: `seq-mean-token-mean` (GRPO, Eq. 4 of the paper) and
+  `seq-mean-token-sum` (Dr. GRPO style, no length normalisation inside a sequence).
+
+Why the loss is returned as (numerator, denominator) rather than a mean: a mini-batch is split into
+micro-batches (and, with PP, pipelined; with DP, spread over ranks). The token-level mean needs the
+mini-batch's *global* token count, which no micro-batch knows. Every aggregation here is a sum of
+per-item terms divided by a count of items (tokens or sequences), so each micro-batch contributes
+`loss_sum` and `denominator` and
+
+    loss = sum over micro-batches and DP ranks of loss_sum / sum of denominator
+
+is exactly the single-batch loss for any split. Megatron's `calculate_per_token_loss=True` performs
+precisely this reduction when the loss function returns (loss_sum, denominator, metrics). Callers that
+know the global count up front may instead divide by it (`aggregate(..., normalizer=N)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossConfig:
+    eps_low: float = 0.2
+    """Lower clip range: ratio is clipped at 1 - eps_low (--clip-ratio-low)."""
+    eps_high: float = 0.28
+    """Upper clip range: ratio is clipped at 1 + eps_high (--clip-ratio-high). DAPO's Clip-Higher."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (--clip-ratio-c); None disables it, as in DAPO."""
+    agg_mode: AggMode = "token-mean"
+    """How token losses become one number (--loss-agg-mode); token-mean is DAPO's token-level loss."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eps_low < 1.0:
+            raise ValueError(f"eps_low (--clip-ratio-low) must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0.0:
+            raise ValueError(f"eps_high (--clip-ratio-high) must be >= 0, got {self.eps_high}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
+            raise ValueError(f"dual_clip_c (--clip-ratio-c) must be > 1 or unset, got {self.dual_clip_c}")
+        if self.agg_mode not in AGG_MODES:
+            raise ValueError(f"agg_mode (--loss-agg-mode) must be one of {AGG_MODES}, got {self.agg_mode!r}")
+
+
+@dataclass
+class PolicyLossOutput:
+    loss_sum: Tensor
+    """Scalar numerator of this micro-batch's share of the loss."""
+    denominator: Tensor
+    """Scalar: this micro-batch's share of the normaliser (tokens or sequences, by agg_mode)."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Sums over loss tokens (divide by metrics['tokens'] for a mean); reduce by summing."""
+
+
+def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Tensor, Tensor]:
+    """Reduce per-token values [B, S] under mask [B, S] to (numerator, denominator) scalars.
+
+    token-mean:           sum_{b,t} m*x            / sum_{b,t} m
+    seq-mean-token-mean:  sum_b (sum_t m*x / sum_t m) / #sequences with >= 1 token
+    seq-mean-token-sum:   sum_b  sum_t m*x            / #sequences with >= 1 token
+    Sums of numerators over any partition of the rows, divided by the summed denominators, equal the
+    value for the whole batch: that is what makes every mode micro-batch, PP and DP invariant.
+    """
+    mask = mask.to(token_values.dtype)
+    masked = token_values * mask
+    if agg_mode == "token-mean":
+        return masked.sum(), mask.sum()
+    tokens_per_seq = mask.sum(dim=-1)
+    has_tokens = tokens_per_seq > 0
+    seq_sums = masked.sum(dim=-1)
+    if agg_mode == "seq-mean-token-mean":
+        seq_values = torch.where(has_tokens, seq_sums / tokens_per_seq.clamp(min=1.0), 0.0)
+    elif agg_mode == "seq-mean-token-sum":
+        seq_values = seq_sums
+    else:
+        raise ValueError(f"agg_mode must be one of {AGG_MODES}, got {agg_mode!r}")
+    return seq_values.sum(), has_tokens.to(token_values.dtype).sum()
+
+
+def policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: PolicyLossConfig,
+    *,
+    entropy: Tensor | None = None,
+) -> PolicyLossOutput:
+    """DAPO clipped surrogate on a micro-batch.
+
+    Args:
+        log_probs: [B, S] log pi_theta of the sampled tokens (differentiable).
+        old_log_probs: [B, S] log pi_old of the same tokens (no gradient).
+        advantages: [B] per-sequence or [B, S] per-token advantages.
+        mask: [B, S] 1 for response tokens that enter the loss, 0 for prompt / padding / filtered.
+        entropy: optional [B, S] per-token entropy, only reported.
+    Returns:
+        PolicyLossOutput(loss_sum, denominator, metrics). Metric sums over masked tokens: pg_loss,
+        clipfrac_high (ratio clipped at 1+eps_high with A > 0), clipfrac_low (clipped at 1-eps_low with
+        A < 0), clipfrac_dual (dual clip active), approx_kl (k1 estimator old_logp - logp, as a mean it is
+        an estimate of KL(pi_old || pi_theta)), ratio, entropy; 'tokens' = number of masked tokens.
+    """
+    if log_probs.shape != old_log_probs.shape or log_probs.shape != mask.shape:
+        raise ValueError(
+            f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and mask "
+            f"{tuple(mask.shape)} must have the same [B, S] shape"
+        )
+    if advantages.dim() == log_probs.dim() - 1:
+        advantages = advantages.unsqueeze(-1).expand_as(log_probs)
+    elif advantages.shape != log_probs.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, S] like log_probs")
+    log_probs = log_probs.float()
+    old_log_probs = old_log_probs.detach().float()
+    advantages = advantages.detach().float()
+    maskf = mask.float()
+
+    log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
+    token_loss = torch.maximum(unclipped, clipped)
+    dual_active = torch.zeros_like(token_loss, dtype=torch.bool)
+    if config.dual_clip_c is not None:
+        cap = -advantages * config.dual_clip_c  # positive where A < 0
+        dual_active = (advantages < 0) & (token_loss > cap)
+        token_loss = torch.where(dual_active, cap, token_loss)
+
+    loss_sum, denominator = aggregate(token_loss, maskf, config.agg_mode)
+    with torch.no_grad():
+        clip_high = (ratio > 1.0 + config.eps_high) & (advantages > 0)
+        clip_low = (ratio < 1.0 - config.eps_low) & (advantages < 0)
+        metrics = {
+            "pg_loss": (token_loss * maskf).sum(),
+            "clipfrac_high": (clip_high.float() * maskf).sum(),
+            "clipfrac_low": (clip_low.float() * maskf).sum(),
+            "clipfrac_dual": (dual_active.float() * maskf).sum(),
+            "approx_kl": (-log_ratio * maskf).sum(),
+            "ratio": (ratio * maskf).sum(),
+            "tokens": maskf.sum(),
+        }
+        if entropy is not None:
+            metrics["entropy"] = (entropy.detach().float() * maskf).sum()
+    return PolicyLossOutput(loss_sum=loss_sum, denominator=denominator, metrics=metrics)
+
+
+def reduce_metrics(metric_sums: list[dict[str, Tensor]] | dict[str, Tensor]) -> dict[str, float]:
+    """Turn token-summed metrics (one dict or several to add up) into per-token means."""
+    if isinstance(metric_sums, dict):
+        metric_sums = [metric_sums]
+    total: dict[str, float] = {}
+    for sums in metric_sums:
+        for key, value in sums.items():
+            total[key] = total.get(key, 0.0) + float(value)
+    tokens = total.get("tokens", 0.0)
+    out = {key: (value / tokens if tokens > 0 else 0.0) for key, value in total.items() if key != "tokens"}
+    out["tokens"] = tokens
+    return out
