@@ -129,10 +129,12 @@ def policy_loss(
         advantages = advantages.unsqueeze(-1).expand_as(log_probs)
     elif advantages.shape != log_probs.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, S] like log_probs")
-    log_probs = log_probs.float()
-    old_log_probs = old_log_probs.detach().float()
-    advantages = advantages.detach().float()
-    maskf = mask.float()
+    # compute in at least fp32 (bf16 log-probs would make ratios of 1 +- 0.008 steps)
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    log_probs = log_probs.to(dtype)
+    old_log_probs = old_log_probs.detach().to(dtype)
+    advantages = advantages.detach().to(dtype)
+    maskf = mask.to(dtype)
 
     log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -159,7 +161,7 @@ def policy_loss(
             "tokens": maskf.sum(),
         }
         if entropy is not None:
-            metrics["entropy"] = (entropy.detach().float() * maskf).sum()
+            metrics["entropy"] = (entropy.detach().to(dtype) * maskf).sum()
     return PolicyLossOutput(loss_sum=loss_sum, denominator=denominator, metrics=metrics)
 
 

@@ -1,0 +1,123 @@
+"""Group advantages, dynamic sampling and overlong shaping against hand-computed values."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from megatron_dapo.algorithm import (
+    BatchFiller,
+    DynamicSamplingConfig,
+    GenerationBudgetExhausted,
+    OverlongConfig,
+    broadcast_to_tokens,
+    group_advantages,
+    group_is_informative,
+    overlong_keep_mask,
+    overlong_penalties,
+    overlong_penalty,
+)
+
+
+def test_group_advantages_match_mean_and_population_std_per_group():
+    rewards = [1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
+    groups = ["a", "b", "a", "a", "b", "a", "b"]  # interleaved, unequal sizes (4 and 3)
+    adv = group_advantages(rewards, groups)
+    for g in ("a", "b"):
+        members = [i for i, k in enumerate(groups) if k == g]
+        values = [rewards[i] for i in members]
+        mu, sd = statistics.fmean(values), statistics.pstdev(values)
+        for i in members:
+            assert adv[i].item() == pytest.approx((rewards[i] - mu) / (sd + 1e-6), rel=1e-6)
+
+
+def test_group_advantages_variants():
+    rewards = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    ids = [0, 0, 0, 0]
+    unbiased = group_advantages(rewards, ids, unbiased=True)
+    assert unbiased[0].item() == pytest.approx(1.5 / (statistics.stdev([1, -1, -1, -1]) + 1e-6), rel=1e-6)
+    centred = group_advantages(rewards, ids, normalize_std=False)
+    torch.testing.assert_close(centred, torch.tensor([1.5, -0.5, -0.5, -0.5]))
+    # a uniform group has zero advantage, a singleton too
+    assert group_advantages([1.0, 1.0, 3.0], [7, 7, 8]).tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="pair up"):
+        group_advantages([1.0, 2.0], [0])
+
+
+def test_broadcast_to_tokens():
+    out = broadcast_to_tokens(torch.tensor([0.5, -2.0]), [3, 1])
+    assert [t.tolist() for t in out] == [[0.5, 0.5, 0.5], [-2.0]]
+
+
+def test_group_is_informative():
+    assert group_is_informative([True, False, False])
+    assert not group_is_informative([True, True])
+    assert not group_is_informative([0.0, 0.0, 0.0])
+    assert not group_is_informative([True])
+
+
+def test_batch_filler_accumulates_across_rounds_and_counts_surplus():
+    filler: BatchFiller[str] = BatchFiller(DynamicSamplingConfig(train_batch_size=3))
+    rounds = [
+        [("g0", [1, 1]), ("g1", [1, 0]), ("g2", [0, 0])],
+        [("g3", [0, 1]), ("g4", [1, 1])],
+        [("g5", [1, 0]), ("g6", [0, 1]), ("g7", [1, 0])],
+    ]
+    for groups in rounds:
+        assert filler.start_round()
+        for name, accs in groups:
+            filler.offer(name, accs)
+        if filler.full:
+            break
+    assert filler.batch() == ["g1", "g3", "g5"]
+    s = filler.stats
+    assert (s.rounds, s.seen_groups, s.kept_groups, s.all_correct, s.all_wrong, s.surplus_groups) == (
+        3, 8, 3, 2, 1, 2)
+    assert filler.stats.as_metrics()["dynamic_sampling/keep_ratio"] == pytest.approx(3 / 8)
+
+
+def test_batch_filler_budget_error_names_the_flag_and_partial_mode():
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=2))
+    for _ in range(2):
+        filler.start_round()
+        filler.offer(1, [1, 1])
+    with pytest.raises(GenerationBudgetExhausted, match="--max-num-gen-batches"):
+        filler.start_round()
+    with pytest.raises(RuntimeError, match="keep generating"):
+        BatchFiller(DynamicSamplingConfig(train_batch_size=2)).batch()
+
+    partial: BatchFiller[int] = BatchFiller(
+        DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=1, on_exhausted="partial"))
+    assert partial.start_round()
+    partial.offer(5, [1, 0])
+    assert not partial.start_round()
+    assert partial.batch() == [5]
+
+
+def test_batch_filler_without_filtering_keeps_everything():
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, enabled=False))
+    filler.start_round()
+    filler.offer(0, [1, 1])
+    filler.offer(1, [0, 0])
+    assert filler.batch() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "length,expected",
+    [(0, 0.0), (16, 0.0), (17, -1 / 4), (18, -2 / 4), (20, -1.0), (21, -1.0), (1000, -1.0)],
+)
+def test_overlong_penalty_eq13(length, expected):
+    # L_max = 20, L_cache = 4: no penalty up to 16 tokens, linear to -1 at 20, -1 beyond.
+    cfg = OverlongConfig(max_response_length=20, buffer_length=4)
+    assert overlong_penalty(length, cfg) == pytest.approx(expected)
+
+
+def test_overlong_batch_factor_and_filter():
+    cfg = OverlongConfig(max_response_length=20, buffer_length=4, penalty_factor=0.5, filter_truncated=True)
+    torch.testing.assert_close(overlong_penalties([10, 18, 20], cfg), torch.tensor([0.0, -0.25, -0.5]))
+    torch.testing.assert_close(overlong_keep_mask([False, True], cfg), torch.tensor([1.0, 0.0]))
+    assert overlong_penalty(25, OverlongConfig(max_response_length=20)) == 0.0  # buffer 0: off
+    with pytest.raises(ValueError, match="--overlong-buffer-length"):
+        OverlongConfig(max_response_length=8, buffer_length=9)
