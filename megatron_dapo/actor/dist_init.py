@@ -1,0 +1,86 @@
+"""Process group + megatron parallel_state setup for one process or a torchrun world.
+
+gloo on CPU (after the CPU shims), nccl on CUDA. A process without torchrun's environment becomes
+a world of one over a private TCP store, so tests and the embedded demo run without a launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_dapo.compat import cpu
+from megatron_dapo.parallel import ParallelLayout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(timeout_minutes: int) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+
+
+def init_parallel(
+    layout: ParallelLayout | None = None, *, tp: int = 1, pp: int = 1, seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> ParallelLayout:
+    """Initialise torch.distributed and megatron parallel_state; return the layout in use.
+
+    `layout` (or tp/pp with dp derived from the world size) must cover the world exactly. Seeds torch
+    with `seed` and megatron's model-parallel RNG tracker (dropout-free models only on CPU).
+    """
+    cpu.install()
+    _init_process_group(timeout_minutes)
+    world = dist.get_world_size()
+    if layout is None:
+        layout = ParallelLayout.from_world(world, tp=tp, pp=pp)
+    elif layout.world_size != world:
+        raise ValueError(
+            f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = {layout.world_size} ranks, but the "
+            f"world has {world}: change --nproc_per_node or the parallel flags"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
+        if current != (layout.tp, layout.pp):
+            raise RuntimeError(f"parallel_state already initialised with (tp, pp)={current}: "
+                               "call destroy_parallel() first")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+            distributed_timeout_minutes=timeout_minutes,
+        )
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        # model_parallel_cuda_manual_seed touches CUDA RNG; with dropout 0 (Qwen2) the tracker only
+        # needs to exist, and the inference tracker ignores per-region seeds.
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    return layout
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron parallel_state and the process group (safe to call twice)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

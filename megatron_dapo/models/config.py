@@ -1,0 +1,67 @@
+"""Qwen2Arch -> megatron-core TransformerConfig (one mapping of HF fields to Megatron fields)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, validate_layout
+
+# Kernels that need CUDA / apex: off on a CPU-only torch (the megatron-core-on-cpu note).
+CPU_ONLY_SETTINGS: dict[str, Any] = {
+    "use_cpu_initialization": True,
+    "masked_softmax_fusion": False,
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+    "gradient_accumulation_fusion": False,
+    "cross_entropy_loss_fusion": False,
+}
+
+_DTYPE_FLAGS = {torch.float32: {}, torch.bfloat16: {"bf16": True}, torch.float16: {"fp16": True}}
+
+
+def transformer_config_from_arch(
+    arch: Qwen2Arch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """Megatron TransformerConfig of a Qwen2 decoder split over tp x pp ranks.
+
+    Qwen2: RMSNorm(eps), SwiGLU (gated silu), GQA with `num_kv_heads` query groups, bias on q/k/v only,
+    no dropout. `overrides` are TransformerConfig fields set last (e.g. calculate_per_token_loss=True).
+    """
+    validate_layout(arch, ParallelLayout(tp=tp, pp=pp))
+    if params_dtype not in _DTYPE_FLAGS:
+        raise ValueError(f"params_dtype must be one of {list(_DTYPE_FLAGS)}, got {params_dtype}")
+    fields: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        **_DTYPE_FLAGS[params_dtype],
+    )
+    if not torch.cuda.is_available():
+        fields.update(CPU_ONLY_SETTINGS)
+    unknown = sorted(set(overrides) - set(TransformerConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"transformer_config_from_arch: {unknown} are not TransformerConfig fields")
+    fields.update(overrides)
+    return TransformerConfig(**fields)

@@ -1,0 +1,63 @@
+"""The model provider: a megatron-core GPTModel stage of a Qwen2 decoder."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_dapo.compat import cpu
+from megatron_dapo.models.config import transformer_config_from_arch
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.spec import get_layer_spec
+from megatron_dapo.parallel import padded_vocab_size
+
+
+def build_gpt_model(
+    arch: Qwen2Arch,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    use_te: bool | None = None,
+    **config_overrides,
+) -> GPTModel:
+    """This rank's pipeline stage of `arch` as a GPTModel (RoPE, padded vocab, tied or untied head).
+
+    Needs megatron parallel_state initialised (`megatron_dapo.actor.init_parallel`); tp / pp default to
+    its sizes and must match them; pre/post_process default to whether this is the first/last stage.
+    The head returns vocab-parallel logits [b, s, padded_vocab / tp] (parallel_output=True).
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_gpt_model needs megatron parallel_state: call megatron_dapo.actor.init_parallel() first"
+        )
+    cpu.install()
+    world_tp = parallel_state.get_tensor_model_parallel_world_size()
+    world_pp = parallel_state.get_pipeline_model_parallel_world_size()
+    tp = world_tp if tp is None else tp
+    pp = world_pp if pp is None else pp
+    if (tp, pp) != (world_tp, world_pp):
+        raise ValueError(
+            f"build_gpt_model(tp={tp}, pp={pp}) does not match the initialised parallel state "
+            f"(--tensor-model-parallel-size {world_tp}, --pipeline-model-parallel-size {world_pp})"
+        )
+    config = transformer_config_from_arch(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_layer_spec(use_te),
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
