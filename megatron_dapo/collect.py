@@ -1,0 +1,143 @@
+"""One step's rollout batch: generate G responses per prompt -> verify -> shape -> dynamic sampling.
+
+The loop over-samples prompts (`over_sample_factor` x the groups still needed), scores each group as
+the engine finishes it, and offers it to the `BatchFiller`; once the batch is full the requests still
+in flight are aborted (DAPO Sec. 3.2, the "keep sampling until the batch is full" loop).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dapo.algorithm import BatchFiller, DynamicSamplingConfig, OverlongConfig, overlong_penalty
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+
+RewardFn = Callable[[str, str], Any]
+"""(response text, ground truth) -> object with `score` (float) and `acc` (bool), e.g. math_dapo."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """A prompt ready for the engine: token ids plus what the verifier needs."""
+
+    prompt_ids: list[int]
+    ground_truth: str
+    index: int
+    """Position in the dataset (stable across resumes)."""
+
+
+@dataclass
+class ScoredGroup:
+    """The G responses of one prompt with their verifier results and shaped rewards."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    accs: list[bool]
+    rewards: list[float]
+    """Verifier score plus overlong penalty, per response."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectConfig:
+    n_samples_per_prompt: int
+    """G, responses per prompt (--n-samples-per-prompt)."""
+    sampling: SamplingParams
+    dynamic_sampling: DynamicSamplingConfig
+    overlong: OverlongConfig
+    over_sample_factor: float = 1.0
+    """Prompts asked for per round = ceil(factor * groups still needed) (--over-sample-factor)."""
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples_per_prompt}")
+        if self.dynamic_sampling.enabled and self.n_samples_per_prompt < 2:
+            raise ValueError("dynamic sampling needs --n-samples-per-prompt >= 2 (a group of one is never "
+                             "informative); pass --no-dynamic-sampling or raise G")
+        if self.over_sample_factor < 1.0:
+            raise ValueError(f"--over-sample-factor must be >= 1, got {self.over_sample_factor}")
+        if self.overlong.max_response_length != self.sampling.max_new_tokens:
+            raise ValueError(
+                f"overlong max length ({self.overlong.max_response_length}) must equal the rollout "
+                f"max_new_tokens ({self.sampling.max_new_tokens}); both come from --max-response-length"
+            )
+
+
+@dataclass
+class CollectResult:
+    groups: list[ScoredGroup]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def score_group(prompt: Prompt, samples: Sequence[Sample], decode: Callable[[list[int]], str],
+                reward_fn: RewardFn, overlong: OverlongConfig) -> ScoredGroup:
+    """Verifier score (+1/-1) plus the Eq. 13 overlong penalty for each response of one prompt."""
+    accs, rewards = [], []
+    for s in samples:
+        result = reward_fn(decode(s.response_ids), prompt.ground_truth)
+        accs.append(bool(result.acc))
+        rewards.append(float(result.score) + overlong_penalty(len(s.response_ids), overlong))
+    return ScoredGroup(prompt=prompt, samples=list(samples), accs=accs, rewards=rewards)
+
+
+def collect_batch(
+    engine: RolloutEngine,
+    next_prompts: Callable[[int], list[Prompt]],
+    decode: Callable[[list[int]], str],
+    reward_fn: RewardFn,
+    config: CollectConfig,
+    *,
+    step: int,
+) -> CollectResult:
+    """Generate rounds until `train_batch_size` informative groups are kept (or the budget ends).
+
+    `next_prompts(k)` hands out the next k prompts of the data sampler. Returns the kept groups in
+    the order they were kept, and metrics on everything generated (kept or not).
+    """
+    filler: BatchFiller[ScoredGroup] = BatchFiller(config.dynamic_sampling)
+    seen: list[ScoredGroup] = []
+    aborted = 0
+    t0 = time.perf_counter()
+    while not filler.full and filler.start_round():
+        want = math.ceil(config.over_sample_factor * filler.needed)
+        tag = f"s{step}-r{filler.stats.rounds}"
+        prompts = {f"{tag}-{i}-p{p.index}": p for i, p in enumerate(next_prompts(want))}
+        requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
+                                   sampling=config.sampling, request_id=rid) for rid, p in prompts.items()]
+        for samples in engine.stream(requests):
+            if any(s.finish_reason == "abort" for s in samples):
+                aborted += 1
+                continue
+            group = score_group(prompts[samples[0].request_id], samples, decode, reward_fn, config.overlong)
+            seen.append(group)
+            filler.offer(group, group.accs)
+            if filler.full:
+                aborted += len(engine.abort())
+    metrics = filler.stats.as_metrics()
+    metrics.update(_rollout_metrics(seen, config.sampling.max_new_tokens))
+    metrics["rollout/aborted_groups"] = float(aborted)
+    metrics["time/rollout_s"] = time.perf_counter() - t0
+    return CollectResult(groups=filler.batch(), metrics=metrics)
+
+
+def _rollout_metrics(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:
+    """Reward, accuracy and length statistics over every generated (not only kept) response."""
+    lengths = [len(s.response_ids) for g in groups for s in g.samples]
+    rewards = [r for g in groups for r in g.rewards]
+    accs = [a for g in groups for a in g.accs]
+    if not lengths:
+        return {}
+    truncated = [s.truncated for g in groups for s in g.samples]
+    return {
+        "rollout/reward": sum(rewards) / len(rewards),
+        "rollout/accuracy": sum(accs) / len(accs),
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/clip_ratio": sum(truncated) / len(truncated),
+        "rollout/responses": float(len(lengths)),
+        "rollout/max_len": float(max_len),
+    }

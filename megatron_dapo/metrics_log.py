@@ -1,0 +1,76 @@
+"""Per-step metrics to a jsonl file, to wandb (offline unless a key and project are given), and a bar."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Writes one json line per step to `<log_dir>/metrics.jsonl`; mirrors to wandb when available.
+
+    wandb runs offline by default (files under <log_dir>/wandb); it goes online only when both
+    WANDB_API_KEY is set and a project is given. A missing wandb package is reported once, not fatal.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, *, total_steps: int, wandb_project: str | None = None,
+                 run_name: str | None = None, config: dict[str, Any] | None = None,
+                 use_wandb: bool = True, progress: bool = True) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.log_dir / "metrics.jsonl"
+        # append: a resumed run continues the same file
+        self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        self._wandb = None
+        if use_wandb:
+            self._wandb = _start_wandb(self.log_dir, wandb_project, run_name, config)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="dapo", unit="step", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._bar is not None:
+            shown = {k.split("/")[-1]: f"{v:.3g}" for k, v in metrics.items()
+                     if k in ("rollout/accuracy", "eval/avg@4", "train/pg_loss", "train/entropy")}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.n = step
+            self._bar.refresh()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(log_dir: Path, project: str | None, run_name: str | None, config: dict[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        print("[megatron-dapo] wandb is not installed: metrics go to metrics.jsonl only")
+        return None
+    online = bool(os.environ.get("WANDB_API_KEY")) and bool(project)
+    return wandb.init(project=project or "megatron-dapo", name=run_name, config=config or {},
+                      dir=str(log_dir), mode="online" if online else "offline", reinit="finish_previous")
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
+    """All records of a metrics.jsonl; a later record for the same step (after a resume) wins."""
+    by_step: dict[int, dict[str, float]] = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                record = json.loads(line)
+                by_step.setdefault(int(record["step"]), {}).update(record)
+    return [by_step[s] for s in sorted(by_step)]
