@@ -1,0 +1,198 @@
+"""HF checkpoint directories: a lazy multi-shard reader and a streaming sharded writer.
+
+Layout written (what transformers and SGLang load): `config.json`, `model-0000i-of-0000n.safetensors`
+shards of at most `max_shard_bytes` each (a tensor is never split), `model.safetensors.index.json`
+with the weight map, and the tokenizer files. A single shard is named `model.safetensors` with no index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+
+import torch
+
+from megatron_dapo.weights.safetensors_io import (
+    CheckpointError,
+    SafetensorsFile,
+    StreamingSafetensorsWriter,
+    TensorSpec,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+ASSET_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+
+class HFCheckpointReader:
+    """All tensors of an HF safetensors checkpoint by name; headers parsed on open, data read on `get`."""
+
+    def __init__(self, hf_dir: str | os.PathLike[str]) -> None:
+        self.dir = os.fspath(hf_dir)
+        index_path = os.path.join(self.dir, INDEX_FILE)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index_path} is corrupt: {e}") from e
+        elif os.path.isfile(os.path.join(self.dir, SINGLE_FILE)):
+            weight_map = {}
+        else:
+            raise CheckpointError(
+                f"{self.dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}: not an HF "
+                "safetensors checkpoint (convert .bin checkpoints with save_pretrained first)"
+            )
+        shard_names = sorted(set(weight_map.values())) or [SINGLE_FILE]
+        missing = [s for s in shard_names if not os.path.isfile(os.path.join(self.dir, s))]
+        if missing:
+            raise CheckpointError(f"{self.dir}: shard(s) {missing} listed in {INDEX_FILE} are missing")
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, SafetensorsFile] = {}
+        try:
+            for shard in shard_names:
+                f = self._files[shard] = SafetensorsFile(os.path.join(self.dir, shard))
+                for name in f.names():
+                    self._where[name] = f
+        except Exception:
+            self.close()
+            raise
+        absent = [n for n, s in weight_map.items() if n not in self._files[s].specs]
+        if absent:
+            raise CheckpointError(f"{self.dir}: {INDEX_FILE} lists tensors its shards lack: {absent[:5]}")
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        return {n: f.specs[n] for n, f in self._where.items()}
+
+    def check_expected(self, expected: Sequence[TensorSpec]) -> None:
+        """Raise naming each missing tensor or shape mismatch against the config-derived `expected`."""
+        have = self.specs
+        problems = [f"missing {s.name}" for s in expected if s.name not in have]
+        problems += [
+            f"{s.name}: shape {list(have[s.name].shape)} in the checkpoint, config.json implies "
+            f"{list(s.shape)}"
+            for s in expected
+            if s.name in have and have[s.name].shape != s.shape
+        ]
+        if problems:
+            raise CheckpointError(
+                f"{self.dir} does not match its config.json:\n  " + "\n  ".join(problems[:10])
+            )
+
+    def dtype(self) -> torch.dtype:
+        """The checkpoint's floating dtype (the converter keeps it unless --dtype says otherwise)."""
+        dtypes = {s.dtype for s in self._where.values() for s in s.specs.values()}
+        if len(dtypes) != 1:
+            raise CheckpointError(f"{self.dir} mixes dtypes {sorted(map(str, dtypes))}; pass --dtype")
+        return dtypes.pop()
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.dir} has no tensor {name!r}")
+        return f.get(name)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def __enter__(self) -> HFCheckpointReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Group tensors, in order, into shards of at most max_shard_bytes (one oversized tensor = one shard)."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+class HFShardedWriter:
+    """Write HF tensors in the planned order, opening each shard when its first tensor arrives."""
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> None:
+        self.dir = os.fspath(out_dir)
+        self._shards = plan_shards(specs, max_shard_bytes)
+        n = len(self._shards)
+        self._names = (
+            [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        self._shard = -1
+        self._left = 0
+        self._writer: StreamingSafetensorsWriter | None = None
+        self.total_bytes = sum(s.nbytes for s in specs)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._left == 0:
+            if self._writer is not None:
+                self._writer.close()
+            self._shard += 1
+            if self._shard >= len(self._shards):
+                raise ValueError(f"{self.dir}: {name} written after all planned tensors")
+            specs = self._shards[self._shard]
+            self._writer = StreamingSafetensorsWriter(
+                os.path.join(self.dir, self._names[self._shard]), specs, metadata={"format": "pt"}
+            )
+            self._left = len(specs)
+        assert self._writer is not None
+        self._writer.write(name, tensor)
+        self._left -= 1
+
+    def close(self) -> None:
+        """Close the last shard (checks completeness) and write the index when there are several."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._shard != len(self._shards) - 1 or self._left:
+            raise ValueError(f"{self.dir}: closed after {self._shard + 1} of {len(self._shards)} shards")
+        if len(self._shards) > 1:
+            weight_map = {s.name: self._names[i] for i, shard in enumerate(self._shards) for s in shard}
+            with open(os.path.join(self.dir, INDEX_FILE), "w") as f:
+                json.dump(
+                    {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2
+                )
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+
+
+def copy_assets(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str]) -> list[str]:
+    """Copy the tokenizer/generation files that exist in src_dir; returns the names copied."""
+    copied = []
+    for name in ASSET_FILES:
+        src = os.path.join(os.fspath(src_dir), name)
+        if os.path.isfile(src):
+            os.makedirs(dst_dir, exist_ok=True)
+            shutil.copy2(src, os.path.join(os.fspath(dst_dir), name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,167 @@
+"""Tensor layout functions behind the layout kinds of `mapping.py`: HF tensors <-> TP shards.
+
+Only the kinds that are not a plain split carry logic: the GQA QKV interleave, the fc1 gate/up
+concat, and vocab padding. Every function is pure (no process groups), exact (no arithmetic on
+values, so a round trip is bit-exact) and keeps the dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import padded_vocab_size
+from megatron_dapo.weights.mapping import MappingEntry, resolve_mcore_name
+
+Shape = tuple[int, ...]
+
+
+def hf_shapes(entry: MappingEntry, arch: Qwen2Arch) -> tuple[Shape, ...]:
+    """Shapes of the HF tensors feeding `entry`, in the order of `entry.hf`."""
+    h, f = arch.hidden_size, arch.intermediate_size
+    name = entry.mcore
+    if entry.kind == "vocab":
+        return ((arch.vocab_size, h),)
+    if entry.kind == "replicated":
+        return ((h,),)
+    if entry.kind == "qkv":
+        trailing = (h,) if name.endswith(".weight") else ()
+        return ((arch.q_size, *trailing), (arch.kv_size, *trailing), (arch.kv_size, *trailing))
+    if entry.kind == "fc1":
+        return ((f, h), (f, h))
+    if name.endswith("linear_proj.weight"):
+        return ((h, arch.q_size),)
+    if name.endswith("linear_fc2.weight"):
+        return ((h, f),)
+    raise KeyError(f"weights/layout.py has no shape rule for {name} (kind {entry.kind})")
+
+
+def mcore_shard_shape(entry: MappingEntry, arch: Qwen2Arch, tp: int) -> Shape:
+    """Shape of one TP rank's shard of `entry` (all ranks hold the same shape)."""
+    shapes = hf_shapes(entry, arch)
+    if entry.kind == "replicated":
+        return shapes[0]
+    if entry.kind == "vocab":
+        return (padded_vocab_size(arch.vocab_size, tp) // tp, shapes[0][1])
+    if entry.kind in ("qkv", "fc1"):
+        rows = sum(s[0] for s in shapes)
+        return (rows // tp, *shapes[0][1:])
+    if entry.kind == "column":
+        return (shapes[0][0] // tp, *shapes[0][1:])
+    return (shapes[0][0], shapes[0][1] // tp)  # row
+
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor:
+    """[q_size, *t], [kv_size, *t] x2 -> [groups * (heads_per_group + 2) * head_dim, *t].
+
+    Per query group g: its heads_per_group q heads, then k head g, then v head g. TP rank r then owns
+    groups r*G/tp .. (r+1)*G/tp - 1, a contiguous block of rows (megatron-core's fused QKV layout).
+    """
+    g, d = arch.num_kv_heads, arch.head_dim
+    trailing = q.shape[1:]
+    q = q.reshape(g, arch.heads_per_group * d, *trailing)
+    k = k.reshape(g, d, *trailing)
+    v = v.reshape(g, d, *trailing)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *trailing)
+
+
+def _split_qkv(fused: torch.Tensor, arch: Qwen2Arch) -> list[torch.Tensor]:
+    """Inverse of `_interleave_qkv`: the full fused tensor -> [q, k, v] in HF layout."""
+    g, d = arch.num_kv_heads, arch.head_dim
+    trailing = fused.shape[1:]
+    grouped = fused.reshape(g, (arch.heads_per_group + 2) * d, *trailing)
+    q, k, v = torch.split(grouped, [arch.heads_per_group * d, d, d], dim=1)
+    return [
+        q.reshape(arch.q_size, *trailing),
+        k.reshape(arch.kv_size, *trailing),
+        v.reshape(arch.kv_size, *trailing),
+    ]
+
+
+def _check_hf(kind: str, hf_tensors: Sequence[torch.Tensor], count: int) -> None:
+    if len(hf_tensors) != count:
+        raise ValueError(f"layout {kind!r} takes {count} HF tensor(s), got {len(hf_tensors)}")
+
+
+def hf_to_mcore_tensor(
+    kind: str, hf_tensors: Sequence[torch.Tensor], arch: Qwen2Arch, tp: int
+) -> list[torch.Tensor]:
+    """HF tensor(s) of one parameter -> its `tp` megatron-core shards (index = TP rank).
+
+    Shards may be views of the inputs (no copy) except where padding or interleaving makes one.
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if kind == "replicated":
+        _check_hf(kind, hf_tensors, 1)
+        return [hf_tensors[0]] * tp
+    if kind == "column":
+        _check_hf(kind, hf_tensors, 1)
+        return list(torch.chunk(hf_tensors[0], tp, dim=0))
+    if kind == "row":
+        _check_hf(kind, hf_tensors, 1)
+        return list(torch.chunk(hf_tensors[0], tp, dim=1))
+    if kind == "vocab":
+        _check_hf(kind, hf_tensors, 1)
+        (table,) = hf_tensors
+        if table.shape[0] != arch.vocab_size:
+            raise ValueError(
+                f"vocab tensor has {table.shape[0]} rows, config.json vocab_size is {arch.vocab_size}"
+            )
+        pad = padded_vocab_size(arch.vocab_size, tp) - arch.vocab_size
+        # Zero rows: never produced as tokens (the tokenizer has no ids there) and cut again on export.
+        padded = torch.cat([table, table.new_zeros(pad, *table.shape[1:])]) if pad else table
+        return list(torch.chunk(padded, tp, dim=0))
+    if kind == "qkv":
+        _check_hf(kind, hf_tensors, 3)
+        if arch.num_kv_heads % tp:
+            raise ValueError(f"num_key_value_heads ({arch.num_kv_heads}) is not divisible by tp ({tp})")
+        return list(torch.chunk(_interleave_qkv(*hf_tensors, arch), tp, dim=0))
+    if kind == "fc1":
+        _check_hf(kind, hf_tensors, 2)
+        gate, up = (torch.chunk(t, tp, dim=0) for t in hf_tensors)
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate, up)]
+    raise ValueError(f"unknown layout kind {kind!r}")
+
+
+def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch) -> list[torch.Tensor]:
+    """Inverse of `hf_to_mcore_tensor`: TP shards (index = rank) -> HF tensor(s) in table order."""
+    if not shards:
+        raise ValueError("merge_tp_shards needs at least one shard")
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "column":
+        return [torch.cat(list(shards), dim=0)]
+    if kind == "row":
+        return [torch.cat(list(shards), dim=1)]
+    if kind == "vocab":
+        full = torch.cat(list(shards), dim=0)
+        if full.shape[0] < arch.vocab_size:
+            raise ValueError(
+                f"vocab shards hold {full.shape[0]} rows, fewer than vocab_size {arch.vocab_size}"
+            )
+        return [full[: arch.vocab_size]]
+    if kind == "qkv":
+        return _split_qkv(torch.cat(list(shards), dim=0), arch)
+    if kind == "fc1":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return [torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)]
+    raise ValueError(f"unknown layout kind {kind!r}")
+
+
+def mcore_to_hf_tensors(
+    name: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch, *, layer_offset: int = 0
+) -> list[tuple[str, torch.Tensor]]:
+    """A megatron-core parameter's TP shards -> [(HF name, tensor)].
+
+    `name` is a megatron-core name (canonical or alias) whose layer number plus `layer_offset` is
+    the global layer. Tied models have no HF tensor for `output_layer.weight`: it returns [].
+    """
+    entry, layer = resolve_mcore_name(name)
+    if entry.tied_hf and arch.tie_word_embeddings:
+        return []
+    global_layer = None if layer is None else layer + layer_offset
+    names = [t.format(layer=global_layer) for t in entry.hf] if global_layer is not None else list(entry.hf)
+    return list(zip(names, merge_tp_shards(entry.kind, shards, arch)))

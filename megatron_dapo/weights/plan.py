@@ -1,0 +1,125 @@
+"""Walk the mapping table for one model and layout: which tensors live on which PP stage, in order.
+
+The order is the one every writer and reader uses: a stage's first-stage tensors, then its layers
+(each layer's entries in table order), then its last-stage tensors. Knowing names and shapes from
+the config alone is what lets the converter write headers first and stream the bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, validate_layout
+from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor, mcore_shard_shape, mcore_to_hf_tensors
+from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, has_output_layer, hf_names
+from megatron_dapo.weights.safetensors_io import TensorSpec
+
+
+@dataclass(frozen=True)
+class StageTensor:
+    """One megatron-core parameter of a PP stage."""
+
+    mcore_name: str
+    """Name with the stage-local layer number (what the stage's GPTModel.state_dict() uses)."""
+    entry: MappingEntry
+    global_layer: int | None
+    hf_names: tuple[str, ...]
+    """HF sources, global layer numbers; for a tied output layer, the embedding."""
+
+
+def layers_per_stage(arch: Qwen2Arch, layout: ParallelLayout) -> int:
+    validate_layout(arch, layout)
+    return arch.num_layers // layout.pp
+
+
+def stage_tensors(arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int) -> list[StageTensor]:
+    """The parameters stage `pp_rank` holds, in file order."""
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
+    per_stage = layers_per_stage(arch, layout)
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    tied = arch.tie_word_embeddings
+    out: list[StageTensor] = []
+    for stage in ("first", "layer", "last"):
+        for entry in QWEN2_MAPPING:
+            if entry.stage != stage:
+                continue
+            if stage == "first" and not first:
+                continue
+            if stage == "last" and not last:
+                continue
+            if entry.tied_hf and not has_output_layer(tied=tied, is_first_stage=first):
+                continue
+            if stage == "layer":
+                for local in range(per_stage):
+                    glob = pp_rank * per_stage + local
+                    out.append(
+                        StageTensor(
+                            entry.mcore.format(layer=local),
+                            entry,
+                            glob,
+                            hf_names(entry, layer=glob, tied=tied),
+                        )
+                    )
+            else:
+                out.append(StageTensor(entry.mcore, entry, None, hf_names(entry, layer=None, tied=tied)))
+    # Within a stage, group by layer so a reader/writer touches one layer at a time.
+    return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
+
+
+def mcore_stage_specs(
+    arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int, dtype: torch.dtype
+) -> list[TensorSpec]:
+    """Names, dtype and per-TP-rank shapes of one stage's shard file (same for every TP rank)."""
+    return [
+        TensorSpec(t.mcore_name, dtype, mcore_shard_shape(t.entry, arch, layout.tp))
+        for t in stage_tensors(arch, layout, pp_rank)
+    ]
+
+
+def hf_tensor_specs(arch: Qwen2Arch, dtype: torch.dtype) -> list[TensorSpec]:
+    """Every tensor of the HF checkpoint in layer order (tied models have no lm_head.weight)."""
+    specs: list[TensorSpec] = []
+    seen: set[str] = set()
+    for t in stage_tensors(arch, ParallelLayout(), 0):
+        if t.entry.tied_hf and arch.tie_word_embeddings:
+            continue
+        for name, shape in zip(t.hf_names, hf_shapes(t.entry, arch)):
+            if name not in seen:
+                seen.add(name)
+                specs.append(TensorSpec(name, dtype, shape))
+    return specs
+
+
+def iter_mcore_shards(
+    get_hf_tensor: Callable[[str], torch.Tensor], arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int
+) -> Iterator[tuple[str, list[torch.Tensor]]]:
+    """Yield (stage-local mcore name, [shard for TP rank 0..tp-1]) for stage `pp_rank`.
+
+    `get_hf_tensor(hf_name)` is called lazily, one parameter at a time, so the caller holds at most
+    one parameter's HF tensors and shards at once.
+    """
+    for t in stage_tensors(arch, layout, pp_rank):
+        hf = [get_hf_tensor(name) for name in t.hf_names]
+        for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch)):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"HF tensor {name} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
+                )
+        yield t.mcore_name, hf_to_mcore_tensor(t.entry.kind, hf, arch, layout.tp)
+
+
+def iter_hf_from_full_mcore(
+    name: str, full_tensor: torch.Tensor, arch: Qwen2Arch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A full (TP=1 layout) megatron-core tensor with a global layer number -> its HF tensor(s).
+
+    "Full" means what a TP=1 model holds: fc1 is [gate; up], QKV is group-interleaved, the vocab may
+    be padded. TP shards go through `mcore_to_hf_tensors` instead (fc1 shards do not concatenate
+    to the TP=1 layout).
+    """
+    yield from mcore_to_hf_tensors(name, [full_tensor], arch)

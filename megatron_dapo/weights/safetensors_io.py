@@ -1,0 +1,225 @@
+"""Streaming safetensors I/O: read one tensor at a time, write a file whose header is known up front.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header mapping each name to
+{dtype, shape, data_offsets}, then the raw bytes. Because the converter knows every shape from the
+config, it writes the header first and then each tensor's bytes in order, so it never holds more
+than the tensor being written. Reading uses seek + readinto into a fresh tensor instead of mmap,
+so the bytes of tensors already processed do not stay resident (mmap pages would count in RSS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
+_ALIGN = 8  # the safetensors package pads the header to 8 bytes; keep files byte-compatible
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or directory is missing, corrupt, or does not match the expected model."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of a CPU tensor (bf16 and fp8 too, which numpy cannot hold)."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+class StreamingSafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in the order of `specs`.
+
+    The header (names, dtypes, shapes, offsets) is written at construction; each `write` must pass
+    the next tensor with exactly its declared dtype and shape. `close` fails if any is missing.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        specs: Sequence[TensorSpec],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{path}: duplicate tensor names in {names}")
+        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for spec in specs:
+            if spec.dtype not in DTYPE_TO_ST:
+                raise ValueError(f"{path}: dtype {spec.dtype} of {spec.name} has no safetensors code")
+            header[spec.name] = {
+                "dtype": DTYPE_TO_ST[spec.dtype],
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % _ALIGN)
+        self.path = os.fspath(path)
+        self._specs = list(specs)
+        self._next = 0
+        self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._file.write(struct.pack("<Q", len(raw)))
+        self._file.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._specs):
+            raise ValueError(f"{self.path}: {name} written but all declared tensors are already written")
+        spec = self._specs[self._next]
+        if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(
+                f"{self.path}: expected {spec.name} {spec.dtype} {list(spec.shape)} next, got {name} "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        self._file.write(_tensor_bytes(tensor.cpu()))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.close()
+        if self._next != len(self._specs):
+            missing = [s.name for s in self._specs[self._next :]]
+            raise ValueError(f"{self.path}: closed with {len(missing)} tensor(s) unwritten: {missing[:4]}")
+
+    def abort(self) -> None:
+        """Close without the completeness check (the caller discards the file)."""
+        self._file.close()
+
+    def __enter__(self) -> StreamingSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class SafetensorsFile:
+    """Lazy reader: parses and validates the header on open, reads a tensor only on `get`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise CheckpointError(f"missing safetensors file {self.path}")
+        size = os.path.getsize(self.path)
+        self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        try:
+            self.specs, self.metadata, self._offsets = self._parse_header(size)
+        except Exception:
+            self._file.close()
+            raise
+
+    def _parse_header(self, size: int) -> tuple[dict[str, TensorSpec], dict[str, str], dict[str, int]]:
+        head = self._file.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path} is not a safetensors file ({size} bytes, truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(
+                f"{self.path}: header claims {n} bytes but the file has {size} (truncated?)"
+            )
+        try:
+            header = json.loads(self._file.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
+        metadata = header.pop("__metadata__", None) or {}
+        specs: dict[str, TensorSpec] = {}
+        offsets: dict[str, int] = {}
+        spans = []
+        for name, info in header.items():
+            try:
+                dtype = ST_TO_DTYPE[info["dtype"]]
+                start, end = info["data_offsets"]
+                spec = TensorSpec(name, dtype, tuple(int(s) for s in info["shape"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{self.path}: bad header entry for {name}: {info}") from e
+            if end - start != spec.nbytes:
+                raise CheckpointError(
+                    f"{self.path}: {name} spans {end - start} bytes, its shape needs {spec.nbytes}"
+                )
+            specs[name], offsets[name] = spec, 8 + n + start
+            spans.append((start, end, name))
+        position = 0
+        for start, end, name in sorted(spans):
+            if start != position:
+                raise CheckpointError(f"{self.path}: data of {name} starts at {start}, expected {position}")
+            position = end
+        if 8 + n + position != size:
+            raise CheckpointError(
+                f"{self.path}: header describes {8 + n + position} bytes, file has {size} (truncated/corrupt)"
+            )
+        return specs, metadata, offsets
+
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read tensor `name` into a new CPU tensor (no mmap; the only copy is the returned one)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        out = torch.empty(spec.shape, dtype=spec.dtype)
+        if spec.nbytes:
+            self._file.seek(self._offsets[name])
+            got = self._file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
+            if got != spec.nbytes:
+                raise CheckpointError(f"{self.path}: short read of {name} ({got} of {spec.nbytes} bytes)")
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write small in-memory tensors (for tests and tiny files); big files use the streaming writer."""
+    items = list(tensors)
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in items]
+    with StreamingSafetensorsWriter(path, specs, metadata) as w:
+        for n, t in items:
+            w.write(n, t)
