@@ -48,6 +48,15 @@ class RowStats:
     target_logit: Tensor
 
 
+def concat_stats(parts: list[RowStats]) -> RowStats:
+    """Stats of consecutive row chunks -> stats of all rows (concatenated along N)."""
+    def cat(name: str) -> Tensor | None:
+        first = getattr(parts[0], name)
+        return None if first is None else torch.cat([getattr(p, name) for p in parts])
+    return RowStats(max=cat("max"), sumexp=cat("sumexp"), ent_acc=cat("ent_acc"),
+                    target_logit=cat("target_logit"))
+
+
 def safe_max(m: Tensor) -> Tensor:
     """m with -inf (empty/all -inf rows) replaced by 0, so x - m_safe never forms -inf - -inf."""
     return torch.where(torch.isneginf(m), torch.zeros_like(m), m)

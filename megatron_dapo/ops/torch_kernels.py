@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import Tensor
 
-from megatron_dapo.ops.stats import NEG_FINITE, RowStats, compute_dtype, safe_max
+from megatron_dapo.ops.stats import NEG_FINITE, RowStats, compute_dtype, concat_stats, safe_max
 
 # ~1 M elements (4 MiB fp32) per chunk: small enough to stay cache-resident on CPU, large enough that
 # per-chunk Python overhead is negligible at V=32000 (measured in tools/bench_loss.py).
@@ -75,8 +75,7 @@ def local_stats(x: Tensor, lt: Tensor, *, compute_entropy: bool, chunk_size: int
         empty = x.new_empty(0, dtype=compute_dtype(x.dtype))
         return RowStats(max=empty, sumexp=empty, ent_acc=empty if compute_entropy else None,
                         target_logit=empty)
-    m, s, a, xt = (None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in range(4))
-    return RowStats(max=m, sumexp=s, ent_acc=a, target_logit=xt)
+    return concat_stats([RowStats(max=m, sumexp=s, ent_acc=a, target_logit=xt) for m, s, a, xt in parts])
 
 
 def logits_grad(x: Tensor, lt: Tensor, lse: Tensor, entropy: Tensor | None, g_lp: Tensor,
