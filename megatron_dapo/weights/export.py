@@ -1,0 +1,111 @@
+"""Export a live, TP/PP-sharded megatron-core model as full HF tensors: the send half of weight sync.
+
+`iter_hf_weights` is a collective generator: every rank of the model-parallel group must iterate it
+to the end, in step. Per parameter, the owning stage all-gathers the TP shards over the TP group and
+merges them with the mapping table; then, when PP > 1, the tensor is broadcast over the PP group from
+its stage. So every rank (each TP and PP rank of every DP replica) yields the same full HF model,
+stage 0's tensors first. A consumer that sends from one rank only (e.g. global rank 0 to SGLang) just
+drops the other ranks' tensors. Peak extra memory is one full parameter (plus its TP shards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf_tensors
+from megatron_dapo.weights.load import unwrap
+from megatron_dapo.weights.mapping import resolve_mcore_name
+
+Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
+
+
+def _local_params(
+    chunks: Sequence[torch.nn.Module], arch: Qwen2Arch
+) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(kind, mcore name with the global layer number, param) for each exported param of this stage."""
+    out = []
+    for chunk in chunks:
+        model = unwrap(chunk)
+        # layer_number is megatron-core's 1-based global index, right under any PP / VPP split.
+        to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
+        for name, param in model.named_parameters():
+            entry, layer = resolve_mcore_name(name)
+            if entry.tied_hf and arch.tie_word_embeddings:
+                continue  # the last stage's copy of a tied embedding; stage 0 exports the original
+            global_name = entry.mcore.format(layer=to_global[layer]) if layer is not None else entry.mcore
+            out.append((entry.kind, global_name, param))
+    return out
+
+
+def _manifest(params: list[tuple[str, str, torch.nn.Parameter]], arch: Qwen2Arch) -> Manifest:
+    """HF names, shapes and dtypes this stage will produce, in order, computed from the table alone."""
+    manifest: Manifest = []
+    for _, name, param in params:
+        entry, layer = resolve_mcore_name(name)
+        names = [t.format(layer=layer) for t in entry.hf] if layer is not None else list(entry.hf)
+        manifest += [(n, s, param.dtype) for n, s in zip(names, hf_shapes(entry, arch))]
+    return manifest
+
+
+def _gather_tp(kind: str, param: torch.Tensor) -> list[torch.Tensor]:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or kind == "replicated":
+        return [param.detach()]
+    shards = [torch.empty_like(param) for _ in range(tp)]
+    dist.all_gather(
+        shards, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return shards
+
+
+def _stage_tensors(
+    params: list[tuple[str, str, torch.nn.Parameter]], arch: Qwen2Arch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for kind, name, param in params:
+        for hf_name, tensor in mcore_to_hf_tensors(name, _gather_tp(kind, param), arch):
+            # Replicated tensors would alias the live parameter; later optimizer steps must not change them.
+            yield hf_name, tensor.clone() if kind == "replicated" else tensor
+
+
+def iter_hf_weights(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: Qwen2Arch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model on every model-parallel rank (see module doc).
+
+    Tensors are on the parameters' device and dtype; tied models yield no lm_head.weight (HF and
+    SGLang tie it to model.embed_tokens.weight themselves).
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    params = _local_params(chunks, arch)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        yield from _stage_tensors(params, arch)
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    group_ranks = dist.get_process_group_ranks(group)
+    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    device = next(p for c in chunks for p in c.parameters()).device
+    for stage in range(pp):
+        src = group_ranks[stage]
+        box = [_manifest(params, arch) if stage == my_stage else None]
+        dist.broadcast_object_list(box, src=src, group=group)
+        manifest: Manifest = box[0]
+        if stage == my_stage:
+            produced = _stage_tensors(params, arch)
+            for expected_name, _, _ in manifest:
+                name, tensor = next(produced)
+                if name != expected_name:
+                    raise RuntimeError(f"export order broke: produced {name}, manifest says {expected_name}")
+                tensor = tensor.contiguous()
+                dist.broadcast(tensor, src=src, group=group)
+                yield name, tensor
+        else:
+            for name, shape, dtype in manifest:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(tensor, src=src, group=group)
+                yield name, tensor
