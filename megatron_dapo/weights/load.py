@@ -68,8 +68,8 @@ def load_mcore_checkpoint(
         ]
         if missing or unexpected or wrong:
             raise CheckpointError(
-                f"{f.path} does not fit the model on tp rank {tp_rank}, pp rank {pp_rank}: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}, shape mismatch {wrong[:5]}"
+                f"{f.path} does not fit the model on tp rank {tp_rank}, pp rank {pp_rank}: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {wrong[:5]}"
             )
         with torch.no_grad():
             for name, param in params.items():
