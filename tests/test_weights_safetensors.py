@@ -1,0 +1,88 @@
+"""The streaming safetensors writer/reader against the `safetensors` package."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megatron_dapo.weights.safetensors_io import (
+    CheckpointError,
+    SafetensorsFile,
+    StreamingSafetensorsWriter,
+    TensorSpec,
+    write_safetensors,
+)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "b.fp32": torch.randn(7, generator=g),
+        "c.fp16": torch.randn(2, 2, 2, generator=g).half(),
+        "d.int64": torch.arange(5),
+        "e.scalar": torch.tensor(2.5),
+        "f.empty": torch.zeros(0, 4),
+        "g.bool": torch.tensor([True, False, True]),
+    }
+
+
+def test_written_file_loads_with_safetensors_package(tmp_path: Path) -> None:
+    tensors = _tensors()
+    write_safetensors(tmp_path / "x.safetensors", tensors.items(), metadata={"format": "pt"})
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        assert f.metadata() == {"format": "pt"}
+        for name, t in tensors.items():
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and torch.equal(got, t), name
+
+
+def test_reader_reads_safetensors_package_files(tmp_path: Path) -> None:
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "y.safetensors", metadata={"k": "v"})
+    with SafetensorsFile(tmp_path / "y.safetensors") as f:
+        assert f.metadata == {"k": "v"}
+        assert set(f.names()) == set(tensors)
+        for name, t in tensors.items():
+            assert torch.equal(f.get(name), t), name
+
+
+def test_writer_enforces_declared_order_shape_and_completeness(tmp_path: Path) -> None:
+    specs = [TensorSpec("x", torch.float32, (2,)), TensorSpec("y", torch.float32, (3,))]
+    w = StreamingSafetensorsWriter(tmp_path / "w.safetensors", specs)
+    with pytest.raises(ValueError, match=r"expected x torch.float32 \[2\] next, got y"):
+        w.write("y", torch.zeros(3))
+    with pytest.raises(ValueError, match=r"expected x .* got x torch.float32 \[4\]"):
+        w.write("x", torch.zeros(4))
+    w.write("x", torch.zeros(2))
+    with pytest.raises(ValueError, match="1 tensor\\(s\\) unwritten: \\['y'\\]"):
+        w.close()
+
+
+def test_truncated_and_corrupt_files_give_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "t.safetensors"
+    save_file({"w": torch.randn(64, 64)}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match="truncated"):
+        SafetensorsFile(path)
+    path.write_bytes(data[:4])
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        SafetensorsFile(path)
+    header = b"{not json" + b" " * 7
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        SafetensorsFile(path)
+    bad = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(bad)) + bad + b"\0" * 8)
+    with pytest.raises(CheckpointError, match="spans 8 bytes, its shape needs 16"):
+        SafetensorsFile(path)
+    with pytest.raises(CheckpointError, match="missing safetensors file"):
+        SafetensorsFile(tmp_path / "absent.safetensors")
