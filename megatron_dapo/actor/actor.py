@@ -1,0 +1,213 @@
+"""MegatronActor: DDP-wrapped GPTModel + megatron optimizer/scheduler; log-prob forward and DAPO step.
+
+Both paths run through megatron's `get_forward_backward_func` (no pipelining, or 1F1B under PP) on
+dynamically sized micro-batches. The train step returns the DAPO loss as (numerator, token count)
+with `calculate_per_token_loss=True`, so megatron divides the gradients once by the tokens summed
+over every micro-batch and every DP rank: the token-mean loss is exactly that of the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from torch import Tensor
+
+from megatron_dapo.actor.batching import MicroBatch, build_micro_batches
+from megatron_dapo.actor.config import ActorConfig, TrainSample
+from megatron_dapo.actor.logprob import token_log_probs
+from megatron_dapo.algorithm.loss import policy_loss
+from megatron_dapo.models.gpt import build_gpt_model
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, validate_layout
+
+# Token sums reduced over micro-batches and DP ranks; divided by "tokens" for the reported means.
+METRIC_KEYS = ("pg_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio", "entropy",
+               "tokens")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class MegatronActor:
+    """This rank's stage/shard of the policy, its optimizer and LR schedule."""
+
+    def __init__(self, arch: Qwen2Arch, config: ActorConfig, layout: ParallelLayout) -> None:
+        validate_layout(arch, layout)
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("MegatronActor needs parallel state: call "
+                               "megatron_dapo.actor.init_parallel(layout) first")
+        world = (parallel_state.get_tensor_model_parallel_world_size(),
+                 parallel_state.get_pipeline_model_parallel_world_size(),
+                 parallel_state.get_data_parallel_world_size())
+        if world != (layout.tp, layout.pp, layout.dp):
+            raise ValueError(f"layout (tp, pp, dp)={(layout.tp, layout.pp, layout.dp)} differs from the "
+                             f"initialised parallel state {world}")
+        self.arch, self.config, self.layout = arch, config, layout
+        # variable_seq_lengths: every micro-batch has its own [b, s]; PP stages exchange shapes first.
+        module = build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
+                                 variable_seq_lengths=layout.pp > 1)
+        tcfg = module.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
+        # What megatron's training loop wires: grad sync + the 1 / (global token count) scaling.
+        tcfg.no_sync_func = self.model.no_sync
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        bf16 = config.torch_params_dtype == torch.bfloat16
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
+            clip_grad=config.clip_grad, use_distributed_optimizer=config.use_distributed_optimizer,
+            bf16=bf16, params_dtype=config.torch_params_dtype,
+        ), [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
+            lr_warmup_steps=config.lr_warmup_steps,
+            lr_decay_steps=config.lr_decay_steps or config.lr_warmup_steps + 1,
+            lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay, end_wd=config.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+        self.steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel stage (stage-local layer numbers, this TP rank's shards)."""
+        return self.model.module
+
+    # ---- data plumbing -------------------------------------------------------------------------
+    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        if not samples:
+            raise ValueError("MegatronActor got no samples for this DP rank: give every rank at least one")
+        return build_micro_batches(samples, max_tokens=self.config.max_tokens_per_micro_batch,
+                                   micro_batch_size=self.config.micro_batch_size)
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict[str, Tensor]]:
+        device = _device()
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator).to(device)
+            output = model(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: [b, s, V/tp]
+            return output, partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+            num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only,
+        )
+
+    def _token_log_probs(self, mb: MicroBatch, logits: Tensor, *, compute_entropy: bool):
+        return token_log_probs(logits, mb.targets, vocab_size=self.arch.vocab_size,
+                               use_fused=self.config.use_fused_logprob, compute_entropy=compute_entropy)
+
+    # ---- forward only ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_probs(self, samples: list[TrainSample], *, with_entropy: bool = False
+                          ) -> list[Tensor] | tuple[list[Tensor], list[Tensor]]:
+        """Per-sample [response_len] fp32 log-probs (and entropies) of the response tokens.
+
+        Computed on the last PP stage and broadcast to every rank of the pipeline (TP ranks agree).
+        """
+        mbs = self._micro_batches(samples)
+
+        def loss_fn(mb: MicroBatch, logits: Tensor):
+            logp, entropy = self._token_log_probs(mb, logits, compute_entropy=with_entropy)
+            out = {"logp": logp.float()}
+            if entropy is not None:
+                out["entropy"] = entropy.float()
+            return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), out
+
+        outputs = self._run(mbs, loss_fn, forward_only=True)
+        keys = ("logp", "entropy") if with_entropy else ("logp",)
+        lens = [s.response_len for s in samples]
+        flat = torch.zeros(len(keys), sum(lens), dtype=torch.float32, device=_device())
+        if parallel_state.is_pipeline_last_stage():
+            per_sample: list[list[Tensor | None]] = [[None] * len(samples) for _ in keys]
+            for mb, out in zip(mbs, outputs):
+                for k, key in enumerate(keys):
+                    for i, values in zip(mb.indices, mb.gather_response(out[key])):
+                        per_sample[k][i] = values
+            flat = torch.stack([torch.cat(rows) for rows in per_sample])  # type: ignore[arg-type]
+        if self.layout.pp > 1:
+            dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        split = [list(row.cpu().split(lens)) for row in flat]
+        return (split[0], split[1]) if with_entropy else split[0]
+
+    # ---- train -------------------------------------------------------------------------------------
+    def _loss_fn(self, mb: MicroBatch, logits: Tensor):
+        logp, entropy = self._token_log_probs(mb, logits, compute_entropy=True)
+        old = torch.where(mb.has_old.unsqueeze(-1), mb.old_log_probs, logp.detach())
+        out = policy_loss(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy)
+        # megatron sums this int count over micro-batches and DP ranks and scales grads by 1 / total.
+        metrics = {k: v.detach() for k, v in out.metrics.items()}
+        return out.loss_sum, out.denominator.round().to(torch.int), metrics
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step on this DP rank's share of a mini-batch; token-exact metrics over DP.
+
+        Returns pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy (token
+        means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful.
+        """
+        mbs = self._micro_batches(samples)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.scheduler.step(increment=1)  # step k (1-based) trains at the warmup lr of step k
+        outputs = self._run(mbs, self._loss_fn, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        self.steps += 1
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=_device())
+        if parallel_state.is_pipeline_last_stage():
+            for out in outputs:
+                for k, key in enumerate(METRIC_KEYS):
+                    if key in out:
+                        sums[k] += out[key].double()
+        if self.layout.pp > 1:  # only the last stage holds loss metrics
+            dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+        if self.layout.dp > 1:
+            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        totals = dict(zip(METRIC_KEYS, sums.tolist()))
+        tokens = totals.pop("tokens")
+        metrics = {key: (value / tokens if tokens > 0 else 0.0) for key, value in totals.items()}
+        metrics.update(num_tokens=tokens, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+                       lr=float(self.optimizer.param_groups[0]["lr"]),
+                       update_successful=float(update_successful))
+        return metrics
+
+    # ---- weights -----------------------------------------------------------------------------------
+    def state_dict_for_export(self) -> dict[str, Tensor]:
+        """Stage-local parameter names -> this TP rank's shards (detached, on the model's device)."""
+        return {name: p.detach() for name, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def load_shards(self, shards: Mapping[str, Tensor]) -> None:
+        """Copy this rank's shards (stage-local names, as `state_dict_for_export`) into the model.
+
+        Every parameter must be given with its exact shape; the optimizer's main params are refreshed.
+        """
+        params = dict(self.module.named_parameters())
+        missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))
+        if missing or unexpected:
+            raise KeyError(f"load_shards: missing {missing}, unexpected {unexpected}")
+        for name, p in params.items():
+            if tuple(shards[name].shape) != tuple(p.shape):
+                raise ValueError(f"load_shards: {name} has shape {tuple(shards[name].shape)}, the model "
+                                 f"expects {tuple(p.shape)}")
+            p.copy_(shards[name])
+        self.optimizer.reload_model_params()

@@ -1,0 +1,117 @@
+"""Actor configuration and the unit of training data it consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dapo.algorithm.loss import PolicyLossConfig
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    lr: float = 1e-6
+    """Peak learning rate after warmup (--lr)."""
+    min_lr: float = 0.0
+    """Floor of the decayed learning rate (--min-lr)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to lr (--lr-warmup-iters); step k uses lr*k/warmup."""
+    lr_decay_steps: int | None = None
+    """Steps over which lr decays to min_lr (--lr-decay-iters); None = warmup + 1 (only 'constant')."""
+    lr_decay_style: str = "constant"
+    """--lr-decay-style: constant (DAPO), linear, cosine or inverse-square-root."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) weight decay (--weight-decay)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global grad-norm clip (--clip-grad); 0 disables clipping."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP ranks (--use-distributed-optimizer)."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of one padded micro-batch, rows x longest row (--max-tokens-per-micro-batch);
+    None = fixed micro_batch_size rows."""
+    micro_batch_size: int = 1
+    """Rows per micro-batch when no token budget is set (--micro-batch-size)."""
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    use_fused_logprob: bool = True
+    """Use megatron_dapo.ops' fused vocab-parallel log-prob/entropy when importable (--use-fused-logprob)."""
+    params_dtype: str = "float32"
+    """Parameter dtype (--params-dtype): float32 or bfloat16 (bf16 keeps fp32 main params)."""
+    seed: int = 1234
+    """Seed of torch and the model-parallel RNG (--seed)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr (--lr) must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr (--min-lr) must be in [0, lr={self.lr}], got {self.min_lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps (--lr-warmup-iters) must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of {LR_DECAY_STYLES}, "
+                             f"got {self.lr_decay_style!r}")
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
+            raise ValueError(f"lr_decay_steps (--lr-decay-iters, {self.lr_decay_steps}) must exceed "
+                             f"lr_warmup_steps (--lr-warmup-iters, {self.lr_warmup_steps})")
+        if self.lr_decay_steps is None and self.lr_decay_style != "constant":
+            raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs lr_decay_steps "
+                             "(--lr-decay-iters)")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be in [0, 1), got {getattr(self, name)}")
+        if self.adam_eps <= 0:
+            raise ValueError(f"adam_eps (--adam-eps) must be > 0, got {self.adam_eps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"clip_grad (--clip-grad) must be >= 0, got {self.clip_grad}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch <= 0:
+            raise ValueError("max_tokens_per_micro_batch (--max-tokens-per-micro-batch) must be positive or "
+                             f"unset, got {self.max_tokens_per_micro_batch}")
+        if self.micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size (--micro-batch-size) must be positive, "
+                             f"got {self.micro_batch_size}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype (--params-dtype) must be one of {list(PARAMS_DTYPES)}, "
+                             f"got {self.params_dtype!r}")
+        if not isinstance(self.loss, PolicyLossConfig):
+            raise TypeError(f"loss must be a PolicyLossConfig, got {type(self.loss).__name__}")
+
+    @property
+    def torch_params_dtype(self) -> torch.dtype:
+        return PARAMS_DTYPES[self.params_dtype]
+
+
+@dataclass(kw_only=True)
+class TrainSample:
+    """One rollout: prompt + response token ids and what the loss needs per response token."""
+
+    tokens: list[int]
+    """Prompt ids followed by response ids."""
+    prompt_len: int
+    advantage: float = 0.0
+    old_log_probs: torch.Tensor | None = None
+    """[response_len] log pi_old; None = on-policy (the current log-probs, detached)."""
+    loss_mask: torch.Tensor | None = None
+    """[response_len] 1 = token enters the loss; None = all ones."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.prompt_len < len(self.tokens):
+            raise ValueError(f"TrainSample: need 1 <= prompt_len ({self.prompt_len}) < len(tokens) "
+                             f"({len(self.tokens)}): at least one prompt and one response token")
+        for name in ("old_log_probs", "loss_mask"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (self.response_len,):
+                raise ValueError(f"TrainSample.{name} has shape {tuple(value.shape)}, expected "
+                                 f"[response_len={self.response_len}]")
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len

@@ -1,0 +1,160 @@
+"""Shared helpers of the model/actor tests: a tiny HF Qwen2, HF <-> megatron weight copies, samples.
+
+The weight copy is written out here on purpose (independent of megatron_dapo.weights) so the
+equivalence tests check the model against HF, not one table against itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256)
+
+
+def tiny_hf_model(*, tie: bool = False, seed: int = 0):
+    """A random-weight Qwen2ForCausalLM (fp32, eager attention) with nonzero q/k/v biases and norms."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**TINY, tie_word_embeddings=tie, attn_implementation="eager")
+    model = Qwen2ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so a mix-up shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: Qwen2Arch) -> dict[str, torch.Tensor]:
+    """HF state dict -> TP=1 megatron names (global layers), unpadded vocab."""
+    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+                                    "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not arch.tie_word_embeddings:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    g, d, qh = arch.num_kv_heads, arch.head_dim, arch.heads_per_group
+    for i in range(arch.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for kind in ("weight", "bias"):
+            q = sd[h + f"self_attn.q_proj.{kind}"].reshape(g, qh * d, -1)
+            k = sd[h + f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
+            v = sd[h + f"self_attn.v_proj.{kind}"].reshape(g, d, -1)
+            fused = torch.cat([q, k, v], dim=1).reshape(g * (qh + 2) * d, -1)  # per group: q heads, k, v
+            out[m + f"self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
+        out[m + "self_attention.linear_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
+        out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.gate"] = sd[h + "mlp.gate_proj.weight"]  # joined per TP shard below
+        out[m + "mlp.linear_fc1.up"] = sd[h + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"]
+    return out
+
+
+def _kind(name: str) -> str:
+    if name.endswith(("layernorm.weight",)):
+        return "replicated"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return "row"
+    return "column"  # qkv (groups are contiguous), vocab rows, fc1 halves
+
+
+def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: Qwen2Arch, *, tp: int, tp_rank: int, pp: int,
+                          pp_rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """This (tp_rank, pp_rank)'s stage-local megatron state from `hf_to_full_mcore` output."""
+    per_stage = arch.num_layers // pp
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        if name.startswith("decoder.layers."):
+            layer = int(name.split(".")[2])
+            if not pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
+                continue
+            local = name.replace(f"layers.{layer}.", f"layers.{layer - pp_rank * per_stage}.", 1)
+        elif name.startswith("embedding."):
+            if not first:
+                continue
+            local = name
+        else:
+            if not last:
+                continue
+            local = name
+        if name.startswith(("embedding.", "output_layer.")):
+            t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], t.shape[1])])
+        if local.endswith(".gate"):
+            up = full[name[:-len("gate")] + "up"]
+            out[local[:-len("gate")] + "weight"] = torch.cat([t.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
+            continue
+        if local.endswith(".up"):
+            continue
+        kind = _kind(local)
+        out[local] = t if kind == "replicated" else t.chunk(tp, dim=1 if kind == "row" else 0)[tp_rank]
+    if arch.tie_word_embeddings and last and not first:  # megatron keeps an embedding copy on the last stage
+        emb = full["embedding.word_embeddings.weight"]
+        emb = torch.cat([emb, emb.new_zeros(padded_vocab - emb.shape[0], emb.shape[1])])
+        out["output_layer.weight"] = emb.chunk(tp)[tp_rank]
+    return out
+
+
+def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: Qwen2Arch, *, tp: int,
+                      pp: int) -> dict[str, torch.Tensor]:
+    """{(tp_rank, pp_rank): stage-local state} -> TP=1 names with global layers (fc1 as [gate; up])."""
+    per_stage = arch.num_layers // pp
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        for name in shards[(0, pp_rank)]:
+            parts = [shards[(r, pp_rank)][name] for r in range(tp)]
+            if name.startswith("decoder.layers."):
+                layer = int(name.split(".")[2])
+                glob = name.replace(f"layers.{layer}.", f"layers.{layer + pp_rank * per_stage}.", 1)
+            else:
+                glob = name
+            if name.endswith("linear_fc1.weight"):
+                halves = [p.chunk(2) for p in parts]
+                merged = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            elif _kind(name) == "replicated":
+                merged = parts[0]
+            else:
+                merged = torch.cat(parts, dim=1 if _kind(name) == "row" else 0)
+            if glob == "output_layer.weight" and arch.tie_word_embeddings:
+                continue  # the embedding copy of a tied model
+            out[glob] = merged
+    return out
+
+
+def make_samples(n: int, *, seed: int = 0, vocab: int = 300, max_len: int = 24, with_old: bool = True):
+    """Varied-length TrainSamples with random advantages, some off-policy old log-probs and masks."""
+    from megatron_dapo.actor import TrainSample
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        prompt = rng.randint(2, 8)
+        resp = rng.randint(2, max_len - prompt)
+        tokens = [rng.randrange(vocab) for _ in range(prompt + resp)]
+        old = None
+        if with_old and i % 2 == 0:
+            old = -5.6 + 0.4 * torch.randn(resp, generator=gen)  # off-policy: ratios around 1, some clipped
+        mask = None
+        if i % 3 == 1:
+            mask = (torch.rand(resp, generator=gen) > 0.3).float()
+        samples.append(TrainSample(tokens=tokens, prompt_len=prompt, advantage=rng.uniform(-1.5, 1.5),
+                                   old_log_probs=old, loss_mask=mask))
+    return samples
+
+
+def hf_response_log_probs(model, samples) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Reference log-probs and entropies of each response token from HF transformers."""
+    logps, ents = [], []
+    with torch.no_grad():
+        for s in samples:
+            logits = model(torch.tensor([s.tokens])).logits[0].double()
+            logsm = torch.log_softmax(logits, dim=-1)
+            pos = torch.arange(s.prompt_len - 1, len(s.tokens) - 1)
+            logps.append(logsm[pos, torch.tensor(s.tokens[s.prompt_len:])].float())
+            ents.append(-(logsm[pos].exp() * logsm[pos]).sum(-1).float())
+    return logps, ents
