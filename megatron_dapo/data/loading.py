@@ -1,0 +1,187 @@
+"""Load prompt datasets (parquet, jsonl, json) into validated `PromptRecord`s.
+
+Two row schemas are accepted, detected per row:
+
+* DAPO / verl schema (DAPO-Math-17k, the AIME parquet): `prompt` is a list of chat messages,
+  `reward_model.ground_truth` the answer, `data_source` the dataset name; the prompt is used as is.
+* simple rows: the problem in `problem` | `question` | `prompt` (a string) and the answer in
+  `ground_truth` | `label` | `answer` | `solution` (first key present wins; `label` precedes
+  `answer` because GSM8K-style rows keep the worked solution in `answer`). The DAPO template is
+  applied to the problem unless `apply_template=False`.
+
+A row with a missing or empty answer or prompt, or a value of the wrong type, raises
+`DataFormatError` naming the file, the 0-based row and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megatron_dapo.data.records import DataFormatError, PromptRecord
+from megatron_dapo.data.template import apply_dapo_template
+
+PROBLEM_KEYS = ("problem", "question", "prompt")
+ANSWER_KEYS = ("ground_truth", "label", "answer", "solution")
+SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def _read_parquet(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
+    import pyarrow.parquet as pq  # local: only parquet users pay for the import
+
+    table = pq.read_table(path)
+    if limit is not None:
+        table = table.slice(0, limit)
+    yield from enumerate(table.to_pylist())
+
+
+def _read_jsonl(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
+    row = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if limit is not None and row >= limit:
+                return
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing newline) are not rows
+            try:
+                yield row, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataFormatError(
+                    str(path), row, None, f"line {line_no} is not valid JSON ({err})"
+                ) from err
+            row += 1
+
+
+def _read_json(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise DataFormatError(str(path), None, None, f"not valid JSON ({err})") from err
+    if not isinstance(rows, list):
+        raise DataFormatError(
+            str(path), None, None, f"expected a JSON list of rows, got {type(rows).__name__}"
+        )
+    yield from enumerate(rows[:limit] if limit is not None else rows)
+
+
+def _nonempty_str(value: Any, path: str, row: int, name: str) -> str:
+    if not isinstance(value, str):
+        raise DataFormatError(path, row, name, f"expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DataFormatError(path, row, name, "is empty")
+    return value
+
+
+def _answer(value: Any, path: str, row: int, name: str) -> str:
+    # JSON integers are unambiguous answers; floats are not ("27.0" never matches "27").
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        raise DataFormatError(
+            path, row, name, f'is the float {value!r}; store answers as strings (e.g. "27") in the dataset'
+        )
+    return _nonempty_str(value, path, row, name)
+
+
+def _messages(value: Any, path: str, row: int) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise DataFormatError(path, row, "prompt", "expected a non-empty list of chat messages")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataFormatError(path, row, f"prompt[{i}]", f"expected a dict, got {type(message).__name__}")
+        role = _nonempty_str(message.get("role"), path, row, f"prompt[{i}].role")
+        content = _nonempty_str(message.get("content"), path, row, f"prompt[{i}].content")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _data_source(row_dict: dict[str, Any], default: str, path: str, row: int) -> str:
+    value = row_dict.get("data_source", default)
+    if not isinstance(value, str):
+        raise DataFormatError(path, row, "data_source", f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _dapo_row(raw: dict[str, Any], path: str, row: int, default_source: str) -> PromptRecord:
+    messages = _messages(raw["prompt"], path, row)
+    reward_model = raw.get("reward_model")
+    if not isinstance(reward_model, dict):
+        raise DataFormatError(path, row, "reward_model", "expected a struct with a 'ground_truth' string")
+    ground_truth = _answer(reward_model.get("ground_truth"), path, row, "reward_model.ground_truth")
+    extra = {k: v for k, v in raw.items() if k not in ("prompt", "reward_model", "data_source")}
+    return PromptRecord(
+        messages=messages,
+        ground_truth=ground_truth,
+        data_source=_data_source(raw, default_source, path, row),
+        index=row,
+        extra=extra,
+    )
+
+
+def _simple_row(
+    raw: dict[str, Any], path: str, row: int, default_source: str, apply_template: bool
+) -> PromptRecord:
+    problem_key = next((k for k in PROBLEM_KEYS if k in raw), None)
+    if problem_key is None:
+        raise DataFormatError(path, row, "/".join(PROBLEM_KEYS), "no problem text: add one of these keys")
+    answer_key = next((k for k in ANSWER_KEYS if k in raw), None)
+    if answer_key is None:
+        raise DataFormatError(path, row, "/".join(ANSWER_KEYS), "no ground truth: add one of these keys")
+    problem = _nonempty_str(raw[problem_key], path, row, problem_key)
+    ground_truth = _answer(raw[answer_key], path, row, answer_key)
+    content = apply_dapo_template(problem) if apply_template else problem
+    extra = {k: v for k, v in raw.items() if k not in (problem_key, answer_key, "data_source")}
+    return PromptRecord(
+        messages=[{"role": "user", "content": content}],
+        ground_truth=ground_truth,
+        data_source=_data_source(raw, default_source, path, row),
+        index=row,
+        extra=extra,
+    )
+
+
+def _check_positive(name: str, value: Any, allow_none: bool) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"load_prompts: {name} must be an int >= 1, got {value!r}")
+
+
+def load_prompts(
+    path: str | os.PathLike[str],
+    *,
+    repeat: int = 1,
+    limit: int | None = None,
+    apply_template: bool = True,
+) -> list[PromptRecord]:
+    """Read a prompt dataset; the result has `repeat * min(limit, rows)` records.
+
+    `limit` keeps the first rows of the file; `repeat` concatenates the whole list `repeat`
+    times (AIME x32 for avg@32), so repeats of a prompt share `index`. `apply_template` only
+    concerns simple rows (DAPO-schema prompts are already templated).
+    """
+    _check_positive("repeat", repeat, allow_none=False)
+    _check_positive("limit", limit, allow_none=True)
+    file = Path(path)
+    suffix = file.suffix.lower()
+    if suffix not in SUFFIXES:
+        raise ValueError(f"load_prompts: {file} has suffix {suffix!r}; expected one of {', '.join(SUFFIXES)}")
+    if not file.is_file():
+        raise FileNotFoundError(f"load_prompts: no such dataset file: {file}")
+    reader = {".parquet": _read_parquet, ".jsonl": _read_jsonl, ".json": _read_json}[suffix]
+    default_source = file.stem
+    records = []
+    for row, raw in reader(file, limit):
+        if not isinstance(raw, dict):
+            raise DataFormatError(str(file), row, None, f"expected an object, got {type(raw).__name__}")
+        if isinstance(raw.get("prompt"), list):
+            records.append(_dapo_row(raw, str(file), row, default_source))
+        else:
+            records.append(_simple_row(raw, str(file), row, default_source, apply_template))
+    if not records:
+        raise DataFormatError(str(file), None, None, "contains no rows")
+    return records * repeat
