@@ -1,0 +1,287 @@
+"""EmbeddedEngine: an in-process rollout engine over an HF Qwen2ForCausalLM (the default on CPU).
+
+The decode loop is our own (rather than `generate`) so that each sampled token's log-prob is read
+from the raw fp32 logits of the very forward pass that produced it, the quantity SGLang's return_logprob
+reports and the actor recomputes. Prompts are left-padded so every row's next token sits in the last
+column; rows leave the batch (and the KV cache) as soon as they stop, so short answers cost nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM
+
+from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.sampling import row_seed, sample_tokens
+from megatron_dapo.rollout.types import FinishReason, RolloutRequest, Sample
+from megatron_dapo.rollout.weights_load import load_named_tensors
+
+
+@dataclass
+class _Row:
+    """One sample being generated: request `req`, sample `index`."""
+
+    req: RolloutRequest
+    index: int
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    weight_version: int = -1
+    response: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+def _build_model(source: Any, state_dict: dict[str, torch.Tensor] | None, dtype: torch.dtype, seed: int):
+    if isinstance(source, Qwen2ForCausalLM):
+        if state_dict is not None:
+            raise ValueError("EmbeddedEngine: pass state_dict only with a config, not with a model instance")
+        return source.to(dtype)
+    if isinstance(source, (str, Path)):
+        if state_dict is not None:
+            raise ValueError("EmbeddedEngine: pass state_dict only with a config, not with a model directory")
+        if not (Path(source) / "config.json").is_file():
+            raise FileNotFoundError(f"EmbeddedEngine: {source} has no config.json (expected an HF model dir)")
+        return Qwen2ForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    if isinstance(source, dict):
+        source = Qwen2Config(**source)
+    if not isinstance(source, PretrainedConfig):
+        raise TypeError(
+            "EmbeddedEngine: model_dir_or_config must be an HF model dir, a config dict / PretrainedConfig, "
+            f"or a Qwen2ForCausalLM; got {type(source).__name__}"
+        )
+    source._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)  # random init only matters when no state_dict follows; keep it reproducible
+        model = Qwen2ForCausalLM(source).to(dtype)
+    if state_dict is not None:
+        load_named_tensors(model, state_dict.items())
+    return model
+
+
+def _eos_ids(model: Qwen2ForCausalLM, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for src in (model.config, getattr(model, "generation_config", None), tokenizer):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Batched sampling with KV cache on the local CPU (or any torch device) in this process.
+
+    model_dir_or_config: HF model directory, config dict / PretrainedConfig (+ `state_dict` with HF names),
+    or a ready Qwen2ForCausalLM. `max_batch_size` bounds rows (samples) per forward pass.
+    `seed` drives samples whose request has no seed, and the random init when no weights are given.
+    """
+
+    def __init__(
+        self,
+        model_dir_or_config: Any,
+        *,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        tokenizer: Any = None,
+        dtype: torch.dtype = torch.float32,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        num_threads: int | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(
+                f"EmbeddedEngine: max_batch_size must be >= 1 (rows per forward pass), got {max_batch_size}"
+            )
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = _build_model(model_dir_or_config, state_dict, dtype, seed).to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.eos_ids = _eos_ids(self.model, tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        # Pad positions are masked out of attention, so any valid id works as filler.
+        self.pad_id = int(pad if pad is not None else getattr(self.model.config, "pad_token_id", None) or 0)
+        self._rng = torch.Generator().manual_seed(seed)
+        self._version = 0
+        self._paused = False
+        self._closed = False
+        self._live: set[str] = set()
+        self._aborted: set[str] = set()
+
+    # ---- RolloutEngine -------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def health(self) -> bool:
+        return not self._closed
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._live.clear()
+        self.model = None  # type: ignore[assignment]
+
+    def pause(self) -> None:
+        # In-process, generation only advances while the caller iterates `stream`, so in-flight rows are
+        # already held between yields; the flag makes new streams wait for resume() (they raise instead).
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        ids = set(self._live) if request_ids is None else set(request_ids) & self._live
+        self._aborted |= ids
+        return sorted(ids)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        self._check_open()
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
+        load_named_tensors(self.model, named_tensors)
+        self._version = version
+
+    def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
+        self._check_open()
+        if self._paused:
+            raise RuntimeError("EmbeddedEngine is paused: call resume() before generating")
+        check_unique_ids(requests)
+        clash = {r.request_id for r in requests} & self._live
+        if clash:
+            raise ValueError(f"request ids already in flight in another stream: {sorted(clash)[:5]}")
+        self._live |= {r.request_id for r in requests}
+        return self._run(list(requests))
+
+    # ---- decode loop ---------------------------------------------------------------------------
+
+    def _rows(self, req: RolloutRequest) -> list[_Row]:
+        base = req.sampling.seed
+        rows = []
+        for i in range(req.n):
+            if base is not None:
+                seed = row_seed(base, i)
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            rows.append(_Row(req, i, gen, self.eos_ids | frozenset(req.sampling.stop_token_ids)))
+        return rows
+
+    def _run(self, requests: list[RolloutRequest]) -> Iterator[list[Sample]]:
+        try:
+            remaining = {r.request_id: r.n for r in requests}
+            rows_of: dict[str, list[_Row]] = {}
+            pending = iter(itertools.chain.from_iterable(self._rows(r) for r in requests))
+            while True:
+                batch = list(itertools.islice(pending, self.max_batch_size))
+                if not batch:
+                    return
+                for row in batch:
+                    rows_of.setdefault(row.req.request_id, []).append(row)
+                for row in self._decode(batch):
+                    rid = row.req.request_id
+                    remaining[rid] -= 1
+                    if remaining[rid] == 0:
+                        self._live.discard(rid)
+                        self._aborted.discard(rid)
+                        yield [self._to_sample(r) for r in rows_of.pop(rid)]
+        finally:
+            # The consumer stopped iterating (or an error): forget these ids so they can be reused.
+            for r in requests:
+                self._live.discard(r.request_id)
+                self._aborted.discard(r.request_id)
+
+    def _to_sample(self, row: _Row) -> Sample:
+        return Sample(
+            request_id=row.req.request_id,
+            index=row.index,
+            prompt_ids=list(row.req.prompt_ids),
+            response_ids=row.response,
+            logprobs=row.logprobs,
+            finish_reason=row.finish or "abort",
+            weight_version=row.weight_version if row.weight_version >= 0 else self._version,
+        )
+
+    @torch.inference_mode()
+    def _decode(self, batch: list[_Row]) -> Iterator[_Row]:
+        """Runs the rows of one batch to completion, yielding each row the moment it finishes."""
+        live = []
+        for row in batch:
+            if row.req.request_id in self._aborted:
+                row.finish = "abort"
+                yield row
+            else:
+                live.append(row)
+        if not live:
+            return
+        lengths = [len(r.req.prompt_ids) for r in live]
+        width = max(lengths)
+        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(live), width), dtype=torch.long)
+        for i, row in enumerate(live):
+            ids[i, width - lengths[i] :] = torch.tensor(row.req.prompt_ids)
+            mask[i, width - lengths[i] :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        params = [r.req.sampling for r in live]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+            use_cache=True, logits_to_keep=1,
+        )
+        last_pos = position[:, -1]
+        for row in live:
+            row.weight_version = self._version
+        while True:
+            logits = out.logits[:, -1, :].float()  # [b, V]
+            tokens = sample_tokens(logits, temperature, top_k, top_p, [r.generator for r in live])
+            # Raw (temperature-1, unfiltered) log-prob of the chosen token: see Sample.logprobs.
+            chosen_lp = logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            for i, row in enumerate(live):
+                tok = int(tokens[i])
+                row.response.append(tok)
+                row.logprobs.append(float(chosen_lp[i]))
+                if tok in row.stop_ids:
+                    row.finish = "stop"
+                elif len(row.response) >= row.req.sampling.max_new_tokens:
+                    row.finish = "length"
+            # Yield finished rows only after the step's bookkeeping, so an abort() called by the consumer
+            # meanwhile is seen by every row at the next step.
+            yield from (row for row in live if row.finish is not None)
+            # abort() may have been called by the consumer during those yields: stop such rows now
+            # rather than after one more (wasted) forward pass.
+            for row in live:
+                if row.finish is None and row.req.request_id in self._aborted:
+                    row.finish = "abort"
+                    yield row
+            keep = [i for i, row in enumerate(live) if row.finish is None]
+            if not keep:
+                return
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                live = [live[i] for i in keep]
+                tokens, mask, last_pos = tokens[index], mask[index], last_pos[index]
+                temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
+            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=last_pos.unsqueeze(1),
+                past_key_values=cache, use_cache=True,
+            )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("EmbeddedEngine was shut down; create a new one")

@@ -1,0 +1,80 @@
+"""The one interface every rollout engine (embedded CPU, SGLang servers) implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from megatron_dapo.rollout.types import RolloutRequest, Sample
+
+
+def check_unique_ids(requests: Sequence[RolloutRequest]) -> None:
+    """Raises if two requests share a request_id (abort and result matching would be ambiguous)."""
+    seen: set[str] = set()
+    for req in requests:
+        if req.request_id in seen:
+            raise ValueError(f"duplicate request_id {req.request_id!r}: request ids must be unique in a call")
+        seen.add(req.request_id)
+
+
+class RolloutEngine(abc.ABC):
+    """Generates groups of samples from token ids, and takes new weights from the actor.
+
+    Contract shared by all engines:
+    - `stream` yields one list of n Samples (ordered by index) per request as soon as the whole group is
+      done; every request comes out exactly once, aborted ones with finish_reason 'abort'.
+    - `abort` may be called from inside the loop over `stream` (dynamic sampling has filled its batch).
+    - `update_weights` takes full (unsharded) tensors with HF names and sets `weight_version`.
+    """
+
+    @abc.abstractmethod
+    def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
+        """Yields each request's group of n samples as it completes (completion order, not input order)."""
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
+        """Blocking: one list of n samples per request, in the order of `requests`."""
+        check_unique_ids(requests)
+        by_id = {group[0].request_id: group for group in self.stream(requests)}
+        missing = [r.request_id for r in requests if r.request_id not in by_id]
+        if missing:
+            raise RuntimeError(f"{type(self).__name__} lost requests {missing[:5]} (of {len(missing)})")
+        return [by_id[r.request_id] for r in requests]
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Stops the given requests (None = all in flight or queued); returns the ids that were stopped.
+
+        Their groups still come out of `stream`, with finish_reason 'abort' on unfinished samples."""
+
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Holds generation (in-flight requests are kept) so weights can be swapped safely."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Continues generation after `pause`."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Loads full HF-named tensors (as weights.export.iter_hf_weights yields); sets weight_version."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve requests now."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Releases the model / stops the servers. Idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version passed to the last successful update_weights (0 for the initial weights)."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

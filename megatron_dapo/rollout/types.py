@@ -1,0 +1,138 @@
+"""Plain data that crosses the rollout seam: sampling parameters, requests and finished samples.
+
+Nothing here imports an engine, so the trainer, the rollout manager and the engines share one vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    """How one request's responses are sampled (the same meaning as SGLang's `sampling_params`)."""
+
+    max_new_tokens: int
+    """Response length cap in tokens (--max-response-length). A response cut here ends with 'length'."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax of the raw logits)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p; 1.0 = off."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = off."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra tokens that end a response with 'stop' (the model's eos always does). The stop token is kept
+    as the last response token, with its log-prob, as SGLang does."""
+    seed: int | None = None
+    """Makes sampling reproducible; sample i of a request draws from a stream seeded by (seed, i), so the
+    result does not depend on how requests were batched. None = drawn from the engine's generator."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be an int >= 1 (--max-response-length), "
+                f"got {self.max_new_tokens!r}"
+            )
+        if not self.temperature >= 0.0:
+            raise ValueError(
+                f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        ids = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` object of SGLang's /generate for these parameters."""
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@dataclass(kw_only=True)
+class RolloutRequest:
+    """One prompt to be answered `n` times (a DAPO group of G responses)."""
+
+    prompt_ids: list[int]
+    n: int
+    sampling: SamplingParams
+    request_id: str
+    """Unique among requests in flight: the handle for abort and for matching results to prompts."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Carried through untouched (ground truth, data index, ...); engines never read it."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"RolloutRequest {self.request_id!r}: prompt_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
+            raise ValueError(f"RolloutRequest {self.request_id!r}: prompt_ids must be non-negative ints")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(
+                f"RolloutRequest {self.request_id!r}: n must be an int >= 1 (--n-samples-per-prompt), "
+                f"got {self.n!r}"
+            )
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"RolloutRequest.request_id must be a non-empty str, got {self.request_id!r}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"RolloutRequest.sampling must be SamplingParams, got {type(self.sampling)}")
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One finished (or aborted) response.
+
+    `logprobs[t]` is log softmax(raw logits)[response_ids[t]] at the position that produced token t: the
+    model's temperature-1, untruncated distribution (what SGLang's return_logprob reports), not the
+    temperature/top-p/top-k distribution the token was drawn from. The trainer compares it to the actor's
+    log-prob of the same token (the rollout/training mismatch), so both must mean the same thing.
+    """
+
+    request_id: str
+    index: int
+    """Which of the request's n samples this is (0..n-1)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    """'stop': eos or a stop token (kept as the last token); 'length': hit max_new_tokens (truncated, what
+    overlong shaping looks at); 'abort': cut by abort(), response possibly partial or empty."""
+    weight_version: int
+    """engine.weight_version when this sample's first token was generated."""
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.response_ids):
+            raise ValueError(
+                f"Sample {self.request_id!r}[{self.index}]: {len(self.logprobs)} logprobs for "
+                f"{len(self.response_ids)} response tokens"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"Sample {self.request_id!r}[{self.index}]: finish_reason must be one of {FINISH_REASONS}, "
+                f"got {self.finish_reason!r}"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"

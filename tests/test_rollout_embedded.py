@@ -1,0 +1,215 @@
+"""EmbeddedEngine against independent references: HF full-sequence forward and HF greedy generate."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megatron_dapo.rollout import make_engine
+from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+
+CFG = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=1,
+    rope_theta=10000.0,
+)
+EOS = 1
+
+
+def _hf_model(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager")).eval()
+    with torch.no_grad():  # bigger weights than the init's 0.02 std so samples differ between seeds
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return model
+
+
+def _state(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 96, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def _requests(prompts, n, sampling, prefix="r"):
+    return [RolloutRequest(prompt_ids=p, n=n, sampling=sampling, request_id=f"{prefix}{i}")
+            for i, p in enumerate(prompts)]
+
+
+def _teacher_forced_logprobs(model, prompt, response) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    return lp.gather(1, torch.tensor(response).unsqueeze(1)).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def model0():
+    return _hf_model(0)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [pytest.param(SamplingParams(max_new_tokens=12, temperature=1.0), id="t1"),
+     pytest.param(SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=20), id="filtered"),
+     pytest.param(SamplingParams(max_new_tokens=12, temperature=0.0), id="greedy")],
+)
+def test_logprobs_equal_teacher_forced_forward(model0, sampling):
+    """The rollout/training mismatch is ~0 for the same weights: raw log-probs, whatever the sampler."""
+    engine = EmbeddedEngine(CFG, state_dict=_state(model0), max_batch_size=7)
+    groups = engine.generate(_requests(_prompts(5), 3, sampling))
+    worst = 0.0
+    for group in groups:
+        assert [s.index for s in group] == [0, 1, 2]
+        for s in group:
+            assert len(s.response_ids) == len(s.logprobs) >= 1
+            ref = _teacher_forced_logprobs(model0, s.prompt_ids, s.response_ids)
+            worst = max(worst, (torch.tensor(s.logprobs) - ref).abs().max().item())
+    assert worst < 2e-5, worst
+
+
+def test_greedy_matches_hf_generate(model0):
+    engine = EmbeddedEngine(model0, max_batch_size=4)
+    prompts = _prompts(6, seed=3)
+    groups = engine.generate(_requests(prompts, 1, SamplingParams(max_new_tokens=10, temperature=0.0)))
+    for prompt, (s,) in zip(prompts, groups):
+        with torch.no_grad():
+            ref = model0.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                  eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+        assert s.response_ids == ref
+        assert s.finish_reason == ("stop" if ref[-1] == EOS else "length")
+
+
+def test_stop_tokens_and_length():
+    engine = EmbeddedEngine(CFG, state_dict=_state(_hf_model(1)))
+    stops = tuple(range(2, 14))  # an eighth of the vocab: some samples stop, others hit the cap
+    sampling = SamplingParams(max_new_tokens=6, stop_token_ids=stops)
+    groups = engine.generate(_requests(_prompts(4), 4, sampling))
+    reasons = set()
+    for s in (s for g in groups for s in g):
+        reasons.add(s.finish_reason)
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] in stops + (EOS,)
+            assert not set(s.response_ids[:-1]) & set(stops + (EOS,))
+        else:
+            assert s.finish_reason == "length" and len(s.response_ids) == 6 and s.truncated
+    assert reasons == {"stop", "length"}
+
+
+def test_seeded_samples_do_not_depend_on_batching(model0):
+    sp = SamplingParams(max_new_tokens=8, seed=42)
+    prompts = _prompts(5)
+    alone = EmbeddedEngine(model0, max_batch_size=1).generate(_requests(prompts[2:3], 3, sp))[0]
+    together = EmbeddedEngine(model0, max_batch_size=64, seed=9).generate(_requests(prompts, 3, sp))[2]
+    assert [s.response_ids for s in alone] == [s.response_ids for s in together]
+    assert len({tuple(s.response_ids) for s in alone}) > 1  # the n samples differ from each other
+
+
+def test_weight_sync_follows_new_weights(model0):
+    model1 = _hf_model(1)
+    engine = make_engine("embedded", CFG, state_dict=_state(model0))
+    greedy = SamplingParams(max_new_tokens=10, temperature=0.0)
+    reqs = _requests(_prompts(4, seed=5), 1, greedy)
+    before = [g[0].response_ids for g in engine.generate(reqs)]
+    engine.update_weights(model1.named_parameters(), version=3)
+    assert engine.weight_version == 3
+    after = engine.generate(reqs)
+    assert all(g[0].weight_version == 3 for g in after)
+    ref = [g[0].response_ids for g in EmbeddedEngine(model1).generate(reqs)]
+    assert [g[0].response_ids for g in after] == ref != before
+    s = after[0][0]
+    torch.testing.assert_close(torch.tensor(s.logprobs), _teacher_forced_logprobs(model1, s.prompt_ids,
+                                                                                  s.response_ids))
+
+
+def test_weight_sync_rejects_bad_input(model0):
+    engine = EmbeddedEngine(CFG, state_dict=_state(model0))
+    named = list(_state(model0).items())
+    with pytest.raises(ValueError, match="not sent"):
+        engine.update_weights(named[:-1], version=1)
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.update_weights([("decoder.layers.0.weight", named[0][1])], version=1)
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([(named[0][0], named[0][1][:-1])], version=1)
+    assert engine.weight_version == 0
+
+
+def test_abort_mid_stream_returns_every_group(model0):
+    """Dynamic sampling: stop after 2 groups; the other groups still come back, marked 'abort'."""
+    engine = EmbeddedEngine(model0, max_batch_size=8)
+    reqs = _requests(_prompts(10), 4, SamplingParams(max_new_tokens=30))
+    seen, aborted = [], None
+    for group in engine.stream(reqs):
+        seen.append(group)
+        if len(seen) == 2:
+            aborted = engine.abort()
+    ids = [g[0].request_id for g in seen]
+    assert sorted(ids) == sorted(r.request_id for r in reqs)  # none lost, none twice
+    assert all(len(g) == 4 for g in seen)
+    assert sorted(aborted) == sorted(ids[2:])
+    later = [s for g in seen[2:] for s in g]
+    assert {s.finish_reason for s in later} == {"abort"}
+    for s in (s for s in later if s.response_ids):  # partial responses keep exact log-probs
+        torch.testing.assert_close(torch.tensor(s.logprobs),
+                                   _teacher_forced_logprobs(model0, s.prompt_ids, s.response_ids))
+    assert engine.generate(reqs[:1])[0][0].finish_reason == "length"  # ids are reusable afterwards
+
+
+def test_abort_selected_ids(model0):
+    engine = EmbeddedEngine(model0, max_batch_size=4)
+    reqs = _requests(_prompts(6), 2, SamplingParams(max_new_tokens=20))
+    stream = engine.stream(reqs)
+    assert engine.abort(["r4", "nope"]) == ["r4"]
+    groups = {g[0].request_id: g for g in stream}
+    assert set(groups) == {f"r{i}" for i in range(6)}
+    assert [s.finish_reason for s in groups["r4"]] == ["abort", "abort"]
+    assert groups["r4"][0].response_ids == []
+    assert all(s.finish_reason in ("stop", "length") for rid, g in groups.items() if rid != "r4" for s in g)
+
+
+def test_pause_resume_and_shutdown(model0):
+    engine = EmbeddedEngine(model0)
+    req = _requests(_prompts(1), 1, SamplingParams(max_new_tokens=3))
+    engine.pause()
+    with pytest.raises(RuntimeError, match="resume"):
+        engine.generate(req)
+    engine.resume()
+    assert len(engine.generate(req)[0][0].response_ids) == 3
+    assert engine.health()
+    engine.shutdown()
+    assert not engine.health()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.generate(req)
+
+
+def test_bad_construction_and_requests():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        EmbeddedEngine(CFG, max_batch_size=0)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        EmbeddedEngine("/nonexistent/model")
+    with pytest.raises(ValueError, match="--rollout-engine"):
+        make_engine("vllm")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(max_new_tokens=4, top_p=0.0)
+    with pytest.raises(ValueError, match="n must be"):
+        RolloutRequest(prompt_ids=[1], n=0, sampling=SamplingParams(max_new_tokens=1), request_id="a")
+    engine = EmbeddedEngine(CFG)
+    req = RolloutRequest(prompt_ids=[3], n=1, sampling=SamplingParams(max_new_tokens=1), request_id="a")
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.generate([req, req])
+
+
+def test_loads_hf_directory(tmp_path, model0):
+    model0.save_pretrained(tmp_path)
+    engine = EmbeddedEngine(str(tmp_path))
+    reqs = _requests(_prompts(2), 1, SamplingParams(max_new_tokens=5, temperature=0.0))
+    ref = EmbeddedEngine(model0).generate(reqs)
+    assert [g[0].response_ids for g in engine.generate(reqs)] == [g[0].response_ids for g in ref]
