@@ -4,9 +4,10 @@ Forward (`_stats_kernel`) makes one pass over the row, keeping the running (max,
 accumulator) and merging each tile into it as `stats.rescale_to` does; it writes RowStats, nothing [N, V].
 Backward (`_grad_kernel`) recomputes p_j = exp(x_j - lse) tile by tile and writes the logits gradient.
 
-The kernels are plain functions wrapped on demand: `JITFunction` for CUDA tensors, `InterpretedFunction`
-under TRITON_INTERPRET=1 (CPU tensors, tests). Wrapping at call time instead of decorating at import means
-the choice does not depend on whether TRITON_INTERPRET was set before this module was first imported.
+The kernels are plain functions wrapped on demand: `JITFunction` for CUDA tensors (and `triton.compile`),
+`InterpretedFunction` under TRITON_INTERPRET=1 (CPU tensors, tests). Triton itself fixes the mode of its
+own library functions (tl.sum, tl.max, ...) when it is first imported, so the interpreter only works in a
+process that had TRITON_INTERPRET=1 in its environment before importing triton; `interpret_enabled` checks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ DEFAULT_BLOCK_V = 4096
 
 
 def interpret_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when TRITON_INTERPRET=1; raises if it was set only after triton had been imported."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+    if triton is not None and not isinstance(tl.sum, InterpretedFunction):
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported; set it in the environment "
+                           "before the process starts (e.g. TRITON_INTERPRET=1 python ...)")
+    return True
 
 
 def triton_available() -> bool:
