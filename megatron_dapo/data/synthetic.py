@@ -40,7 +40,8 @@ class ArithmeticTask:
     def __post_init__(self) -> None:
         if not 0 <= self.min_operand <= self.max_operand:
             raise ValueError(
-                f"ArithmeticTask: need 0 <= min_operand <= max_operand, got {self.min_operand}, {self.max_operand}"
+                "ArithmeticTask: need 0 <= min_operand <= max_operand, got "
+                f"{self.min_operand}, {self.max_operand}"
             )
         if not 1 <= self.min_operations <= self.max_operations:
             raise ValueError(
