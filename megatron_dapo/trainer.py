@@ -1,0 +1,206 @@
+"""The DAPO training loop: generate -> reward -> filter -> old log-probs -> train -> sync -> eval -> save.
+
+Every rank of the torchrun world runs this loop (SPMD). Global rank 0 owns the rollout engine and
+the prompt sampler; it collects each step's batch and broadcasts it. Each data-parallel rank then
+trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
+through `weights.export.iter_hf_weights` (a collective every rank iterates).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dapo.actor import MegatronActor, TrainSample
+from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
+from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
+from megatron_dapo.evaluation import evaluate
+from megatron_dapo.metrics_log import MetricsLogger
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.weights.export import iter_hf_weights
+
+
+@dataclass
+class Rollout:
+    """A training sample and the log-probs the rollout engine reported for its response tokens."""
+
+    sample: TrainSample
+    rollout_log_probs: torch.Tensor
+    """[response_len], for the rollout-vs-actor mismatch metric."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    num_steps: int
+    """Training steps, one rollout batch each (--num-steps)."""
+    global_batch_size: int = 0
+    """Responses per optimizer step (--global-batch-size); 0 = the whole rollout batch."""
+    eval_interval: int = 0
+    """Evaluate every N steps and before the first (--eval-interval); 0 = never."""
+    eval_n_samples: int = 4
+    """k of avg@k (--n-samples-per-eval-prompt)."""
+    eval_sampling: SamplingParams | None = None
+    save_dir: str | None = None
+    save_interval: int = 0
+    """Checkpoint every N steps (--save-interval); the last step is always saved when save_dir is set."""
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"--num-steps must be >= 1, got {self.num_steps}")
+        if self.global_batch_size < 0 or self.eval_interval < 0 or self.save_interval < 0:
+            raise ValueError("--global-batch-size, --eval-interval and --save-interval must be >= 0")
+        if self.eval_interval and self.eval_sampling is None:
+            raise ValueError("eval_interval > 0 needs eval_sampling")
+
+
+@dataclass
+class Trainer:
+    config: TrainerConfig
+    collect: CollectConfig
+    actor: MegatronActor
+    engine: RolloutEngine | None
+    """The rollout engine on global rank 0, None elsewhere."""
+    next_prompts: Callable[[int], list[Prompt]] | None
+    """Rank 0: the next k training prompts from the resumable sampler."""
+    eval_prompts: Sequence[Prompt]
+    decode: Callable[[list[int]], str]
+    reward_fn: RewardFn
+    logger: MetricsLogger | None
+    save_fn: Callable[[int], None] | None = None
+    step: int = 0
+    """Last completed step (set by a resume)."""
+    _is_rank0: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        if self._is_rank0 and (self.engine is None or self.next_prompts is None):
+            raise ValueError("global rank 0 needs the rollout engine and the prompt sampler")
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        cfg = self.config
+        if cfg.eval_interval and self.step == 0:
+            self.log(0, self.evaluate())
+        for step in range(self.step + 1, cfg.num_steps + 1):
+            t0 = time.perf_counter()
+            groups, metrics = self.rollout(step)                   # generate -> reward -> filter
+            samples, group_metrics = self.build_samples(groups)    # advantages, masks, my DP share
+            metrics |= group_metrics
+            metrics |= self.train(samples)                         # old log-probs -> mini-batch updates
+            metrics |= self.sync_weights(step)                     # actor -> rollout engine
+            if cfg.eval_interval and step % cfg.eval_interval == 0:
+                metrics |= self.evaluate()                         # avg@k on held-out prompts
+            self.step = step
+            if self._save_due(step):
+                self.save(step)
+            metrics["time/step_s"] = time.perf_counter() - t0
+            self.log(step, metrics)
+
+    def _save_due(self, step: int) -> bool:
+        cfg = self.config
+        return bool(cfg.save_dir) and (step == cfg.num_steps or bool(cfg.save_interval
+                                                                     and step % cfg.save_interval == 0))
+
+    # ---- stages ------------------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Rank 0 collects the step's kept groups; every rank receives them."""
+        payload: list = [None]
+        if self._is_rank0:
+            result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
+                                   step=step)
+            payload = [(result.groups, result.metrics)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(payload, src=0)
+        return payload[0]
+
+    def build_samples(self, groups: list[ScoredGroup]) -> tuple[list[list[Rollout]], dict[str, float]]:
+        """Group-normalised advantages -> TrainSamples, split into mini-batches, this DP rank's share."""
+        flat = [(g_idx, s, r) for g_idx, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
+        adv = group_advantages([r for _, _, r in flat], [g for g, _, _ in flat])
+        keep = overlong_keep_mask([s.truncated for _, s, _ in flat], self.collect.overlong)
+        rollouts = [
+            Rollout(
+                TrainSample(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
+                            advantage=float(a), loss_mask=torch.full((len(s.response_ids),), float(k))),
+                torch.tensor(s.logprobs, dtype=torch.float32),
+            )
+            for (_, s, _), a, k in zip(flat, adv.tolist(), keep.tolist())
+            if len(s.response_ids) > 0
+        ]
+        gbs = self.config.global_batch_size or len(rollouts)
+        minibatches = [rollouts[i:i + gbs] for i in range(0, len(rollouts), gbs)]
+        dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        if any(len(mb) < dp for mb in minibatches):
+            raise ValueError(
+                f"a mini-batch has fewer responses than the {dp} data-parallel ranks; raise "
+                f"--global-batch-size or --rollout-batch-size x --n-samples-per-prompt"
+            )
+        metrics = {"train/advantage_abs_mean": float(adv.abs().mean()), "train/minibatches": len(minibatches),
+                   "train/responses": float(len(rollouts))}
+        return [mb[rank::dp] for mb in minibatches], metrics
+
+    def train(self, minibatches: list[list[Rollout]]) -> dict[str, float]:
+        """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch."""
+        t0 = time.perf_counter()
+        local = [r for mb in minibatches for r in mb]
+        old = self.actor.compute_log_probs([r.sample for r in local])
+        metrics = self._mismatch([r.rollout_log_probs for r in local], old)
+        if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
+            for r, lp in zip(local, old):
+                r.sample.old_log_probs = lp
+        sums: dict[str, float] = {}
+        for mb in minibatches:
+            step_metrics = self.actor.train_step([r.sample for r in mb])
+            for k, v in step_metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        metrics |= {f"train/{k}": v / len(minibatches) for k, v in sums.items()}
+        metrics["time/train_s"] = time.perf_counter() - t0
+        return metrics
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the updated policy to the engine as full HF tensors (collective over all ranks)."""
+        t0 = time.perf_counter()
+        named = iter_hf_weights(self.actor.model, self.actor.arch)
+        if self.engine is not None:
+            self.engine.update_weights(named, version=version)
+        else:
+            for _ in named:  # stay in step with the collective
+                pass
+        return {"time/sync_s": time.perf_counter() - t0}
+
+    def evaluate(self) -> dict[str, float]:
+        if not self._is_rank0 or not self.eval_prompts:
+            return {}
+        t0 = time.perf_counter()
+        metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
+                           n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
+                           pass_ks=(1, self.config.eval_n_samples))
+        metrics["time/eval_s"] = time.perf_counter() - t0
+        return metrics
+
+    def save(self, step: int) -> None:
+        if self.save_fn is not None:
+            self.save_fn(step)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    # ---- metrics -----------------------------------------------------------------------------------
+    def _mismatch(self, rollout_logp: list[torch.Tensor], actor_logp: list[torch.Tensor]) -> dict[str, float]:
+        """|rollout log-prob - actor log-prob| over every response token, reduced over DP ranks."""
+        flat = torch.cat([(a - r).abs() for r, a in zip(rollout_logp, actor_logp)])
+        stats = torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64)
+        peak = torch.tensor([float(flat.max()) if flat.numel() else 0.0], dtype=torch.float64)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            group = parallel_state.get_data_parallel_group()
+            dist.all_reduce(stats, group=group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        return {"mismatch/logprob_abs_diff_mean": float(stats[0] / stats[1]) if stats[1] else 0.0,
+                "mismatch/logprob_abs_diff_max": float(peak[0])}

@@ -1,0 +1,186 @@
+"""Build the embedded demo's base policy: a tiny Qwen2 model warmed up on the arithmetic task format.
+
+Writes an HF directory (config.json, model.safetensors, character tokenizer) plus train/eval prompt
+files in the DAPO schema, so `python -m megatron_dapo.train --hf-checkpoint DIR/model --prompt-data
+DIR/train.jsonl` treats it like any Qwen2.5 checkpoint and dataset.
+
+Why a noisy warm-up: RL sharpens what a policy can already sample; it does not teach arithmetic from
+a reward of -1 on nearly every sample. The warm-up is supervised training on the *format* and on
+answers that are right only `--correct-fraction` of the time (the rest are off by 1-3), so the base
+model samples the right answer with a probability well below 1 (its accuracy "starts low but above
+zero") and DAPO has something to find. `--sft-steps` trades build time for how well the model knows
+the arithmetic itself.
+
+    python tools/make_tiny_base.py --out runs/tiny-base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_dapo.data import PromptRecord, render_prompt  # noqa: E402
+from megatron_dapo.data.synthetic import (  # noqa: E402
+    ArithmeticTask,
+    build_char_tokenizer,
+    make_arithmetic_problems,
+)
+from megatron_dapo.reward import get_reward_fn  # noqa: E402
+
+RESPONSE_FORMAT = "\nAnswer: {answer}"
+
+
+def write_prompts(path: Path, records: list[PromptRecord]) -> None:
+    """DAPO-schema jsonl: prompt (chat list), reward_model.ground_truth, data_source."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({"prompt": r.messages, "reward_model": {"ground_truth": r.ground_truth},
+                                "data_source": r.data_source}) + "\n")
+
+
+def tiny_qwen2_config(vocab_size: int, eos_id: int, *, hidden: int, layers: int, heads: int, kv_heads: int,
+                      ffn: int, max_len: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=eos_id,
+        eos_token_id=eos_id, pad_token_id=eos_id, torch_dtype="float32",
+    )
+
+
+def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random, correct_fraction: float,
+              batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, S], attention [B, S], loss mask [B, S]) of prompt + noisy answer + eos, right-padded."""
+    seqs, masks = [], []
+    for r in rng.sample(records, batch_size):
+        answer = int(r.ground_truth)
+        if rng.random() >= correct_fraction:
+            answer += rng.choice((-3, -2, -1, 1, 2, 3))
+        prompt = render_prompt(r, tokenizer)
+        response = tokenizer.encode(RESPONSE_FORMAT.format(answer=answer), add_special_tokens=False)
+        response.append(tokenizer.eos_token_id)
+        seqs.append(prompt + response)
+        masks.append([0] * len(prompt) + [1] * len(response))
+    width = max(map(len, seqs))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+    att = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([m + [0] * (width - len(m)) for m in masks])
+    return ids, att, mask
+
+
+@torch.no_grad()
+def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperature: float,
+                     max_new_tokens: int) -> float:
+    """Fraction of records answered correctly by one sample each (greedy when temperature == 0)."""
+    reward = get_reward_fn("math_dapo")
+    prompts = [render_prompt(r, tokenizer) for r in records]
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs: dict = {"do_sample": False}
+    if temperature > 0:
+        kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0}
+    out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
+    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return sum(reward(t, r.ground_truth).acc for t, r in zip(texts, records)) / len(records)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output directory (model/, train.jsonl, eval.jsonl)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-train", type=int, default=20000, help="training prompts")
+    ap.add_argument("--num-eval", type=int, default=200, help="held-out prompts (none shared with train)")
+    ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--max-operations", type=int, default=2)
+    ap.add_argument("--operators", default="+-", help="subset of '+-*'")
+    ap.add_argument("--hidden-size", type=int, default=128)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--num-kv-heads", type=int, default=2)
+    ap.add_argument("--ffn-hidden-size", type=int, default=256)
+    ap.add_argument("--sft-steps", type=int, default=600)
+    ap.add_argument("--sft-batch-size", type=int, default=64)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--correct-fraction", type=float, default=0.35,
+                    help="fraction of warm-up answers that are right (the rest are off by 1-3)")
+    args = ap.parse_args(argv)
+    if not 0.0 < args.correct_fraction <= 1.0:
+        raise SystemExit("--correct-fraction must be in (0, 1]")
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    task = ArithmeticTask(min_operand=0, max_operand=args.max_operand, min_operations=1,
+                          max_operations=args.max_operations, operators=tuple(args.operators),
+                          allow_negative=True)
+    pool = make_arithmetic_problems(args.num_train + 4 * args.num_eval, seed=args.seed, difficulty=task)
+    # held-out = expressions never seen in training
+    eval_records, seen = [], set()
+    for r in pool[args.num_train:]:
+        expr = r.extra["expression"]
+        if expr not in seen and len(eval_records) < args.num_eval:
+            seen.add(expr)
+            eval_records.append(r)
+    train_records = [r for r in pool[: args.num_train] if r.extra["expression"] not in seen]
+    write_prompts(out / "train.jsonl", train_records)
+    write_prompts(out / "eval.jsonl", eval_records)
+
+    tokenizer = build_char_tokenizer(str(out / "model"))
+    config = tiny_qwen2_config(len(tokenizer), tokenizer.eos_token_id, hidden=args.hidden_size,
+                               layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
+                               ffn=args.ffn_hidden_size, max_len=128)
+    model = Qwen2ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    for step in range(1, args.sft_steps + 1):
+        ids, att, mask = sft_batch(train_records, tokenizer, rng, args.correct_fraction, args.sft_batch_size)
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == args.sft_steps:
+            elapsed = time.perf_counter() - t0
+            print(f"sft step {step}/{args.sft_steps} loss {loss.item():.3f} ({elapsed:.0f} s)", flush=True)
+    model.eval()
+    max_new = len(RESPONSE_FORMAT.format(answer=-10 * args.max_operand)) + 2
+    report = {
+        "eval_accuracy_sampled": sampled_accuracy(model, tokenizer, eval_records, temperature=1.0,
+                                                  max_new_tokens=max_new),
+        "eval_accuracy_greedy": sampled_accuracy(model, tokenizer, eval_records, temperature=0.0,
+                                                 max_new_tokens=max_new),
+        "sft_seconds": time.perf_counter() - t0,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "train_prompts": len(train_records),
+        "eval_prompts": len(eval_records),
+        "task": asdict(task),
+        "args": vars(args),
+    }
+    model.save_pretrained(out / "model", safe_serialization=True)
+    (out / "base_report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("task", "args")}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
