@@ -307,7 +307,7 @@ def test_existing_checkpoint_and_hf_config_are_checked_against_args(
     _expect_error(
         capsys,
         ["mcore-to-hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "out")],
-        "is not a Megatron checkpoint directory",
+        "is not a checkpoint written by checkpoint_convert",
     )
     rank = tmp_path / "mc" / "release" / "mp_rank_01_000" / "model.safetensors"
     rank.unlink()
