@@ -59,8 +59,12 @@ class MegatronActor:
                              f"initialised parallel state {world}")
         self.arch, self.config, self.layout = arch, config, layout
         # variable_seq_lengths: every micro-batch has its own [b, s]; PP stages exchange shapes first.
+        # (megatron rejects it with the default MoE dispatcher even for dense models, hence alltoall.)
+        variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+        if layout.pp == 1:
+            variable = {}
         module = build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
-                                 variable_seq_lengths=layout.pp > 1)
+                                 **variable)
         tcfg = module.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -78,9 +78,10 @@ def init_parallel(
     return layout
 
 
-def destroy_parallel() -> None:
-    """Tear down megatron parallel_state and the process group (safe to call twice)."""
+def destroy_parallel(*, keep_process_group: bool = False) -> None:
+    """Tear down megatron parallel_state and (unless kept, e.g. to re-init another layout on the same
+    torchrun world) the default process group. Safe to call twice."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()

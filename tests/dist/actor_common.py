@@ -101,7 +101,7 @@ def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: Qwen2Arch, *, tp:
 
 def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: Qwen2Arch, *, tp: int,
                       pp: int) -> dict[str, torch.Tensor]:
-    """{(tp_rank, pp_rank): stage-local state} -> TP=1 names with global layers (fc1 as [gate; up])."""
+    """{(tp_rank, pp_rank): stage-local state} -> TP=1 names, global layers, fc1 [gate; up], no vocab pad."""
     per_stage = arch.num_layers // pp
     out: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
@@ -121,6 +121,8 @@ def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], ar
                 merged = torch.cat(parts, dim=1 if _kind(name) == "row" else 0)
             if glob == "output_layer.weight" and arch.tie_word_embeddings:
                 continue  # the embedding copy of a tied model
+            if glob in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                merged = merged[:arch.vocab_size]  # drop the TP-dependent vocab padding
             out[glob] = merged
     return out
 
