@@ -4,12 +4,15 @@ Writes an HF directory (config.json, model.safetensors, character tokenizer) plu
 files in the DAPO schema, so `python -m megatron_dapo.train --hf-checkpoint DIR/model --prompt-data
 DIR/train.jsonl` treats it like any Qwen2.5 checkpoint and dataset.
 
+The task: two-digit addition ("37+45=") answered by column addition, one digit per line, then
+"Answer: 82" (the DAPO verifier reads the last Answer: line).
+
 Why a noisy warm-up: RL sharpens what a policy can already sample; it does not teach arithmetic from
-a reward of -1 on nearly every sample. The warm-up is supervised training on the *format* and on
-answers that are right only `--correct-fraction` of the time (the rest are off by 1-3), so the base
-model samples the right answer with a probability well below 1 (its accuracy "starts low but above
-zero") and DAPO has something to find. `--sft-steps` trades build time for how well the model knows
-the arithmetic itself.
+a reward of -1 on nearly every sample. The warm-up is supervised training on the worked format with
+the right column sums, but a final answer that is right only `--correct-fraction` of the time (the
+rest are off by 1-3). The base model thus works the sum out and then often misreports it: its
+sampled accuracy "starts low but above zero" and DAPO has something to find (report what it
+computed). `--sft-steps` trades build time for how well the column sums are learned.
 
     python tools/make_tiny_base.py --out runs/tiny-base
 """
@@ -36,7 +39,23 @@ from megatron_dapo.data.synthetic import (  # noqa: E402
 )
 from megatron_dapo.reward import get_reward_fn  # noqa: E402
 
-RESPONSE_FORMAT = "\nAnswer: {answer}"
+
+def worked_response(expression: str, answer: int) -> str:
+    """Column addition of two non-negative integers, then the (possibly noisy) final answer line.
+
+    "37+45" -> "7+5=12\n3+4+1=8\nAnswer: 82": one line per digit, carries written out, so every
+    token is a one-digit fact a tiny model learns quickly and that generalises to unseen operands.
+    """
+    left, right = (int(x) for x in expression.split("+"))
+    lines, carry, place = [], 0, 0
+    while left or right or carry or place == 0:
+        a, b = left % 10, right % 10
+        total = a + b + carry
+        lines.append(f"{a}+{b}{'+1' if carry else ''}={total}")
+        carry, left, right, place = total // 10, left // 10, right // 10, place + 1
+        if not (left or right):
+            break
+    return "\n" + "\n".join(lines) + f"\nAnswer: {answer}"
 
 
 def write_prompts(path: Path, records: list[PromptRecord]) -> None:
@@ -68,7 +87,7 @@ def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random, correc
         if rng.random() >= correct_fraction:
             answer += rng.choice((-3, -2, -1, 1, 2, 3))
         prompt = render_prompt(r, tokenizer)
-        response = tokenizer.encode(RESPONSE_FORMAT.format(answer=answer), add_special_tokens=False)
+        response = tokenizer.encode(worked_response(r.extra["expression"], answer), add_special_tokens=False)
         response.append(tokenizer.eos_token_id)
         seqs.append(prompt + response)
         masks.append([0] * len(prompt) + [1] * len(response))
@@ -105,9 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-train", type=int, default=20000, help="training prompts")
     ap.add_argument("--num-eval", type=int, default=200, help="held-out prompts (none shared with train)")
-    ap.add_argument("--max-operand", type=int, default=9)
-    ap.add_argument("--max-operations", type=int, default=2)
-    ap.add_argument("--operators", default="+-", help="subset of '+-*'")
+    ap.add_argument("--min-operand", type=int, default=10)
+    ap.add_argument("--max-operand", type=int, default=99)
+    ap.add_argument("--max-response-length", type=int, default=40, help="tokens sampled when measuring")
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-heads", type=int, default=4)
@@ -116,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--sft-batch-size", type=int, default=64)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--correct-fraction", type=float, default=0.35,
-                    help="fraction of warm-up answers that are right (the rest are off by 1-3)")
+    ap.add_argument("--correct-fraction", type=float, default=0.3,
+                    help="fraction of warm-up final answers that are right (the rest are off by 1-3)")
     args = ap.parse_args(argv)
     if not 0.0 < args.correct_fraction <= 1.0:
         raise SystemExit("--correct-fraction must be in (0, 1]")
@@ -126,9 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
-    task = ArithmeticTask(min_operand=0, max_operand=args.max_operand, min_operations=1,
-                          max_operations=args.max_operations, operators=tuple(args.operators),
-                          allow_negative=True)
+    task = ArithmeticTask(min_operand=args.min_operand, max_operand=args.max_operand, min_operations=1,
+                          max_operations=1, operators=("+",), prompt_template="{expression}=")
     pool = make_arithmetic_problems(args.num_train + 4 * args.num_eval, seed=args.seed, difficulty=task)
     # held-out = expressions never seen in training
     eval_records, seen = [], set()
@@ -164,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             elapsed = time.perf_counter() - t0
             print(f"sft step {step}/{args.sft_steps} loss {loss.item():.3f} ({elapsed:.0f} s)", flush=True)
     model.eval()
-    max_new = len(RESPONSE_FORMAT.format(answer=-10 * args.max_operand)) + 2
+    max_new = args.max_response_length
     report = {
         "eval_accuracy_sampled": sampled_accuracy(model, tokenizer, eval_records, temperature=1.0,
                                                   max_new_tokens=max_new),
