@@ -7,8 +7,10 @@ in flight are aborted (DAPO Sec. 3.2, the "keep sampling until the batch is full
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,9 @@ class CollectConfig:
     overlong: OverlongConfig
     over_sample_factor: float = 1.0
     """Prompts asked for per round = ceil(factor * groups still needed) (--over-sample-factor)."""
+    seed: int | None = None
+    """Base of the per-request sampling seeds (--seed): with it, a step's rollouts depend only on the
+    weights, the step and the prompts, so a resumed run regenerates exactly what it lost."""
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
@@ -71,6 +76,13 @@ class CollectConfig:
 class CollectResult:
     groups: list[ScoredGroup]
     metrics: dict[str, float] = field(default_factory=dict)
+    requested: list[int] = field(default_factory=list)
+    """Dataset indices of every prompt sent to the engine this step, in order (kept or not)."""
+
+
+def request_seed(base: int, request_id: str) -> int:
+    """A stable 31-bit sampling seed for one request of a seeded run."""
+    return zlib.crc32(f"{base}:{request_id}".encode()) & 0x7FFFFFFF
 
 
 def score_group(prompt: Prompt, samples: Sequence[Sample], decode: Callable[[list[int]], str],
@@ -101,13 +113,16 @@ def collect_batch(
     filler: BatchFiller[ScoredGroup] = BatchFiller(config.dynamic_sampling)
     seen: list[ScoredGroup] = []
     aborted = 0
+    requested: list[int] = []
     t0 = time.perf_counter()
     while not filler.full and filler.start_round():
         want = math.ceil(config.over_sample_factor * filler.needed)
         tag = f"s{step}-r{filler.stats.rounds}"
         prompts = {f"{tag}-{i}-p{p.index}": p for i, p in enumerate(next_prompts(want))}
+        requested += [p.index for p in prompts.values()]
         requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
-                                   sampling=config.sampling, request_id=rid) for rid, p in prompts.items()]
+                                   sampling=seeded(config.sampling, config.seed, rid), request_id=rid)
+                    for rid, p in prompts.items()]
         for samples in engine.stream(requests):
             if any(s.finish_reason == "abort" for s in samples):
                 aborted += 1
@@ -121,7 +136,14 @@ def collect_batch(
     metrics.update(_rollout_metrics(seen, config.sampling.max_new_tokens))
     metrics["rollout/aborted_groups"] = float(aborted)
     metrics["time/rollout_s"] = time.perf_counter() - t0
-    return CollectResult(groups=filler.batch(), metrics=metrics)
+    return CollectResult(groups=filler.batch(), metrics=metrics, requested=requested)
+
+
+def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> SamplingParams:
+    """`sampling` with the request's own seed (unchanged when the run is unseeded)."""
+    if base_seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=request_seed(base_seed, request_id))
 
 
 def _rollout_metrics(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:

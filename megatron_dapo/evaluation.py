@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from math import comb
 
-from megatron_dapo.collect import Prompt, RewardFn
+from megatron_dapo.collect import Prompt, RewardFn, seeded
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 
@@ -34,10 +34,15 @@ def evaluate(
     sampling: SamplingParams,
     pass_ks: Sequence[int] = (1,),
     prefix: str = "eval",
+    seed: int | None = None,
 ) -> dict[str, float]:
-    """Sample n_samples responses per prompt; return {prefix/avg@n, prefix/pass@k..., response length}."""
-    requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=n_samples, sampling=sampling,
-                               request_id=f"{prefix}-{i}") for i, p in enumerate(prompts)]
+    """Sample n_samples responses per prompt; return {prefix/avg@n, prefix/pass@k..., response length}.
+
+    With `seed`, each prompt's samples are drawn from their own seeded stream, so an evaluation of
+    the same weights gives the same numbers."""
+    requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=n_samples, request_id=f"{prefix}-{i}",
+                               sampling=seeded(sampling, seed, f"{prefix}-{i}"))
+                for i, p in enumerate(prompts)]
     groups = engine.generate(requests)
     per_prompt_acc, correct_counts, lengths = [], [], []
     for prompt, samples in zip(prompts, groups):

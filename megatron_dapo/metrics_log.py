@@ -45,6 +45,11 @@ class MetricsLogger:
             self._bar.n = step
             self._bar.refresh()
 
+    def log_record(self, name: str, record: dict[str, Any]) -> None:
+        """Append a free-form json record to `<log_dir>/<name>.jsonl` (not sent to wandb)."""
+        with open(self.log_dir / f"{name}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     def close(self) -> None:
         self._file.close()
         if self._bar is not None:

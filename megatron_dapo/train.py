@@ -42,7 +42,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
                               top_p=args.rollout_top_p, top_k=args.rollout_top_k, stop_token_ids=eos_ids)
     collect = CollectConfig(
         n_samples_per_prompt=args.n_samples_per_prompt, sampling=sampling,
-        over_sample_factor=args.over_sample_factor,
+        over_sample_factor=args.over_sample_factor, seed=args.seed,
         dynamic_sampling=DynamicSamplingConfig(train_batch_size=args.rollout_batch_size,
                                                enabled=args.dynamic_sampling,
                                                max_num_gen_batches=args.max_num_gen_batches,

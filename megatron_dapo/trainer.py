@@ -114,6 +114,9 @@ class Trainer:
         if self._is_rank0:
             result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
                                    step=step)
+            if self.logger is not None:  # which prompts each step saw: audit trail and resume check
+                self.logger.log_record("prompts", {"step": step, "requested": result.requested,
+                                                   "kept": [g.prompt.index for g in result.groups]})
             payload = [(result.groups, result.metrics)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(payload, src=0)
@@ -180,7 +183,7 @@ class Trainer:
         t0 = time.perf_counter()
         metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
                            n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
-                           pass_ks=(1, self.config.eval_n_samples))
+                           pass_ks=(1, self.config.eval_n_samples), seed=self.collect.seed)
         metrics["time/eval_s"] = time.perf_counter() - t0
         return metrics
 
