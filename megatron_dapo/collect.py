@@ -131,7 +131,7 @@ def collect_batch(
             seen.append(group)
             filler.offer(group, group.accs)
             if filler.full:
-                aborted += len(engine.abort())
+                engine.abort()  # the aborted groups still come out of the stream, counted above
     metrics = filler.stats.as_metrics()
     metrics.update(_rollout_metrics(seen, config.sampling.max_new_tokens))
     metrics["rollout/aborted_groups"] = float(aborted)
