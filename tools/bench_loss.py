@@ -121,8 +121,11 @@ def main() -> None:
             cmd += ["--chunk", str(args.chunk)]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         rows[variant] = json.loads(out.strip().splitlines()[-1])
-    print(f"[{args.tokens} x {args.vocab}] fp32, forward+backward of log p and entropy, "
-          f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, torch {torch.__version__}")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    print(f"[{args.tokens} x {args.vocab}] fp32 (fused linear: hidden {args.hidden}), forward+backward of "
+          f"log p and entropy, commit {commit}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(f"{'variant':<14}{'time s':>9}{'peak MiB':>10}{'time/base':>11}{'peak/base':>11}   base")
     for variant, row in rows.items():
         base = rows.get("linear+naive" if variant in LINEAR_VARIANTS else "naive", row)
