@@ -58,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="responses per optimizer step (DAPO: 32 prompts x 16 = 512); 0 = the whole "
                         "rollout batch (one update per step)")
     g.add_argument("--max-tokens-per-micro-batch", type=int, default=8192,
-                   help="token budget of one micro-batch (dynamic batch size)")
+                   help="token budget of one padded micro-batch, rows x longest row (dynamic batch size)")
+    g.add_argument("--use-fused-logprob", action=argparse.BooleanOptionalAction, default=True,
+                   help="fused vocab-parallel log-prob/entropy kernel (megatron_dapo.ops) in the loss")
+    g.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="actor parameter dtype (bf16 keeps fp32 main params); default: bf16 on GPU, "
+                        "fp32 on CPU")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-engine", choices=["embedded", "sglang"], default=None,

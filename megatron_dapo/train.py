@@ -35,6 +35,8 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch, seed=args.seed,
+        use_fused_logprob=args.use_fused_logprob,
+        params_dtype=args.params_dtype or ("bfloat16" if torch.cuda.is_available() else "float32"),
         loss=PolicyLossConfig(eps_low=args.clip_ratio_low, eps_high=args.clip_ratio_high,
                               dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode),
     )
