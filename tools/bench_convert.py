@@ -1,0 +1,139 @@
+"""Benchmark checkpoint_convert on a synthetic bf16 Qwen2 checkpoint: time vs a byte copy, peak RSS.
+
+    python tools/bench_convert.py --size-gb 2 [--tp 2 --pp 2] [--workdir /tmp/bench_convert]
+
+Writes a random HF checkpoint of about --size-gb (streamed, never in memory), then runs, each in a
+fresh process: a plain copy of the shard files, hf-to-mcore, mcore-to-hf, and an import-only baseline.
+Prints wall time as a ratio to the copy, and each process's peak RSS (ru_maxrss) next to the size of
+the largest tensor and of one decoder layer: streaming means peak RSS - baseline stays near those,
+not near the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.weights.hf_format import HFShardedWriter
+from megatron_dapo.weights.plan import hf_tensor_specs
+
+# A Qwen2.5-1.5B-like shape; only the layer count is scaled to reach the requested size.
+BASE = dict(
+    model_type="qwen2",
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+
+CHILD = """
+import resource, sys, time
+t = time.perf_counter()
+{body}
+print("RESULT", time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+BODIES = {
+    "baseline (imports)": "import checkpoint_convert.cli, torch",
+    "byte copy of shards": "import shutil, glob, os, torch, checkpoint_convert.cli\n"
+    "os.makedirs({copy!r})\n"
+    "[shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p))) "
+    "for p in glob.glob({hf!r} + '/*.safetensors')]",
+    "hf-to-mcore": "from checkpoint_convert.cli import main\n"
+    "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
+    "'--pp', '{pp}']) == 0",
+    "mcore-to-hf": "from checkpoint_convert.cli import main\n"
+    "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}]) == 0",
+}
+
+
+def layer_bytes(arch: Qwen2Arch) -> int:
+    """bf16 bytes of one decoder layer (everything but embedding, head and final norm, per layer)."""
+    outer = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+    return (arch.num_parameters() - outer) * 2 // arch.num_layers
+
+
+def synthetic_config(size_gb: float) -> dict:
+    """BASE with as many layers as make about size_gb of bf16 weights."""
+    arch = Qwen2Arch.from_hf({**BASE, "num_hidden_layers": 1})
+    outer = arch.num_parameters() * 2 - layer_bytes(arch)
+    return {**BASE, "num_hidden_layers": max(1, round((size_gb * 1e9 - outer) / layer_bytes(arch)))}
+
+
+def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
+    """Stream random bf16 tensors into HF shards; returns total bytes."""
+    os.makedirs(out_dir)
+    arch = Qwen2Arch.from_hf(config)
+    specs = hf_tensor_specs(arch, torch.bfloat16)
+    writer = HFShardedWriter(out_dir, specs, shard_bytes)
+    gen = torch.Generator().manual_seed(0)
+    for spec in specs:
+        writer.write(spec.name, (torch.randn(spec.shape, generator=gen) * 0.02).to(torch.bfloat16))
+    writer.close()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return writer.total_bytes
+
+
+def run_child(body: str) -> tuple[float, int]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(body=body)], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    _, seconds, rss = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
+    return float(seconds), int(rss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--size-gb", type=float, default=2.0, help="synthetic checkpoint size (default 2)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--shard-gb", type=float, default=0.5, help="HF input shard size (default 0.5)")
+    parser.add_argument(
+        "--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)"
+    )
+    ns = parser.parse_args()
+    shutil.rmtree(ns.workdir, ignore_errors=True)
+    paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "hf2", "copy")}
+    config = synthetic_config(ns.size_gb)
+    arch = Qwen2Arch.from_hf(config)
+    try:
+        total = write_synthetic_hf(paths["hf"], config, int(ns.shard_gb * 1e9))
+        largest = arch.vocab_size * arch.hidden_size * 2
+        layer = layer_bytes(arch)
+        print(
+            f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16; largest tensor "
+            f"{largest / 1e6:.0f} MB, one layer {layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp}"
+        )
+        results = {name: run_child(body.format(tp=ns.tp, pp=ns.pp, **paths)) for name, body in BODIES.items()}
+        copy_s = results["byte copy of shards"][0]
+        base_rss = results["baseline (imports)"][1]
+        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'RSS - baseline MB':>19}")
+        for name, (seconds, rss) in results.items():
+            ratio, extra = seconds / copy_s, (rss - base_rss) / 1e6
+            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{rss / 1e6:>13.0f}{extra:>19.0f}")
+        print(
+            f"checkpoint / (RSS - baseline) of hf-to-mcore: "
+            f"{total / max(1, results['hf-to-mcore'][1] - base_rss):.1f}x"
+        )
+    finally:
+        shutil.rmtree(ns.workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
