@@ -1,0 +1,91 @@
+"""SGLang HTTP wire format: /generate payloads and responses, as plain dicts (no sglang import).
+
+One HTTP request per sample (not `n` in sampling_params): each sample then has its own rid for
+/abort_request, its own seed, and can be retried alone on another server when one dies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_dapo.rollout.sampling import row_seed
+from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, Sample
+
+
+def sample_rid(request_id: str, index: int) -> str:
+    """The SGLang rid of sample `index` of a request (unique per sample, for /abort_request)."""
+    return f"{request_id}::{index}"
+
+
+def generate_payload(req: RolloutRequest, index: int) -> dict[str, Any]:
+    """Body of POST /generate for sample `index` of `req`: token ids in, raw token log-probs out."""
+    params = req.sampling.to_sglang()
+    if req.sampling.seed is not None:
+        params["sampling_seed"] = row_seed(req.sampling.seed, index)
+    return {
+        "rid": sample_rid(req.request_id, index),
+        "input_ids": list(req.prompt_ids),
+        "sampling_params": params,
+        "return_logprob": True,
+        # Only response tokens: prompt log-probs are not needed (the actor recomputes those it needs).
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+@dataclass(kw_only=True)
+class ParsedOutput:
+    """What one /generate response says about its sample."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    weight_version: int | None
+
+
+def parse_generate_response(body: dict[str, Any]) -> ParsedOutput:
+    """Reads output_ids, meta_info.output_token_logprobs ([[logprob, token_id, text], ...]) and
+    meta_info.finish_reason.type ('length' = truncated, 'stop', 'abort'). Raises ValueError on a body
+    that does not follow that shape, naming the field."""
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ValueError(f"SGLang /generate response has no meta_info: keys {sorted(body)}")
+    entries = meta.get("output_token_logprobs") or []
+    ids = [int(e[1]) for e in entries]
+    logprobs = [float(e[0]) for e in entries]
+    output_ids = body.get("output_ids")
+    if output_ids is not None and list(output_ids) != ids:
+        raise ValueError(
+            f"SGLang response: output_ids ({len(output_ids)}) and output_token_logprobs ({len(ids)}) disagree"
+        )
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    if kind not in FINISH_REASONS:
+        raise ValueError(f"SGLang response: unknown meta_info.finish_reason {reason!r}")
+    version = meta.get("weight_version")
+    try:
+        version = int(version) if version is not None else None
+    except (TypeError, ValueError):
+        version = None  # a server started without --weight-version reports 'default'
+    return ParsedOutput(response_ids=ids, logprobs=logprobs, finish_reason=kind, weight_version=version)
+
+
+def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_version: int) -> Sample:
+    return Sample(
+        request_id=req.request_id,
+        index=index,
+        prompt_ids=list(req.prompt_ids),
+        response_ids=out.response_ids,
+        logprobs=out.logprobs,
+        finish_reason=out.finish_reason,
+        weight_version=out.weight_version if out.weight_version is not None else fallback_version,
+    )
+
+
+def aborted_sample(req: RolloutRequest, index: int, version: int) -> Sample:
+    """A sample that was never generated (aborted before it was sent)."""
+    return Sample(
+        request_id=req.request_id, index=index, prompt_ids=list(req.prompt_ids), response_ids=[],
+        logprobs=[], finish_reason="abort", weight_version=version,
+    )

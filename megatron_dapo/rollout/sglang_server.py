@@ -1,0 +1,193 @@
+"""Launching and supervising SGLang server processes (and sglang-router in front of several).
+
+Each server is `python -m sglang.launch_server` in its own process group, bound to 127.0.0.1 unless told
+otherwise; the interpreter can be another venv's (SGLang never has to be importable in the trainer).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """Where and how to run the SGLang servers of one rollout engine."""
+
+    model_path: str
+    """HF model directory the servers load first (--hf-checkpoint)."""
+    num_servers: int = 1
+    """Independent servers (data parallel rollout); --rollout-num-servers."""
+    tp_per_server: int = 1
+    """Tensor parallel GPUs per server; server i uses GPUs [i*tp, (i+1)*tp) (--rollout-tp)."""
+    base_port: int = 30000
+    """Server i listens on base_port + i; the router on base_port + num_servers."""
+    host: str = "127.0.0.1"
+    """Bind address. Keep loopback unless trainer and servers are on different hosts."""
+    device: str = "cuda"
+    """'cuda', or 'cpu' for SGLang's torch-native CPU path (tests, tools/setup_sglang_env.sh)."""
+    extra_args: tuple[str, ...] = ()
+    """Passed verbatim to sglang.launch_server (e.g. ('--mem-fraction-static', '0.7'))."""
+    startup_timeout_s: float = 600.0
+    router: bool | None = None
+    """Put sglang-router in front (default: when num_servers > 1)."""
+    python: str = sys.executable
+    """Interpreter with sglang installed (e.g. .venv-sglang/bin/python)."""
+    log_dir: str | None = None
+    """Server logs go to log_dir/sglang_<i>.log (default: a temp dir)."""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_servers < 1:
+            raise ValueError(f"ServerConfig.num_servers must be >= 1 (--rollout-num-servers), got "
+                f"{self.num_servers}")
+        if self.tp_per_server < 1:
+            raise ValueError(f"ServerConfig.tp_per_server must be >= 1 (--rollout-tp), got "
+                f"{self.tp_per_server}")
+        if not 1024 <= self.base_port <= 65535 - self.num_servers:
+            raise ValueError(f"ServerConfig.base_port {self.base_port} leaves no room for "
+                f"{self.num_servers} ports")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"ServerConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError("ServerConfig.startup_timeout_s must be > 0")
+        if self.router is None:
+            self.router = self.num_servers > 1
+        self.extra_args = tuple(self.extra_args)
+
+    def server_url(self, i: int) -> str:
+        return f"http://{self.host}:{self.base_port + i}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.base_port + self.num_servers}"
+
+    def server_command(self, i: int) -> list[str]:
+        cmd = [
+            self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            "--host", self.host, "--port", str(self.base_port + i), "--tp-size", str(self.tp_per_server),
+            # Token ids in, token ids out: the trainer owns tokenization.
+            "--skip-tokenizer-init",
+        ]
+        if self.device == "cpu":
+            # What ran on CPU (shared/notes/sglang-on-cpu.md); a KV cache sized from free RAM takes 15 GB.
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+                    "--max-total-tokens", "65536", "--mem-fraction-static", "0.1"]
+        else:
+            cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
+        return cmd + list(self.extra_args)
+
+    def router_command(self) -> list[str]:
+        urls = [self.server_url(i) for i in range(self.num_servers)]
+        return [self.python, "-m", "sglang_router.launch_router", "--host", self.host,
+                "--port", str(self.base_port + self.num_servers), "--policy", "round_robin",
+                "--worker-urls", *urls]
+
+
+class ServerProcess:
+    """One child process (server or router) with its log file; started in a new session so that
+    `stop` ends its whole process tree (SGLang forks scheduler / detokenizer children)."""
+
+    def __init__(self, name: str, command: list[str], url: str, log_path: Path, env: dict[str, str]):
+        self.name, self.command, self.url, self.log_path, self.env = name, command, url, log_path, env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env}, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        if not self.alive():
+            return False
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log "
+                    f"tail:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy at {self.url} after {timeout_s:.0f} s; "
+            f"log:\n{self.log_tail()}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(grace_s)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+class ServerGroup:
+    """The servers (and router) of one engine: launch, health, restart, stop."""
+
+    def __init__(self, config: ServerConfig):
+        import tempfile
+
+        self.config = config
+        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="sglang_logs_"))
+        env = {**config.env}
+        if config.device == "cpu":
+            env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        self.servers = [
+            ServerProcess(f"sglang server {i}", config.server_command(i), config.server_url(i),
+                          log_dir / f"sglang_{i}.log", env)
+            for i in range(config.num_servers)
+        ]
+        self.router = (
+            ServerProcess("sglang router", config.router_command(), config.router_url,
+                          log_dir / "router.log", env)
+            if config.router else None
+        )
+
+    def start(self) -> None:
+        for server in self.servers:  # start all first: they load in parallel
+            server.start()
+        try:
+            for server in self.servers:
+                server.wait_healthy(self.config.startup_timeout_s)
+            if self.router is not None:
+                self.router.start()
+                self.router.wait_healthy(self.config.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def restart(self, i: int) -> None:
+        server = self.servers[i]
+        server.stop()
+        server.start()
+        server.wait_healthy(self.config.startup_timeout_s)
+
+    def stop(self) -> None:
+        for proc in ([self.router] if self.router else []) + self.servers:
+            proc.stop()
