@@ -39,23 +39,34 @@ BASE = dict(
     torch_dtype="bfloat16",
 )
 
+# Imports happen before the clock and the RSS reference; a sampler thread records the step's peak RSS
+# (ru_maxrss alone would be the import high-water mark, which hides the step).
 CHILD = """
-import resource, sys, time
+import glob, os, resource, shutil, threading, time
+import psutil, torch
+from checkpoint_convert.cli import main
+proc, peak, done = psutil.Process(), [0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.002)
+rss0 = proc.memory_info().rss
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
 t = time.perf_counter()
 {body}
-print("RESULT", time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+seconds = time.perf_counter() - t
+done.set(); thread.join()
+print("RESULT", seconds, max(peak[0], proc.memory_info().rss), rss0)
 """
 BODIES = {
-    "baseline (imports)": "import checkpoint_convert.cli, torch",
-    "byte copy of shards": "import shutil, glob, os, torch, checkpoint_convert.cli\n"
-    "os.makedirs({copy!r})\n"
-    "[shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p))) "
-    "for p in glob.glob({hf!r} + '/*.safetensors')]",
-    "hf-to-mcore": "from checkpoint_convert.cli import main\n"
-    "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
+    "baseline (no-op)": "pass",
+    "byte copy of shards": "os.makedirs({copy!r})\n"
+    "for p in glob.glob({hf!r} + '/*.safetensors'):\n"
+    "    shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p)))",
+    "hf-to-mcore": "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
     "'--pp', '{pp}']) == 0",
-    "mcore-to-hf": "from checkpoint_convert.cli import main\n"
-    "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}]) == 0",
+    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}]) == 0",
 }
 
 
@@ -65,11 +76,12 @@ def layer_bytes(arch: Qwen2Arch) -> int:
     return (arch.num_parameters() - outer) * 2 // arch.num_layers
 
 
-def synthetic_config(size_gb: float) -> dict:
-    """BASE with as many layers as make about size_gb of bf16 weights."""
+def synthetic_config(size_gb: float, pp: int) -> dict:
+    """BASE with as many layers (a multiple of pp) as make about size_gb of bf16 weights."""
     arch = Qwen2Arch.from_hf({**BASE, "num_hidden_layers": 1})
     outer = arch.num_parameters() * 2 - layer_bytes(arch)
-    return {**BASE, "num_hidden_layers": max(1, round((size_gb * 1e9 - outer) / layer_bytes(arch)))}
+    stages = max(1, round((size_gb * 1e9 - outer) / layer_bytes(arch) / pp))
+    return {**BASE, "num_hidden_layers": stages * pp}
 
 
 def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
@@ -87,13 +99,14 @@ def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
     return writer.total_bytes
 
 
-def run_child(body: str) -> tuple[float, int]:
+def run_child(body: str) -> tuple[float, int, int]:
+    """(seconds, peak RSS during the step, RSS before it) of `body` in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
         [sys.executable, "-c", CHILD.format(body=body)], env=env, capture_output=True, text=True, check=True
     ).stdout
-    _, seconds, rss = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
-    return float(seconds), int(rss)
+    _, seconds, peak, before = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
+    return float(seconds), int(peak), int(before)
 
 
 def main() -> None:
@@ -110,7 +123,7 @@ def main() -> None:
     ns = parser.parse_args()
     shutil.rmtree(ns.workdir, ignore_errors=True)
     paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "hf2", "copy")}
-    config = synthetic_config(ns.size_gb)
+    config = synthetic_config(ns.size_gb, ns.pp)
     arch = Qwen2Arch.from_hf(config)
     try:
         total = write_synthetic_hf(paths["hf"], config, int(ns.shard_gb * 1e9))
@@ -122,15 +135,12 @@ def main() -> None:
         )
         results = {name: run_child(body.format(tp=ns.tp, pp=ns.pp, **paths)) for name, body in BODIES.items()}
         copy_s = results["byte copy of shards"][0]
-        base_rss = results["baseline (imports)"][1]
-        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'RSS - baseline MB':>19}")
-        for name, (seconds, rss) in results.items():
-            ratio, extra = seconds / copy_s, (rss - base_rss) / 1e6
-            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{rss / 1e6:>13.0f}{extra:>19.0f}")
-        print(
-            f"checkpoint / (RSS - baseline) of hf-to-mcore: "
-            f"{total / max(1, results['hf-to-mcore'][1] - base_rss):.1f}x"
-        )
+        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'peak - start MB':>17}")
+        for name, (seconds, peak, before) in results.items():
+            ratio, extra = seconds / copy_s, (peak - before) / 1e6
+            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{peak / 1e6:>13.0f}{extra:>17.0f}")
+        grown = max(r[1] - r[2] for n, r in results.items() if n in ("hf-to-mcore", "mcore-to-hf"))
+        print(f"checkpoint size / largest RSS growth of a conversion: {total / max(1, grown):.1f}x")
     finally:
         shutil.rmtree(ns.workdir, ignore_errors=True)
 
