@@ -130,6 +130,9 @@ class SGLangEngine(RolloutEngine):
         self._disk_weights: str | None = None
         self._sync_group = None
         self._stale: set[int] = set()  # restarted servers still on old weights: take no requests
+        self._restarts: dict[int, asyncio.Future] = {}
+        self.restarts = 0
+        """How many server restarts this engine performed (a metric worth logging)."""
         self._rr = itertools.count()
         self._inflight: dict[str, set[str]] = {}  # request_id -> rids of its samples in flight
         self._aborted: set[str] = set()
@@ -186,6 +189,8 @@ class SGLangEngine(RolloutEngine):
                 url = self.entry_url if use_router else self.urls[server]
                 with self._lock:
                     self._inflight.setdefault(req.request_id, set()).add(rid)
+                    if req.request_id in self._aborted:  # abort() ran between the check and now
+                        return aborted_sample(req, index, self._version)
                 try:
                     body = await self._post(url, "/generate", generate_payload(req, index),
                                             timeout=self.client.request_timeout_s)
@@ -208,12 +213,13 @@ class SGLangEngine(RolloutEngine):
     async def _group(self, req: RolloutRequest, out: queue.Queue) -> None:
         try:
             samples = await asyncio.gather(*(self._one(req, i) for i in range(req.n)))
-            out.put(list(samples))
+            result: list[Sample] | BaseException = list(samples)
         except BaseException as e:  # delivered to the consuming thread, never swallowed
-            out.put(e)
-        finally:
-            with self._lock:
-                self._inflight.pop(req.request_id, None)
+            result = e
+        with self._lock:  # done: no longer abortable, and its id may be reused
+            self._inflight.pop(req.request_id, None)
+            self._aborted.discard(req.request_id)
+        out.put(result)
 
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
         self._check_open()
@@ -294,11 +300,25 @@ class SGLangEngine(RolloutEngine):
     # ---- failure recovery ----------------------------------------------------------------------
 
     async def _recover(self, server: int | None) -> None:
-        """Restarts a dead server this engine launched and puts it back once it has current weights."""
-        if server is None or self.group is None or server in self._stale:
+        """Restarts dead servers this engine launched (`server`, or every dead one when a failure came
+        through the router) and puts each back once it has the current weights. Concurrent failures of
+        the same server wait on one restart."""
+        if self.group is None:
             return
+        if server is None:
+            dead = [i for i, s in enumerate(self.group.servers) if not s.alive()]
+        else:
+            dead = [server]
+        for i in dead:
+            task = self._restarts.get(i)
+            if task is None or task.done():
+                task = self._restarts[i] = asyncio.ensure_future(self._restart(i))
+            await asyncio.shield(task)
+
+    async def _restart(self, server: int) -> None:
         self._stale.add(server)
         await asyncio.to_thread(self.group.restart, server)
+        self.restarts += 1
         if self._version == 0:
             self._stale.discard(server)  # it loaded model_path: already current
         elif self._disk_weights is not None:

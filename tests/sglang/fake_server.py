@@ -1,0 +1,177 @@
+"""A small stand-in for an SGLang server's HTTP API, for client tests without SGLang.
+
+It follows SGLang 0.5.23's wire format (see shared/notes/sglang-on-cpu.md) with a deterministic "model":
+response token k of a prompt is fake_token(prompt, seed, k), its log-prob fake_logprob(token); weight
+updates are stored and reported at /stats. Bound to 127.0.0.1 and self-stopping after --lifetime seconds.
+Run as a script (it accepts and ignores sglang.launch_server's other flags) or in a thread via serve().
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def fake_token(prompt: list[int], seed: int, k: int) -> int:
+    return (sum(prompt) + 7 * k + seed) % 90 + 2
+
+
+def fake_logprob(token: int) -> float:
+    return -0.05 - (token % 10) / 10
+
+
+class FakeState:
+    def __init__(self, token_delay_s: float = 0.0):
+        self.token_delay_s = token_delay_s
+        self.lock = threading.Lock()
+        self.aborted: set[str] = set()
+        self.abort_all = False
+        self.paused = threading.Event()
+        self.in_update = False
+        self.weights: dict[str, list] = {}
+        self.version = "default"
+        self.calls: dict[str, int] = {}
+        self.rids: list[str] = []
+
+
+def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
+    rid, prompt, params = body["rid"], body["input_ids"], body["sampling_params"]
+    if not body.get("return_logprob") or not isinstance(prompt, list):
+        return 400, {"error": "expected input_ids and return_logprob"}
+    with state.lock:
+        state.rids.append(rid)
+    seed = params.get("sampling_seed", 0)
+    stops = set(params.get("stop_token_ids", []))
+    tokens, reason = [], {"type": "length", "length": params["max_new_tokens"]}
+    for k in range(params["max_new_tokens"]):
+        while state.paused.is_set():
+            time.sleep(0.005)
+        if rid in state.aborted or state.abort_all:
+            reason = {"type": "abort", "message": "Abort before prefill" if not tokens else "aborted"}
+            break
+        time.sleep(state.token_delay_s)
+        tok = fake_token(prompt, seed, k)
+        tokens.append(tok)
+        if tok in stops:
+            reason = {"type": "stop", "matched": tok}
+            break
+    meta = {
+        "id": rid, "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+        "weight_version": state.version,
+        "output_token_logprobs": [[fake_logprob(t), t, None] for t in tokens],
+    }
+    return 200, {"output_ids": tokens, "meta_info": meta}
+
+
+def _load_tensors(state: FakeState, named) -> None:
+    for name, tensor in named:
+        state.weights[name] = tensor.clone().tolist()
+
+
+def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
+    with state.lock:
+        state.calls[path] = state.calls.get(path, 0) + 1
+    if path == "/generate":
+        return _generate(state, body)
+    if path == "/abort_request":
+        if body.get("abort_all"):
+            state.abort_all = True
+        else:
+            state.aborted.add(body["rid"])
+        return 200, {}
+    if path == "/pause_generation":
+        state.paused.set()
+        return 200, {}
+    if path == "/continue_generation":
+        state.paused.clear()
+        return 200, {}
+    if path == "/flush_cache":
+        return 200, {}
+    if path == "/begin_weight_update":
+        state.in_update = True
+        return 200, {"success": True, "message": ""}
+    if path == "/end_weight_update":
+        state.in_update = False
+        return 200, {"success": True, "message": ""}
+    if path == "/update_weights_from_tensor":
+        if not state.in_update:  # as SGLang 0.5.23
+            return 400, {"success": False, "message": "call /begin_weight_update first"}
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - tensor reductions
+
+        payloads = body["serialized_named_tensors"]
+        named = ForkingPickler.loads(base64.b64decode(payloads[0]))
+        _load_tensors(state, named)
+        state.version = body.get("weight_version") or state.version
+        return 200, {"success": True, "message": "ok"}
+    if path == "/update_weights_from_disk":
+        from safetensors.torch import load_file
+
+        for f in sorted(os.listdir(body["model_path"])):
+            if f.endswith(".safetensors"):
+                _load_tensors(state, load_file(os.path.join(body["model_path"], f)).items())
+        state.version = body.get("weight_version") or state.version
+        return 200, {"success": True, "message": "ok"}
+    if path == "/stats":
+        with state.lock:
+            return 200, {"calls": dict(state.calls), "rids": list(state.rids), "version": state.version,
+                         "weights": state.weights, "aborted": sorted(state.aborted)}
+    return 404, {"error": f"no route {path}"}
+
+
+def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._reply(200, {})
+            else:
+                self._reply(*_handle(state, self.path, {}))
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"{}")
+            self._reply(*_handle(state, self.path, body))
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(port: int = 0, token_delay_s: float = 0.0) -> tuple[ThreadingHTTPServer, FakeState]:
+    """Starts a fake server on a thread; port 0 picks a free one (server.server_address[1])."""
+    state = FakeState(token_delay_s)
+    server = make_server(port, state)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--lifetime", type=float, default=float(os.environ.get("FAKE_SGLANG_LIFETIME", 120)))
+    parser.add_argument("--startup-delay", type=float, default=0.2)
+    args, _ = parser.parse_known_args()
+    time.sleep(args.startup_delay)  # a real server is not healthy at once either
+    threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
+    make_server(args.port, FakeState()).serve_forever()
+
+
+if __name__ == "__main__":
+    main()
