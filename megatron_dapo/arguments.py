@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HF Qwen2/Qwen2.5 directory (config.json, safetensors, tokenizer): the initial "
                         "policy and the architecture")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --hf-checkpoint)")
+    g.add_argument("--mcore-checkpoint", default=None,
+                   help="initial actor weights from `checkpoint_convert hf-to-mcore` output of the same "
+                        "TP/PP (each rank reads only its shard); default: re-shard --hf-checkpoint")
     g.add_argument("--load", default=None,
                    help="resume from this checkpoint directory (written by --save); the newest step is taken")
     g.add_argument("--save", default=None, help="checkpoint directory (model, optimizer, scheduler, RNG, "

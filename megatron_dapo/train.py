@@ -137,7 +137,13 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = get_reward_fn(args.reward_fn)
 
     actor = MegatronActor(arch, actor_cfg, layout)
-    load_hf_into_actor(actor, args.hf_checkpoint)
+    if args.mcore_checkpoint:
+        from megatron_dapo.weights import load_mcore_checkpoint
+
+        load_mcore_checkpoint(actor.module, args.mcore_checkpoint, layout)
+        actor.optimizer.reload_model_params()
+    else:
+        load_hf_into_actor(actor, args.hf_checkpoint)
 
     train_prompts = load_prompt_set(args.prompt_data, tokenizer, prompt_format=args.prompt_format,
                                     max_prompt_length=args.max_prompt_length) if rank0 else []
