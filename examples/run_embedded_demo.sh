@@ -38,7 +38,8 @@ DAPO_ARGS=(
     --clip-ratio-low 0.2 --clip-ratio-high 0.28 --loss-agg-mode token-mean --dynamic-sampling
     --overlong-buffer-length 8 --overlong-penalty-factor 1.0 --reward-fn math_dapo
 )
-OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 5 --weight-decay 0.0 --clip-grad 1.0 --seed 1234)
+# 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped)
+OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 5 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
 RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30 --no-wandb)
 
 if [ "$NPROC" -gt 1 ]; then
