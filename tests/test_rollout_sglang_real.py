@@ -63,7 +63,8 @@ def _max_logprob_error(model, samples) -> float:
 
 def _reqs(count, n, max_new, **kw):
     sp = SamplingParams(max_new_tokens=max_new, **kw)
-    return [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=n, sampling=sp, request_id=f"q{i}") for i in range(count)]
+    return [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=n, sampling=sp, request_id=f"q{i}")
+            for i in range(count)]
 
 
 def test_generate_logprobs_match_hf(served):
