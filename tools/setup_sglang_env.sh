@@ -17,6 +17,13 @@ if [[ -z "$TORCH" ]]; then
 fi
 PYTHON="${PYTHON:-python3}"
 start=$(date +%s)
+SMOKE="import sglang.srt.entrypoints.http_server, sglang_router; print('sglang', __import__('sglang').__version__, 'ok')"
+
+# Already built (a CI machine that kept it): only re-check that it still imports.
+if [[ -f "$VENV/.installed" ]] && SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "$SMOKE"; then
+  echo "setup_sglang_env: $VENV already set up"
+  exit 0
+fi
 
 "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
@@ -55,5 +62,6 @@ printf '%s\nimport megatron_dapo_cpu_guard\n' "$(pwd)/tools/sgl_kernel_stub" > "
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 
 # Smoke test: fails loudly (non-zero exit) if an import needs something the stand-in lacks.
-SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "import sglang.srt.entrypoints.http_server, sglang_router; print('sglang', __import__('sglang').__version__, 'ok')"
+SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c "$SMOKE"
+touch "$VENV/.installed"
 echo "setup_sglang_env: $VENV ready in $(( $(date +%s) - start )) s"
