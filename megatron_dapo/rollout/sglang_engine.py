@@ -185,7 +185,8 @@ class SGLangEngine(RolloutEngine):
                 if req.request_id in self._aborted:
                     return aborted_sample(req, index, self._version)
                 server = self._pick_server(tried)
-                use_router = self.entry_url is not None and not tried
+                # First try through the router; retries go to a server directly, avoiding failed ones.
+                use_router = self.entry_url is not None and attempt == 0
                 url = self.entry_url if use_router else self.urls[server]
                 with self._lock:
                     self._inflight.setdefault(req.request_id, set()).add(rid)
@@ -197,8 +198,9 @@ class SGLangEngine(RolloutEngine):
                 except ServerDied:
                     if attempt == self.client.max_retries:
                         raise
-                    tried.add(server)
-                    await self._recover(server if not use_router else None)
+                    if not use_router:
+                        tried.add(server)
+                    await self._recover(None if use_router else server)
                     continue
                 finally:
                     with self._lock:
