@@ -103,3 +103,33 @@ def test_weight_update_paths(served, mode):
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=8, seed=4)) for s in g]
     assert {s.weight_version for s in samples} == {version}
     assert _max_logprob_error(new, samples) < 1e-4
+
+
+def test_router_round_robins(tmp_path):
+    """sglang-router (ServerConfig.router_command) in front of two fake servers spreads /generate."""
+    import httpx
+
+    from megatron_dapo.rollout.sglang_server import ServerProcess
+    from tests.sglang.fake_server import serve
+
+    fakes = [serve() for _ in range(2)]
+    cfg = ServerConfig(model_path="unused", num_servers=2, base_port=min(_port(), 60000),
+                       python=str(SGLANG_PY))
+    cmd = cfg.router_command()
+    urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in fakes]
+    cmd = cmd[: cmd.index("--worker-urls") + 1] + urls
+    router = ServerProcess("router", cmd, cfg.router_url, tmp_path / "router.log", {})
+    router.start()
+    try:
+        router.wait_healthy(60)
+        for k in range(4):
+            body = {"rid": f"x{k}", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3},
+                    "return_logprob": True}
+            reply = httpx.post(f"{cfg.router_url}/generate", json=body, timeout=30).json()
+            assert reply["meta_info"]["id"] == f"x{k}" and len(reply["output_ids"]) == 3
+        assert [len(state.rids) for _, state in fakes] == [2, 2]
+    finally:
+        router.stop()
+        for server, _ in fakes:
+            server.shutdown()
+            server.server_close()
