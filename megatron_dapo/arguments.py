@@ -83,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-base-port", type=int, default=30000)
     g.add_argument("--sglang-host", default="127.0.0.1")
     g.add_argument("--sglang-extra-args", default="", help="extra flags passed to sglang.launch_server")
+    g.add_argument("--sglang-gpus", default=None,
+                   help="CUDA_VISIBLE_DEVICES of the launched servers, e.g. 4,5,6,7 (apart from the "
+                        "actor's GPUs)")
+    g.add_argument("--sglang-server-urls", nargs="+", default=None,
+                   help="attach to running SGLang servers instead of launching them (multi-node rollouts)")
+    g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
+    g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
+                   help="tensor: colocated (shared memory); distributed: separate GPUs (NCCL group with "
+                        "the servers); disk: safetensors + update_weights_from_disk. Default: tensor for "
+                        "launched servers, distributed for --sglang-server-urls")
+    g.add_argument("--weight-sync-bucket-mb", type=int, default=512, help="flattened bucket size")
+    g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
+                   help="address of global rank 0 as the servers see it (distributed mode)")
+    g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
     g = p.add_argument_group("DAPO")
     g.add_argument("--clip-ratio-low", type=float, default=0.2, help="eps_low")

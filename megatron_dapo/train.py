@@ -102,18 +102,33 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
 
 
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
+    """The engine of global rank 0: embedded on CPU, else SGLang servers (launched or attached)."""
     from megatron_dapo.rollout import make_engine
 
     kind = args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
     if kind == "embedded":
         return make_engine("embedded", args.hf_checkpoint, tokenizer=tokenizer, seed=args.seed,
                            max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
-    from megatron_dapo.rollout.sglang_engine import ServerConfig
+    from megatron_dapo.rollout.sglang_engine import ClientConfig
+    from megatron_dapo.rollout.sglang_server import ServerConfig
 
+    attach = bool(args.sglang_server_urls)
+    client = ClientConfig(
+        max_concurrency=args.sglang_max_concurrency,
+        update_mode=args.weight_sync_mode or ("distributed" if attach else "tensor"),
+        bucket_bytes=args.weight_sync_bucket_mb << 20,
+        sync_backend="nccl" if torch.cuda.is_available() else "gloo",
+        sync_master_address=args.weight_sync_master_addr, sync_master_port=args.weight_sync_master_port,
+    )
+    if attach:
+        return make_engine("sglang", client=client, server_urls=args.sglang_server_urls)
     server = ServerConfig(model_path=args.hf_checkpoint, num_servers=args.sglang_num_servers,
                           tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port,
-                          host=args.sglang_host, extra_args=tuple(args.sglang_extra_args.split()))
-    return make_engine("sglang", server)
+                          host=args.sglang_host, extra_args=tuple(args.sglang_extra_args.split()),
+                          device="cuda" if torch.cuda.is_available() else "cpu",
+                          log_dir=str(Path(args.log_dir) / "sglang"),
+                          env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {})
+    return make_engine("sglang", server, client=client)
 
 
 def main(argv: list[str] | None = None) -> None:
