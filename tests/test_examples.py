@@ -1,0 +1,66 @@
+"""The GPU launchers in examples/ stay true to the trainer's flags.
+
+Each launcher runs with a stand-in `torchrun` on PATH that records its arguments; the part after
+`-m megatron_dapo.train` must parse with the real parser and build valid configs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.train import build_configs
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_TORCHRUN = """#!/usr/bin/env python3
+import json, sys
+json.dump(sys.argv[1:], open({out!r}, "w"))
+"""
+
+
+def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(torchrun's own args, the trainer's args) of one launcher run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    out = tmp_path / "argv.json"
+    fake = bin_dir / "torchrun"
+    fake.write_text(FAKE_TORCHRUN.format(out=str(out)))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    run_env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env)
+    subprocess.run(["bash", script, "/models/fake", str(tmp_path / "run")], cwd=REPO, env=run_env, check=True,
+                   capture_output=True, timeout=60)
+    argv = json.loads(out.read_text())
+    split = argv.index("megatron_dapo.train")
+    return argv[: split - 1], argv[split + 1:]
+
+
+@pytest.mark.parametrize(
+    "script,env,nproc",
+    [
+        ("examples/run_qwen2.5_7b_single_node.sh", {}, "4"),
+        ("examples/run_qwen2.5_32b_multinode.sh",
+         {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
+         "8"),
+    ],
+    ids=["7b-single-node", "32b-multinode"],
+)
+def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
+    torchrun_args, train_args = launcher_args(tmp_path, script, env)
+    assert torchrun_args[torchrun_args.index("--nproc_per_node") + 1] == nproc
+    args = build_parser().parse_args(train_args)
+    assert args.hf_checkpoint == "/models/fake"
+    assert (args.clip_ratio_low, args.clip_ratio_high, args.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert args.dynamic_sampling and args.reward_fn == "math_dapo"
+    build_configs(args)  # every config dataclass accepts the launcher's values
+    if "32b" in script:
+        # DAPO's published setting
+        assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (512, 16, 512)
+        assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
+        assert args.sglang_server_urls == ["http://r0:30000", "http://r1:30000"]
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (8, 2)
