@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.engine == "embedded":
         engine = make_engine("embedded", args.model, tokenizer=tokenizer, seed=args.seed)
     else:
-        from megatron_dapo.rollout.sglang_engine import ServerConfig
+        from megatron_dapo.rollout.sglang_server import ServerConfig
 
         server = ServerConfig(model_path=args.model, num_servers=args.sglang_num_servers,
                               tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port)
