@@ -40,7 +40,7 @@ DAPO_ARGS=(
 )
 # 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped)
 OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 5 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
-RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30 --no-wandb)
+RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30)
 
 if [ "$NPROC" -gt 1 ]; then
     LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port 29517)

@@ -50,7 +50,7 @@ def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-dynamic-sampling",
             "--max-response-length", "12", "--overlong-buffer-length", "10", "--lr", "1e-3",
             "--global-batch-size", "8", "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
-            "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "7", *extra]
+            "--save-interval", "2", "--no-progress", "--seed", "7", *extra]
 
 
 def read_jsonl(path: Path) -> dict[int, dict]:
@@ -72,6 +72,7 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     ref = tmp_path / "ref"
     subprocess.run(train_cmd(tiny_base, ref), cwd=REPO, env=_env(), check=True, capture_output=True,
                    timeout=600)
+    assert list((ref / "log" / "wandb").glob("offline-run-*")), "wandb should log offline by default"
     ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
     ref_prompts = read_jsonl(ref / "log" / "prompts.jsonl")
     assert sorted(ref_metrics) == list(range(1, NUM_STEPS + 1))
@@ -81,8 +82,8 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     assert all(ref_metrics[s]["train/minibatches"] == 2 for s in ref_metrics)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(tiny_base, run), cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(train_cmd(tiny_base, run, "--no-wandb"), cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while latest_step(run / "ckpt") < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -91,8 +92,8 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     resumed_from = latest_step(run / "ckpt")
     assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
 
-    out = subprocess.run(train_cmd(tiny_base, run, "--load", str(run / "ckpt")), cwd=REPO, env=_env(),
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", "--load", str(run / "ckpt")), cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
     metrics = read_jsonl(run / "log" / "metrics.jsonl")
