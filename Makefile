@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU requirements unless a GPU driver is present.
 REQS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo requirements.txt || echo requirements-cpu.txt)
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv sglang-env clean
 
 $(VENV)/.installed: $(REQS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(VENV)/.installed: $(REQS)
 
 venv: $(VENV)/.installed
 
-test: $(VENV)/.installed
+# A CPU SGLang 0.5.23 server environment for the real-server tests (tools/setup_sglang_env.sh, ~4 min once).
+# On a GPU machine SGLang comes with requirements.txt instead. SKIP_SGLANG=1 skips it (those tests skip).
+.venv-sglang/.installed: tools/setup_sglang_env.sh
+	bash tools/setup_sglang_env.sh .venv-sglang
+
+sglang-env: $(if $(SKIP_SGLANG),,$(if $(filter requirements-cpu.txt,$(REQS)),.venv-sglang/.installed))
+
+test: $(VENV)/.installed sglang-env
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-base-port", type=int, default=30000)
     g.add_argument("--sglang-host", default="127.0.0.1")
     g.add_argument("--sglang-extra-args", default="", help="extra flags passed to sglang.launch_server")
+    g.add_argument("--sglang-python", default=None,
+                   help="python that runs sglang.launch_server (default: this one; on CPU: .venv-sglang/bin/python "
+                        "from `make sglang-env`)")
     g.add_argument("--sglang-gpus", default=None,
                    help="CUDA_VISIBLE_DEVICES of the launched servers, e.g. 4,5,6,7 (apart from the "
                         "actor's GPUs)")

@@ -122,10 +122,13 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     )
     if attach:
         return make_engine("sglang", client=client, server_urls=args.sglang_server_urls)
+    python = args.sglang_python or sys.executable
+    if not torch.cuda.is_available() and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
+        python = ".venv-sglang/bin/python"  # the CPU SGLang environment of `make sglang-env`
     server = ServerConfig(model_path=args.hf_checkpoint, num_servers=args.sglang_num_servers,
                           tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port,
                           host=args.sglang_host, extra_args=tuple(args.sglang_extra_args.split()),
-                          device="cuda" if torch.cuda.is_available() else "cpu",
+                          device="cuda" if torch.cuda.is_available() else "cpu", python=python,
                           log_dir=str(Path(args.log_dir) / "sglang"),
                           env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {})
     return make_engine("sglang", server, client=client)
