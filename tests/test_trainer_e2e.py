@@ -9,7 +9,6 @@ sampler state).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,28 +17,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO, train_env
+
 NUM_STEPS = 8
 COMPARED = ("rollout/reward", "rollout/accuracy", "rollout/response_len_mean", "train/pg_loss",
             "train/grad_norm", "train/entropy", "train/num_tokens")
 
 pytestmark = pytest.mark.slow
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
-
-
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny-base")
-    cmd = [sys.executable, "tools/make_tiny_base.py", "--out", str(out), "--sft-steps", "20", "--num-train",
-           "300", "--num-eval", "16", "--hidden-size", "32", "--ffn-hidden-size", "64",
-           "--sft-batch-size", "16"]
-    subprocess.run(cmd, cwd=REPO, env=_env(), check=True, capture_output=True, timeout=300)
-    return out
 
 
 def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
@@ -70,7 +54,7 @@ def latest_step(ckpt: Path) -> int:
 
 def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tmp_path):
     ref = tmp_path / "ref"
-    subprocess.run(train_cmd(tiny_base, ref), cwd=REPO, env=_env(), check=True, capture_output=True,
+    subprocess.run(train_cmd(tiny_base, ref), cwd=REPO, env=train_env(), check=True, capture_output=True,
                    timeout=600)
     assert list((ref / "log" / "wandb").glob("offline-run-*")), "wandb should log offline by default"
     ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
@@ -82,7 +66,7 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     assert all(ref_metrics[s]["train/minibatches"] == 2 for s in ref_metrics)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(tiny_base, run, "--no-wandb"), cwd=REPO, env=_env(),
+    proc = subprocess.Popen(train_cmd(tiny_base, run, "--no-wandb"), cwd=REPO, env=train_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while latest_step(run / "ckpt") < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -93,7 +77,7 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
 
     out = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", "--load", str(run / "ckpt")), cwd=REPO,
-                         env=_env(), capture_output=True, text=True, timeout=600)
+                         env=train_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
     metrics = read_jsonl(run / "log" / "metrics.jsonl")
