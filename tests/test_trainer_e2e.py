@@ -64,6 +64,12 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     assert latest_step(ref / "ckpt") == NUM_STEPS
     # two-mini-batch steps: the second update is off-policy, so the clipped ratio is exercised
     assert all(ref_metrics[s]["train/minibatches"] == 2 for s in ref_metrics)
+    # the embedded engine's sampling log-probs equal the Megatron actor's for the same weights, at every
+    # step: weight sync after each update keeps the engine on the actor's weights (a stale engine would
+    # be off by the size of an lr=1e-3 update)
+    for step, record in ref_metrics.items():
+        assert record["mismatch/logprob_abs_diff_mean"] < 1e-5, (step, record["mismatch/logprob_abs_diff_mean"])
+        assert record["train/grad_norm"] > 0
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(train_cmd(tiny_base, run, "--no-wandb"), cwd=REPO, env=train_env(),
