@@ -7,6 +7,7 @@ prints or saves what the test compares, and any rank's failure fails the test wi
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +29,17 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float 
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    out = proc.stdout + proc.stderr
+    # Own process group: on a time-out the launcher *and* its ranks are killed, so a hung collective
+    # fails the test instead of leaving orphaned workers behind.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun {script} timed out after {timeout:.0f} s (hung collective?):\n"
+                             f"{out[-8000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n{out[-8000:]}")
     return out
