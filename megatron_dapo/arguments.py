@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume from this checkpoint directory (written by --save); the newest step is taken")
     g.add_argument("--save", default=None, help="checkpoint directory (model, optimizer, scheduler, RNG, "
                                                 "sampler, step)")
+    g.add_argument("--export-hf", default=None,
+                   help="at the end, write the trained policy here as an HF checkpoint (safetensors, config, "
+                        "tokenizer); with --load of a finished run and the same --num-steps it only exports")
     g.add_argument("--save-interval", type=int, default=0,
                    help="checkpoint every N steps (0 = only at the end)")
 

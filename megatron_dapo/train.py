@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
     try:
         trainer.run()
+        if args.export_hf:
+            from megatron_dapo.hf_export import export_hf
+
+            path = export_hf(actor, args.export_hf, args.hf_checkpoint)
+            if path is not None:
+                print(f"[megatron-dapo] exported step {trainer.step} as an HF checkpoint: {path}")
     finally:
         if logger is not None:
             logger.close()

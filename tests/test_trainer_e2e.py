@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
 
@@ -54,8 +56,8 @@ def latest_step(ckpt: Path) -> int:
 
 def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tmp_path):
     ref = tmp_path / "ref"
-    subprocess.run(train_cmd(tiny_base, ref), cwd=REPO, env=train_env(), check=True, capture_output=True,
-                   timeout=600)
+    subprocess.run(train_cmd(tiny_base, ref, "--export-hf", str(ref / "hf")), cwd=REPO, env=train_env(),
+                   check=True, capture_output=True, timeout=600)
     assert list((ref / "log" / "wandb").glob("offline-run-*")), "wandb should log offline by default"
     ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
     ref_prompts = read_jsonl(ref / "log" / "prompts.jsonl")
@@ -82,8 +84,9 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     resumed_from = latest_step(run / "ckpt")
     assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
 
-    out = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", "--load", str(run / "ckpt")), cwd=REPO,
-                         env=train_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", "--load", str(run / "ckpt"), "--export-hf",
+                                   str(run / "hf")), cwd=REPO, env=train_env(), capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
     metrics = read_jsonl(run / "log" / "metrics.jsonl")
@@ -93,3 +96,12 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
         for key in COMPARED:
             expected = pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7)
             assert metrics[step][key] == expected, (step, key)
+
+    # the exported HF checkpoints of both runs hold the same trained weights, and transformers loads them
+    ref_model = Qwen2ForCausalLM.from_pretrained(ref / "hf")
+    resumed = Qwen2ForCausalLM.from_pretrained(run / "hf")
+    base = Qwen2ForCausalLM.from_pretrained(tiny_base / "model")
+    AutoTokenizer.from_pretrained(ref / "hf")
+    for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after resume")
+    assert any(not torch.equal(a, c) for a, c in zip(ref_model.parameters(), base.parameters())), "no update"
