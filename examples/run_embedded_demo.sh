@@ -40,7 +40,8 @@ DAPO_ARGS=(
 )
 # 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped)
 OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 5 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
-RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30)
+RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30
+          --export-hf "$RUN_DIR/hf")
 
 if [ "$NPROC" -gt 1 ]; then
     LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port 29517)
@@ -51,12 +52,18 @@ echo "== DAPO on $NPROC process(es): $RUN_DIR"
 "${LAUNCH[@]}" -m megatron_dapo.train "${MODEL_ARGS[@]}" "${DATA_ARGS[@]}" "${ROLLOUT_ARGS[@]}" \
     "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}" "${RUN_ARGS[@]}"
 
-"$PY" - "$RUN_DIR/metrics.jsonl" "$BASE_DIR/base_report.json" <<'PY'
+echo "== the exported HF policy on the held-out sums (tools/eval.py, any engine)"
+"$PY" tools/eval.py --model "$RUN_DIR/hf" --data "$BASE_DIR/eval.jsonl" --k 4 --max-new-tokens 40 \
+    --output "$RUN_DIR/eval_hf.json" >/dev/null
+
+"$PY" - "$RUN_DIR/metrics.jsonl" "$BASE_DIR/base_report.json" "$RUN_DIR/eval_hf.json" <<'PY'
 import json, sys
 from megatron_dapo.metrics_log import read_metrics
 records = [r for r in read_metrics(sys.argv[1]) if "eval/avg@4" in r]
 base = json.load(open(sys.argv[2]))
 first, last = records[0], records[-1]
+exported = json.load(open(sys.argv[3]))
 print(f"held-out avg@4: {first['eval/avg@4']:.3f} (step {first['step']}) -> {last['eval/avg@4']:.3f} "
-      f"(step {last['step']}); base model greedy accuracy {base['eval_accuracy_greedy']:.3f}")
+      f"(step {last['step']}); exported HF policy avg@4 {exported['avg@4']:.3f}; "
+      f"base model greedy accuracy {base['eval_accuracy_greedy']:.3f}")
 PY
