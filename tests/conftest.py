@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.torchrun import REPO, subprocess_env
 
-
-def train_env() -> dict[str, str]:
-    """Environment for trainer subprocesses: one thread per process, the repo on PYTHONPATH."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return env
+train_env = subprocess_env
 
 
 @pytest.fixture(scope="session")

@@ -22,11 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def subprocess_env() -> dict[str, str]:
+    """Environment for test subprocesses: one thread per process (2 cores), the repo on PYTHONPATH."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, timeout: float = 600) -> str:
     """Launch `script` on `nproc` local ranks; return combined stdout+stderr, raise on failure."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    env = subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
     # Own process group: on a time-out the launcher *and* its ranks are killed, so a hung collective
