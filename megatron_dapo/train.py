@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.load:
         extra = load_checkpoint(args.load, actor)
         if extra is not None:
-            sampler.load_state_dict(extra["sampler"])
+            if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
+                sampler.load_state_dict(extra["sampler"])
             trainer.step = int(extra["step"])
             trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
             if rank0:
