@@ -1,6 +1,9 @@
-"""Two gloo ranks (DP=2, distributed optimizer): a run stopped at a checkpoint and resumed with --load
-makes the same updates as a run that never stopped (checkpoint sharding over ranks: DP-sharded Adam
-state, one RNG state per rank, rank 0's sampler)."""
+"""Two gloo ranks (DP=2): a run stopped at a checkpoint and resumed with --load makes the same updates
+as a run that never stopped (checkpoint written by both ranks: one RNG state per rank, rank 0's
+sampler, the optimizer state).
+
+The distributed optimizer is left out: on CPU (no TE/Apex) its resumed Adam state matches only to
+~3e-4 relative (see megatron_dapo/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from tests.conftest import REPO, train_env
 from tests.torchrun import free_port
 
 pytestmark = pytest.mark.slow
-OPTIM: tuple[str, ...] = ()
 COMPARED = ("rollout/reward", "train/pg_loss", "train/grad_norm", "train/num_tokens", "train/entropy")
 
 
@@ -24,7 +26,7 @@ def torchrun_train(base, run, num_steps: int, *extra: str) -> None:
            "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(num_steps), "--rollout-batch-size", "4",
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
-           *OPTIM, "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
+           "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
            "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "11", *extra]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -35,7 +37,7 @@ def metrics(run) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def test_dp2_distributed_optimizer_resume_matches_uninterrupted(tiny_base, tmp_path):
+def test_dp2_resume_matches_uninterrupted(tiny_base, tmp_path):
     torchrun_train(tiny_base, tmp_path / "ref", 3)
     torchrun_train(tiny_base, tmp_path / "split", 2)
     torchrun_train(tiny_base, tmp_path / "split", 3, "--load", str(tmp_path / "split" / "ckpt"))
