@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, train_env
+from tests.rewards import PARITY_REWARD
 from tests.torchrun import free_port
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def torchrun_train(base, run, num_steps: int, *extra: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "megatron_dapo.train", "--hf-checkpoint", str(base / "model"),
            "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(num_steps), "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", "--max-response-length", "12",
+           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
            "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "11", *extra]

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
+from tests.rewards import PARITY_REWARD
 
 NUM_STEPS = 8
 COMPARED = ("rollout/reward", "rollout/accuracy", "rollout/response_len_mean", "train/pg_loss",
@@ -29,11 +30,11 @@ pytestmark = pytest.mark.slow
 
 
 def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
-    # No dynamic sampling (a barely trained model gets every answer wrong); the overlong penalty
-    # still makes rewards differ inside a group, so every step changes the weights.
+    # A barely trained model gets every answer wrong: no dynamic sampling, and a length-parity reward
+    # (tests/rewards.py) so rewards differ inside each group and every step changes the weights.
     return [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(base / "model"),
             "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(NUM_STEPS),
-            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-dynamic-sampling",
+            "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD,
             "--max-response-length", "12", "--overlong-buffer-length", "10", "--lr", "1e-3",
             "--global-batch-size", "8", "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
             "--save-interval", "2", "--no-progress", "--seed", "7", *extra]

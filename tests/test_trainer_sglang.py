@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, train_env
+from tests.rewards import PARITY_REWARD
 
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 pytestmark = [
@@ -27,7 +28,7 @@ pytestmark = [
 def test_training_steps_with_an_sglang_server_follow_the_actor(tiny_base, tmp_path):
     cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
            "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", "--max-response-length", "12",
+           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
            "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
            "--sglang-extra-args", "--dtype float32", "--sglang-base-port", "31200", "--weight-sync-mode", "tensor"]
