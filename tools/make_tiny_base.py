@@ -101,21 +101,23 @@ def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random, correc
 
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperature: float,
-                     max_new_tokens: int) -> float:
-    """Fraction of records answered correctly by one sample each (greedy when temperature == 0)."""
-    reward = get_reward_fn("math_dapo")
-    prompts = [render_prompt(r, tokenizer) for r in records]
-    width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kwargs: dict = {"do_sample": False}
-    if temperature > 0:
-        kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0}
-    out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **kwargs)
-    texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-    return sum(reward(t, r.ground_truth).acc for t, r in zip(texts, records)) / len(records)
+                     max_new_tokens: int, seed: int) -> float:
+    """Fraction of records answered correctly by one sample each (greedy when temperature == 0).
+
+    The same engine and metric as the trainer's eval (seeded avg@1), so the numbers compare."""
+    from megatron_dapo.collect import Prompt
+    from megatron_dapo.evaluation import evaluate
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.types import SamplingParams
+
+    prompts = [Prompt(prompt_ids=render_prompt(r, tokenizer), ground_truth=r.ground_truth, index=r.index)
+               for r in records]
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                              stop_token_ids=(tokenizer.eos_token_id,))
+    with EmbeddedEngine(model, tokenizer=tokenizer, seed=seed, max_batch_size=len(prompts)) as engine:
+        result = evaluate(engine, prompts, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          get_reward_fn("math_dapo"), n_samples=1, sampling=sampling, seed=seed)
+    return result["eval/avg@1"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,9 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     max_new = args.max_response_length
     report = {
         "eval_accuracy_sampled": sampled_accuracy(model, tokenizer, eval_records, temperature=1.0,
-                                                  max_new_tokens=max_new),
+                                                  max_new_tokens=max_new, seed=args.seed),
         "eval_accuracy_greedy": sampled_accuracy(model, tokenizer, eval_records, temperature=0.0,
-                                                 max_new_tokens=max_new),
+                                                 max_new_tokens=max_new, seed=args.seed),
         "sft_seconds": time.perf_counter() - t0,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "train_prompts": len(train_records),
