@@ -21,23 +21,36 @@ from megatron_dapo.algorithm import (
 )
 
 
-def test_group_advantages_match_mean_and_population_std_per_group():
+def test_group_advantages_match_mean_and_unbiased_std_per_group():
     rewards = [1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
     groups = ["a", "b", "a", "a", "b", "a", "b"]  # interleaved, unequal sizes (4 and 3)
     adv = group_advantages(rewards, groups)
     for g in ("a", "b"):
         members = [i for i, k in enumerate(groups) if k == g]
         values = [rewards[i] for i in members]
-        mu, sd = statistics.fmean(values), statistics.pstdev(values)
+        mu, sd = statistics.fmean(values), statistics.stdev(values)  # stdev: divides by n - 1, as verl
         for i in members:
             assert adv[i].item() == pytest.approx((rewards[i] - mu) / (sd + 1e-6), rel=1e-6)
+
+
+def test_group_advantage_of_one_correct_in_sixteen_is_the_verl_number():
+    """G = 16, one +1 and fifteen -1: mean -0.875, squared deviations 1.875^2 + 15 * 0.125^2 = 3.75.
+    verl (unbiased std): sqrt(3.75 / 15) = 0.5, so A = 1.875 / 0.5 = 3.75 and -0.125 / 0.5 = -0.25.
+    The population std sqrt(3.75 / 16) would give 3.873 and -0.258 (sqrt(16/15) = 1.033x larger)."""
+    rewards = [1.0] + [-1.0] * 15
+    adv = group_advantages(rewards, [0] * 16)
+    assert adv[0].item() == pytest.approx(1.875 / (0.5 + 1e-6), rel=1e-7)
+    assert adv[1:].tolist() == pytest.approx([-0.125 / (0.5 + 1e-6)] * 15, rel=1e-7)
+    population = group_advantages(rewards, [0] * 16, unbiased=False)
+    assert population[0].item() == pytest.approx(1.875 / (3.75 / 16) ** 0.5, rel=1e-5)
+    assert (population[0] / adv[0]).item() == pytest.approx((16 / 15) ** 0.5, rel=1e-5)
 
 
 def test_group_advantages_variants():
     rewards = torch.tensor([1.0, -1.0, -1.0, -1.0])
     ids = [0, 0, 0, 0]
-    unbiased = group_advantages(rewards, ids, unbiased=True)
-    assert unbiased[0].item() == pytest.approx(1.5 / (statistics.stdev([1, -1, -1, -1]) + 1e-6), rel=1e-6)
+    population = group_advantages(rewards, ids, unbiased=False)
+    assert population[0].item() == pytest.approx(1.5 / (statistics.pstdev([1, -1, -1, -1]) + 1e-6), rel=1e-6)
     centred = group_advantages(rewards, ids, normalize_std=False)
     torch.testing.assert_close(centred, torch.tensor([1.5, -0.5, -0.5, -0.5]))
     # a uniform group has zero advantage, a singleton too
