@@ -1,14 +1,24 @@
 """One step's rollout batch: generate G responses per prompt -> verify -> shape -> dynamic sampling.
 
-The loop over-samples prompts (`over_sample_factor` x the groups still needed), scores each group as
-the engine finishes it, and offers it to the `BatchFiller`; once the batch is full the requests still
-in flight are aborted (DAPO Sec. 3.2, the "keep sampling until the batch is full" loop).
+The loop (DAPO Sec. 3.2, "keep sampling until the batch is full") asks each round for
+`BatchFiller.round_size` prompts (over_sample_factor x groups still needed / keep rate measured so far),
+scores each group as the engine finishes it, and decides on groups in *submission* order: a group that
+finishes early waits until every group submitted before it is decided. Once the batch is full the
+requests still in flight (all submitted after the cut) are aborted.
+
+Why submission order: deciding in completion order keeps the fastest groups, and the slowest are the
+long and truncated responses that carry the overlong penalty (simulated at keep rate 0.9, over-sample
+1.3: 27.6% of generated groups hold a truncated response, 13.6% of the kept ones; in submission order
+the kept groups are the first informative ones of a random prompt order, an unbiased sample; numbers
+from tools/bench_dynamic_sampling.py). It also makes a seeded step's kept set independent of timing.
+The cost is waiting for the slow groups ahead of the cut: the round ends when the group that fills the
+batch and every group before it have finished, at most the round's slowest response (a 20k-token
+response, ~10 min on a Qwen2.5-32B SGLang server), which completion order does not always wait for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -52,7 +62,8 @@ class CollectConfig:
     dynamic_sampling: DynamicSamplingConfig
     overlong: OverlongConfig
     over_sample_factor: float = 1.0
-    """Prompts asked for per round = ceil(factor * groups still needed) (--over-sample-factor)."""
+    """Prompts asked for per round = ceil(factor * groups still needed / keep rate measured so far in the
+    step), keep rate 1 in the first round (--over-sample-factor)."""
     seed: int | None = None
     """Base of the per-request sampling seeds (--seed): with it, a step's rollouts depend only on the
     weights, the step and the prompts, so a resumed run regenerates exactly what it lost."""
@@ -105,35 +116,59 @@ def collect_batch(
     *,
     step: int,
 ) -> CollectResult:
-    """Generate rounds until `train_batch_size` informative groups are kept (or the budget ends).
+    """Generate rounds until `rollout_batch_size` informative groups are kept (or the budget ends).
 
-    `next_prompts(k)` hands out the next k prompts of the data sampler. Returns the kept groups in
-    the order they were kept, and metrics on everything generated (kept or not).
+    `next_prompts(k)` hands out the next k prompts of the data sampler. Groups are decided in the order
+    their prompts were submitted, so the kept groups are the first informative ones of the prompt order
+    whatever the engine's timing. Returns the kept groups in that order; rollout metrics are over every
+    decided group (kept or dropped, an unbiased sample of the policy's responses), dynamic-sampling
+    metrics count rounds and requested / generated / kept groups.
     """
     filler: BatchFiller[ScoredGroup] = BatchFiller(config.dynamic_sampling)
-    seen: list[ScoredGroup] = []
+    decided: list[ScoredGroup] = []
     aborted = 0
     requested: list[int] = []
     t0 = time.perf_counter()
     while not filler.full and filler.start_round():
-        want = math.ceil(config.over_sample_factor * filler.needed)
+        want = filler.round_size(config.over_sample_factor)
         tag = f"s{step}-r{filler.stats.rounds}"
         prompts = {f"{tag}-{i}-p{p.index}": p for i, p in enumerate(next_prompts(want))}
         requested += [p.index for p in prompts.values()]
+        filler.stats.requested_groups += len(prompts)
+        position = {rid: i for i, rid in enumerate(prompts)}
         requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
                                    sampling=seeded(config.sampling, config.seed, rid), request_id=rid)
                     for rid, p in prompts.items()]
+        finished: dict[int, ScoredGroup | None] = {}  # position -> group (None: aborted), not yet decided
+        next_position = received = 0
         for samples in engine.stream(requests):
+            rid = samples[0].request_id
+            received += 1
             if any(s.finish_reason == "abort" for s in samples):
-                aborted += 1
+                aborted += 1  # ours after the cut, or the engine's: a hole in the submission order
+                group = None
+            elif filler.full:
+                filler.note_surplus()  # finished after the cut: generated, not trained on
                 continue
-            group = score_group(prompts[samples[0].request_id], samples, decode, reward_fn, config.overlong)
-            seen.append(group)
-            filler.offer(group, group.accs)
+            else:
+                group = score_group(prompts[rid], samples, decode, reward_fn, config.overlong)
             if filler.full:
-                engine.abort()  # the aborted groups still come out of the stream, counted above
+                continue
+            finished[position[rid]] = group
+            while next_position in finished and not filler.full:
+                group = finished.pop(next_position)
+                next_position += 1
+                if group is not None:
+                    decided.append(group)
+                    filler.offer(group, group.accs)
+            if filler.full:  # the cut: what finished early behind it is surplus, the rest is aborted
+                for _ in filter(None, finished.values()):
+                    filler.note_surplus()
+                finished.clear()
+                if received < len(requests):
+                    engine.abort()  # the aborted groups still come out of the stream, counted above
     metrics = filler.stats.as_metrics()
-    metrics.update(_rollout_metrics(seen, config.sampling.max_new_tokens))
+    metrics.update(_rollout_metrics(decided, config.sampling.max_new_tokens))
     metrics["rollout/aborted_groups"] = float(aborted)
     metrics["time/rollout_s"] = time.perf_counter() - t0
     return CollectResult(groups=filler.batch(), metrics=metrics, requested=requested)
@@ -147,7 +182,7 @@ def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> 
 
 
 def _rollout_metrics(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:
-    """Reward, accuracy and length statistics over every generated (not only kept) response."""
+    """Reward, accuracy and length statistics over the responses of the decided groups (kept or not)."""
     lengths = [len(s.response_ids) for g in groups for s in g.samples]
     rewards = [r for g in groups for r in g.rewards]
     accs = [a for g in groups for a in g.accs]

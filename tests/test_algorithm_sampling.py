@@ -72,7 +72,7 @@ def test_group_is_informative():
 
 
 def test_batch_filler_accumulates_across_rounds_and_counts_surplus():
-    filler: BatchFiller[str] = BatchFiller(DynamicSamplingConfig(train_batch_size=3))
+    filler: BatchFiller[str] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=3))
     rounds = [
         [("g0", [1, 1]), ("g1", [1, 0]), ("g2", [0, 0])],
         [("g3", [0, 1]), ("g4", [1, 1])],
@@ -86,23 +86,26 @@ def test_batch_filler_accumulates_across_rounds_and_counts_surplus():
             break
     assert filler.batch() == ["g1", "g3", "g5"]
     s = filler.stats
+    # g6, g7 come after the batch is full: surplus, not decided on
     assert (s.rounds, s.seen_groups, s.kept_groups, s.all_correct, s.all_wrong, s.surplus_groups) == (
-        3, 8, 3, 2, 1, 2)
-    assert filler.stats.as_metrics()["dynamic_sampling/keep_ratio"] == pytest.approx(3 / 8)
+        3, 6, 3, 2, 1, 2)
+    metrics = filler.stats.as_metrics()
+    assert metrics["dynamic_sampling/keep_ratio"] == pytest.approx(3 / 6)
+    assert metrics["dynamic_sampling/generated_per_kept"] == pytest.approx(8 / 3)
 
 
 def test_batch_filler_budget_error_names_the_flag_and_partial_mode():
-    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=2))
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=2, max_num_gen_batches=2))
     for _ in range(2):
         filler.start_round()
         filler.offer(1, [1, 1])
     with pytest.raises(GenerationBudgetExhausted, match="--max-num-gen-batches"):
         filler.start_round()
     with pytest.raises(RuntimeError, match="keep generating"):
-        BatchFiller(DynamicSamplingConfig(train_batch_size=2)).batch()
+        BatchFiller(DynamicSamplingConfig(rollout_batch_size=2)).batch()
 
     partial: BatchFiller[int] = BatchFiller(
-        DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=1, on_exhausted="partial"))
+        DynamicSamplingConfig(rollout_batch_size=2, max_num_gen_batches=1, on_exhausted="partial"))
     assert partial.start_round()
     partial.offer(5, [1, 0])
     assert not partial.start_round()
@@ -110,7 +113,7 @@ def test_batch_filler_budget_error_names_the_flag_and_partial_mode():
 
 
 def test_batch_filler_without_filtering_keeps_everything():
-    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, enabled=False))
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=2, enabled=False))
     filler.start_round()
     filler.offer(0, [1, 1])
     filler.offer(1, [0, 0])
