@@ -19,6 +19,7 @@ import pytest
 
 from checkpoint_convert.cli import build_parser as build_convert_parser
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.train import build_configs
 
 REPO = Path(__file__).resolve().parent.parent
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
@@ -108,3 +109,12 @@ def test_every_flag_named_in_errors_docstrings_and_help_exists(path):
         known |= defined
     missing = sorted(told - known)
     assert not missing, f"{rel} names flags that no parser defines: {missing}"
+
+
+def test_overlong_buffer_longer_than_the_response_is_an_error_naming_both_flags_not_a_clamp():
+    flags = ["--hf-checkpoint", "x", "--prompt-data", "x", "--num-steps", "1", "--max-response-length", "1024"]
+    with pytest.raises(ValueError, match=r"--overlong-buffer-length.*4096.*--max-response-length=1024"):
+        build_configs(build_parser().parse_args(flags))  # the default 4096 (DAPO's) does not fit in 1024
+    _, collect, _ = build_configs(build_parser().parse_args([*flags, "--overlong-buffer-length", "1024"]))
+    assert collect.overlong.buffer_length == 1024
+    assert collect.dynamic_sampling.rollout_batch_size == 512  # --rollout-batch-size, under its own name
