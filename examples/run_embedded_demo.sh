@@ -38,8 +38,9 @@ DAPO_ARGS=(
     --clip-ratio-low 0.2 --clip-ratio-high 0.28 --loss-agg-mode token-mean --dynamic-sampling
     --overlong-buffer-length 8 --overlong-penalty-factor 1.0 --reward-fn math_dapo
 )
-# 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped)
-OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 5 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
+# 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped).
+# --lr-warmup-steps counts rollout steps: steps 1, 2, 3 train at 1/3, 2/3, 3/3 of --lr.
+OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 3 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
 RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30
           --export-hf "$RUN_DIR/hf")
 
@@ -53,7 +54,7 @@ echo "== DAPO on $NPROC process(es): $RUN_DIR"
     "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}" "${RUN_ARGS[@]}"
 
 echo "== the exported HF policy on the held-out sums (tools/eval.py, any engine)"
-"$PY" tools/eval.py --model "$RUN_DIR/hf" --data "$BASE_DIR/eval.jsonl" --k 4 --max-new-tokens 40 \
+"$PY" tools/eval.py --model "$RUN_DIR/hf" --data "$BASE_DIR/eval.jsonl" --k 4 --eval-max-response-length 40 \
     --output "$RUN_DIR/eval_hf.json" >/dev/null
 
 "$PY" - "$RUN_DIR/metrics.jsonl" "$BASE_DIR/base_report.json" "$RUN_DIR/eval_hf.json" <<'PY'

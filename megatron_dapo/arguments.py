@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
+
+LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
+"""--lr-decay-style choices (megatron-core's OptimizerParamScheduler names), checked by ActorConfig too."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -46,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    g.add_argument("--lr-warmup-steps", type=int, default=0,
+                   help="linear warmup in ROLLOUT steps (not optimizer steps): every optimizer step of rollout "
+                        "step k trains at lr*k/W for k <= W (DAPO: 20)")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
+                   help="LR after warmup, as a function of the rollout step (DAPO: constant)")
+    g.add_argument("--lr-decay-steps", type=int, default=None,
+                   help="rollout step at which a decaying LR reaches --min-lr (default: --num-steps)")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 = off)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -80,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-response-length", type=int, default=20480, help="L_max, new tokens per response")
     g.add_argument("--max-prompt-length", type=int, default=2048, help="longer prompts are skipped at load")
     g.add_argument("--over-sample-factor", type=float, default=1.0,
-                   help="prompts asked per generation round = factor x groups still needed")
+                   help="prompts asked per generation round = factor x groups still needed / keep rate "
+                        "measured so far in the step (1 in the first round)")
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", type=int, default=1, help="tensor parallel size of each SGLang server")
     g.add_argument("--sglang-base-port", type=int, default=30000)
@@ -108,14 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-ratio-low", type=float, default=0.2, help="eps_low")
     g.add_argument("--clip-ratio-high", type=float, default=0.28, help="eps_high (Clip-Higher)")
     g.add_argument("--clip-ratio-c", type=float, default=None, help="dual-clip constant (off by default)")
-    g.add_argument("--loss-agg-mode", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
-                   default="token-mean")
+    g.add_argument("--loss-agg-mode", choices=AGG_MODES, default="token-mean")
     g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
                    help="drop groups whose accuracy is all 0 or all 1 and keep sampling")
     g.add_argument("--max-num-gen-batches", type=int, default=0,
                    help="generation rounds per step (0 = unlimited)")
-    g.add_argument("--on-gen-exhausted", choices=["error", "partial"], default="error")
-    g.add_argument("--overlong-buffer-length", type=int, default=4096, help="L_cache of the soft penalty")
+    g.add_argument("--on-gen-exhausted", choices=ON_EXHAUSTED, default="error",
+                   help="when --max-num-gen-batches rounds did not fill the batch: stop with an error, or train "
+                        "on the groups kept so far")
+    g.add_argument("--overlong-buffer-length", type=int, default=4096,
+                   help="L_cache of the soft penalty, in tokens; at most --max-response-length")
     g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
     g.add_argument("--overlong-filter", action="store_true", help="mask truncated responses out of the loss")
     g.add_argument("--reward-fn", default="math_dapo",
@@ -131,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=int, default=0, help="evaluate every N steps (0 = off)")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=4, help="k of avg@k")
-    g.add_argument("--eval-temperature", type=float, default=1.0)
+    g.add_argument("--eval-temperature", type=float, default=1.0, help="DAPO's AIME avg@32: 1.0")
+    g.add_argument("--eval-top-p", type=float, default=1.0, help="DAPO's AIME avg@32: 0.7")
+    g.add_argument("--eval-max-response-length", type=int, default=None,
+                   help="new tokens per evaluation response (default: --max-response-length; DAPO: 20480)")
     g.add_argument("--eval-max-prompts", type=int, default=0,
                    help="evaluate on the first N prompts (0 = all)")
 

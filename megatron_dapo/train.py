@@ -24,13 +24,18 @@ from megatron_dapo.rollout.types import SamplingParams
 
 
 def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
-    """Flags -> (ActorConfig, CollectConfig, TrainerConfig); each dataclass validates its fields."""
+    """Flags -> (ActorConfig, CollectConfig, TrainerConfig); each dataclass validates its fields.
+
+    The LR schedule counts rollout steps: warmup over --lr-warmup-steps of them, decay (when not
+    constant) reaching --min-lr at --lr-decay-steps (default --num-steps)."""
     from megatron_dapo.actor import ActorConfig
     from megatron_dapo.trainer import TrainerConfig
 
+    decay_steps = None
+    if args.lr_decay_style != "constant":
+        decay_steps = args.num_steps if args.lr_decay_steps is None else args.lr_decay_steps
     actor = ActorConfig(
-        lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
-        lr_decay_steps=None if args.lr_decay_style == "constant" else args.num_steps + args.lr_warmup_steps,
+        lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -40,27 +45,40 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         loss=PolicyLossConfig(eps_low=args.clip_ratio_low, eps_high=args.clip_ratio_high,
                               dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode),
     )
-    sampling = SamplingParams(max_new_tokens=args.max_response_length, temperature=args.rollout_temperature,
-                              top_p=args.rollout_top_p, top_k=args.rollout_top_k, stop_token_ids=eos_ids)
+    sampling = _sampling("--max-response-length, --rollout-temperature, --rollout-top-p, --rollout-top-k",
+                         max_new_tokens=args.max_response_length, temperature=args.rollout_temperature,
+                         top_p=args.rollout_top_p, top_k=args.rollout_top_k, stop_token_ids=eos_ids)
     collect = CollectConfig(
         n_samples_per_prompt=args.n_samples_per_prompt, sampling=sampling,
         over_sample_factor=args.over_sample_factor, seed=args.seed,
-        dynamic_sampling=DynamicSamplingConfig(train_batch_size=args.rollout_batch_size,
+        dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=args.rollout_batch_size,
                                                enabled=args.dynamic_sampling,
                                                max_num_gen_batches=args.max_num_gen_batches,
                                                on_exhausted=args.on_gen_exhausted),
         overlong=OverlongConfig(max_response_length=args.max_response_length,
-                                buffer_length=min(args.overlong_buffer_length, args.max_response_length),
+                                buffer_length=args.overlong_buffer_length,
                                 penalty_factor=args.overlong_penalty_factor,
                                 filter_truncated=args.overlong_filter),
     )
+    eval_length = args.max_response_length if args.eval_max_response_length is None \
+        else args.eval_max_response_length
+    eval_sampling = _sampling("--eval-max-response-length, --eval-temperature, --eval-top-p",
+                              max_new_tokens=eval_length,
+                              temperature=args.eval_temperature, top_p=args.eval_top_p, stop_token_ids=eos_ids)
     trainer = TrainerConfig(
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
-        eval_sampling=SamplingParams(max_new_tokens=args.max_response_length,
-                                     temperature=args.eval_temperature, stop_token_ids=eos_ids),
+        eval_sampling=eval_sampling,
     )
     return actor, collect, trainer
+
+
+def _sampling(flags: str, **params) -> SamplingParams:
+    """SamplingParams whose validation error names the flags the values came from."""
+    try:
+        return SamplingParams(**params)
+    except ValueError as e:
+        raise ValueError(f"{e} (set by {flags})") from None
 
 
 def load_prompt_set(path: str, tokenizer, *, prompt_format: str, max_prompt_length: int,

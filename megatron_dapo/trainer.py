@@ -92,7 +92,7 @@ class Trainer:
             groups, metrics = self.rollout(step)                   # generate -> reward -> filter
             samples, group_metrics = self.build_samples(groups)    # advantages, masks, my DP share
             metrics |= group_metrics
-            metrics |= self.train(samples)                         # old log-probs -> mini-batch updates
+            metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
             metrics |= self.sync_weights(step)                     # actor -> rollout engine
             if cfg.eval_interval and step % cfg.eval_interval == 0:
                 metrics |= self.evaluate()                         # avg@k on held-out prompts
@@ -148,8 +148,9 @@ class Trainer:
                    "train/responses": float(len(rollouts))}
         return [mb[rank::dp] for mb in minibatches], metrics
 
-    def train(self, minibatches: list[list[Rollout]]) -> dict[str, float]:
-        """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch."""
+    def train(self, minibatches: list[list[Rollout]], step: int) -> dict[str, float]:
+        """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch, all
+        at the LR of rollout step `step`."""
         t0 = time.perf_counter()
         local = [r for mb in minibatches for r in mb]
         old = self.actor.compute_log_probs([r.sample for r in local])
@@ -159,7 +160,7 @@ class Trainer:
                 r.sample.old_log_probs = lp
         sums: dict[str, float] = {}
         for mb in minibatches:
-            step_metrics = self.actor.train_step([r.sample for r in mb])
+            step_metrics = self.actor.train_step([r.sample for r in mb], rollout_step=step)
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
         metrics |= {f"train/{k}": v / len(minibatches) for k, v in sums.items()}

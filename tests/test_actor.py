@@ -123,7 +123,7 @@ def test_plan_micro_batches_respects_budget():
 
 @pytest.mark.parametrize("kwargs, flag", [
     (dict(lr=0.0), "--lr"), (dict(min_lr=1.0, lr=0.1), "--min-lr"),
-    (dict(lr_decay_style="step"), "--lr-decay-style"), (dict(lr_decay_style="cosine"), "--lr-decay-iters"),
+    (dict(lr_decay_style="step"), "--lr-decay-style"), (dict(lr_decay_style="cosine"), "--lr-decay-steps"),
     (dict(clip_grad=-1.0), "--clip-grad"), (dict(adam_beta2=1.0), "--adam-beta2"),
     (dict(max_tokens_per_micro_batch=0), "--max-tokens-per-micro-batch"),
     (dict(params_dtype="fp8"), "--params-dtype"),

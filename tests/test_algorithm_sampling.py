@@ -21,23 +21,36 @@ from megatron_dapo.algorithm import (
 )
 
 
-def test_group_advantages_match_mean_and_population_std_per_group():
+def test_group_advantages_match_mean_and_unbiased_std_per_group():
     rewards = [1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 0.5]
     groups = ["a", "b", "a", "a", "b", "a", "b"]  # interleaved, unequal sizes (4 and 3)
     adv = group_advantages(rewards, groups)
     for g in ("a", "b"):
         members = [i for i, k in enumerate(groups) if k == g]
         values = [rewards[i] for i in members]
-        mu, sd = statistics.fmean(values), statistics.pstdev(values)
+        mu, sd = statistics.fmean(values), statistics.stdev(values)  # stdev: divides by n - 1, as verl
         for i in members:
             assert adv[i].item() == pytest.approx((rewards[i] - mu) / (sd + 1e-6), rel=1e-6)
+
+
+def test_group_advantage_of_one_correct_in_sixteen_is_the_verl_number():
+    """G = 16, one +1 and fifteen -1: mean -0.875, squared deviations 1.875^2 + 15 * 0.125^2 = 3.75.
+    verl (unbiased std): sqrt(3.75 / 15) = 0.5, so A = 1.875 / 0.5 = 3.75 and -0.125 / 0.5 = -0.25.
+    The population std sqrt(3.75 / 16) would give 3.873 and -0.258 (sqrt(16/15) = 1.033x larger)."""
+    rewards = [1.0] + [-1.0] * 15
+    adv = group_advantages(rewards, [0] * 16)
+    assert adv[0].item() == pytest.approx(1.875 / (0.5 + 1e-6), rel=1e-7)
+    assert adv[1:].tolist() == pytest.approx([-0.125 / (0.5 + 1e-6)] * 15, rel=1e-7)
+    population = group_advantages(rewards, [0] * 16, unbiased=False)
+    assert population[0].item() == pytest.approx(1.875 / (3.75 / 16) ** 0.5, rel=1e-5)
+    assert (population[0] / adv[0]).item() == pytest.approx((16 / 15) ** 0.5, rel=1e-5)
 
 
 def test_group_advantages_variants():
     rewards = torch.tensor([1.0, -1.0, -1.0, -1.0])
     ids = [0, 0, 0, 0]
-    unbiased = group_advantages(rewards, ids, unbiased=True)
-    assert unbiased[0].item() == pytest.approx(1.5 / (statistics.stdev([1, -1, -1, -1]) + 1e-6), rel=1e-6)
+    population = group_advantages(rewards, ids, unbiased=False)
+    assert population[0].item() == pytest.approx(1.5 / (statistics.pstdev([1, -1, -1, -1]) + 1e-6), rel=1e-6)
     centred = group_advantages(rewards, ids, normalize_std=False)
     torch.testing.assert_close(centred, torch.tensor([1.5, -0.5, -0.5, -0.5]))
     # a uniform group has zero advantage, a singleton too
@@ -59,7 +72,7 @@ def test_group_is_informative():
 
 
 def test_batch_filler_accumulates_across_rounds_and_counts_surplus():
-    filler: BatchFiller[str] = BatchFiller(DynamicSamplingConfig(train_batch_size=3))
+    filler: BatchFiller[str] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=3))
     rounds = [
         [("g0", [1, 1]), ("g1", [1, 0]), ("g2", [0, 0])],
         [("g3", [0, 1]), ("g4", [1, 1])],
@@ -73,23 +86,26 @@ def test_batch_filler_accumulates_across_rounds_and_counts_surplus():
             break
     assert filler.batch() == ["g1", "g3", "g5"]
     s = filler.stats
+    # g6, g7 come after the batch is full: surplus, not decided on
     assert (s.rounds, s.seen_groups, s.kept_groups, s.all_correct, s.all_wrong, s.surplus_groups) == (
-        3, 8, 3, 2, 1, 2)
-    assert filler.stats.as_metrics()["dynamic_sampling/keep_ratio"] == pytest.approx(3 / 8)
+        3, 6, 3, 2, 1, 2)
+    metrics = filler.stats.as_metrics()
+    assert metrics["dynamic_sampling/keep_ratio"] == pytest.approx(3 / 6)
+    assert metrics["dynamic_sampling/generated_per_kept"] == pytest.approx(8 / 3)
 
 
 def test_batch_filler_budget_error_names_the_flag_and_partial_mode():
-    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=2))
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=2, max_num_gen_batches=2))
     for _ in range(2):
         filler.start_round()
         filler.offer(1, [1, 1])
     with pytest.raises(GenerationBudgetExhausted, match="--max-num-gen-batches"):
         filler.start_round()
     with pytest.raises(RuntimeError, match="keep generating"):
-        BatchFiller(DynamicSamplingConfig(train_batch_size=2)).batch()
+        BatchFiller(DynamicSamplingConfig(rollout_batch_size=2)).batch()
 
     partial: BatchFiller[int] = BatchFiller(
-        DynamicSamplingConfig(train_batch_size=2, max_num_gen_batches=1, on_exhausted="partial"))
+        DynamicSamplingConfig(rollout_batch_size=2, max_num_gen_batches=1, on_exhausted="partial"))
     assert partial.start_round()
     partial.offer(5, [1, 0])
     assert not partial.start_round()
@@ -97,7 +113,7 @@ def test_batch_filler_budget_error_names_the_flag_and_partial_mode():
 
 
 def test_batch_filler_without_filtering_keeps_everything():
-    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(train_batch_size=2, enabled=False))
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=2, enabled=False))
     filler.start_round()
     filler.offer(0, [1, 1])
     filler.offer(1, [0, 0])

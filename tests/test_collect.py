@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from math import comb
 
 import pytest
 import torch
 
-from megatron_dapo.algorithm import DynamicSamplingConfig, GenerationBudgetExhausted, OverlongConfig
+from megatron_dapo.algorithm import (
+    KEEP_RATE_FLOOR,
+    BatchFiller,
+    DynamicSamplingConfig,
+    GenerationBudgetExhausted,
+    OverlongConfig,
+)
 from megatron_dapo.collect import CollectConfig, Prompt, collect_batch, request_seed
 from megatron_dapo.evaluation import evaluate, pass_at_k
 from megatron_dapo.reward import get_reward_fn
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+from tests import sim_engine as sim
+from tests.sim_engine import LengthLatencyEngine, cycling
 
 
 def encode(text: str) -> list[int]:
@@ -85,7 +94,7 @@ SCRIPT = {
 def make_config(batch: int, **kw) -> CollectConfig:
     return CollectConfig(
         n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=16),
-        dynamic_sampling=DynamicSamplingConfig(train_batch_size=batch, **kw.pop("ds", {})),
+        dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=batch, **kw.pop("ds", {})),
         overlong=OverlongConfig(max_response_length=16, buffer_length=8), **kw)
 
 
@@ -98,10 +107,11 @@ def test_collect_keeps_informative_groups_across_rounds_and_aborts_the_rest():
     engine = ScriptedEngine(SCRIPT)
     result = collect_batch(engine, cycling_prompts(), decode, reward, make_config(2), step=1)
     assert [g.prompt.index for g in result.groups] == [1, 3]
-    # round 1 asks for 2: q0 (dropped), q1 (kept); round 2 for the 1 still needed: q2 (dropped); round 3: q3
-    assert [len(c) for c in engine.calls] == [2, 1, 1]
+    # round 1 asks for 2: q0 (dropped), q1 (kept); keep rate 1/2, so round 2 asks 1 needed / 0.5 = 2: q2, q3
+    assert [len(c) for c in engine.calls] == [2, 2]
     assert result.requested == [0, 1, 2, 3]
-    assert result.metrics["dynamic_sampling/rounds"] == 3
+    assert result.metrics["dynamic_sampling/rounds"] == 2
+    assert result.metrics["dynamic_sampling/generated_per_kept"] == 2.0
     assert result.metrics["dynamic_sampling/all_correct"] == 1
     assert result.metrics["dynamic_sampling/all_wrong"] == 1
     g = result.groups[0]
@@ -146,11 +156,11 @@ def test_seeded_requests_get_stable_distinct_seeds():
 def test_config_validation():
     with pytest.raises(ValueError, match="--n-samples-per-prompt >= 2"):
         CollectConfig(n_samples_per_prompt=1, sampling=SamplingParams(max_new_tokens=4),
-                      dynamic_sampling=DynamicSamplingConfig(train_batch_size=1),
+                      dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1),
                       overlong=OverlongConfig(max_response_length=4))
     with pytest.raises(ValueError, match="--max-response-length"):
         CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=4),
-                      dynamic_sampling=DynamicSamplingConfig(train_batch_size=1),
+                      dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1),
                       overlong=OverlongConfig(max_response_length=8))
 
 
@@ -175,3 +185,74 @@ def test_evaluate_avg_and_pass():
     assert out["eval/pass@1"] == pytest.approx(0.5)
     assert out["eval/pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 3, 2)) / 2)
     assert torch.isclose(torch.tensor(out["eval/response_len_mean"]), torch.tensor(9.0))
+
+
+# ---- dynamic sampling on a simulated engine whose latency grows with response length (tests/sim_engine.py)
+
+def sim_config(batch: int, *, n: int = 8, factor: float = 1.3, **ds) -> CollectConfig:
+    return CollectConfig(n_samples_per_prompt=n, sampling=SamplingParams(max_new_tokens=32), seed=1,
+                         dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=batch, **ds),
+                         overlong=OverlongConfig(max_response_length=32, buffer_length=8), over_sample_factor=factor)
+
+
+def test_kept_groups_do_not_depend_on_generation_time():
+    """Truncated groups finish last; the kept ones must still be the first informative groups in submission
+    order, so the truncated share among kept equals that among all eligible (informative) groups."""
+    engine = LengthLatencyEngine(keep_rate=0.9, truncate_prob=0.04)
+    next_prompts = cycling(sim.prompts(5000))
+    kept: list[str] = []
+    for step in range(1, 31):
+        before = len(engine.records)
+        result = collect_batch(engine, next_prompts, sim.decode, sim.reward, sim_config(64), step=step)
+        ids = [g.samples[0].request_id for g in result.groups]
+        submitted = list(engine.records.values())[before:]
+        assert ids == [r.request_id for r in submitted if r.informative][:64]  # exact, whatever the timing
+        kept += ids
+    eligible = [r for r in engine.records.values() if r.informative]
+    p_eligible = sum(r.truncated for r in eligible) / len(eligible)
+    p_kept = sum(engine.records[i].truncated for i in kept) / len(kept)
+    assert 0.2 < p_eligible < 0.35  # 1 - 0.96^8 = 0.28 of groups hold a truncated response
+    sampling_error = (p_eligible * (1 - p_eligible) / len(kept)) ** 0.5  # ~0.01 for 1920 kept groups
+    assert abs(p_kept - p_eligible) < 3 * sampling_error
+    # completion order (the old loop) would keep ~0.15 here: the truncated groups finish last and are cut
+
+
+@pytest.mark.parametrize("keep_rate", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_rounds_sized_by_keep_rate_fill_within_max_num_gen_batches(keep_rate):
+    engine = LengthLatencyEngine(keep_rate=keep_rate, truncate_prob=0.02)
+    next_prompts = cycling(sim.prompts(5000))
+    config = sim_config(128, n=2, max_num_gen_batches=10)  # on_exhausted='error': any shortfall raises
+    rounds = []
+    for step in range(1, 11):
+        result = collect_batch(engine, next_prompts, sim.decode, sim.reward, config, step=step)
+        assert len(result.groups) == 128
+        m = result.metrics
+        rounds.append(m["dynamic_sampling/rounds"])
+        assert m["dynamic_sampling/requested_groups"] >= m["dynamic_sampling/generated_groups"] >= 128
+        assert m["dynamic_sampling/generated_per_kept"] == m["dynamic_sampling/generated_groups"] / 128
+    assert max(rounds) <= 3, rounds  # ceil(1.3 x needed) per round needed all 10 at keep rate 0.3
+
+
+def test_on_gen_exhausted_unchanged_on_the_simulated_engine():
+    with pytest.raises(GenerationBudgetExhausted, match="--max-num-gen-batches=10"):
+        collect_batch(LengthLatencyEngine(keep_rate=0.0, truncate_prob=0.0), cycling(sim.prompts(100)),
+                      sim.decode, sim.reward, sim_config(8, max_num_gen_batches=10), step=1)
+    engine = LengthLatencyEngine(keep_rate=0.01, truncate_prob=0.0)
+    result = collect_batch(engine, cycling(sim.prompts(100)), sim.decode, sim.reward,
+                           sim_config(64, max_num_gen_batches=2, on_exhausted="partial"), step=1)
+    assert result.metrics["dynamic_sampling/rounds"] == 2
+    assert 0 < len(result.groups) < 64
+    assert [g.samples[0].request_id for g in result.groups] == [
+        r.request_id for r in engine.records.values() if r.informative]
+
+
+def test_round_size_divides_by_the_measured_keep_rate():
+    filler: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=512))
+    assert filler.round_size(1.3) == 666  # ceil(1.3 x 512): nothing measured yet
+    for i in range(666):
+        filler.offer(i, [True, False] if i < 200 else [True, True])
+    assert filler.round_size(1.3) == math.ceil(1.3 * 312 * 666 / 200)  # 1351
+    empty: BatchFiller[int] = BatchFiller(DynamicSamplingConfig(rollout_batch_size=512))
+    for i in range(10):
+        empty.offer(i, [False, False])
+    assert empty.round_size(1.3) == math.ceil(1.3 * 512 / KEEP_RATE_FLOOR)  # 13312 at the 0.05 floor

@@ -57,7 +57,12 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     assert args.hf_checkpoint == "/models/fake"
     assert (args.clip_ratio_low, args.clip_ratio_high, args.loss_agg_mode) == (0.2, 0.28, "token-mean")
     assert args.dynamic_sampling and args.reward_fn == "math_dapo"
-    build_configs(args)  # every config dataclass accepts the launcher's values
+    actor_cfg, _, trainer_cfg = build_configs(args)  # every config dataclass accepts the launcher's values
+    # DAPO Sec. 4.1: warm-up over 20 rollout steps; AIME avg@32 at temperature 1.0, top-p 0.7, 20480 tokens
+    assert (actor_cfg.lr_warmup_steps, actor_cfg.lr_decay_style) == (20, "constant")
+    eval_sampling = trainer_cfg.eval_sampling
+    assert (eval_sampling.temperature, eval_sampling.top_p, eval_sampling.max_new_tokens) == (1.0, 0.7, 20480)
+    assert trainer_cfg.eval_n_samples == 32
     if "32b" in script:
         # DAPO's published setting
         assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (512, 16, 512)

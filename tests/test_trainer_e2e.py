@@ -24,7 +24,7 @@ from tests.rewards import PARITY_REWARD
 
 NUM_STEPS = 8
 COMPARED = ("rollout/reward", "rollout/accuracy", "rollout/response_len_mean", "train/pg_loss",
-            "train/grad_norm", "train/entropy", "train/num_tokens")
+            "train/grad_norm", "train/entropy", "train/num_tokens", "train/lr")
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,8 @@ def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
             "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(NUM_STEPS),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD,
             "--max-response-length", "12", "--overlong-buffer-length", "10", "--lr", "1e-3",
-            "--global-batch-size", "8", "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
+            "--global-batch-size", "8", "--lr-warmup-steps", "4",  # a resume at step 2 continues mid-warm-up
+            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
             "--save-interval", "2", "--no-progress", "--seed", "7", *extra]
 
 

@@ -2,7 +2,10 @@
 
     python tools/eval.py --model runs/tiny-base/model --data runs/tiny-base/eval.jsonl --k 4
     python tools/eval.py --model Qwen2.5-32B-DAPO --data data/aime-2024-dapo-format.parquet --k 32 \\
-        --engine sglang --max-new-tokens 20480        # DAPO's AIME avg@32
+        --engine sglang --eval-temperature 1.0 --eval-top-p 0.7 --eval-max-response-length 20480  # DAPO's AIME avg@32
+
+The sampling flags have the trainer's names (--eval-temperature, --eval-top-p, --eval-max-response-length);
+--temperature, --top-p and --max-new-tokens are the same flags under their older names.
 
 Prints one json object (avg@k, pass@1..k, mean response length, prompts) and writes it to --output.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="HF checkpoint directory (weights, config, tokenizer)")
     ap.add_argument("--data", required=True,
@@ -26,9 +29,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--k", type=int, default=32, help="samples per prompt (avg@k)")
     ap.add_argument("--pass-k", type=int, nargs="*", default=None, help="pass@k values (default: 1 and k)")
     ap.add_argument("--engine", choices=["embedded", "sglang"], default="embedded")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--eval-temperature", "--temperature", dest="temperature", type=float, default=1.0,
+                    help="DAPO's AIME avg@32: 1.0")
+    ap.add_argument("--eval-top-p", "--top-p", dest="top_p", type=float, default=1.0, help="DAPO's AIME avg@32: 0.7")
+    ap.add_argument("--eval-max-response-length", "--max-new-tokens", dest="max_new_tokens", type=int, default=1024,
+                    help="new tokens per response (DAPO's AIME avg@32: 20480)")
     ap.add_argument("--max-prompt-length", type=int, default=4096)
     ap.add_argument("--prompt-format", choices=["chat", "raw"], default="chat")
     ap.add_argument("--reward-fn", default="math_dapo")
@@ -38,7 +43,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--sglang-tp-size", type=int, default=1)
     ap.add_argument("--sglang-base-port", type=int, default=30000)
     ap.add_argument("--output", default=None, help="also write the json result here")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def eval_sampling(args: argparse.Namespace, stop_token_ids: tuple[int, ...] = ()):
+    """The SamplingParams of every evaluation request, from the sampling flags."""
+    from megatron_dapo.rollout.types import SamplingParams
+
+    try:
+        return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              stop_token_ids=stop_token_ids)
+    except ValueError as e:
+        raise SystemExit(f"{e} (set by --eval-max-response-length, --eval-temperature, --eval-top-p)") from None
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = build_parser().parse_args(argv)
     if args.k < 1:
         raise SystemExit("--k must be >= 1")
     pass_ks = sorted(set(args.pass_k if args.pass_k else (1, args.k)))
@@ -50,15 +70,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from megatron_dapo.evaluation import evaluate
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout import make_engine
-    from megatron_dapo.rollout.types import SamplingParams
     from megatron_dapo.train import load_prompt_set
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = load_prompt_set(args.data, tokenizer, prompt_format=args.prompt_format,
                               max_prompt_length=args.max_prompt_length, limit=args.limit)
     eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, stop_token_ids=eos)
+    sampling = eval_sampling(args, eos)
     if args.engine == "embedded":
         engine = make_engine("embedded", args.model, tokenizer=tokenizer, seed=args.seed)
     else:

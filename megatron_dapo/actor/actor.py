@@ -81,6 +81,8 @@ class MegatronActor:
             clip_grad=config.clip_grad, use_distributed_optimizer=config.use_distributed_optimizer,
             bf16=bf16, params_dtype=config.torch_params_dtype,
         ), [self.model])
+        # Counts rollout steps, not optimizer steps: num_steps = the last rollout step trained (0 before the
+        # first), so rollout step k trains at lr * k / warmup during warmup (see train_step's rollout_step).
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
             lr_warmup_steps=config.lr_warmup_steps,
@@ -163,16 +165,19 @@ class MegatronActor:
         metrics = {k: v.detach() for k, v in out.metrics.items()}
         return out.loss_sum, out.denominator.round().to(torch.int), metrics
 
-    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+    def train_step(self, samples: list[TrainSample], *, rollout_step: int | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; token-exact metrics over DP.
 
+        `rollout_step` (1-based) is the training step this mini-batch belongs to: the LR schedule counts
+        rollout steps, so every mini-batch of rollout step k trains at the same lr (lr * k / warmup while
+        k <= --lr-warmup-steps). None makes this call a rollout step of its own (one update per step).
         Returns pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy (token
         means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful.
         """
         mbs = self._micro_batches(samples)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.scheduler.step(increment=1)  # step k (1-based) trains at the warmup lr of step k
+        self._schedule_rollout_step(rollout_step)
         outputs = self._run(mbs, self._loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         self.steps += 1
@@ -193,6 +198,16 @@ class MegatronActor:
                        lr=float(self.optimizer.param_groups[0]["lr"]),
                        update_successful=float(update_successful))
         return metrics
+
+    def _schedule_rollout_step(self, rollout_step: int | None) -> None:
+        """Move the LR scheduler to `rollout_step` (it never goes back; a resume restores its count)."""
+        current = self.scheduler.num_steps
+        target = current + 1 if rollout_step is None else rollout_step
+        if target < max(current, 1):
+            raise ValueError(f"train_step(rollout_step={rollout_step}): the LR schedule is already at rollout "
+                             f"step {current}; rollout steps are 1-based and never go back")
+        if target > current:
+            self.scheduler.step(increment=target - current)
 
     # ---- weights -----------------------------------------------------------------------------------
     def state_dict_for_export(self) -> dict[str, Tensor]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dapo.algorithm.loss import PolicyLossConfig
+from megatron_dapo.arguments import LR_DECAY_STYLES
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -19,11 +19,13 @@ class ActorConfig:
     min_lr: float = 0.0
     """Floor of the decayed learning rate (--min-lr)."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear warmup from 0 to lr (--lr-warmup-iters); step k uses lr*k/warmup."""
+    """Rollout steps of linear warmup from 0 to lr (--lr-warmup-steps): every optimizer step of rollout step
+    k (1-based) trains at lr * k / lr_warmup_steps for k <= lr_warmup_steps (DAPO: 20)."""
     lr_decay_steps: int | None = None
-    """Steps over which lr decays to min_lr (--lr-decay-iters); None = warmup + 1 (only 'constant')."""
+    """Rollout step at which the decayed lr reaches min_lr (--lr-decay-steps, default --num-steps); None
+    only with the 'constant' style."""
     lr_decay_style: str = "constant"
-    """--lr-decay-style: constant (DAPO), linear, cosine or inverse-square-root."""
+    """--lr-decay-style: constant (DAPO), linear, cosine or inverse-square-root, over rollout steps."""
     weight_decay: float = 0.1
     """Decoupled (AdamW) weight decay (--weight-decay)."""
     adam_beta1: float = 0.9
@@ -37,7 +39,7 @@ class ActorConfig:
     """Token budget of one padded micro-batch, rows x longest row (--max-tokens-per-micro-batch);
     None = fixed micro_batch_size rows."""
     micro_batch_size: int = 1
-    """Rows per micro-batch when no token budget is set (--micro-batch-size)."""
+    """Rows per micro-batch when no token budget is set (no flag: the trainer always sets a token budget)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_fused_logprob: bool = True
     """Use megatron_dapo.ops' fused vocab-parallel log-prob/entropy when importable (--use-fused-logprob)."""
@@ -52,16 +54,17 @@ class ActorConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr (--min-lr) must be in [0, lr={self.lr}], got {self.min_lr}")
         if self.lr_warmup_steps < 0:
-            raise ValueError(f"lr_warmup_steps (--lr-warmup-iters) must be >= 0, got {self.lr_warmup_steps}")
+            raise ValueError(f"lr_warmup_steps (--lr-warmup-steps) must be >= 0, got {self.lr_warmup_steps}")
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(f"lr_decay_style (--lr-decay-style) must be one of {LR_DECAY_STYLES}, "
                              f"got {self.lr_decay_style!r}")
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.lr_warmup_steps:
-            raise ValueError(f"lr_decay_steps (--lr-decay-iters, {self.lr_decay_steps}) must exceed "
-                             f"lr_warmup_steps (--lr-warmup-iters, {self.lr_warmup_steps})")
+            raise ValueError(f"lr_decay_steps (--lr-decay-steps, default --num-steps; {self.lr_decay_steps}) "
+                             f"must exceed lr_warmup_steps (--lr-warmup-steps, {self.lr_warmup_steps}) rollout "
+                             f"steps with --lr-decay-style {self.lr_decay_style}")
         if self.lr_decay_steps is None and self.lr_decay_style != "constant":
             raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs lr_decay_steps "
-                             "(--lr-decay-iters)")
+                             "(--lr-decay-steps)")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got {self.weight_decay}")
         for name in ("adam_beta1", "adam_beta2"):
@@ -76,8 +79,7 @@ class ActorConfig:
             raise ValueError("max_tokens_per_micro_batch (--max-tokens-per-micro-batch) must be positive or "
                              f"unset, got {self.max_tokens_per_micro_batch}")
         if self.micro_batch_size <= 0:
-            raise ValueError(f"micro_batch_size (--micro-batch-size) must be positive, "
-                             f"got {self.micro_batch_size}")
+            raise ValueError(f"ActorConfig.micro_batch_size must be positive, got {self.micro_batch_size}")
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype (--params-dtype) must be one of {list(PARAMS_DTYPES)}, "
                              f"got {self.params_dtype!r}")

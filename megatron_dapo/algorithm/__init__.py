@@ -5,6 +5,8 @@ No Megatron, no I/O: everything here is a pure function or a small stateful accu
 
 from megatron_dapo.algorithm.advantages import broadcast_to_tokens, group_advantages
 from megatron_dapo.algorithm.dynamic_sampling import (
+    KEEP_RATE_FLOOR,
+    ON_EXHAUSTED,
     BatchFiller,
     DynamicSamplingConfig,
     GenerationBudgetExhausted,
@@ -27,6 +29,8 @@ from megatron_dapo.algorithm.overlong import (
 
 __all__ = [
     "AGG_MODES",
+    "KEEP_RATE_FLOOR",
+    "ON_EXHAUSTED",
     "BatchFiller",
     "DynamicSamplingConfig",
     "GenerationBudgetExhausted",

@@ -2,9 +2,12 @@
 
     A_i = (R_i - mean({R_j}_{j=1..G})) / (std({R_j}_{j=1..G}) + eps)
 
-one scalar per response, broadcast over its response tokens. The std is the population standard
-deviation (unbiased=False) of the group; verl uses the unbiased one (torch.std default). With G = 16
-the two differ by a factor sqrt(16/15); pick with `unbiased`. Groups of size 1 get advantage 0.
+one scalar per response, broadcast over its response tokens, eps = 1e-6. The std is the unbiased
+(Bessel-corrected, divide by G - 1) sample standard deviation of the group, as verl's DAPO recipe computes
+it (`torch.std` in `compute_grpo_outcome_advantage`); the paper's Eq. 9 writes "std" without saying which.
+The population std (`unbiased=False`, divide by G) would make every advantage sqrt(G / (G - 1)) larger,
+1.033x at G = 16. Groups of size 1 get advantage 0 (verl: the raw score; unreachable with dynamic
+sampling, which needs G >= 2).
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ def group_advantages(
     group_ids: Tensor | Sequence[int] | Sequence[str],
     *,
     eps: float = ADV_EPS,
-    unbiased: bool = False,
+    unbiased: bool = True,
     normalize_std: bool = True,
 ) -> Tensor:
     """Per-response advantage [N] from rewards [N] and the prompt group of each response.
 
-    Groups may have different sizes and appear in any order. normalize_std=False gives Dr. GRPO's
-    mean-centred advantage R - mean.
+    Groups may have different sizes and appear in any order. unbiased=True (default) divides the group's
+    squared deviations by G - 1, as verl does; normalize_std=False gives Dr. GRPO's mean-centred R - mean.
     """
     rewards = torch.as_tensor(rewards, dtype=torch.float64).flatten()
     keys = [g.item() if isinstance(g, Tensor) else g for g in group_ids]

@@ -33,14 +33,15 @@ class OverlongConfig:
 
     def __post_init__(self) -> None:
         if self.max_response_length <= 0:
-            raise ValueError(f"max_response_length must be > 0, got {self.max_response_length}")
+            raise ValueError(f"max_response_length (--max-response-length) must be > 0, got "
+                             f"{self.max_response_length}")
         if not 0 <= self.buffer_length <= self.max_response_length:
             raise ValueError(
                 f"buffer_length (--overlong-buffer-length, {self.buffer_length}) must be in "
                 f"[0, --max-response-length={self.max_response_length}]"
             )
         if self.penalty_factor < 0:
-            raise ValueError(f"penalty_factor must be >= 0, got {self.penalty_factor}")
+            raise ValueError(f"penalty_factor (--overlong-penalty-factor) must be >= 0, got {self.penalty_factor}")
 
 
 def overlong_penalty(length: int, config: OverlongConfig) -> float:

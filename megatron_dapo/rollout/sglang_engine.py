@@ -50,7 +50,7 @@ class ClientConfig:
     """How the engine talks to its servers."""
 
     max_concurrency: int = 256
-    """Requests in flight at once over all servers (--rollout-max-concurrency)."""
+    """Requests in flight at once over all servers (--sglang-max-concurrency)."""
     request_timeout_s: float = 3600.0
     """One /generate call; long responses on a busy server take minutes."""
     max_retries: int = 3
@@ -70,7 +70,7 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1 (--rollout-max-concurrency), got "
+            raise ValueError(f"max_concurrency must be >= 1 (--sglang-max-concurrency), got "
                 f"{self.max_concurrency}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")

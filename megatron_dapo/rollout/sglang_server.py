@@ -24,9 +24,9 @@ class ServerConfig:
     model_path: str
     """HF model directory the servers load first (--hf-checkpoint)."""
     num_servers: int = 1
-    """Independent servers (data parallel rollout); --rollout-num-servers."""
+    """Independent servers (data parallel rollout); --sglang-num-servers."""
     tp_per_server: int = 1
-    """Tensor parallel GPUs per server; server i uses GPUs [i*tp, (i+1)*tp) (--rollout-tp)."""
+    """Tensor parallel GPUs per server; server i uses GPUs [i*tp, (i+1)*tp) (--sglang-tp-size)."""
     base_port: int = 30000
     """Server i listens on base_port + i; the router on base_port + num_servers."""
     host: str = "127.0.0.1"
@@ -46,10 +46,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
-            raise ValueError(f"ServerConfig.num_servers must be >= 1 (--rollout-num-servers), got "
+            raise ValueError(f"ServerConfig.num_servers must be >= 1 (--sglang-num-servers), got "
                 f"{self.num_servers}")
         if self.tp_per_server < 1:
-            raise ValueError(f"ServerConfig.tp_per_server must be >= 1 (--rollout-tp), got "
+            raise ValueError(f"ServerConfig.tp_per_server must be >= 1 (--sglang-tp-size), got "
                 f"{self.tp_per_server}")
         if not 1024 <= self.base_port <= 65535 - self.num_servers:
             raise ValueError(f"ServerConfig.base_port {self.base_port} leaves no room for "
