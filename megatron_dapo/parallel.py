@@ -73,9 +73,6 @@ class ParallelLayout:
             raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention; megatron-core's "
                              "local spec has no ring attention: drop --transformer-impl local or use "
                              "--context-parallel-size 1")
-        if self.transformer_impl == "local" and self.sp:
-            raise ValueError("--sequence-parallel needs --transformer-impl transformer_engine: megatron-core "
-                             "0.16.1's local-spec RMSNorm (WrappedTorchNorm) asserts sequence_parallel is off")
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core's rule)")
 

@@ -28,7 +28,6 @@ ARCH = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layer
      "--recompute-num-layers"),
     (dict(overlap_param_gather=True), "--overlap-grad-reduce"),
     (dict(transformer_impl="local", cp=2), "--context-parallel-size"),
-    (dict(transformer_impl="local", tp=2, sp=True), "--sequence-parallel"),
     (dict(transformer_impl="apex"), "--transformer-impl"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_layout_errors_name_the_flag(kwargs, flag):

@@ -24,7 +24,13 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_dapo.actor.batching import MicroBatch, gather_response, iter_micro_batches, plan_micro_batches
+from megatron_dapo.actor.batching import (
+    MicroBatch,
+    gather_response,
+    iter_micro_batches,
+    padded_length,
+    plan_micro_batches,
+)
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import token_log_probs
 from megatron_dapo.algorithm.loss import policy_loss
@@ -127,8 +133,10 @@ class MegatronActor:
     def _run(self, samples: list[TrainSample], groups: list[list[int]], loss_fn, *, forward_only: bool
              ) -> list[dict[str, Tensor]]:
         device = _device()
-        # TE's causal kernel reads no mask; the local spec needs the explicit [1, 1, s, s] one.
-        batches = iter_micro_batches(samples, groups, causal_mask=self.transformer_impl == "local")
+        # TE's causal kernel reads no mask; the local spec needs the explicit [1, 1, s, s] one. Sequence
+        # parallelism splits s over the TP ranks: pad it to a multiple of TP.
+        pad_to = self.layout.tp if self.layout.sp else 1
+        batches = iter_micro_batches(samples, groups, causal_mask=self.transformer_impl == "local", pad_to=pad_to)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator).to(device)
@@ -137,7 +145,8 @@ class MegatronActor:
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=batches, model=[self.model],
-            num_microbatches=len(groups), seq_length=max(len(samples[i].tokens) for g in groups for i in g),
+            num_microbatches=len(groups),
+            seq_length=padded_length(max(len(samples[i].tokens) for g in groups for i in g), pad_to),
             micro_batch_size=max(len(g) for g in groups), forward_only=forward_only,
         )
 

@@ -180,11 +180,18 @@ def gather_response(values: Tensor, prompt_lens: Sequence[int], response_lens: S
     return [values[r, p - 1:p - 1 + n] for r, (p, n) in enumerate(zip(prompt_lens, response_lens))]
 
 
-def build_micro_batch(samples: Sequence[TrainSample], indices: list[int], *, causal_mask: bool = True
-                      ) -> MicroBatch:
-    """Padded tensors of samples[indices]; causal_mask=False leaves attention_mask None (TE path)."""
+def padded_length(longest: int, pad_to: int) -> int:
+    """Sequence length of a micro-batch whose longest row has `longest` tokens: the next multiple of
+    pad_to (the TP size under sequence parallelism, which splits s over the TP ranks)."""
+    return -(-longest // pad_to) * pad_to
+
+
+def build_micro_batch(samples: Sequence[TrainSample], indices: list[int], *, causal_mask: bool = True,
+                      pad_to: int = 1) -> MicroBatch:
+    """Padded tensors of samples[indices], s a multiple of pad_to; causal_mask=False leaves
+    attention_mask None (TE path)."""
     rows = [samples[i] for i in indices]
-    b, s = len(rows), max(len(r.tokens) for r in rows)
+    b, s = len(rows), padded_length(max(len(r.tokens) for r in rows), pad_to)
     tokens = torch.zeros(b, s, dtype=torch.long)
     targets = torch.zeros(b, s, dtype=torch.long)
     response_mask = torch.zeros(b, s, dtype=torch.bool)
@@ -216,11 +223,11 @@ def build_micro_batch(samples: Sequence[TrainSample], indices: list[int], *, cau
     )
 
 
-def iter_micro_batches(samples: Sequence[TrainSample], groups: Sequence[list[int]], *, causal_mask: bool = True
-                       ) -> Iterator[MicroBatch]:
+def iter_micro_batches(samples: Sequence[TrainSample], groups: Sequence[list[int]], *, causal_mask: bool = True,
+                       pad_to: int = 1) -> Iterator[MicroBatch]:
     """Build each group's MicroBatch only when the pipeline asks for it (host memory: one micro-batch)."""
     for g in groups:
-        yield build_micro_batch(samples, g, causal_mask=causal_mask)
+        yield build_micro_batch(samples, g, causal_mask=causal_mask, pad_to=pad_to)
 
 
 def build_micro_batches(samples: Sequence[TrainSample], *, max_tokens: int | None, micro_batch_size: int,

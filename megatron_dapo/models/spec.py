@@ -8,6 +8,7 @@ setting), unless --transformer-impl local asks for the local spec explicitly.
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -46,11 +47,42 @@ def resolve_transformer_impl(impl: str | None) -> str:
     return impl
 
 
-def get_layer_spec(use_te: bool | None = None) -> ModuleSpec:
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm for the local spec under --sequence-parallel.
+
+    megatron-core 0.16.1's local norm (WrappedTorchNorm) asserts sequence_parallel is off. Under SP each
+    TP rank normalises its own s/tp slice, so the weight's gradient is partial: tagging the weight
+    `sequence_parallel` makes finalize_model_grads sum it over the TP group (TE's norms do the same).
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _local_sequence_parallel_spec(config: Any) -> ModuleSpec:
+    """The local layer spec with SP-aware norms, as a block spec so the final norm is one too."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layers = [layer] * get_num_layers_to_build(config)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
+
+
+def get_layer_spec(use_te: bool | None = None, config: Any = None) -> ModuleSpec:
     """Qwen2 decoder-layer spec (RMSNorm, SwiGLU, GQA attention).
 
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
-    True requires TE (raises ImportError naming the fix); False forces the local spec.
+    True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
+    TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
@@ -65,4 +97,6 @@ def get_layer_spec(use_te: bool | None = None) -> ModuleSpec:
         # TE fuses the pre-attention / pre-MLP RMSNorm into linear_qkv / linear_fc1; the norm type
         # comes from TransformerConfig.normalization.
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if config is not None and config.sequence_parallel:
+        return _local_sequence_parallel_spec(config)
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
