@@ -129,12 +129,13 @@ def recompute_input_bytes(spec: ActivationSpec, layout: ParallelLayout, *, token
 
 def micro_batch_extra_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, seq_len: int,
                             first: bool, last: bool, recompute: bool) -> float:
-    """Per micro-batch, outside the layers: token ids (first stage, int64), the final norm (last stage),
+    """Per micro-batch, outside the layers: token ids (first stage, int64; plus the vocab-parallel
+    embedding's out-of-shard mask at TP > 1), the final norm (last stage),
     the explicit causal mask (local spec), the RoPE table kept by recompute checkpoints."""
     tok, s = tokens / layout.cp, seq_len / layout.cp
     out = 0.0
     if first:
-        out += 8 * tok
+        out += 8 * tok + (tok if layout.tp > 1 else 0)  # int64 ids; at TP > 1 also the out-of-shard bool mask
     if last:
         norm = spec.norm_tensors * spec.hidden * spec.bytes_per_element + spec.norm_stats_bytes
         out += tok * (norm / layout.tp if layout.sp else norm)

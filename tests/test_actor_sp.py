@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_dapo import planner
 from megatron_dapo.actor import ActorConfig
 from megatron_dapo.models.hf_config import Qwen2Arch
 from tests.dist.actor_common import make_samples, tiny_hf_model
+from tests.dist.actor_sp import LAYOUTS
 from tests.torchrun import REPO, run_torchrun
 
 VARIANTS = ("tp2_sp", "tp2_sp_recompute")
@@ -29,7 +31,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     torch.save(data, tmp / "input.pt")
     run_torchrun(REPO / "tests/dist/actor_sp.py", str(tmp / "input.pt"), str(tmp))
     return {name: [torch.load(Path(tmp) / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
-            for name in ("tp2", *VARIANTS)}
+            for name in ("tp2", *VARIANTS)} | {"arch": Qwen2Arch.from_hf(hf.config)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -53,3 +55,15 @@ def test_sequence_parallel_tags_every_norm_weight(runs):
     names = runs["tp2_sp"][0]["weights"]
     assert sorted(n for n in names if "layernorm" in n) == tagged
     assert runs["tp2"][0]["norm_tagged"] == []
+
+
+@pytest.mark.parametrize("name", ["tp2", *VARIANTS])
+def test_planner_matches_saved_tensors_at_tp2(runs, name):
+    """The planner's TP / SP division against the bytes megatron-core saves per rank: exact."""
+    arch, layout = runs["arch"], LAYOUTS[name]
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
+    (plan,) = planner.plan_stages(arch, layout, inputs, spec)
+    for rank in range(2):
+        measured = runs[name][rank]["saved_bytes"]
+        assert measured == plan.lines["  activations per micro-batch"], (name, rank, measured)

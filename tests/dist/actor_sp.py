@@ -1,5 +1,6 @@
 """torchrun worker (2 ranks): the actor at TP=2 without and with sequence parallelism (and SP + full
-recompute) on one world; saves each layout's log-probs, entropies, step metrics and weight shards.
+recompute) on one world; saves each layout's log-probs, entropies, step metrics, weight shards and the
+activation bytes one [2, 24] micro-batch saves for backward.
 
 argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<layout>_rank<r>.pt
 """
@@ -16,6 +17,7 @@ from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
+from tests.test_planner import saved_activation_bytes
 
 LAYOUTS = {
     "tp2": ParallelLayout(tp=2),
@@ -37,10 +39,11 @@ def main() -> None:
         actor = MegatronActor(arch, data["config"], layout)
         assert actor.module.config.sequence_parallel == layout.sp
         actor.load_shards(shards)
+        saved = saved_activation_bytes(actor.module, torch.arange(2 * 24).reshape(2, 24) % arch.vocab_size)
         logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
         metrics = [actor.train_step(data["samples"]) for _ in range(data["steps"])]
         norm_tagged = sorted(n for n, p in actor.module.named_parameters() if getattr(p, "sequence_parallel", False))
-        torch.save({"logps": logps, "entropies": ents, "metrics": metrics, "norm_tagged": norm_tagged,
+        torch.save({"saved_bytes": saved, "logps": logps, "entropies": ents, "metrics": metrics, "norm_tagged": norm_tagged,
                     "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
                    f"{sys.argv[2]}/{name}_rank{dist.get_rank()}.pt")
     destroy_parallel()
