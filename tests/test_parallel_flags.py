@@ -120,3 +120,25 @@ def test_recompute_gives_identical_log_probs_and_grads(world, reference, name):
     actor.train_step(samples)
     for n, p in actor.model.module.named_parameters():
         torch.testing.assert_close(p.main_grad, want_grads[n], atol=1e-7, rtol=1e-6, msg=n)
+
+
+def test_overlap_flags_reach_ddp_and_change_no_result(world):
+    """--overlap-grad-reduce / --overlap-param-gather set mcore's DDP config; two steps match the default."""
+    hf, arch = world
+    samples = make_samples(6, seed=3)
+    results = []
+    for layout in (ParallelLayout(), ParallelLayout(overlap_grad_reduce=True, overlap_param_gather=True)):
+        actor = MegatronActor(arch, ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=60,
+                                                use_distributed_optimizer=True), layout)
+        assert (actor.model.ddp_config.overlap_grad_reduce, actor.model.ddp_config.overlap_param_gather) == (
+            layout.overlap_grad_reduce, layout.overlap_param_gather)
+        full = hf_to_full_mcore(hf.state_dict(), arch)
+        actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                                padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+        norms = [actor.train_step(samples)["grad_norm"] for _ in range(2)]
+        results.append((norms, {k: v.clone() for k, v in actor.state_dict_for_export().items()}))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    for name, w in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], w, atol=1e-6, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+        MegatronActor(arch, ActorConfig(lr=1e-3), ParallelLayout(overlap_grad_reduce=True, overlap_param_gather=True))
