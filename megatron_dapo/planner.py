@@ -29,6 +29,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, replace
+from typing import TextIO
 
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
@@ -329,8 +330,9 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     return lines
 
 
-def print_plan(args: argparse.Namespace, out=sys.stdout) -> int:
+def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Print the per-GPU plan of these flags; 0 when the peak fits --gpu-memory-gib, else 1 (2: bad flags)."""
+    out = out or sys.stdout
     try:
         arch, layout, inputs, spec = plan_from_args(args)
         lines = format_plan(arch, layout, inputs, spec)
