@@ -19,6 +19,10 @@ ACTOR_NODES=${ACTOR_NODES:-8}
 source examples/models/qwen2.5-32B.sh
 source examples/common_dapo_args.sh
 
+# Memory (python -m megatron_dapo.train <these flags> --dry-run --world-size 64): sequence parallelism and
+# full recompute of 16 of each stage's 32 layers keep stage 0 (two 24k-token micro-batches in flight) at
+# ~54 GiB of 80.
+PARALLEL_ARGS+=(--sequence-parallel --recompute-granularity full --recompute-method block --recompute-num-layers 16)
 read -r -a URLS <<<"$SGLANG_URLS"
 ROLLOUT_ARGS=(
     --rollout-engine sglang --sglang-server-urls "${URLS[@]}" --sglang-max-concurrency 2048

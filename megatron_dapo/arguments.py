@@ -47,6 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (megatron-core distributed "
                         "optimizer)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks (ring attention; TransformerEngine only)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="shard norm/residual activations along the sequence over the TP ranks (needs TP > 1)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="activation recomputation: full (whole layers; with --recompute-method) or selective "
+                        "(core attention only)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform (every layer, in units of --recompute-num-layers) or block "
+                        "(the first --recompute-num-layers layers of each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recompute unit (uniform) or recomputed per stage (block); default 1")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the DP gradient reduce(-scatter) with the backward pass (mcore DDP)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with the next forward")
+    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+                   help="decoder layer implementation; default: transformer_engine on CUDA (required: it fails "
+                        "when TE does not import), local (megatron-core's torch spec) without CUDA")
+    g.add_argument("--dry-run", action="store_true",
+                   help="build no model: print the per-GPU memory plan of these flags (megatron_dapo.planner, "
+                        "reads only --hf-checkpoint's config.json) and exit 1 when it exceeds --gpu-memory-gib")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the --dry-run plan must fit")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="actor GPUs for --dry-run (default: $WORLD_SIZE, else TP x PP x CP)")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-6)

@@ -1,15 +1,21 @@
-"""The one place a parallel layout (TP, PP, DP) is checked against a model.
+"""The one place a parallel layout (TP, PP, CP, DP, SP, recompute) is checked against a model.
 
-Errors name the flag to change, so a launcher typo is caught before any process group exists.
+Errors name the flag to change, so a launcher typo is caught before any process group exists. The same
+ParallelLayout feeds parallel_state (dist_init), the TransformerConfig (models/config.py), the actor's
+DDP config and the memory planner (planner.py); see docs/PARALLELISM.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_dapo.models.hf_config import Qwen2Arch
 
 VOCAB_DIVISIBLE_BY = 128
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = (None, "uniform", "block")
+TRANSFORMER_IMPLS = (None, "transformer_engine", "local")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,28 +25,106 @@ class ParallelLayout:
     pp: int = 1
     """--pipeline-model-parallel-size"""
     dp: int = 1
-    """data-parallel size = world size / (tp * pp)"""
+    """data-parallel size = world size / (tp * pp * cp)"""
+    cp: int = 1
+    """--context-parallel-size: ranks one sequence is split over (TransformerEngine attention only)"""
+    sp: bool = False
+    """--sequence-parallel: shard norm/dropout activations over the TP ranks (needs tp > 1)"""
+    recompute_granularity: str | None = None
+    """--recompute-granularity: None, 'full' (whole layers) or 'selective' (core attention only)"""
+    recompute_method: str | None = None
+    """--recompute-method: 'uniform' or 'block' (full recompute only)"""
+    recompute_num_layers: int | None = None
+    """--recompute-num-layers: layers per recompute unit (uniform) or recomputed per stage (block)"""
+    overlap_grad_reduce: bool = False
+    """--overlap-grad-reduce: DP grad reduce(-scatter) overlapped with the backward pass"""
+    overlap_param_gather: bool = False
+    """--overlap-param-gather: distributed-optimizer param all-gather overlapped with the next forward"""
+    transformer_impl: str | None = None
+    """--transformer-impl: 'transformer_engine', 'local' or None (TE on CUDA, local without; models/spec.py)"""
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
-                           ("dp", "data-parallel size")):
+                           ("cp", "--context-parallel-size"), ("dp", "data-parallel size")):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it shards activations "
+                             "over the TP ranks); drop --sequence-parallel or raise the TP size")
+        if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"--recompute-granularity must be one of {RECOMPUTE_GRANULARITIES[1:]}, "
+                             f"got {self.recompute_granularity!r}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method must be one of {RECOMPUTE_METHODS[1:]}, "
+                             f"got {self.recompute_method!r}")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.recompute_granularity != "full" and (self.recompute_method is not None
+                                                     or self.recompute_num_layers is not None):
+            raise ValueError("--recompute-method / --recompute-num-layers only apply to "
+                             "--recompute-granularity full")
+        if self.recompute_num_layers is not None and self.recompute_num_layers < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {self.recompute_num_layers}")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl must be one of {TRANSFORMER_IMPLS[1:]}, "
+                             f"got {self.transformer_impl!r}")
+        if self.transformer_impl == "local" and self.cp > 1:
+            raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention; megatron-core's "
+                             "local spec has no ring attention: drop --transformer-impl local or use "
+                             "--context-parallel-size 1")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core's rule)")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def layers_recomputed_per_unit(self) -> int:
+        """recompute_num_layers with Megatron's default of 1 when full recompute leaves it unset."""
+        return self.recompute_num_layers or 1
+
+    def transformer_config_fields(self) -> dict[str, Any]:
+        """The TransformerConfig fields this layout sets (sizes, SP, recompute)."""
+        fields: dict[str, Any] = dict(
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            context_parallel_size=self.cp, sequence_parallel=self.sp,
+            recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
+            recompute_num_layers=(self.layers_recomputed_per_unit if self.recompute_granularity == "full"
+                                  else None),
+        )
+        return fields
 
     @classmethod
-    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelLayout:
-        """Derive dp from the world size; raise naming the flags when it does not divide."""
-        if world_size % (tp * pp):
+    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, **options: Any
+                   ) -> ParallelLayout:
+        """Derive dp from the world size; raise naming the flags when it does not divide.
+
+        `options` are the remaining fields (sp, recompute_*, overlap_*)."""
+        if world_size % (tp * pp * cp):
             raise ValueError(
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
-                f"--pipeline-model-parallel-size ({pp}); change the process count or the layout"
+                f"--pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); change the process "
+                "count or the layout"
             )
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), **options)
+
+    @staticmethod
+    def options_from_args(args: Any) -> dict[str, Any]:
+        """Every field but dp from the parser's "parallelism" flags (dp follows from the world size)."""
+        return dict(
+            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            cp=args.context_parallel_size, sp=args.sequence_parallel,
+            recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+            recompute_num_layers=args.recompute_num_layers, overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather, transformer_impl=args.transformer_impl,
+        )
+
+    @classmethod
+    def from_args(cls, args: Any, world_size: int) -> ParallelLayout:
+        """The layout the parser's "parallelism" flags ask for on `world_size` ranks."""
+        return cls.from_world(world_size, **cls.options_from_args(args))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -71,3 +155,11 @@ def validate_layout(arch: Qwen2Arch, layout: ParallelLayout) -> None:
             f"num_hidden_layers ({arch.num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({layout.pp})"
         )
+    stage_layers = arch.num_layers // layout.pp
+    if layout.recompute_granularity == "full":
+        n = layout.layers_recomputed_per_unit
+        if n > stage_layers or (layout.recompute_method == "uniform" and stage_layers % n):
+            raise ValueError(
+                f"--recompute-num-layers ({n}) must be <= the {stage_layers} layers of a pipeline stage"
+                + (" and divide them (--recompute-method uniform)" if layout.recompute_method == "uniform" else "")
+            )

@@ -20,6 +20,7 @@ from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig, Polic
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.collect import CollectConfig, Prompt
 from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout
 from megatron_dapo.rollout.types import SamplingParams
 
 
@@ -154,6 +155,10 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner.py)
+        from megatron_dapo.planner import print_plan
+
+        sys.exit(print_plan(args))
     from transformers import AutoTokenizer
 
     from megatron_dapo.actor import MegatronActor, init_parallel
@@ -163,8 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.trainer import Trainer
 
-    layout = init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                           seed=args.seed)
+    layout = init_parallel(seed=args.seed, **ParallelLayout.options_from_args(args))
     rank0 = dist.get_rank() == 0
     arch = Qwen2Arch.from_hf(args.hf_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.hf_checkpoint)

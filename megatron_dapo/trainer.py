@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, TrainSample
+from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
 from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.evaluation import evaluate
@@ -146,7 +147,13 @@ class Trainer:
             )
         metrics = {"train/advantage_abs_mean": float(adv.abs().mean()), "train/minibatches": len(minibatches),
                    "train/responses": float(len(rollouts))}
-        return [mb[rank::dp] for mb in minibatches], metrics
+        # token-cost balanced (quadratic attention term included), not strided: see partition_for_dp
+        arch = self.actor.arch
+        coef = attention_cost_coefficient(arch.hidden_size, arch.intermediate_size, arch.num_heads,
+                                          arch.num_kv_heads, arch.head_dim)
+        shares = [partition_for_dp([len(r.sample.tokens) for r in mb], dp, attn_coef=coef)[rank]
+                  for mb in minibatches]
+        return [[mb[i] for i in share] for mb, share in zip(minibatches, shares)], metrics
 
     def train(self, minibatches: list[list[Rollout]], step: int) -> dict[str, float]:
         """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch, all

@@ -24,12 +24,19 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
-from megatron_dapo.actor.batching import MicroBatch, build_micro_batches
+from megatron_dapo.actor.batching import (
+    MicroBatch,
+    gather_response,
+    iter_micro_batches,
+    padded_length,
+    plan_micro_batches,
+)
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import token_log_probs
 from megatron_dapo.algorithm.loss import policy_loss
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.spec import resolve_transformer_impl
 from megatron_dapo.parallel import ParallelLayout, validate_layout
 
 # Token sums reduced over micro-batches and DP ranks; divided by "tokens" for the reported means.
@@ -57,17 +64,27 @@ class MegatronActor:
         if world != (layout.tp, layout.pp, layout.dp):
             raise ValueError(f"layout (tp, pp, dp)={(layout.tp, layout.pp, layout.dp)} differs from the "
                              f"initialised parallel state {world}")
+        if layout.cp > 1:
+            raise ValueError("--context-parallel-size > 1: the actor does not split micro-batches along the "
+                             "sequence over CP ranks yet (the planner models CP); use --context-parallel-size 1")
         self.arch, self.config, self.layout = arch, config, layout
+        self.transformer_impl = resolve_transformer_impl(layout.transformer_impl)
+        if dist.get_rank() == 0:
+            print(f"[megatron-dapo] decoder layers: {self.transformer_impl} "
+                  f"({'requested' if layout.transformer_impl else 'default'}; --transformer-impl)")
         # variable_seq_lengths: every micro-batch has its own [b, s]; PP stages exchange shapes first.
         # (megatron rejects it with the default MoE dispatcher even for dense models, hence alltoall.)
         variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
         if layout.pp == 1:
             variable = {}
         module = build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
-                                 **variable)
+                                 use_te=self.transformer_impl == "transformer_engine", layout=layout, **variable)
         tcfg = module.config
+        if layout.overlap_param_gather and not config.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=layout.overlap_grad_reduce,
+            overlap_param_gather=layout.overlap_param_gather,
             use_distributed_optimizer=config.use_distributed_optimizer,
         )
         self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
@@ -98,14 +115,30 @@ class MegatronActor:
         return self.model.module
 
     # ---- data plumbing -------------------------------------------------------------------------
-    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+    def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
+        """This rank's micro-batch plan (index groups); every DP rank gets the same count.
+
+        The greedy count is max-reduced over the DP group (one int64) and ranks below it halve their
+        fullest micro-batches, so no DP rank's pipeline idles through extra micro-batches of another.
+        """
         if not samples:
             raise ValueError("MegatronActor got no samples for this DP rank: give every rank at least one")
-        return build_micro_batches(samples, max_tokens=self.config.max_tokens_per_micro_batch,
-                                   micro_batch_size=self.config.micro_batch_size)
+        lengths = [len(s.tokens) for s in samples]
+        plan = dict(max_tokens=self.config.max_tokens_per_micro_batch, micro_batch_size=self.config.micro_batch_size)
+        groups = plan_micro_batches(lengths, **plan)
+        if self.layout.dp > 1:
+            count = torch.tensor([len(groups)], dtype=torch.int64, device=_device())
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            groups = plan_micro_batches(lengths, **plan, num_micro_batches=int(count.item()))
+        return groups
 
-    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[dict[str, Tensor]]:
+    def _run(self, samples: list[TrainSample], groups: list[list[int]], loss_fn, *, forward_only: bool
+             ) -> list[dict[str, Tensor]]:
         device = _device()
+        # TE's causal kernel reads no mask; the local spec needs the explicit [1, 1, s, s] one. Sequence
+        # parallelism splits s over the TP ranks: pad it to a multiple of TP.
+        pad_to = self.layout.tp if self.layout.sp else 1
+        batches = iter_micro_batches(samples, groups, causal_mask=self.transformer_impl == "local", pad_to=pad_to)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator).to(device)
@@ -113,9 +146,10 @@ class MegatronActor:
             return output, partial(loss_fn, mb)
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
-            num_microbatches=len(mbs), seq_length=max(mb.tokens.shape[1] for mb in mbs),
-            micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only,
+            forward_step_func=forward_step, data_iterator=batches, model=[self.model],
+            num_microbatches=len(groups),
+            seq_length=padded_length(max(len(samples[i].tokens) for g in groups for i in g), pad_to),
+            micro_batch_size=max(len(g) for g in groups), forward_only=forward_only,
         )
 
     def _token_log_probs(self, mb: MicroBatch, logits: Tensor, *, compute_entropy: bool):
@@ -130,7 +164,7 @@ class MegatronActor:
 
         Computed on the last PP stage and broadcast to every rank of the pipeline (TP ranks agree).
         """
-        mbs = self._micro_batches(samples)
+        groups = self._micro_batches(samples)
 
         def loss_fn(mb: MicroBatch, logits: Tensor):
             logp, entropy = self._token_log_probs(mb, logits, compute_entropy=with_entropy)
@@ -139,15 +173,17 @@ class MegatronActor:
                 out["entropy"] = entropy.float()
             return torch.zeros((), device=logits.device), torch.ones((), dtype=torch.int), out
 
-        outputs = self._run(mbs, loss_fn, forward_only=True)
+        outputs = self._run(samples, groups, loss_fn, forward_only=True)
         keys = ("logp", "entropy") if with_entropy else ("logp",)
         lens = [s.response_len for s in samples]
         flat = torch.zeros(len(keys), sum(lens), dtype=torch.float32, device=_device())
         if parallel_state.is_pipeline_last_stage():
             per_sample: list[list[Tensor | None]] = [[None] * len(samples) for _ in keys]
-            for mb, out in zip(mbs, outputs):
+            for group, out in zip(groups, outputs):
+                rows = [samples[i] for i in group]
+                spans = ([r.prompt_len for r in rows], [r.response_len for r in rows])
                 for k, key in enumerate(keys):
-                    for i, values in zip(mb.indices, mb.gather_response(out[key])):
+                    for i, values in zip(group, gather_response(out[key], *spans)):
                         per_sample[k][i] = values
             flat = torch.stack([torch.cat(rows) for rows in per_sample])  # type: ignore[arg-type]
         if self.layout.pp > 1:
@@ -174,11 +210,11 @@ class MegatronActor:
         Returns pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy (token
         means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful.
         """
-        mbs = self._micro_batches(samples)
+        groups = self._micro_batches(samples)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._schedule_rollout_step(rollout_step)
-        outputs = self._run(mbs, self._loss_fn, forward_only=False)
+        outputs = self._run(samples, groups, self._loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=_device())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,34 +40,38 @@ def _init_process_group(timeout_minutes: int) -> None:
 
 
 def init_parallel(
-    layout: ParallelLayout | None = None, *, tp: int = 1, pp: int = 1, seed: int = 1234,
-    timeout_minutes: int = 30,
+    layout: ParallelLayout | None = None, *, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
+    timeout_minutes: int = 30, **options: Any,
 ) -> ParallelLayout:
     """Initialise torch.distributed and megatron parallel_state; return the layout in use.
 
-    `layout` (or tp/pp with dp derived from the world size) must cover the world exactly. Seeds torch
-    with `seed` and megatron's model-parallel RNG tracker (dropout-free models only on CPU).
+    `layout` (or tp/pp/cp and the other ParallelLayout fields in `options`, with dp derived from the
+    world size) must cover the world exactly; its cp becomes
+    parallel_state's context-parallel size (DP groups then exclude the CP ranks of one sequence). Seeds
+    torch with `seed` and megatron's model-parallel RNG tracker (dropout-free models only on CPU).
     """
     cpu.install()
     _init_process_group(timeout_minutes)
     world = dist.get_world_size()
     if layout is None:
-        layout = ParallelLayout.from_world(world, tp=tp, pp=pp)
+        layout = ParallelLayout.from_world(world, tp=tp, pp=pp, cp=cp, **options)
     elif layout.world_size != world:
         raise ValueError(
-            f"layout tp={layout.tp} x pp={layout.pp} x dp={layout.dp} = {layout.world_size} ranks, but the "
+            f"layout tp={layout.tp} x pp={layout.pp} x cp={layout.cp} x dp={layout.dp} = {layout.world_size} "
+            "ranks, but the "
             f"world has {world}: change --nproc_per_node or the parallel flags"
         )
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
-        if current != (layout.tp, layout.pp):
-            raise RuntimeError(f"parallel_state already initialised with (tp, pp)={current}: "
+                   parallel_state.get_pipeline_model_parallel_world_size(),
+                   parallel_state.get_context_parallel_world_size())
+        if current != (layout.tp, layout.pp, layout.cp):
+            raise RuntimeError(f"parallel_state already initialised with (tp, pp, cp)={current}: "
                                "call destroy_parallel() first")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            distributed_timeout_minutes=timeout_minutes,
+            context_parallel_size=layout.cp, distributed_timeout_minutes=timeout_minutes,
         )
     torch.manual_seed(seed)
     if torch.cuda.is_available():

@@ -57,6 +57,9 @@ SHIMS: tuple[Shim, ...] = (
         "utils.py:1207",
         "pipeline_parallel/schedules.py:596,2138",
     )),
+    Shim(name="CUDA RNG state get/set -> empty state / no-op (activation recomputation's checkpoint)", files=(
+        "tensor_parallel/random.py:55,84-111",
+    )),
     Shim(name="Tensor.type() -> 'torch.cuda.<T>Tensor' (TorchFunctionMode)", files=(
         "optimizer/clip_grads.py:167",
         "optimizer/distrib_optimizer.py:361,420,582",
@@ -152,6 +155,14 @@ def install() -> bool:
         _original["synchronize"] = torch.cuda.synchronize
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda device=None: None
+        # --recompute-granularity: CheckpointFunction saves and restores the CUDA RNG around the
+        # recomputed forward; there is no CUDA generator (and Qwen2 has no dropout), so nothing to keep.
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        _original["get_rng_state"] = torch.cuda.random.get_rng_state
+        _original["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
+        torch.cuda.random.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
+        mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
         mode = _CudaToCpuMode()
         mode.__enter__()
         _installed_mode = mode

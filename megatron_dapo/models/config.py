@@ -27,14 +27,22 @@ _DTYPE_FLAGS = {torch.float32: {}, torch.bfloat16: {"bf16": True}, torch.float16
 
 
 def transformer_config_from_arch(
-    arch: Qwen2Arch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+    arch: Qwen2Arch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
+    layout: ParallelLayout | None = None, **overrides: Any
 ) -> TransformerConfig:
     """Megatron TransformerConfig of a Qwen2 decoder split over tp x pp ranks.
 
     Qwen2: RMSNorm(eps), SwiGLU (gated silu), GQA with `num_kv_heads` query groups, bias on q/k/v only,
-    no dropout. `overrides` are TransformerConfig fields set last (e.g. calculate_per_token_loss=True).
+    no dropout. `layout` (when given, its tp/pp must equal tp/pp) adds context parallelism, sequence
+    parallelism and activation recomputation. `overrides` are TransformerConfig fields set last
+    (e.g. calculate_per_token_loss=True).
     """
-    validate_layout(arch, ParallelLayout(tp=tp, pp=pp))
+    if layout is None:
+        layout = ParallelLayout(tp=tp, pp=pp)
+    elif (layout.tp, layout.pp) != (tp, pp):
+        raise ValueError(f"transformer_config_from_arch(tp={tp}, pp={pp}) differs from the layout's "
+                         f"(tp={layout.tp}, pp={layout.pp})")
+    validate_layout(arch, layout)
     if params_dtype not in _DTYPE_FLAGS:
         raise ValueError(f"params_dtype must be one of {list(_DTYPE_FLAGS)}, got {params_dtype}")
     fields: dict[str, Any] = dict(
@@ -58,6 +66,9 @@ def transformer_config_from_arch(
         pipeline_dtype=params_dtype,
         **_DTYPE_FLAGS[params_dtype],
     )
+    # Parallel sizes, sequence parallelism and activation recomputation (--sequence-parallel,
+    # --recompute-*, --context-parallel-size): one source, the layout.
+    fields.update(layout.transformer_config_fields())
     if not torch.cuda.is_available():
         fields.update(CPU_ONLY_SETTINGS)
     unknown = sorted(set(overrides) - set(TransformerConfig.__dataclass_fields__))

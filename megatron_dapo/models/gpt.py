@@ -47,7 +47,7 @@ def build_gpt_model(
     config = transformer_config_from_arch(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(use_te),
+        transformer_layer_spec=get_layer_spec(use_te, config),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,

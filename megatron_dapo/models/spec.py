@@ -1,11 +1,19 @@
-"""The one choice of transformer layer implementation: TransformerEngine on GPU, mcore-local on CPU."""
+"""The one choice of transformer layer implementation: TransformerEngine on GPU, mcore-local on CPU.
+
+On CUDA TransformerEngine is required (fused/flash attention keeps no [b, heads, s, s] scores; the local
+spec would materialise them: 2 x 40/8 heads x 20480^2 x 2 B = 8.4 GiB per layer at the production
+setting), unless --transformer-impl local asks for the local spec explicitly.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+TE_HINT = "pip install transformer-engine[pytorch] on a CUDA machine"
 
 
 def te_available() -> bool:
@@ -19,23 +27,76 @@ def te_available() -> bool:
     return True
 
 
-def get_layer_spec(use_te: bool | None = None) -> ModuleSpec:
+def resolve_transformer_impl(impl: str | None) -> str:
+    """--transformer-impl -> 'transformer_engine' or 'local'.
+
+    None: transformer_engine when CUDA is available (and then TE must import: no silent fallback to the
+    local spec), local otherwise. Raises ImportError naming the flag when TE is asked for but missing.
+    """
+    if impl is None:
+        impl = "transformer_engine" if torch.cuda.is_available() else "local"
+    if impl not in ("transformer_engine", "local"):
+        raise ValueError(f"--transformer-impl must be transformer_engine or local, got {impl!r}")
+    if impl == "transformer_engine" and not te_available():
+        where = "CUDA is available, so " if torch.cuda.is_available() else ""
+        raise ImportError(
+            f"{where}the decoder layers need transformer_engine, which does not import ({TE_HINT}); pass "
+            "--transformer-impl local to run megatron-core's local spec instead (it materialises "
+            "[b, heads, s, s] attention scores: only for short sequences)"
+        )
+    return impl
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm for the local spec under --sequence-parallel.
+
+    megatron-core 0.16.1's local norm (WrappedTorchNorm) asserts sequence_parallel is off. Under SP each
+    TP rank normalises its own s/tp slice, so the weight's gradient is partial: tagging the weight
+    `sequence_parallel` makes finalize_model_grads sum it over the TP group (TE's norms do the same).
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _local_sequence_parallel_spec(config: Any) -> ModuleSpec:
+    """The local layer spec with SP-aware norms, as a block spec so the final norm is one too."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    layers = [layer] * get_num_layers_to_build(config)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
+
+
+def get_layer_spec(use_te: bool | None = None, config: Any = None) -> ModuleSpec:
     """Qwen2 decoder-layer spec (RMSNorm, SwiGLU, GQA attention).
 
-    use_te: None picks TransformerEngine when CUDA is available and TE imports, else megatron-core's
-    local spec; True requires TE (raises ImportError naming the fix); False forces the local spec.
+    use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
+    True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
+    TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
-        use_te = torch.cuda.is_available() and te_available()
+        use_te = resolve_transformer_impl(None) == "transformer_engine"
     if use_te:
         if not te_available():
             raise ImportError(
-                "use_te=True needs transformer_engine (pip install transformer-engine[pytorch] on a CUDA "
-                "machine); pass use_te=False or None for megatron-core's local spec"
+                f"use_te=True needs transformer_engine ({TE_HINT}); pass --transformer-impl local "
+                "(use_te=False) for megatron-core's local spec"
             )
         # TE fuses the pre-attention / pre-MLP RMSNorm into linear_qkv / linear_fc1; the norm type
         # comes from TransformerConfig.normalization.
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    if config is not None and config.sequence_parallel:
+        return _local_sequence_parallel_spec(config)
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")

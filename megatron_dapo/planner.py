@@ -1,0 +1,354 @@
+"""Per-GPU memory plan of a layout, from the architecture alone (no model, no GPU): `--dry-run`.
+
+Static memory (per pipeline stage, this TP rank's shards): weights in --params-dtype, the mcore DDP grad
+buffer in fp32 (grad_reduce_in_fp32), and Adam state (fp32 main params + two moments; sharded over DP x CP
+with --use-distributed-optimizer).
+
+Activations: the tensors autograd saves for backward, per transformer layer and micro-batch of T padded
+tokens in rows of length s (b s = T). Following Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Sec. 4): a GPT layer with dropout saves 34 s b h + 5 a s^2 b
+bytes in fp16; norm inputs/outputs and dropout masks (10 s b h) are replicated over TP ranks unless
+sequence parallelism shards them, the rest is split over TP. `ActivationSpec` generalises the paper's
+count to what this project runs (tests/test_planner.py checks both against the paper's formulas and
+against the bytes the real megatron-core model saves on CPU):
+  - SwiGLU MLP (fc1 output 2f, then silu(x1), x2 + 0 and their product: 3f more; 1f when fused);
+  - GQA: flash/fused attention (TransformerEngine) keeps q and k after RoPE, the fused qkv output (v is
+    a view of it) and the output, no s^2 term; megatron-core's local attention keeps q and k, v
+    expanded to all heads, and the [b, a, s, s] softmax (the 5 a s^2 b term, 2 a s^2 b without dropout);
+  - torch RMSNorm (local spec) keeps input, normalised input and output (3h) + fp32 rstd; TE's fused
+    norm-linear keeps input and output (2h);
+  - unfused RoPE keeps cos/sin per q and k (4 s d per layer), the local spec an [s, s] bool mask.
+Pipeline (1F1B): stage i of p holds min(p - i, M) micro-batches in flight, so stage 0 holds p.
+Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuilds one unit (n layers of one
+micro-batch) during its backward; selective recompute drops the core-attention internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, replace
+from typing import TextIO
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
+
+GIB = 1 << 30
+FRAMEWORK_OVERHEAD_GIB = 2.0
+"""Assumed, not modelled: CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE workspaces, allocator slack."""
+HEADROOM = 0.10
+"""Launchers keep the planned peak under (1 - HEADROOM) x --gpu-memory-gib."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationSpec:
+    """What one decoder layer saves for backward, in elements per token unless stated."""
+
+    hidden: int
+    ffn: int
+    heads: int
+    q: int
+    """heads x head_dim."""
+    kv: int
+    """query groups x head_dim (= q without GQA)."""
+    head_dim: int
+    gated: bool = True
+    """SwiGLU (Qwen2) vs a plain two-matrix MLP (GPT: ffn = 4h, GeLU input and output saved)."""
+    swiglu_fused: bool = False
+    """bias_swiglu fusion keeps only fc1's output (f instead of 3f for the activation)."""
+    attention: str = "flash"
+    """'flash' (TE fused attention) or 'unfused' (megatron-core local DotProductAttention)."""
+    norm_tensors: int = 2
+    """h-sized tensors saved per norm: 2 (TE norm-linear, the paper's LN input + next GEMM input), 3 (torch)."""
+    norm_stats_bytes: int = 4
+    """Bytes per token per norm of saved statistics (fp32 rstd); 0 in the paper's count."""
+    dropout: bool = False
+    """Attention-prob and hidden dropout (GPT); Qwen2 has none (p = 0 saves nothing)."""
+    rope: str = "unfused"
+    """'unfused' (cos/sin saved per layer), 'fused' or 'none' (GPT: learned positions)."""
+    bytes_per_element: int = 2
+    causal_mask: bool = False
+    """An explicit [1, 1, s, s] bool mask is passed (local spec): s^2 bytes per micro-batch, shared."""
+
+    @classmethod
+    def for_qwen2(cls, arch: Qwen2Arch, *, transformer_impl: str, bytes_per_element: int,
+                  swiglu_fused: bool = False) -> ActivationSpec:
+        te = transformer_impl == "transformer_engine"
+        return cls(hidden=arch.hidden_size, ffn=arch.intermediate_size, heads=arch.num_heads, q=arch.q_size,
+                   kv=arch.kv_size, head_dim=arch.head_dim, swiglu_fused=swiglu_fused,
+                   attention="flash" if te else "unfused", norm_tensors=2 if te else 3,
+                   bytes_per_element=bytes_per_element, causal_mask=not te)
+
+
+def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, seq_len: int,
+                           selective: bool = False) -> float:
+    """Bytes one layer saves for one micro-batch of `tokens` padded tokens in rows of `seq_len` (no full
+    recompute). TP shards all but the norm tensors, norm statistics and dropout masks, which SP shards
+    too; CP splits every token-proportional term."""
+    e, t = spec.bytes_per_element, layout.tp
+    tok = tokens / layout.cp
+    rep = 2 * (spec.norm_tensors * spec.hidden * e + spec.norm_stats_bytes)  # two norms
+    if spec.dropout:
+        rep += 2 * spec.hidden  # attention-output and MLP-output dropout masks, 1 byte
+    roped = spec.rope != "none"  # RoPE writes new q and k; without it q, k, v stay views of the qkv output
+    gqa = spec.q != spec.kv
+    if spec.attention == "flash" or selective:
+        # the attention core's inputs: q, k (new tensors after RoPE) and v, a view that keeps the whole
+        # fused qkv GEMM output alive; TE adds the softmax log-sum-exp (fp32, per head)
+        attn = ((spec.q + spec.kv if roped else 0) + spec.q + 2 * spec.kv) * e
+        if spec.attention == "flash" and not selective:
+            attn += 4 * spec.heads
+        scores = 0.0
+    else:
+        # local DotProductAttention: q, and k, v expanded to every head under GQA (repeat_interleave);
+        # any of them left a view keeps the fused qkv output
+        q_new, k_new, v_new = roped, roped or gqa, gqa
+        attn = ((spec.q if q_new else 0) + (spec.q if gqa else spec.kv if k_new else 0)
+                + (spec.q if v_new else 0)) * e
+        if not (q_new and k_new and v_new):
+            attn += (spec.q + 2 * spec.kv) * e
+        # softmax output [b, a, s, s]; with dropout also its mask (1 B) and output: 5 a s^2 b in fp16
+        per_score = e + (1 + e if spec.dropout else 0)
+        scores = spec.heads * seq_len * per_score  # per token: a s entries of its row
+    attn += spec.q * e  # attention output = linear_proj input
+    if spec.gated:
+        mlp = (2 * spec.ffn + (spec.ffn if spec.swiglu_fused else 3 * spec.ffn)) * e
+    else:
+        mlp = 2 * spec.ffn * e  # activation input and output (fc2 input)
+    sharded = attn + scores + mlp
+    per_token = (rep / t if layout.sp else rep) + sharded / t
+    rope = 4 * (seq_len / layout.cp) * spec.head_dim * e if spec.rope == "unfused" else 0.0
+    return tok * per_token + rope
+
+
+def recompute_input_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int) -> float:
+    """Bytes a full-recompute unit keeps: its input hidden states [s, b, h] (/t with SP, /cp)."""
+    shard = layout.tp if layout.sp else 1
+    return tokens / layout.cp * spec.hidden * spec.bytes_per_element / shard
+
+
+def micro_batch_extra_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, seq_len: int,
+                            first: bool, last: bool, recompute: bool) -> float:
+    """Per micro-batch, outside the layers: token ids (first stage, int64; plus the vocab-parallel
+    embedding's out-of-shard mask at TP > 1), the final norm (last stage),
+    the explicit causal mask (local spec), the RoPE table kept by recompute checkpoints."""
+    tok, s = tokens / layout.cp, seq_len / layout.cp
+    out = 0.0
+    if first:
+        out += 8 * tok + (tok if layout.tp > 1 else 0)  # int64 ids; at TP > 1 also the out-of-shard bool mask
+    if last:
+        norm = spec.norm_tensors * spec.hidden * spec.bytes_per_element + spec.norm_stats_bytes
+        out += tok * (norm / layout.tp if layout.sp else norm)
+    if spec.causal_mask:
+        out += s * s
+    if recompute:
+        out += s * spec.head_dim * 4  # rotary_pos_emb [s, 1, 1, d] fp32, a checkpoint input
+    return out
+
+
+def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_per_element: int,
+                 fused_logprob: bool) -> float:
+    """Last stage, one micro-batch: vocab-parallel logits [b, s, V/tp] saved by the loss and their grad;
+    the unfused log-prob adds an fp32 copy, log-softmax and fp32 grad (12 B per entry)."""
+    entries = tokens / layout.cp * padded_vocab_size(arch.vocab_size, layout.tp) / layout.tp
+    return entries * (2 * bytes_per_element if fused_logprob else bytes_per_element + 12)
+
+
+def stage_parameters(arch: Qwen2Arch, layout: ParallelLayout, stage: int) -> int:
+    """Parameters this TP rank holds on pipeline `stage` (norms replicated, the rest split over TP)."""
+    h, t = arch.hidden_size, layout.tp
+    qkv = arch.q_size + 2 * arch.kv_size
+    per_layer = (h * qkv + qkv + arch.q_size * h + 3 * h * arch.intermediate_size) // t + 2 * h
+    n = per_layer * (arch.num_layers // layout.pp)
+    vocab = padded_vocab_size(arch.vocab_size, t) * h // t
+    if stage == 0:
+        n += vocab
+    if stage == layout.pp - 1:
+        n += h  # final norm
+        if not arch.tie_word_embeddings or layout.pp > 1:
+            n += vocab  # output layer (a tied copy when the embedding lives on another stage)
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """Everything the plan depends on besides the architecture and layout."""
+
+    tokens_per_micro_batch: int
+    """--max-tokens-per-micro-batch (padded tokens of the largest micro-batch)."""
+    max_seq_len: int
+    """Longest row: --max-prompt-length + --max-response-length (capped by the budget)."""
+    params_dtype: str = "bfloat16"
+    use_distributed_optimizer: bool = True
+    fused_logprob: bool = True
+    num_micro_batches: int | None = None
+    """Micro-batches per step per DP rank; None = at least pp (1F1B's steady state)."""
+    gpu_memory_gib: float = 80.0
+    sglang_gib: float = 0.0
+    """SGLang's share of the GPU when colocated (colocation does not exist yet: 0)."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    in_flight: int
+    """Micro-batches whose activations this stage holds at its peak (1F1B)."""
+    lines: dict[str, float]
+    """Component -> bytes; keys starting with two spaces are details of the next line, not summed."""
+
+    @property
+    def total(self) -> float:
+        return sum(v for k, v in self.lines.items() if not k.startswith("  "))
+
+
+def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+                ) -> list[StagePlan]:
+    """Bytes per component on each pipeline stage (this rank's share)."""
+    validate_layout(arch, layout)
+    pbytes = 2 if inputs.params_dtype == "bfloat16" else 4
+    opt_per_param = 12 if pbytes == 2 else 8  # fp32 main params (bf16 only) + Adam exp_avg, exp_avg_sq
+    opt_shards = layout.dp * layout.cp if inputs.use_distributed_optimizer else 1
+    tokens = inputs.tokens_per_micro_batch
+    s = min(inputs.max_seq_len, tokens)
+    stage_layers = arch.num_layers // layout.pp
+    full = layout.recompute_granularity == "full"
+    n_unit = layout.layers_recomputed_per_unit
+    layer = layer_activation_bytes(spec, layout, tokens=tokens, seq_len=s,
+                                   selective=layout.recompute_granularity == "selective")
+    kept = recompute_input_bytes(spec, layout, tokens=tokens)
+    if not full:
+        per_mb_layers, working = stage_layers * layer, 0.0
+    elif layout.recompute_method == "uniform":
+        per_mb_layers, working = (stage_layers // n_unit) * kept, n_unit * layer
+    else:  # block: the first n layers of the stage are recomputed, the others keep everything
+        recomputed = min(n_unit, stage_layers)
+        per_mb_layers = recomputed * kept + (stage_layers - recomputed) * layer
+        working = layer if recomputed else 0.0
+    plans = []
+    for stage in range(layout.pp):
+        first, last = stage == 0, stage == layout.pp - 1
+        params = stage_parameters(arch, layout, stage)
+        in_flight = layout.pp - stage
+        if inputs.num_micro_batches is not None:
+            in_flight = min(in_flight, inputs.num_micro_batches)
+        per_mb = per_mb_layers + micro_batch_extra_bytes(spec, layout, tokens=tokens, seq_len=s, first=first,
+                                                         last=last, recompute=full)
+        p2p = 0.0 if layout.pp == 1 else 2 * recompute_input_bytes(spec, layout, tokens=tokens)
+        lines = {
+            f"weights ({inputs.params_dtype})": params * pbytes,
+            "grads (fp32 DDP buffer)": params * 4.0,
+            f"optimizer (fp32 Adam{' + main params' if pbytes == 2 else ''}, /{opt_shards})":
+                params * opt_per_param / opt_shards,
+            "  activations per micro-batch": per_mb,
+            "activations in flight (1F1B)": in_flight * per_mb,
+            "recompute working set": working,
+            "logits + grad (last stage)": logits_bytes(arch, layout, tokens=tokens, bytes_per_element=spec.
+                                                       bytes_per_element, fused_logprob=inputs.fused_logprob)
+            if last else 0.0,
+            "pipeline p2p buffers": p2p,
+            "SGLang (not colocated)" if inputs.sglang_gib == 0 else "SGLang (colocated)": inputs.sglang_gib * GIB,
+            "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB,
+        }
+        plans.append(StagePlan(stage, in_flight, lines))
+    return plans
+
+
+def peak_gib(plans: list[StagePlan]) -> float:
+    return max(p.total for p in plans) / GIB
+
+
+# ---- --dry-run ---------------------------------------------------------------------------------------
+def world_size_from_args(args: argparse.Namespace) -> int:
+    """--world-size, else $WORLD_SIZE, else one model replica (TP x PP x CP)."""
+    if args.world_size is not None:
+        return args.world_size
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[Qwen2Arch, ParallelLayout, PlanInputs, ActivationSpec]:
+    """Flags -> what plan_stages needs; reads only --hf-checkpoint's config.json."""
+    arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+    layout = ParallelLayout.from_args(args, world_size_from_args(args))
+    impl = layout.transformer_impl or "transformer_engine"  # the dry run plans a GPU run
+    params_dtype = args.params_dtype or "bfloat16"
+    max_len = args.max_prompt_length + args.max_response_length
+    tokens = args.max_tokens_per_micro_batch or max_len
+    inputs = PlanInputs(tokens_per_micro_batch=tokens, max_seq_len=max_len, params_dtype=params_dtype,
+                        use_distributed_optimizer=args.use_distributed_optimizer,
+                        fused_logprob=args.use_fused_logprob, gpu_memory_gib=args.gpu_memory_gib)
+    spec = ActivationSpec.for_qwen2(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
+                                    "bfloat16" else 4)
+    return arch, layout, inputs, spec
+
+
+def _suggestions(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+                 ) -> list[tuple[str, float]]:
+    """(flags to change, resulting peak GiB) for the single changes that lower the peak, most useful first."""
+    tries: list[tuple[str, ParallelLayout, PlanInputs]] = []
+    if layout.tp > 1 and not layout.sp and spec.attention == "flash":
+        tries.append(("--sequence-parallel", replace(layout, sp=True), inputs))
+    if layout.recompute_granularity != "full":
+        tries.append(("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                      replace(layout, recompute_granularity="full", recompute_method="uniform",
+                              recompute_num_layers=1), inputs))
+    if not inputs.use_distributed_optimizer and layout.dp * layout.cp > 1:
+        tries.append(("--use-distributed-optimizer", layout, replace(inputs, use_distributed_optimizer=True)))
+    half = inputs.tokens_per_micro_batch // 2
+    if half >= inputs.max_seq_len:
+        tries.append((f"--max-tokens-per-micro-batch {half}", layout, replace(inputs, tokens_per_micro_batch=half)))
+    out = []
+    for flags, lay, inp in tries:
+        try:
+            out.append((flags, peak_gib(plan_stages(arch, lay, inp, spec))))
+        except ValueError:
+            continue
+    return out
+
+
+def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:
+    plans = plan_stages(arch, layout, inputs, spec)
+    s = min(inputs.max_seq_len, inputs.tokens_per_micro_batch)
+    rec = layout.recompute_granularity or "off"
+    if layout.recompute_granularity == "full":
+        rec += f"/{layout.recompute_method} {layout.layers_recomputed_per_unit}"
+    lines = [
+        f"layout: TP{layout.tp} x PP{layout.pp} x CP{layout.cp} x DP{layout.dp} = {layout.world_size} GPUs; "
+        f"sequence parallel {'on' if layout.sp else 'off'}; recompute {rec}; attention {spec.attention} "
+        f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
+        f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; "
+        f"{arch.num_layers // layout.pp} layers per stage",
+        f"{'GiB per GPU':<48}" + "".join(f"{'stage ' + str(p.stage):>10}" for p in plans),
+    ]
+    lines.append(f"{'  micro-batches in flight (1F1B: pp - stage)':<48}"
+                 + "".join(f"{p.in_flight:>10d}" for p in plans))
+    for key in plans[0].lines:
+        lines.append(f"{key:<48}" + "".join(f"{p.lines[key] / GIB:>10.2f}" for p in plans))
+    lines.append(f"{'total':<48}" + "".join(f"{p.total / GIB:>10.2f}" for p in plans))
+    return lines
+
+
+def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Print the per-GPU plan of these flags; 0 when the peak fits --gpu-memory-gib, else 1 (2: bad flags)."""
+    out = out or sys.stdout
+    try:
+        arch, layout, inputs, spec = plan_from_args(args)
+        lines = format_plan(arch, layout, inputs, spec)
+        peak = peak_gib(plan_stages(arch, layout, inputs, spec))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"plan: error: {exc}", file=out)
+        return 2
+    for line in lines:
+        print(line, file=out)
+    fits = peak <= inputs.gpu_memory_gib
+    if fits:
+        print(f"headroom: {(1 - peak / inputs.gpu_memory_gib) * 100:.1f}% of --gpu-memory-gib", file=out)
+    else:
+        print(f"over by {peak - inputs.gpu_memory_gib:.2f} GiB; single changes that lower the peak:", file=out)
+        for flags, after in _suggestions(arch, layout, inputs, spec):
+            verdict = "fits" if after <= inputs.gpu_memory_gib else "still over"
+            print(f"  {flags}: peak {after:.2f} GiB ({verdict})", file=out)
+    print(f"plan: peak {peak:.2f} GiB per GPU of {inputs.gpu_memory_gib:g} GiB", file=out)
+    return 0 if fits else 1

@@ -1,0 +1,53 @@
+"""torchrun worker (2 ranks): the actor at TP=2 without and with sequence parallelism (and SP + full
+recompute) on one world; saves each layout's log-probs, entropies, step metrics, weight shards and the
+activation bytes one [2, 24] micro-batch saves for backward.
+
+argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<layout>_rank<r>.pt
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
+from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
+from tests.test_planner import saved_activation_bytes
+
+LAYOUTS = {
+    "tp2": ParallelLayout(tp=2),
+    "tp2_sp": ParallelLayout(tp=2, sp=True),
+    "tp2_sp_recompute": ParallelLayout(tp=2, sp=True, recompute_granularity="full", recompute_method="uniform",
+                                       recompute_num_layers=1),
+}
+
+
+def main() -> None:
+    data = torch.load(sys.argv[1], weights_only=False)
+    arch = Qwen2Arch(**data["arch"])
+    init_parallel(LAYOUTS["tp2"], seed=data["seed"])
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    full = hf_to_full_mcore(data["hf_state_dict"], arch)
+    shards = mcore_shards_for_rank(full, arch, tp=2, tp_rank=tp_rank, pp=1, pp_rank=0,
+                                   padded_vocab=padded_vocab_size(arch.vocab_size, 2))
+    for name, layout in LAYOUTS.items():  # same process groups: only the model config differs
+        actor = MegatronActor(arch, data["config"], layout)
+        assert actor.module.config.sequence_parallel == layout.sp
+        actor.load_shards(shards)
+        saved = saved_activation_bytes(actor.module, torch.arange(2 * 24).reshape(2, 24) % arch.vocab_size)
+        logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
+        metrics = [actor.train_step(data["samples"]) for _ in range(data["steps"])]
+        norm_tagged = sorted(n for n, p in actor.module.named_parameters() if getattr(p, "sequence_parallel", False))
+        torch.save({"saved_bytes": saved, "logps": logps, "entropies": ents, "metrics": metrics, "norm_tagged": norm_tagged,
+                    "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
+                   f"{sys.argv[2]}/{name}_rank{dist.get_rank()}.pt")
+    destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

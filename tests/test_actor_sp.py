@@ -1,0 +1,69 @@
+"""Sequence parallelism (TP=2 + SP, and TP=2 + SP + full recompute, torchrun on gloo, local spec) gives
+the log-probs, metrics and updated weights of TP=2 without SP: one launch, several checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo import planner
+from megatron_dapo.actor import ActorConfig
+from megatron_dapo.models.hf_config import Qwen2Arch
+from tests.dist.actor_common import make_samples, tiny_hf_model
+from tests.dist.actor_sp import LAYOUTS
+from tests.torchrun import REPO, run_torchrun
+
+VARIANTS = ("tp2_sp", "tp2_sp_recompute")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    tmp = tmp_path_factory.mktemp("actor_sp")
+    hf = tiny_hf_model(tie=False, seed=2)
+    samples = make_samples(7, seed=9)
+    assert any(len(s.tokens) % 2 for s in samples)  # odd lengths: SP must pad s to a multiple of TP
+    data = {"arch": dataclasses.asdict(Qwen2Arch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(),
+            "config": ActorConfig(lr=1e-3, clip_grad=1.0, max_tokens_per_micro_batch=48, use_fused_logprob=False),
+            "seed": 5, "samples": samples, "steps": 2}
+    torch.save(data, tmp / "input.pt")
+    run_torchrun(REPO / "tests/dist/actor_sp.py", str(tmp / "input.pt"), str(tmp))
+    return {name: [torch.load(Path(tmp) / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+            for name in ("tp2", *VARIANTS)} | {"arch": Qwen2Arch.from_hf(hf.config)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sequence_parallel_matches_tp_only(runs, variant):
+    for rank in range(2):
+        want, got = runs["tp2"][rank], runs[variant][rank]
+        for key in ("logps", "entropies"):
+            for g, w in zip(got[key], want[key]):
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        for g, w in zip(got["metrics"], want["metrics"]):
+            for key in ("pg_loss", "entropy", "approx_kl", "grad_norm", "num_tokens"):
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
+        for name, w in want["weights"].items():
+            # norm weights see partial gradients per TP rank under SP: equal only if summed over TP
+            torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sequence_parallel_tags_every_norm_weight(runs):
+    tagged = runs["tp2_sp"][0]["norm_tagged"]
+    assert tagged and all("layernorm" in n for n in tagged)
+    names = runs["tp2_sp"][0]["weights"]
+    assert sorted(n for n in names if "layernorm" in n) == tagged
+    assert runs["tp2"][0]["norm_tagged"] == []
+
+
+@pytest.mark.parametrize("name", ["tp2", *VARIANTS])
+def test_planner_matches_saved_tensors_at_tp2(runs, name):
+    """The planner's TP / SP division against the bytes megatron-core saves per rank: exact."""
+    arch, layout = runs["arch"], LAYOUTS[name]
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
+    (plan,) = planner.plan_stages(arch, layout, inputs, spec)
+    for rank in range(2):
+        measured = runs[name][rank]["saved_bytes"]
+        assert measured == plan.lines["  activations per micro-batch"], (name, rank, measured)

@@ -1,0 +1,144 @@
+"""The parallelism flags: validation naming the flag, their path into megatron-core, and activation
+recomputation giving the same log-probs, loss and gradients as no recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.models import spec
+from megatron_dapo.models.config import transformer_config_from_arch
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+
+ARCH = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
+                 num_kv_heads=4, head_dim=8)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(tp=1, sp=True), "--sequence-parallel"),
+    (dict(cp=0), "--context-parallel-size"),
+    (dict(recompute_granularity="partial"), "--recompute-granularity"),
+    (dict(recompute_granularity="full"), "--recompute-method"),
+    (dict(recompute_granularity="selective", recompute_method="uniform"), "--recompute-method"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
+     "--recompute-num-layers"),
+    (dict(overlap_param_gather=True), "--overlap-grad-reduce"),
+    (dict(transformer_impl="local", cp=2), "--context-parallel-size"),
+    (dict(transformer_impl="apex"), "--transformer-impl"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_layout_errors_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        ParallelLayout(**kwargs)
+
+
+def test_recompute_layers_must_fit_a_stage():
+    layout = ParallelLayout(pp=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+    with pytest.raises(ValueError, match="--recompute-num-layers"):
+        validate_layout(ARCH, layout)  # 2 layers per stage
+    validate_layout(ARCH, ParallelLayout(pp=2, recompute_granularity="full", recompute_method="block",
+                                         recompute_num_layers=2))
+
+
+def test_flags_reach_the_transformer_config():
+    args = build_parser().parse_args([
+        "--hf-checkpoint", "x", "--num-steps", "1", "--prompt-data", "x", "--tensor-model-parallel-size", "2",
+        "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
+        "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+        "--overlap-grad-reduce", "--overlap-param-gather", "--transformer-impl", "transformer_engine"])
+    layout = ParallelLayout.from_args(args, world_size=16)
+    assert (layout.tp, layout.pp, layout.cp, layout.dp, layout.sp) == (2, 2, 2, 2, True)
+    assert (layout.overlap_grad_reduce, layout.overlap_param_gather, layout.transformer_impl) == (
+        True, True, "transformer_engine")
+    cfg = transformer_config_from_arch(ARCH, tp=2, pp=2, layout=layout)
+    assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size) == (2, 2, 2)
+    assert cfg.sequence_parallel is True
+    assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 2)
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        ParallelLayout.from_args(args, world_size=12)
+
+
+def test_transformer_engine_is_required_on_cuda(monkeypatch):
+    assert spec.resolve_transformer_impl("local") == "local"
+    monkeypatch.setattr(spec, "te_available", lambda: False)
+    assert spec.resolve_transformer_impl(None) == ("transformer_engine" if torch.cuda.is_available() else "local")
+    with pytest.raises(ImportError, match="--transformer-impl local"):
+        spec.resolve_transformer_impl("transformer_engine")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU box where TE fails to import
+    with pytest.raises(ImportError, match="CUDA is available.*--transformer-impl local"):
+        spec.resolve_transformer_impl(None)
+    with pytest.raises(ImportError, match="--transformer-impl local"):
+        spec.get_layer_spec(None)  # no silent fallback to the local spec
+
+
+# ---- recompute == no recompute (single process, local spec) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def world():
+    init_parallel(seed=0)
+    hf = tiny_hf_model(seed=4)
+    yield hf, Qwen2Arch.from_hf(hf.config)
+    destroy_parallel()
+
+
+def _actor(world, layout: ParallelLayout) -> MegatronActor:
+    hf, arch = world
+    actor = MegatronActor(arch, ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=60), layout)
+    full = hf_to_full_mcore(hf.state_dict(), arch)
+    actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                            padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+    return actor
+
+
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    samples = make_samples(6, seed=3)
+    actor = _actor(world, ParallelLayout())
+    logps = actor.compute_log_probs(samples)
+    actor.train_step(samples)
+    grads = {n: p.main_grad.clone() for n, p in actor.model.module.named_parameters()}
+    return samples, logps, grads
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_recompute_gives_identical_log_probs_and_grads(world, reference, name):
+    samples, want_logps, want_grads = reference
+    actor = _actor(world, ParallelLayout(**RECOMPUTE[name]))
+    assert actor.module.config.recompute_granularity == RECOMPUTE[name]["recompute_granularity"]
+    for got, want in zip(actor.compute_log_probs(samples), want_logps):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    actor.train_step(samples)
+    for n, p in actor.model.module.named_parameters():
+        torch.testing.assert_close(p.main_grad, want_grads[n], atol=1e-7, rtol=1e-6, msg=n)
+
+
+def test_overlap_flags_reach_ddp_and_change_no_result(world):
+    """--overlap-grad-reduce / --overlap-param-gather set mcore's DDP config; two steps match the default."""
+    hf, arch = world
+    samples = make_samples(6, seed=3)
+    results = []
+    for layout in (ParallelLayout(), ParallelLayout(overlap_grad_reduce=True, overlap_param_gather=True)):
+        actor = MegatronActor(arch, ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=60,
+                                                use_distributed_optimizer=True), layout)
+        assert (actor.model.ddp_config.overlap_grad_reduce, actor.model.ddp_config.overlap_param_gather) == (
+            layout.overlap_grad_reduce, layout.overlap_param_gather)
+        full = hf_to_full_mcore(hf.state_dict(), arch)
+        actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                                padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+        norms = [actor.train_step(samples)["grad_norm"] for _ in range(2)]
+        results.append((norms, {k: v.clone() for k, v in actor.state_dict_for_export().items()}))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    for name, w in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], w, atol=1e-6, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+        MegatronActor(arch, ActorConfig(lr=1e-3), ParallelLayout(overlap_grad_reduce=True, overlap_param_gather=True))

@@ -1,0 +1,223 @@
+"""The memory planner against Korthikanti et al. 2022's activation formulas, against the bytes the real
+megatron-core model saves for backward (CPU, local spec), and the launchers' --dry-run plans."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+import torch
+
+from megatron_dapo import planner
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import ParallelLayout
+from tests.test_examples import REPO, launcher_args
+
+# ---- Korthikanti et al. 2022, Sec. 4 (fp16 activations, 1-byte dropout masks), written out ------------
+
+
+def paper_layer_bytes(s, b, h, a, t=1, sp=False, selective=False):
+    """Eq. (1)-(4): 34sbh + 5as^2b; TP: sbh(10 + 24/t + 5as/(ht)); TP + SP: (34sbh + 5as^2b)/t;
+    selective recompute drops the 5as^2b term."""
+    attn_sq = 0 if selective else 5 * a * s * s * b
+    if t == 1:
+        return 34 * s * b * h + attn_sq
+    if sp:
+        return (34 * s * b * h + attn_sq) / t
+    return s * b * h * 10 + (24 * s * b * h + attn_sq) / t
+
+
+def gpt_spec(h: int, a: int) -> planner.ActivationSpec:
+    """The paper's GPT layer: MHA, 4h GeLU MLP, LayerNorm (input only + next GEMM input), dropout, no RoPE."""
+    return planner.ActivationSpec(hidden=h, ffn=4 * h, heads=a, q=h, kv=h, head_dim=h // a, gated=False,
+                                  attention="unfused", norm_tensors=2, norm_stats_bytes=0, dropout=True,
+                                  rope="none", bytes_per_element=2)
+
+
+@pytest.mark.parametrize("s,b,h,a,t,sp", [
+    pytest.param(2048, 1, 12288, 96, 1, False, id="gpt3-175b-tp1"),
+    pytest.param(2048, 1, 12288, 96, 8, False, id="gpt3-175b-tp8"),
+    pytest.param(2048, 1, 12288, 96, 8, True, id="gpt3-175b-tp8-sp"),
+    pytest.param(4096, 3, 5120, 40, 4, True, id="tp4-sp-b3"),
+])
+def test_layer_activations_match_korthikanti(s, b, h, a, t, sp):
+    layout = ParallelLayout(tp=t, sp=sp)
+    spec = gpt_spec(h, a)
+    got = planner.layer_activation_bytes(spec, layout, tokens=s * b, seq_len=s)
+    assert got == pytest.approx(paper_layer_bytes(s, b, h, a, t, sp), rel=1e-12)
+    sel = ParallelLayout(tp=t, sp=sp, recompute_granularity="selective")
+    got_sel = planner.layer_activation_bytes(spec, sel, tokens=s * b, seq_len=s, selective=True)
+    # the paper's selective recompute keeps everything but the attention core: 34sbh (/t with SP)
+    assert got_sel == pytest.approx(paper_layer_bytes(s, b, h, a, t, sp, selective=True), rel=1e-12)
+    # full recompute keeps only each layer's input, 2sbh (/t with SP) (Sec. 4.3 / Table 2)
+    assert planner.recompute_input_bytes(spec, layout, tokens=s * b) == pytest.approx(
+        2 * s * b * h / (t if sp else 1))
+
+
+def test_flash_attention_has_no_quadratic_term():
+    """TE's fused attention keeps O(s) per row: doubling the row length at a fixed token budget leaves the
+    layer's bytes unchanged, except the RoPE tables (4 s d), while the local spec's grow by a s^2 b."""
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    layout = ParallelLayout(tp=8, pp=2, sp=True)
+    te = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    local = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=2)
+    short, long = 4096, 16384
+    rope = 4 * (long - short) * arch.head_dim * 2
+    d_te = (planner.layer_activation_bytes(te, layout, tokens=16384, seq_len=long)
+            - planner.layer_activation_bytes(te, layout, tokens=16384, seq_len=short))
+    assert d_te == pytest.approx(rope)
+    d_local = (planner.layer_activation_bytes(local, layout, tokens=16384, seq_len=long)
+               - planner.layer_activation_bytes(local, layout, tokens=16384, seq_len=short))
+    # softmax output [b, a/t, s, s] in bf16: tokens x a/t x (s_long - s_short) x 2 B
+    assert d_local == pytest.approx(16384 * (arch.num_heads / 8) * (long - short) * 2 + rope)
+
+
+# ---- against the tensors megatron-core actually saves (CPU, local spec, fp32) ----------------------------
+
+TINY = Qwen2Arch(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16)
+RECOMPUTE = {
+    "none": {},
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in one forward, parameters excluded."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    b, s = tokens.shape
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(diagonal=1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.arange(s).expand(b, s), mask)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
+@pytest.fixture(scope="module")
+def world():
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+
+    init_parallel(seed=0)
+    yield
+    destroy_parallel()
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_planner_matches_saved_tensors(world, name):
+    """Exact to the byte except selective recompute, whose checkpoint also saves two int32 scalars (8 B)."""
+    from megatron_dapo.models.gpt import build_gpt_model
+
+    layout = ParallelLayout(**RECOMPUTE[name])
+    model = build_gpt_model(TINY, layout=layout, use_te=False)
+    b, s = 3, 40
+    measured = saved_activation_bytes(model, torch.randint(0, TINY.vocab_size, (b, s)))
+    spec = planner.ActivationSpec.for_qwen2(TINY, transformer_impl="local", bytes_per_element=4)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32")
+    (plan,) = planner.plan_stages(TINY, layout, inputs, spec)
+    predicted = plan.lines["  activations per micro-batch"]
+    assert abs(predicted - measured) <= (8 if name == "selective" else 0), (predicted, measured)
+    if name == "full-uniform":  # and the recompute saves what the paper says: 2 inputs of s b h (fp32 here)
+        assert predicted < 0.15 * planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s) * 2
+
+
+def test_stage_parameters_add_up_to_the_hf_count():
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    assert 32.7e9 < arch.num_parameters() < 32.8e9  # "32.5B" (31.0B non-embedding) per the model card
+    # TP splits everything but the 2h norm weights per layer and the final norm
+    tp8 = sum(planner.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
+    replicated = 2 * arch.hidden_size * arch.num_layers + arch.hidden_size
+    assert tp8 * 8 - 7 * replicated == arch.num_parameters() + 2 * 512 * arch.hidden_size  # vocab pad 152576
+
+
+def test_static_memory_closed_form():
+    """bf16 weights 2 B, fp32 grads 4 B, Adam 12 B / DP per parameter (16.5 B/param at DP 8: Megatron's
+    distributed-optimizer table)."""
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-7B")
+    layout = ParallelLayout(tp=4, dp=8)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=8192,
+                                                                   max_seq_len=8192), spec)
+    n = planner.stage_parameters(arch, layout, 0)
+    static = sum(v for k, v in plan.lines.items() if k.startswith(("weights", "grads", "optimizer")))
+    assert static == pytest.approx(n * (2 + 4 + 12 / 8))
+
+
+# ---- --dry-run -------------------------------------------------------------------------------------------
+
+LAUNCHERS = [
+    pytest.param("examples/run_qwen2.5_7b_single_node.sh", {}, "qwen2.5-7B", id="7b-single-node"),
+    pytest.param("examples/run_qwen2.5_32b_multinode.sh",
+                 {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
+                 "qwen2.5-32B", id="32b-multinode"),
+]
+
+
+def _dry_run(train_args: list[str]) -> tuple[int, list[str]]:
+    out = io.StringIO()
+    rc = planner.print_plan(build_parser().parse_args(train_args + ["--dry-run"]), out=out)
+    return rc, out.getvalue().splitlines()
+
+
+def _launcher_train_args(tmp_path, script, env, model) -> list[str]:
+    torchrun_args, train_args = launcher_args(tmp_path, script, env)
+    nodes = int(torchrun_args[torchrun_args.index("--nnodes") + 1]) if "--nnodes" in torchrun_args else 1
+    world = nodes * int(torchrun_args[torchrun_args.index("--nproc_per_node") + 1])
+    train_args[train_args.index("--hf-checkpoint") + 1] = str(REPO / "examples/models" / model)
+    return train_args + ["--world-size", str(world)]
+
+
+@pytest.mark.parametrize("script,env,model", LAUNCHERS)
+def test_launcher_dry_run_fits_an_80gb_gpu_with_headroom(tmp_path, script, env, model):
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, script, env, model))
+    assert rc == 0, "\n".join(lines)
+    peak, of = lines[-1].removeprefix("plan: peak ").split(" GiB per GPU of ")
+    assert lines[-1].startswith("plan: peak ") and of == "80 GiB"
+    assert float(peak) <= (1 - planner.HEADROOM) * 80, "\n".join(lines)
+    assert any(line.startswith("SGLang (not colocated)") for line in lines)
+
+
+def test_dry_run_over_budget_exits_1_and_names_the_flag(tmp_path):
+    script, env, model = LAUNCHERS[1].values
+    args = _launcher_train_args(tmp_path, script, env, model)
+    for flag, n in (("--sequence-parallel", 0), ("--recompute-granularity", 1), ("--recompute-method", 1),
+                    ("--recompute-num-layers", 1)):
+        i = args.index(flag)
+        del args[i:i + 1 + n]
+    rc, lines = _dry_run(args)
+    assert rc == 1
+    assert lines[-1].startswith("plan: peak ") and float(lines[-1].split()[2]) > 80
+    assert any("--sequence-parallel" in line for line in lines)
+    assert any("--recompute-granularity full" in line and "(fits)" in line for line in lines)
+
+
+def test_dry_run_rejects_a_bad_layout(tmp_path):
+    script, env, model = LAUNCHERS[1].values
+    args = _launcher_train_args(tmp_path, script, env, model)
+    args[args.index("--world-size") + 1] = "24"  # not a multiple of TP8 x PP2
+    rc, lines = _dry_run(args)
+    assert rc == 2 and "--tensor-model-parallel-size" in lines[-1]
+
+
+def test_planned_bytes_per_component_are_itemised():
+    """Each printed row is one component and the total is their sum (details excluded)."""
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    plans = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
+                                                                 max_seq_len=22528), spec)
+    assert [p.in_flight for p in plans] == [2, 1]
+    first, last = plans
+    assert first.lines["activations in flight (1F1B)"] == 2 * first.lines["  activations per micro-batch"]
+    assert first.lines["logits + grad (last stage)"] == 0 < last.lines["logits + grad (last stage)"]
+    assert Counter(k.startswith("  ") for k in first.lines)[True] == 1
