@@ -21,7 +21,7 @@ from megatron_dapo.models.hf_config import Qwen2Arch  # noqa: E402
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_smoke")
-    env = dict(subprocess_env(), OUT=str(out))
+    env = dict(subprocess_env(), OUT=str(out), PY=sys.executable)
     proc = subprocess.run(["bash", "tools/gpu_smoke.sh", "--dry"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     return proc, out
@@ -67,8 +67,7 @@ def test_dry_run_reports_every_part_with_numbers(dry_run):
     md = (out / "gpu_smoke.md").read_text()
     for part in gpu_smoke.PARTS:
         assert f"## {part}: ok" in md
-    assert "| tokens_per_micro_batch |" in md.replace("| recompute | tokens_per_micro_batch |",
-                                                       "| tokens_per_micro_batch |")
+    assert "| recompute | tokens_per_micro_batch |" in md and "| dtype | backend | vocab |" in md
 
 
 def test_report_keeps_the_other_parts_when_one_fails(dry_run, tmp_path):

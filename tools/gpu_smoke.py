@@ -241,6 +241,9 @@ def part_trainer(dry: bool, out: Path) -> dict:
              **{f"{k} cpu": c.get(k) for k in STEP_KEYS}} for d, c in zip(dev["steps"], cpu["steps"])]
     ok = diff < 1e-3 and len(dev["steps"]) == len(cpu["steps"]) == 3 and all(
         d["mismatch/logprob_abs_diff_mean"] < 1e-3 for d in dev["steps"])
+    for label, run in runs.items():
+        result[f"{label}_run"] = f"{run['device']}, {run['backend']}, {run['seconds']:.1f} s for 3 steps"
+    result["device_run_fusions"] = dev["fusions"]
     return {"status": "ok" if ok else "fail", "probe_logp_max_abs_diff_device_vs_cpu": diff,
             "probe_entropy_max_abs_diff_device_vs_cpu": ent, "rows": rows, **result}
 
