@@ -94,9 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "actor's GPUs); on CUDA, launched servers need this or --sglang-colocate")
     g.add_argument("--sglang-colocate", action="store_true",
                    help="launch the SGLang servers on the actor's own GPUs (server i from GPU i x --sglang-tp-size); "
-                        "cap their memory with --sglang-extra-args '--mem-fraction-static 0.3'")
+                        "cap their memory with SGLang's mem-fraction-static option through --sglang-extra-args")
     g.add_argument("--sglang-deterministic-inference", action=argparse.BooleanOptionalAction, default=True,
-                   help="launch the CUDA servers of a seeded run with SGLang's --enable-deterministic-inference, "
+                   help="launch the CUDA servers of a seeded run in SGLang's deterministic inference mode, "
                         "without which SGLang ignores the per-request seeds (costs decoding speed); attached "
                         "servers are asked through /server_info and a warning is printed when it is off")
     g.add_argument("--sglang-server-urls", nargs="+", default=None,

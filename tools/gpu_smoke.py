@@ -323,7 +323,7 @@ def train_flops_per_token(arch, seq_len: int) -> float:
 
 
 def _recompute_flags() -> list[str] | None:
-    """The full-recompute flags of this build's parser, or None when it has no --recompute-granularity."""
+    """The full-recompute flags of this build's parser, or None when it has no recompute-granularity option."""
     from megatron_dapo.arguments import build_parser
 
     known = {s for a in build_parser()._actions for s in a.option_strings}

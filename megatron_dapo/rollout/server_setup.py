@@ -20,7 +20,7 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
     """Environment of launched servers: CUDA_VISIBLE_DEVICES=--sglang-gpus, or nothing with --sglang-colocate.
 
     On CUDA one of the two is required: without either, server i would start at GPU i x --sglang-tp-size of
-    the actor's own devices (--base-gpu-id) and take the memory the actor needs.
+    the actor's own devices (SGLang's base GPU id) and take the memory the actor needs.
     """
     if sglang_gpus is not None and colocate:
         raise ValueError("--sglang-gpus and --sglang-colocate exclude each other: give the servers their own "
@@ -72,10 +72,10 @@ def deterministic_server_args(*, seeded: bool, wanted: bool, device: str,
                               extra_args: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
     """(flags to add to launched servers, the log line saying what was decided) for reproducible rollouts.
 
-    SGLang 0.5.23 uses a request's sampling_seed only under --enable-deterministic-inference (batch-invariant
-    kernels: slower decoding); --sglang-deterministic-inference (default on) adds it to launched CUDA servers
-    of a seeded run. SGLang's CPU attention (torch_native) has no deterministic mode, so CPU servers run
-    without it and ignore the seeds.
+    SGLang 0.5.23 uses a request's sampling_seed only in its deterministic inference mode (DETERMINISTIC_FLAG;
+    batch-invariant kernels: slower decoding); --sglang-deterministic-inference (default on) adds it to
+    launched CUDA servers of a seeded run. SGLang's CPU attention (torch_native) has no deterministic mode, so
+    CPU servers run without it and ignore the seeds.
     """
     if not seeded:
         return (), None

@@ -93,7 +93,7 @@ def check_shm_space(nbytes: int, shm_dir: str = SHM_DIR,
         raise RuntimeError(
             f"tensor-mode weight sync on CPU needs {nbytes / 2**20:.0f} MiB of {shm_dir} per bucket, only "
             f"{free / 2**20:.0f} MiB are free: lower --weight-sync-bucket-mb, use --weight-sync-mode disk "
-            f"(or distributed), or give the container a larger /dev/shm (docker run --shm-size=8g)"
+            f"(or distributed), or give the container a larger /dev/shm (docker run's shm-size option)"
         )
 
 
