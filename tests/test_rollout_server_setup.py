@@ -82,7 +82,8 @@ def test_attached_servers_are_asked_through_server_info():
         "http://c:1/get_server_info": _Resp(200, {"enable_deterministic_inference": True}),
     }
 
-    def get(url, timeout):
+    def get(url, timeout, headers):
+        assert headers == {}
         if url.startswith("http://d:1"):
             raise httpx.ConnectError("refused")
         return answers.get(url, _Resp(404, {}))

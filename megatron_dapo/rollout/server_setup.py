@@ -93,12 +93,13 @@ def deterministic_server_args(*, seeded: bool, wanted: bool, device: str,
         f"(slower decoding; --no-sglang-deterministic-inference turns it off)")
 
 
-def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0) -> bool | None:
+def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0,
+                         headers: dict[str, str] | None = None) -> bool | None:
     """enable_deterministic_inference of a running server from /server_info (or the older /get_server_info);
-    None when neither answers with it."""
+    None when neither answers with it. `headers`: e.g. the Authorization of a server with an API key."""
     for path in ("/server_info", "/get_server_info"):
         try:
-            resp = get(f"{url.rstrip('/')}{path}", timeout=timeout_s)
+            resp = get(f"{url.rstrip('/')}{path}", timeout=timeout_s, headers=headers or {})
         except httpx.HTTPError:
             continue
         if resp.status_code != 200:
@@ -112,14 +113,14 @@ def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_
     return None
 
 
-def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool,
-                                  get: Callable[..., Any] = httpx.get) -> list[str]:
+def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Callable[..., Any] = httpx.get,
+                                  headers: dict[str, str] | None = None) -> list[str]:
     """Warnings for attached servers of a seeded run that ignore sampling_seed (or could not be asked)."""
     if not seeded:
         return []
     lines = []
     for url in urls:
-        state = server_deterministic(url, get)
+        state = server_deterministic(url, get, headers=headers)
         if state is False:
             lines.append(f"[megatron-dapo] warning: SGLang server {url} runs without {DETERMINISTIC_FLAG}: it "
                          f"ignores sampling_seed, so rollouts are not reproducible from --seed (start it with "
