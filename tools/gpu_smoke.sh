@@ -59,7 +59,7 @@ if [ -n "$missing" ]; then
     # --target implies --ignore-installed, so no dependency resolution: megatron-core's own needs (torch,
     # numpy, packaging) are already on the machine.
     # shellcheck disable=SC2086
-    timeout 120 "$PY" -m pip install -q --no-index --no-deps --find-links .whl --target .whl/site $missing \
+    timeout 30 "$PY" -m pip install -q --no-index --no-deps --find-links .whl --target .whl/site $missing \
         || { echo "gpu_smoke: installing $missing from .whl/ failed (run tools/fetch_gpu_wheels.sh first)" >&2; exit 2; }
 fi
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
