@@ -12,6 +12,10 @@
 #        examples/run_qwen2.5_32b_multinode.sh [HF_CKPT] [RUN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# PyTorch allocator: expandable segments, less fragmentation with micro-batches of varying length. One
+# hardware queue per GPU: Megatron's sequence-parallel overlap relies on kernels starting in issue order.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 HF_CKPT=${1:-${HF_CKPT:-/models/Qwen2.5-32B}}
 RUN_DIR=${2:-runs/qwen2.5-32b-dapo}
 ACTOR_NODES=${ACTOR_NODES:-8}

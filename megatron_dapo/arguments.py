@@ -127,14 +127,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "from `make sglang-env`)")
     g.add_argument("--sglang-gpus", default=None,
                    help="CUDA_VISIBLE_DEVICES of the launched servers, e.g. 4,5,6,7 (apart from the "
-                        "actor's GPUs)")
+                        "actor's GPUs); on CUDA, launched servers need this or --sglang-colocate")
+    g.add_argument("--sglang-colocate", action="store_true",
+                   help="launch the SGLang servers on the actor's own GPUs (server i from GPU i x --sglang-tp-size); "
+                        "cap their memory with SGLang's mem-fraction-static option through --sglang-extra-args")
+    g.add_argument("--sglang-deterministic-inference", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch the CUDA servers of a seeded run in SGLang's deterministic inference mode, "
+                        "without which SGLang ignores the per-request seeds (costs decoding speed); attached "
+                        "servers are asked through /server_info and a warning is printed when it is off")
     g.add_argument("--sglang-server-urls", nargs="+", default=None,
                    help="attach to running SGLang servers instead of launching them (multi-node rollouts)")
     g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
     g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
-                   help="tensor: colocated (shared memory); distributed: separate GPUs (NCCL group with "
-                        "the servers); disk: safetensors + update_weights_from_disk. Default: tensor for "
-                        "launched servers, distributed for --sglang-server-urls")
+                   help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
+                        "separate GPUs (NCCL group with the servers); disk: safetensors + "
+                        "update_weights_from_disk. Default: tensor for --sglang-colocate and on CPU, "
+                        "distributed otherwise")
     g.add_argument("--weight-sync-bucket-mb", type=int, default=512, help="flattened bucket size")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
                    help="address of global rank 0 as the servers see it (distributed mode)")

@@ -128,28 +128,48 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     if kind == "embedded":
         return make_engine("embedded", args.hf_checkpoint, tokenizer=tokenizer, seed=args.seed,
                            max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+    from megatron_dapo.rollout import server_setup
     from megatron_dapo.rollout.sglang_engine import ClientConfig
     from megatron_dapo.rollout.sglang_server import ServerConfig
 
     attach = bool(args.sglang_server_urls)
+    cuda = torch.cuda.is_available()
+    seeded = args.seed is not None  # the rollouts carry per-request sampling seeds
+    server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=args.sglang_gpus,
+                                                                     colocate=args.sglang_colocate)
+    trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+                   if cuda else None)
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency,
-        update_mode=args.weight_sync_mode or ("distributed" if attach else "tensor"),
+        update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
+                                                  colocate=args.sglang_colocate, trainer_gpu=trainer_gpu,
+                                                  server_gpus=None if attach else args.sglang_gpus),
         bucket_bytes=args.weight_sync_bucket_mb << 20,
-        sync_backend="nccl" if torch.cuda.is_available() else "gloo",
+        sync_backend="nccl" if cuda else "gloo",
         sync_master_address=args.weight_sync_master_addr, sync_master_port=args.weight_sync_master_port,
     )
+    if client.update_mode == "tensor" and not cuda:
+        from megatron_dapo.rollout.tensor_ipc import check_shm_space
+
+        check_shm_space(client.bucket_bytes)  # before minutes of server start-up
     if attach:
+        for line in server_setup.attached_determinism_warnings(args.sglang_server_urls, seeded=seeded):
+            print(line)
         return make_engine("sglang", client=client, server_urls=args.sglang_server_urls)
     python = args.sglang_python or sys.executable
-    if not torch.cuda.is_available() and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
+    if not cuda and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
         python = ".venv-sglang/bin/python"  # the CPU SGLang environment of `make sglang-env`
+    extra_args = tuple(args.sglang_extra_args.split())
+    deterministic, note = server_setup.deterministic_server_args(
+        seeded=seeded, wanted=args.sglang_deterministic_inference, device="cuda" if cuda else "cpu",
+        extra_args=extra_args)
+    if note:
+        print(note)
     server = ServerConfig(model_path=args.hf_checkpoint, num_servers=args.sglang_num_servers,
                           tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port,
-                          host=args.sglang_host, extra_args=tuple(args.sglang_extra_args.split()),
-                          device="cuda" if torch.cuda.is_available() else "cpu", python=python,
-                          log_dir=str(Path(args.log_dir) / "sglang"),
-                          env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {})
+                          host=args.sglang_host, extra_args=extra_args + deterministic,
+                          device="cuda" if cuda else "cpu", python=python,
+                          log_dir=str(Path(args.log_dir) / "sglang"), env=server_env)
     return make_engine("sglang", server, client=client)
 
 

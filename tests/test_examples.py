@@ -18,9 +18,11 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.train import build_configs
 
 REPO = Path(__file__).resolve().parent.parent
+GPU_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")
 FAKE_TORCHRUN = """#!/usr/bin/env python3
-import json, sys
+import json, os, sys
 json.dump(sys.argv[1:], open({out!r}, "w"))
+json.dump(dict(os.environ), open({out!r} + ".env", "w"))
 """
 
 
@@ -69,3 +71,30 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
         assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
         assert args.sglang_server_urls == ["http://r0:30000", "http://r1:30000"]
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (8, 2)
+
+
+@pytest.mark.parametrize("script,env", [
+    ("examples/run_qwen2.5_7b_single_node.sh", {}),
+    ("examples/run_qwen2.5_32b_multinode.sh",
+     {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
+], ids=["7b-single-node", "32b-multinode"])
+def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, env):
+    """Expandable segments and one CUDA connection (Megatron-LM's settings for sequence-parallel overlap)
+    reach the trainer, and the servers' placement passes the CUDA-only checks of make_rollout_engine."""
+    from megatron_dapo.rollout.server_setup import launched_server_gpus, physical_gpu, weight_sync_mode
+
+    for key in GPU_ENV:
+        monkeypatch.delenv(key, raising=False)
+    _, train_args = launcher_args(tmp_path, script, env)
+    seen = json.loads((tmp_path / "argv.json.env").read_text())
+    assert seen.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"
+    assert seen.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    args = build_parser().parse_args(train_args)
+    attach = bool(args.sglang_server_urls)
+    if not attach:
+        launched_server_gpus(cuda=True, sglang_gpus=args.sglang_gpus, colocate=args.sglang_colocate)
+    rank0_gpu = physical_gpu(0, seen.get("CUDA_VISIBLE_DEVICES"))
+    mode = weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=True,
+                            colocate=args.sglang_colocate, trainer_gpu=rank0_gpu,
+                            server_gpus=None if attach else args.sglang_gpus)
+    assert mode == "distributed"  # the servers run on GPUs of their own in both launchers

@@ -93,6 +93,13 @@ def test_abort_loses_nothing(served):
     assert all(len(g) == 2 for g in seen)
 
 
+def test_server_info_reports_deterministic_inference(served):
+    """The field megatron_dapo reads to warn about attached servers that ignore sampling_seed."""
+    from megatron_dapo.rollout.server_setup import server_deterministic
+
+    engine, _ = served
+    assert server_deterministic(engine.urls[0]) is False  # launched without --enable-deterministic-inference
+
 @pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
 def test_weight_update_paths(served, mode):
     engine, _ = served

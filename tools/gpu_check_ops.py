@@ -21,12 +21,14 @@ from megatron_dapo.ops.reference import naive_logprob_entropy
 FAILURES: list[str] = []
 
 
-def check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+def check(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    """Prints PASS/FAIL of max |got - ref| <= tol (failures are collected in FAILURES); returns the error."""
     err = (got.double() - ref.double()).abs().max().item()
     ok = err <= tol
     print(f"{'PASS' if ok else 'FAIL'} {name:<48} max|err|={err:.2e} (tol {tol:.0e})", flush=True)
     if not ok:
         FAILURES.append(name)
+    return err
 
 
 def gradcheck(name: str, fn, inputs) -> None:
@@ -74,18 +76,22 @@ def correctness(dev: str) -> None:
 
 
 def measure(fn, repeats: int = 5) -> tuple[float, float]:
-    """(median ms, peak extra GiB) of fn() = forward + backward."""
+    """(median ms, peak extra GiB) of fn() = forward + backward; the peak is NaN without CUDA."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2], (torch.cuda.max_memory_allocated() - base) / 2**30
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
+    return sorted(times)[len(times) // 2], peak
 
 
 def timing_logits(dev: str, quick: bool) -> list[tuple[str, float, float]]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.spec import apex_wgrad_available, te_available
 from megatron_dapo.parallel import ParallelLayout, validate_layout
 
 # Kernels that need CUDA / apex: off on a CPU-only torch (the megatron-core-on-cpu note).
@@ -71,8 +72,31 @@ def transformer_config_from_arch(
     fields.update(layout.transformer_config_fields())
     if not torch.cuda.is_available():
         fields.update(CPU_ONLY_SETTINGS)
+    cuda = torch.cuda.is_available()  # Megatron-LM's GPU fusions, each where its kernel exists
+    fields.update(fusion_settings(cuda=cuda, use_te=cuda and te_available(),
+                                  apex_wgrad=cuda and apex_wgrad_available()))
     unknown = sorted(set(overrides) - set(TransformerConfig.__dataclass_fields__))
     if unknown:
         raise TypeError(f"transformer_config_from_arch: {unknown} are not TransformerConfig fields")
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+# The fusions Megatron-LM turns on for GPU training (megatron-core's dataclass defaults are all False).
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
+
+
+def fusion_settings(*, cuda: bool, use_te: bool, apex_wgrad: bool) -> dict[str, bool]:
+    """FUSIONS on or off, each where its kernel exists (megatron-core 0.16.1); all off without CUDA.
+
+    - bias_activation_fusion (SwiGLU) and bias_dropout_fusion: megatron-core's own torch.compile'd
+      functions (megatron/core/fusions), on any CUDA device, with TE or local layers;
+    - apply_rope_fusion: TransformerEngine's fused RoPE kernel (TransformerConfig rejects it without TE);
+    - gradient_accumulation_fusion: the wgrad GEMM accumulates straight into the fp32 main_grad. TE linears
+      do it themselves, but the GPT output layer is megatron's ColumnParallelLinear, which raises at
+      construction without apex's fused_weight_gradient_mlp_cuda: on only with apex (`apex_wgrad`).
+    """
+    if not cuda:
+        return dict.fromkeys(FUSIONS, False)
+    return {"bias_activation_fusion": True, "bias_dropout_fusion": True, "apply_rope_fusion": use_te,
+            "gradient_accumulation_fusion": apex_wgrad}

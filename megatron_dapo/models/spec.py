@@ -100,3 +100,19 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None) -> ModuleSpec
     if config is not None and config.sequence_parallel:
         return _local_sequence_parallel_spec(config)
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def apex_wgrad_available() -> bool:
+    """True when apex's `fused_weight_gradient_mlp_cuda` extension imports.
+
+    megatron-core 0.16.1 needs it for gradient_accumulation_fusion in its own Column/RowParallelLinear
+    (tensor_parallel/layers.py raises at construction without it). TE linears fuse the wgrad accumulation
+    themselves, but the GPT output layer is always megatron's ColumnParallelLinear, so the fusion needs apex.
+    """
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        return False
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return True

@@ -4,7 +4,8 @@ Requests go out one per sample from an asyncio loop on a background thread (boun
 the router, or round-robin to the servers. A sample whose server dies (connection error, 5xx) is retried
 on another server; the dead server is restarted (when this engine launched it) and re-synced before it
 takes work again, so no prompt is lost. Weight updates go in flat buckets through one of three paths:
-- "tensor": /update_weights_from_tensor, tensors shared through shared memory (colocated servers);
+- "tensor": /update_weights_from_tensor, buckets passed by handle: CUDA IPC on GPU (servers that see the
+  trainer's GPU, i.e. colocated), shared memory on CPU (megatron_dapo/rollout/tensor_ipc.py);
 - "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL);
 - "disk": safetensors shards + /update_weights_from_disk (fallback; any topology with a shared disk).
 The tensor and distributed paths are wrapped in /begin_weight_update ... /end_weight_update, which
@@ -14,8 +15,6 @@ SGLang 0.5.23 requires.
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import itertools
 import json
 import queue
@@ -40,6 +39,7 @@ from megatron_dapo.rollout.sglang_protocol import (
     to_sample,
 )
 from megatron_dapo.rollout.sglang_server import ServerConfig, ServerGroup
+from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_tensors, stage_bucket
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 
 UPDATE_MODES = ("tensor", "distributed", "disk")
@@ -82,21 +82,6 @@ class ClientConfig:
 
 class ServerDied(RuntimeError):
     """A server stopped answering (connection refused / reset, or a 5xx)."""
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's MultiprocessingSerializer format: base64 of ForkingPickler bytes (tensors by shm handle).
-
-    Needs torch.multiprocessing.set_sharing_strategy('file_system') in this process: the default
-    file-descriptor strategy cannot cross to another process over HTTP.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class SGLangEngine(RolloutEngine):
@@ -358,15 +343,19 @@ class SGLangEngine(RolloutEngine):
     def _push_tensor(
         self, targets: list[int], named: Iterable[tuple[str, torch.Tensor]], version: int
     ) -> None:
-        torch.multiprocessing.set_sharing_strategy("file_system")
+        """Buckets by handle (megatron_dapo/rollout/tensor_ipc.py): CUDA IPC on GPU, /dev/shm on CPU."""
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            check_shm_space(self.client.bucket_bytes)  # before the servers enter their update session
         self._bracket(targets, "/begin_weight_update")
         try:
             for bucket in iter_buckets(named, self.client.bucket_bytes):
-                flat = bucket.flat.detach().cpu().contiguous().share_memory_()
+                flat = stage_bucket(bucket.flat, cuda=cuda)
                 views = Bucket(flat=flat, metas=bucket.metas).named_tensors()
-                payload = serialize_named_tensors(views)
-                body = {"serialized_named_tensors": [payload] * self.tp, "flush_cache": False,
-                        "weight_version": str(version)}
+                # One payload per server TP rank: each rank's deserialization takes one IPC reference.
+                body = {"serialized_named_tensors": [serialize_named_tensors(views) for _ in range(self.tp)],
+                        "flush_cache": False, "weight_version": str(version)}
 
                 async def send(body=body):
                     path = "/update_weights_from_tensor"
@@ -374,6 +363,9 @@ class SGLangEngine(RolloutEngine):
 
                 for reply in self._call(send(), self.client.control_timeout_s):
                     _check_success(reply, "update_weights_from_tensor")
+                del flat, views, body  # the servers have loaded it: at most one bucket alive at a time
+                if cuda:
+                    torch.cuda.ipc_collect()  # free the bucket's GPU block now that no server holds it
         finally:
             self._bracket(targets, "/end_weight_update")
         self._flush(targets)

@@ -1,0 +1,132 @@
+"""Choices made before SGLang servers take work: which GPUs launched servers use, how weights reach them,
+and whether a seeded run's rollouts are reproducible on them. Pure functions of the flags, plus one
+/server_info query for attached servers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+
+
+def _gpu_list(spec: str) -> list[str]:
+    return [g.strip() for g in spec.split(",") if g.strip()]
+
+
+def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool) -> dict[str, str]:
+    """Environment of launched servers: CUDA_VISIBLE_DEVICES=--sglang-gpus, or nothing with --sglang-colocate.
+
+    On CUDA one of the two is required: without either, server i would start at GPU i x --sglang-tp-size of
+    the actor's own devices (SGLang's base GPU id) and take the memory the actor needs.
+    """
+    if sglang_gpus is not None and colocate:
+        raise ValueError("--sglang-gpus and --sglang-colocate exclude each other: give the servers their own "
+                         "GPUs or share the actor's, not both")
+    if sglang_gpus is not None:
+        if not _gpu_list(sglang_gpus):
+            raise ValueError(f"--sglang-gpus must list GPUs, e.g. 4,5,6,7; got {sglang_gpus!r}")
+        return {"CUDA_VISIBLE_DEVICES": sglang_gpus}
+    if cuda and not colocate:
+        raise ValueError(
+            "launching SGLang servers on CUDA needs --sglang-gpus (their own GPUs, apart from the actor's, e.g. "
+            "--sglang-gpus 4,5,6,7) or --sglang-colocate (share the actor's GPUs; cap the servers' memory with "
+            "--sglang-extra-args). Attach to running servers with --sglang-server-urls instead"
+        )
+    return {}
+
+
+def physical_gpu(local_index: int, visible: str | None) -> str:
+    """CUDA device `local_index` of a process as CUDA_VISIBLE_DEVICES names it (an index or a UUID)."""
+    ids = _gpu_list(visible) if visible else []
+    if not ids:
+        return str(local_index)
+    if local_index >= len(ids):
+        raise ValueError(f"CUDA device {local_index} is not in CUDA_VISIBLE_DEVICES={visible!r}")
+    return ids[local_index]
+
+
+def weight_sync_mode(*, requested: str | None, attach: bool, cuda: bool, colocate: bool,
+                     trainer_gpu: str | None = None, server_gpus: str | None = None) -> str:
+    """--weight-sync-mode, defaulted and checked against where the servers run.
+
+    Default: 'distributed' (NCCL broadcast) for attached servers and for launched servers on GPUs of their
+    own; 'tensor' (handles, no copy) for colocated servers and on CPU. 'tensor' on CUDA passes CUDA IPC
+    handles of global rank 0's GPU (`trainer_gpu`), which launched servers must see among `server_gpus`.
+    """
+    if requested is None:
+        return "distributed" if attach or (cuda and not colocate) else "tensor"
+    if requested == "tensor" and cuda and server_gpus is not None and trainer_gpu is not None \
+            and trainer_gpu not in _gpu_list(server_gpus):
+        raise ValueError(
+            f"--weight-sync-mode tensor hands the servers CUDA IPC handles of global rank 0's GPU {trainer_gpu}, "
+            f"which servers on --sglang-gpus {server_gpus} cannot open: use --weight-sync-mode distributed "
+            f"(NCCL) or disk, or run the servers on the actor's GPUs with --sglang-colocate"
+        )
+    return requested
+
+
+def deterministic_server_args(*, seeded: bool, wanted: bool, device: str,
+                              extra_args: Sequence[str]) -> tuple[tuple[str, ...], str | None]:
+    """(flags to add to launched servers, the log line saying what was decided) for reproducible rollouts.
+
+    SGLang 0.5.23 uses a request's sampling_seed only in its deterministic inference mode (DETERMINISTIC_FLAG;
+    batch-invariant kernels: slower decoding); --sglang-deterministic-inference (default on) adds it to
+    launched CUDA servers of a seeded run. SGLang's CPU attention (torch_native) has no deterministic mode, so
+    CPU servers run without it and ignore the seeds.
+    """
+    if not seeded:
+        return (), None
+    if DETERMINISTIC_FLAG in extra_args:
+        return (), (f"[megatron-dapo] SGLang servers run with {DETERMINISTIC_FLAG} (from --sglang-extra-args): "
+                    "seeded rollouts are reproducible")
+    if device == "cpu":
+        return (), ("[megatron-dapo] warning: SGLang on CPU has no deterministic mode and ignores sampling_seed: "
+                    "CPU rollouts are not reproducible from --seed")
+    if not wanted:
+        return (), (f"[megatron-dapo] warning: --no-sglang-deterministic-inference: the servers run without "
+                    f"{DETERMINISTIC_FLAG} and ignore sampling_seed, so rollouts are not reproducible from --seed")
+    return (DETERMINISTIC_FLAG,), (
+        f"[megatron-dapo] SGLang servers launched with {DETERMINISTIC_FLAG}: seeded rollouts are reproducible "
+        f"(slower decoding; --no-sglang-deterministic-inference turns it off)")
+
+
+def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0,
+                         headers: dict[str, str] | None = None) -> bool | None:
+    """enable_deterministic_inference of a running server from /server_info (or the older /get_server_info);
+    None when neither answers with it. `headers`: e.g. the Authorization of a server with an API key."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            resp = get(f"{url.rstrip('/')}{path}", timeout=timeout_s, headers=headers or {})
+        except httpx.HTTPError:
+            continue
+        if resp.status_code != 200:
+            continue
+        try:
+            info = resp.json()
+        except ValueError:
+            continue
+        if isinstance(info, dict) and "enable_deterministic_inference" in info:
+            return bool(info["enable_deterministic_inference"])
+    return None
+
+
+def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Callable[..., Any] = httpx.get,
+                                  headers: dict[str, str] | None = None) -> list[str]:
+    """Warnings for attached servers of a seeded run that ignore sampling_seed (or could not be asked)."""
+    if not seeded:
+        return []
+    lines = []
+    for url in urls:
+        state = server_deterministic(url, get, headers=headers)
+        if state is False:
+            lines.append(f"[megatron-dapo] warning: SGLang server {url} runs without {DETERMINISTIC_FLAG}: it "
+                         f"ignores sampling_seed, so rollouts are not reproducible from --seed (start it with "
+                         f"{DETERMINISTIC_FLAG})")
+        elif state is None:
+            lines.append(f"[megatron-dapo] warning: could not read enable_deterministic_inference from {url}"
+                         f"/server_info: rollouts are reproducible from --seed only if it runs with "
+                         f"{DETERMINISTIC_FLAG}")
+    return lines

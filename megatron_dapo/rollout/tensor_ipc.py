@@ -1,0 +1,106 @@
+"""How a weight bucket crosses to SGLang's processes in 'tensor' mode (/update_weights_from_tensor).
+
+The request body carries only handles (base64 of ForkingPickler bytes, SGLang's MultiprocessingSerializer
+format); the bytes stay where they are:
+- CUDA: the bucket stays on the trainer's GPU and travels as a CUDA IPC handle. The device index inside
+  the handle is replaced by the GPU's UUID, which SGLang's `monkey_patch_torch_reductions` (applied before
+  every deserialization, sglang/srt/utils/patch_torch.py) maps back to its own device index, since the
+  server numbers GPUs by its own CUDA_VISIBLE_DEVICES. The server must see that GPU: colocated servers do.
+- CPU: the bucket is copied to shared memory (a file in /dev/shm, `file_system` sharing strategy) and
+  travels as that file's name. Containers default to a 64 MB /dev/shm, so the free space is checked first.
+
+Cost at the production setting (Qwen2.5-32B, 64 GiB of bf16 weights, 512 MiB buckets): on CUDA, one extra
+bucket (512 MiB; the 1.5 GiB embedding gets its own bucket) of GPU memory on global rank 0 while a bucket
+is being read, no host copy; on CPU, the same bytes in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import shutil
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+SHM_DIR = "/dev/shm"
+# Position of `storage_device` in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments (the
+# same constant SGLang 0.5.23 patches: _REDUCE_TENSOR_ARG_DEVICE_INDEX).
+CUDA_DEVICE_ARG = 6
+
+
+def cuda_device_uuid(index: int) -> str:
+    """The UUID of CUDA device `index` of this process, as SGLang's patch_torch compares it."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def reduce_tensor_by_uuid(tensor: torch.Tensor, uuid_of: Callable[[int], str] = cuda_device_uuid):
+    """torch's tensor reduction, with a CUDA tensor's device index replaced by its GPU UUID."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(tensor)
+    if rebuild is reductions.rebuild_cuda_tensor:
+        args = (*args[:CUDA_DEVICE_ARG], uuid_of(args[CUDA_DEVICE_ARG]), *args[CUDA_DEVICE_ARG + 1:])
+    return rebuild, args
+
+
+class _HandlePickler(ForkingPickler):
+    """ForkingPickler (shared-memory / CUDA IPC tensor handles) whose CUDA handles name the GPU by UUID."""
+
+    def __init__(self, file, uuid_of: Callable[[int], str]):
+        import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
+
+        super().__init__(file)
+        # ForkingPickler copies its dispatch table per instance: this changes only this pickler.
+        self.dispatch_table[torch.Tensor] = lambda t: reduce_tensor_by_uuid(t, uuid_of)
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], *,
+                            uuid_of: Callable[[int], str] = cuda_device_uuid) -> str:
+    """SGLang's MultiprocessingSerializer format: base64 of ForkingPickler bytes of [(name, tensor)].
+
+    CPU tensors must be in shared memory and this process must use
+    torch.multiprocessing.set_sharing_strategy('file_system') (a file descriptor cannot cross over HTTP).
+    Serialize once per receiving process (per server TP rank): each deserialization releases one
+    reference of the producer-side CUDA IPC ref count.
+    """
+    buf = io.BytesIO()
+    _HandlePickler(buf, uuid_of).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def bucket_device(flat_device: torch.device, *, cuda: bool,
+                  current_cuda: Callable[[], int] = torch.cuda.current_device) -> torch.device:
+    """Where a tensor-mode bucket lives while the servers read it: the GPU when CUDA is available (the
+    bucket's own GPU, else this process's current one), otherwise the CPU (shared memory)."""
+    if not cuda:
+        return torch.device("cpu")
+    if flat_device.type == "cuda":
+        return flat_device
+    return torch.device("cuda", current_cuda())
+
+
+def check_shm_space(nbytes: int, shm_dir: str = SHM_DIR,
+                    free_bytes: Callable[[str], int] = lambda p: shutil.disk_usage(p).free) -> None:
+    """Raise (naming the flags to change) unless `shm_dir` has room for an `nbytes` bucket."""
+    try:
+        free = free_bytes(shm_dir)
+    except OSError as e:
+        raise RuntimeError(f"tensor-mode weight sync on CPU shares buckets through {shm_dir}, which is not "
+                           f"usable ({e}); use --weight-sync-mode disk or distributed") from e
+    if free < nbytes:
+        raise RuntimeError(
+            f"tensor-mode weight sync on CPU needs {nbytes / 2**20:.0f} MiB of {shm_dir} per bucket, only "
+            f"{free / 2**20:.0f} MiB are free: lower --weight-sync-bucket-mb, use --weight-sync-mode disk "
+            f"(or distributed), or give the container a larger /dev/shm (docker run's shm-size option)"
+        )
+
+
+def stage_bucket(flat: torch.Tensor, *, cuda: bool, shm_dir: str = SHM_DIR) -> torch.Tensor:
+    """`flat` where SGLang can map it: on the GPU (CUDA IPC), or copied into shared memory on CPU."""
+    device = bucket_device(flat.device, cuda=cuda)
+    if device.type == "cuda":
+        return flat.detach().to(device).contiguous()
+    check_shm_space(flat.numel() * flat.element_size(), shm_dir)
+    return flat.detach().cpu().contiguous().share_memory_()

@@ -1,0 +1,132 @@
+"""Where launched SGLang servers run, how weights reach them, and seeded-rollout reproducibility
+(megatron_dapo/rollout/server_setup.py and train.make_rollout_engine on a simulated CUDA machine)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+import megatron_dapo.rollout as rollout_pkg
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.rollout.server_setup import (
+    DETERMINISTIC_FLAG,
+    attached_determinism_warnings,
+    deterministic_server_args,
+    launched_server_gpus,
+    physical_gpu,
+    server_deterministic,
+    weight_sync_mode,
+)
+from megatron_dapo.train import make_rollout_engine
+
+BASE = ["--hf-checkpoint", "/models/fake", "--prompt-data", "p.jsonl", "--num-steps", "1",
+        "--rollout-engine", "sglang"]
+
+
+def test_launched_servers_on_cuda_need_their_gpus_or_an_explicit_colocate():
+    with pytest.raises(ValueError, match="--sglang-gpus .*--sglang-colocate"):
+        launched_server_gpus(cuda=True, sglang_gpus=None, colocate=False)
+    assert launched_server_gpus(cuda=True, sglang_gpus="4,5,6,7", colocate=False) == \
+        {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert launched_server_gpus(cuda=True, sglang_gpus=None, colocate=True) == {}
+    assert launched_server_gpus(cuda=False, sglang_gpus=None, colocate=False) == {}  # CPU servers
+    with pytest.raises(ValueError, match="exclude each other"):
+        launched_server_gpus(cuda=True, sglang_gpus="4", colocate=True)
+    with pytest.raises(ValueError, match="must list GPUs"):
+        launched_server_gpus(cuda=True, sglang_gpus=" , ", colocate=False)
+
+
+def test_weight_sync_mode_follows_server_placement():
+    assert weight_sync_mode(requested=None, attach=True, cuda=True, colocate=False) == "distributed"
+    assert weight_sync_mode(requested=None, attach=False, cuda=True, colocate=False) == "distributed"
+    assert weight_sync_mode(requested=None, attach=False, cuda=True, colocate=True) == "tensor"
+    assert weight_sync_mode(requested=None, attach=False, cuda=False, colocate=False) == "tensor"
+    # CUDA IPC needs the servers to see rank 0's GPU.
+    with pytest.raises(ValueError, match="--weight-sync-mode distributed"):
+        weight_sync_mode(requested="tensor", attach=False, cuda=True, colocate=False, trainer_gpu="0",
+                         server_gpus="4,5,6,7")
+    assert weight_sync_mode(requested="tensor", attach=False, cuda=True, colocate=False, trainer_gpu="4",
+                            server_gpus="4,5") == "tensor"
+    assert physical_gpu(1, "0,1,2,3") == "1" and physical_gpu(2, "4, 5, 6") == "6"
+    assert physical_gpu(3, None) == "3" and physical_gpu(0, "GPU-abc") == "GPU-abc"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        physical_gpu(2, "0,1")
+
+
+def test_deterministic_flag_for_seeded_cuda_servers():
+    flags, note = deterministic_server_args(seeded=True, wanted=True, device="cuda", extra_args=())
+    assert flags == (DETERMINISTIC_FLAG,) and "reproducible" in note
+    flags, note = deterministic_server_args(seeded=True, wanted=False, device="cuda", extra_args=())
+    assert flags == () and "warning" in note and "--no-sglang-deterministic-inference" in note
+    assert deterministic_server_args(seeded=True, wanted=True, device="cuda",
+                                     extra_args=("--dtype", "bfloat16", DETERMINISTIC_FLAG))[0] == ()
+    flags, note = deterministic_server_args(seeded=True, wanted=True, device="cpu", extra_args=())
+    assert flags == () and "not reproducible" in note  # torch_native attention has no deterministic mode
+    assert deterministic_server_args(seeded=False, wanted=True, device="cuda", extra_args=()) == ((), None)
+
+
+class _Resp:
+    def __init__(self, code: int, body):
+        self.status_code, self._body = code, body
+
+    def json(self):
+        return self._body
+
+
+def test_attached_servers_are_asked_through_server_info():
+    answers = {
+        "http://a:1/server_info": _Resp(200, {"enable_deterministic_inference": True, "tp_size": 8}),
+        "http://b:1/server_info": _Resp(200, {"enable_deterministic_inference": False}),
+        "http://c:1/server_info": _Resp(404, {}),  # an older server: the deprecated path answers
+        "http://c:1/get_server_info": _Resp(200, {"enable_deterministic_inference": True}),
+    }
+
+    def get(url, timeout, headers):
+        assert headers == {}
+        if url.startswith("http://d:1"):
+            raise httpx.ConnectError("refused")
+        return answers.get(url, _Resp(404, {}))
+
+    assert [server_deterministic(u, get) for u in ("http://a:1", "http://b:1/", "http://c:1", "http://d:1")] == \
+        [True, False, True, None]
+    lines = attached_determinism_warnings(["http://a:1", "http://b:1", "http://d:1"], seeded=True, get=get)
+    assert len(lines) == 2
+    assert "http://b:1" in lines[0] and DETERMINISTIC_FLAG in lines[0]
+    assert "http://d:1" in lines[1] and "could not read" in lines[1]
+    assert attached_determinism_warnings(["http://b:1"], seeded=False, get=get) == []
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """make_rollout_engine as on a CUDA machine whose rank 0 is GPU 0; make_engine records its arguments."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    made = []
+    monkeypatch.setattr(rollout_pkg, "make_engine", lambda *a, **kw: made.append((a, kw)) or "engine")
+    return made
+
+
+def test_make_rollout_engine_on_cuda(on_cuda, capsys):
+    with pytest.raises(ValueError, match="--sglang-gpus"):
+        make_rollout_engine(build_parser().parse_args(BASE), tokenizer=None)
+    assert not on_cuda  # nothing launched
+
+    assert make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-gpus", "4,5"]), None) == "engine"
+    (_, server), kw = on_cuda[-1]
+    assert server.env == {"CUDA_VISIBLE_DEVICES": "4,5"} and server.device == "cuda"
+    assert DETERMINISTIC_FLAG in server.extra_args
+    assert kw["client"].update_mode == "distributed" and kw["client"].sync_backend == "nccl"
+    assert DETERMINISTIC_FLAG in capsys.readouterr().out
+
+    make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-colocate",
+                                                          "--no-sglang-deterministic-inference"]), None)
+    (_, server), kw = on_cuda[-1]
+    assert server.env == {} and DETERMINISTIC_FLAG not in server.extra_args
+    assert kw["client"].update_mode == "tensor"
+    assert "not reproducible" in capsys.readouterr().out
+
+    with pytest.raises(ValueError, match="cannot open"):
+        make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-gpus", "4,5", "--weight-sync-mode",
+                                                              "tensor"]), None)

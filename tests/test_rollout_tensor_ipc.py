@@ -1,0 +1,99 @@
+"""Tensor-mode weight sync handles (megatron_dapo/rollout/tensor_ipc.py): the /dev/shm check on CPU, the
+bucket's device, and CUDA IPC handles that name the GPU by UUID as SGLang's patched rebuild expects."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections import namedtuple
+
+import pytest
+import torch
+from torch.multiprocessing import reductions
+
+from megatron_dapo.rollout import tensor_ipc
+from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.tensor_ipc import (
+    CUDA_DEVICE_ARG,
+    bucket_device,
+    check_shm_space,
+    serialize_named_tensors,
+    stage_bucket,
+)
+from tests.sglang.fake_server import serve
+
+
+def test_shm_check_names_the_flags_and_passes_with_room():
+    with pytest.raises(RuntimeError, match="--weight-sync-bucket-mb") as err:
+        check_shm_space(512 << 20, "/dev/shm", free_bytes=lambda _: 64 << 20)  # docker's default /dev/shm
+    msg = str(err.value)
+    assert "512 MiB" in msg and "64 MiB are free" in msg and "--weight-sync-mode disk" in msg
+    check_shm_space(512 << 20, "/dev/shm", free_bytes=lambda _: 513 << 20)
+
+    def unusable(path):
+        raise FileNotFoundError(path)
+
+    with pytest.raises(RuntimeError, match="--weight-sync-mode disk"):
+        check_shm_space(1, "/no/shm", free_bytes=unusable)
+
+
+def test_bucket_device_choice():
+    assert bucket_device(torch.device("cpu"), cuda=False) == torch.device("cpu")
+    # CUDA: the bucket stays on its GPU, or goes to this process's current GPU; never to host memory.
+    assert bucket_device(torch.device("cpu"), cuda=True, current_cuda=lambda: 3) == torch.device("cuda", 3)
+    assert bucket_device(torch.device("cuda", 1), cuda=True, current_cuda=lambda: 3) == torch.device("cuda", 1)
+
+
+def test_cpu_bucket_is_staged_in_shared_memory(tmp_path):
+    flat = torch.arange(10, dtype=torch.float32)
+    staged = stage_bucket(flat, cuda=False, shm_dir=str(tmp_path))
+    assert staged.is_shared() and staged.device.type == "cpu"
+    torch.testing.assert_close(staged, torch.arange(10, dtype=torch.float32))
+
+
+def test_cuda_handle_carries_the_gpu_uuid(monkeypatch):
+    """A CUDA tensor's reduction (faked: no GPU here) leaves with the device UUID in place of the index;
+    every other argument and the rebuild function (by name, which SGLang's SafeUnpickler allows) stay."""
+    received = []
+
+    def rebuild_cuda_tensor(*args):  # stands in for SGLang's patched rebuild on the receiving side
+        received.append(args)
+        return "rebuilt"
+
+    rebuild_cuda_tensor.__module__ = "torch.multiprocessing.reductions"  # pickled by name, as torch's
+    rebuild_cuda_tensor.__qualname__ = "rebuild_cuda_tensor"
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", rebuild_cuda_tensor)
+    fake_args = ("cls", (4,), (1,), 0, "storage_cls", "dtype", 2, b"handle", 16, 0, False, "ref", 0, b"ev", True)
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda t: (reductions.rebuild_cuda_tensor, fake_args))
+    payload = serialize_named_tensors([("w", torch.zeros(4))], uuid_of=lambda i: f"GPU-uuid-of-{i}")
+    assert pickle.loads(base64.b64decode(payload)) == [("w", "rebuilt")]
+    (args,) = received
+    assert args[CUDA_DEVICE_ARG] == "GPU-uuid-of-2"
+    assert args[:CUDA_DEVICE_ARG] + args[CUDA_DEVICE_ARG + 1:] == \
+        fake_args[:CUDA_DEVICE_ARG] + fake_args[CUDA_DEVICE_ARG + 1:]
+
+
+def test_cpu_tensors_keep_torchs_shared_memory_format():
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    t = torch.arange(6, dtype=torch.float32).share_memory_()
+    payload = serialize_named_tensors([("a", t[:2]), ("b", t[2:].view(2, 2))])
+    back = dict(pickle.loads(base64.b64decode(payload)))
+    torch.testing.assert_close(back["a"], t[:2])
+    torch.testing.assert_close(back["b"], t[2:].view(2, 2))
+
+
+def test_engine_checks_shm_before_the_update_session(monkeypatch):
+    server, state = serve()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(tensor_ipc.shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20))
+    engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
+                          client=ClientConfig(update_mode="tensor", bucket_bytes=512 << 20))
+    try:
+        with pytest.raises(RuntimeError, match="--weight-sync-bucket-mb"):
+            engine.update_weights([("w", torch.ones(3))], version=1)
+        assert "/begin_weight_update" not in state.calls  # failed before the servers' session opened
+        assert engine.weight_version == 0
+    finally:
+        engine.shutdown()
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,511 @@
+"""The first run on a GPU machine, one part at a time (tools/gpu_smoke.sh runs every part under its own
+time limit, then `report`). Each part writes OUT/<part>.json; `report` merges them into OUT/gpu_smoke.json
+and OUT/gpu_smoke.md.
+
+    python tools/gpu_smoke.py hf_logits --out runs/gpu_smoke   # tiny Qwen2 from HF weights vs HF logits
+    python tools/gpu_smoke.py trainer --out runs/gpu_smoke     # 3 demo DAPO steps on CUDA/NCCL vs the CPU run
+    python tools/gpu_smoke.py kernels --out runs/gpu_smoke     # log-prob/entropy kernels at V=152064 vs fp64
+    python tools/gpu_smoke.py scale --out runs/gpu_smoke       # ~1.5B Qwen2: memory, tokens/s, MFU
+    python tools/gpu_smoke.py report --out runs/gpu_smoke
+
+--dry runs the same plumbing with tiny sizes on CPU (gloo, the torch kernel backend): the test of this
+script, not a measurement. The actor's layers are megatron-core's local spec unless transformer_engine
+imports: TE's wheels are far over the 64 MiB that travels with the working tree to the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+PARTS = ("hf_logits", "trainer", "kernels", "scale")
+# bf16 dense tensor-core peak per GPU (FLOP/s), by a substring of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
+QWEN2_5_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                    tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, model_type="qwen2")
+SIZES = {  # full: one H200 (141 GB), a few minutes per part; dry: a few seconds on 2 CPU cores
+    False: dict(hf=dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2), hf_tokens=(2, 64),
+                base=["--sft-steps", "60", "--num-train", "2000", "--num-eval", "16"],
+                demo=["--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--max-response-length", "40",
+                      "--global-batch-size", "64"],
+                vocab=152064, check_rows=128, time_rows=4096,
+                scale=QWEN2_5_1_5B, budgets=(8192, 16384), row_len=2048, steps=3),
+    True: dict(hf=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2), hf_tokens=(2, 9),
+               base=["--sft-steps", "3", "--num-train", "200", "--num-eval", "4", "--hidden-size", "32",
+                     "--ffn-hidden-size", "64", "--sft-batch-size", "8", "--max-response-length", "8"],
+               demo=["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--max-response-length", "8",
+                     "--global-batch-size", "8"],
+               vocab=1000, check_rows=8, time_rows=16,
+               scale=dict(QWEN2_5_1_5B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2),
+               budgets=(64, 128), row_len=32, steps=3),
+}
+
+
+def _device_info() -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "cuda": torch.version.cuda if cuda else None}
+
+
+def _write(out: Path, part: str, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{part}.json").write_text(json.dumps({"part": part, **result}, indent=2, default=str))
+
+
+def _fusions(config) -> dict:
+    from megatron_dapo.models.config import FUSIONS
+
+    return {f: bool(getattr(config, f)) for f in FUSIONS}
+
+
+def _layer_impl() -> str:
+    import torch
+
+    from megatron_dapo.models.spec import te_available
+
+    if torch.cuda.is_available() and te_available():
+        return "transformer_engine"
+    return "local (megatron-core torch layers; transformer_engine not installed)"
+
+
+# ---- part 1: HF weights -> Megatron model, logits vs transformers ----------------------------------------
+
+def part_hf_logits(dry: bool) -> dict:
+    """A random tiny Qwen2 saved as safetensors, loaded through the project's HF -> Megatron mapping, and its
+    logits / log-probs compared with transformers' on the same device, in fp32 and bf16."""
+    import tempfile
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.models import Qwen2Arch, build_gpt_model
+    from megatron_dapo.weights import iter_mcore_shards
+    from megatron_dapo.weights.hf_format import HFCheckpointReader
+
+    size = SIZES[dry]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**size["hf"], max_position_embeddings=256, tie_word_embeddings=False))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp, safe_serialization=True)
+        arch = Qwen2Arch.from_hf(tmp)
+        layout = init_parallel(seed=0)
+        b, s = size["hf_tokens"]
+        ids = torch.randint(0, arch.vocab_size, (b, s), generator=torch.Generator().manual_seed(1)).to(dev)
+        pos = torch.arange(s, device=dev).expand(b, s)
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=dev).triu(1)
+        for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+            row = {"dtype": str(dtype).removeprefix("torch."), "tolerance": tol}
+            try:
+                model = build_gpt_model(arch, params_dtype=dtype)
+                with HFCheckpointReader(tmp) as reader, torch.no_grad():
+                    params = dict(model.named_parameters())
+                    for name, shards in iter_mcore_shards(reader.get, arch, layout, 0):
+                        params[name].copy_(shards[0].to(dtype))
+                    got = model(ids, pos, mask)[..., :arch.vocab_size].float()
+                    want = hf.to(dev, dtype)(ids).logits.float()
+                lp_err = (got.log_softmax(-1) - want.log_softmax(-1)).abs().max().item()
+                row |= {"max_abs_logit_err": (got - want).abs().max().item(), "max_abs_logprob_err": lp_err,
+                        "ok": lp_err <= tol, "fusions": _fusions(model.config)}
+                del model
+            except Exception as e:  # one dtype failing keeps the other's numbers
+                row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            rows.append(row)
+        destroy_parallel()
+    return {"status": "ok" if all(r["ok"] for r in rows) else "fail", "layers": _layer_impl(), "rows": rows,
+            "shape": [b, s], "vocab": arch.vocab_size}
+
+
+# ---- part 2: the demo's DAPO loop on CUDA vs the same seed on CPU ----------------------------------------
+
+class _Recorder:
+    """Stands in for MetricsLogger: keeps every step's metrics."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.steps.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+    def log_record(self, name: str, record: dict) -> None:
+        pass
+
+
+def demo_args(base: Path, dry: bool, log_dir: Path) -> list[str]:
+    """The embedded demo's flags (examples/run_embedded_demo.sh) for 3 steps, fp32 on every device. The base
+    is barely warmed up, so the reward is the response length's parity (tests/rewards.py): every step has
+    groups with non-zero advantages, as the math verifier would not give them yet."""
+    return ["--hf-checkpoint", str(base / "model"), "--prompt-data", str(base / "train.jsonl"),
+            "--rollout-engine", "embedded", "--over-sample-factor", "1.5", "--rollout-temperature", "1.0",
+            "--max-num-gen-batches", "16", "--on-gen-exhausted", "partial", "--clip-ratio-low", "0.2",
+            "--clip-ratio-high", "0.28", "--loss-agg-mode", "token-mean", "--dynamic-sampling",
+            "--overlong-buffer-length", "8", "--reward-fn", "tests.rewards:length_parity", "--lr", "5e-4",
+            "--lr-warmup-steps", "5", "--weight-decay", "0.0", "--clip-grad", "1.0", "--seed", "1234",
+            "--num-steps", "3",
+            "--params-dtype", "float32", "--use-fused-logprob", "--log-dir", str(log_dir), "--no-wandb",
+            "--no-progress", *SIZES[dry]["demo"]]
+
+
+def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
+    """One 3-step run of the demo loop on this process's device; log-probs of fixed probe sequences first."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.actor import MegatronActor, TrainSample, init_parallel
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.reward import get_reward_fn
+    from megatron_dapo.train import build_configs, load_hf_into_actor, load_prompt_set, make_rollout_engine
+    from megatron_dapo.trainer import Trainer
+
+    args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
+    layout = init_parallel(tp=1, pp=1, seed=args.seed)
+    arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
+    eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+    actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
+    actor = MegatronActor(arch, actor_cfg, layout)
+    load_hf_into_actor(actor, args.hf_checkpoint)
+    prompts = load_prompt_set(args.prompt_data, tokenizer, prompt_format=args.prompt_format,
+                              max_prompt_length=args.max_prompt_length)
+    response = tokenizer.encode("\n7+5=12\n3+4+1=8\nAnswer: 82", add_special_tokens=False)
+    probe = [TrainSample(tokens=list(p.prompt_ids) + response, prompt_len=len(p.prompt_ids)) for p in prompts[:4]]
+    logp, entropy = actor.compute_log_probs(probe, with_entropy=True)
+    sampler = ResumableSampler(len(prompts), seed=args.seed)
+    engine = make_rollout_engine(args, tokenizer)
+    recorder = _Recorder()
+    trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
+                      next_prompts=lambda k: [prompts[i] for i in sampler.next_batch(k)], eval_prompts=[],
+                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                      reward_fn=get_reward_fn(args.reward_fn), logger=recorder)
+    t0 = time.perf_counter()
+    trainer.run()
+    engine.shutdown()
+    return {"label": label, **_device_info(), "backend": torch.distributed.get_backend(),
+            "fusions": _fusions(actor.module.config), "seconds": time.perf_counter() - t0,
+            "probe_logp": [t.tolist() for t in logp], "probe_entropy": [t.tolist() for t in entropy],
+            "steps": recorder.steps}
+
+
+STEP_KEYS = ("rollout/accuracy", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac_high",
+             "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "time/step_s")
+
+
+def part_trainer(dry: bool, out: Path) -> dict:
+    """Builds the demo's base policy, runs the loop on the device and on CPU (same seed) side by side."""
+    import shutil
+
+    base = out / "trainer_base"
+    shutil.rmtree(base, ignore_errors=True)
+    cpu_env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))
+    subprocess.run([sys.executable, str(REPO / "tools" / "make_tiny_base.py"), "--out", str(base),
+                    *SIZES[dry]["base"]], check=True, env=cpu_env, stdout=subprocess.DEVNULL)
+    runs = {}
+    procs = {label: subprocess.Popen([sys.executable, __file__, "trainer_run", "--out", str(out), "--base", str(base),
+                                      "--label", label, *(["--dry"] if dry else [])],
+                                     env=cpu_env if label == "cpu" else dict(os.environ))
+             for label in ("device", "cpu")}
+    for label, proc in procs.items():
+        rc = proc.wait()
+        path = out / f"trainer_run_{label}.json"
+        runs[label] = json.loads(path.read_text()) if rc == 0 and path.exists() else {"error": f"exit {rc}"}
+    dev, cpu = runs["device"], runs["cpu"]
+    result = {"runs": {k: {kk: v for kk, v in r.items() if not kk.startswith("probe")} for k, r in runs.items()}}
+    if "error" in dev or "error" in cpu:
+        return {"status": "fail", **result}
+    import torch
+
+    diff = max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
+               for a, b in zip(dev["probe_logp"], cpu["probe_logp"]))
+    ent = max((torch.tensor(a) - torch.tensor(b)).abs().max().item()
+              for a, b in zip(dev["probe_entropy"], cpu["probe_entropy"]))
+    rows = [{"step": d["step"], **{f"{k} device": d.get(k) for k in STEP_KEYS},
+             **{f"{k} cpu": c.get(k) for k in STEP_KEYS}} for d, c in zip(dev["steps"], cpu["steps"])]
+    ok = diff < 1e-3 and len(dev["steps"]) == len(cpu["steps"]) == 3 and all(
+        d["mismatch/logprob_abs_diff_mean"] < 1e-3 for d in dev["steps"])
+    for label, run in runs.items():
+        result[f"{label}_run"] = f"{run['device']}, {run['backend']}, {run['seconds']:.1f} s for 3 steps"
+    result["device_run_fusions"] = dev["fusions"]
+    return {"status": "ok" if ok else "fail", "probe_logp_max_abs_diff_device_vs_cpu": diff,
+            "probe_entropy_max_abs_diff_device_vs_cpu": ent, "rows": rows, **result}
+
+
+# ---- part 3: the log-prob / entropy kernels at Qwen2.5's vocabulary --------------------------------------
+
+def part_kernels(dry: bool) -> dict:
+    """Triton (torch backend under --dry) log-prob/entropy at V=152064 vs fp64, and fwd+bwd time and peak
+    memory against the naive log_softmax + gather (tools/gpu_check_ops.py's helpers)."""
+    import gpu_check_ops as ops
+    import torch
+
+    from megatron_dapo.ops import token_logprob_entropy
+    from megatron_dapo.ops.reference import naive_logprob_entropy
+
+    size = SIZES[dry]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    backend = "triton" if dev == "cuda" else "torch"
+    v, g = size["vocab"], torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for dtype, tol in ((torch.bfloat16, 2e-5), (torch.float32, 2e-5)):
+        n = size["check_rows"]
+        x = (torch.randn(n, v, device=dev, generator=g, dtype=torch.float64) * 3).to(dtype)
+        t = torch.randint(0, v, (n,), device=dev, generator=g)
+        coef = torch.randn(2, n, device=dev, generator=g, dtype=torch.float64)
+        got = ops._grads(lambda a, b: token_logprob_entropy(a, b, backend=backend), x, t, coef)
+        ref = ops._grads(naive_logprob_entropy, x.double(), t, coef)
+        tag = f"{backend} [{n}x{v}] {str(dtype).removeprefix('torch.')}"
+        errs = [ops.check(f"{tag} {what}", a, b, tol if what != "d logits" else 2e-2)
+                for what, a, b in zip(("logp", "entropy", "d logits"), got, ref)]
+        n = size["time_rows"]
+        (fused_ms, fused_gib), (naive_ms, naive_gib) = _time_kernels(n, v, dtype, dev, backend, g)
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "backend": backend, "vocab": v,
+                     "check_rows": size["check_rows"], "max_err_logp": errs[0], "max_err_entropy": errs[1],
+                     "max_err_dlogits": errs[2], "tolerance": tol, "ok": errs[0] <= tol and errs[1] <= tol,
+                     "time_rows": n, "fused_ms": fused_ms, "naive_ms": naive_ms,
+                     "fused_peak_gib": None if fused_gib != fused_gib else fused_gib,
+                     "naive_peak_gib": None if naive_gib != naive_gib else naive_gib})
+    return {"status": "ok" if all(r["ok"] for r in rows) else "fail", **_device_info(), "rows": rows}
+
+
+def _time_kernels(n: int, v: int, dtype, dev: str, backend: str, g) -> tuple[tuple, tuple]:
+    """((ms, peak GiB) of the fused kernel, the same of naive log_softmax + gather): forward + backward of
+    log p and entropy of [n, v] logits (tools/gpu_check_ops.measure: median of 5, NaN GiB without CUDA)."""
+    import gpu_check_ops as ops
+    import torch
+
+    from megatron_dapo.ops import token_logprob_entropy
+    from megatron_dapo.ops.reference import naive_logprob_entropy
+
+    x = (torch.randn(n, v, device=dev, generator=g) * 3).to(dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    c = torch.randn(n, device=dev, generator=g)
+
+    def step(f):
+        def run():
+            x.grad = None
+            lp, h = f(x, t)
+            (lp * c + h * c).sum().backward()
+        return run
+
+    fused = ops.measure(step(lambda a, b: token_logprob_entropy(a, b, backend=backend)))
+    naive = ops.measure(step(naive_logprob_entropy))
+    return fused, naive
+
+
+# ---- part 4: a ~1.5B Qwen2 at 8k / 16k tokens per micro-batch ----------------------------------------------
+
+def train_flops_per_token(arch, seq_len: int) -> float:
+    """Model FLOPs of one trained token (forward + backward = 3 x forward, recompute not counted):
+    6 x the matmul parameters (q/k/v/o, SwiGLU, LM head) + 12 x layers x seq_len x (heads x head_dim) for
+    QK^T and AV over the full s x s square (Megatron-LM's convention)."""
+    h, f = arch.hidden_size, arch.intermediate_size
+    per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + 3 * h * f
+    matmul = arch.num_layers * per_layer + arch.vocab_size * h
+    return 6 * matmul + 12 * arch.num_layers * seq_len * arch.q_size
+
+
+def _recompute_flags() -> list[str] | None:
+    """The full-recompute flags of this build's parser, or None when it has no recompute-granularity option."""
+    from megatron_dapo.arguments import build_parser
+
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    if "--recompute-granularity" not in known:
+        return None
+    flags = ["--recompute-granularity", "full"]
+    if "--recompute-method" in known:
+        flags += ["--recompute-method", "uniform"]
+    if "--recompute-num-layers" in known:
+        flags += ["--recompute-num-layers", "1"]
+    return flags
+
+
+def _init_layout(args):
+    """init_parallel from the flags, as train.main does (layouts that carry recompute options included)."""
+    from megatron_dapo.actor import init_parallel
+    from megatron_dapo.parallel import ParallelLayout
+
+    from_args = getattr(ParallelLayout, "options_from_args", None)
+    if from_args is not None:
+        return init_parallel(seed=args.seed, **from_args(args))
+    return init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, seed=args.seed)
+
+
+def part_scale(dry: bool, out: Path) -> dict:
+    """Random-init Qwen2 (Qwen2.5-1.5B shapes) in bf16, 3 train steps per micro-batch token budget, with and
+    without full recompute: peak memory, tokens/s (mean of steps 2..3) and MFU."""
+    import dataclasses
+    import gc
+
+    import torch
+
+    from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.train import build_configs
+
+    size = SIZES[dry]
+    cuda = torch.cuda.is_available()
+    model_dir = out / "scale_model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(size["scale"]))
+    arch = Qwen2Arch.from_hf(model_dir)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    peak = next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None) if cuda else None
+    recompute = _recompute_flags()
+    notes = [] if recompute is not None else [
+        "recompute is not available in this build (no --recompute-granularity flag): measured without it only"]
+    variants = [("none", [])] + ([("full", recompute)] if recompute is not None else [])
+    rows = []
+    base_flags = ["--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl", "--num-steps", "1",
+                  "--lr", "1e-6", "--params-dtype", "bfloat16" if cuda else "float32", "--use-fused-logprob"]
+    for label, flags in variants:
+        try:
+            args = build_parser().parse_args(base_flags + flags)
+            layout = _init_layout(args)
+            actor_cfg, _, _ = build_configs(args)
+            t0 = time.perf_counter()
+            actor = MegatronActor(arch, actor_cfg, layout)
+            build_s = time.perf_counter() - t0
+            static_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
+        except Exception as e:
+            rows.append({"recompute": label, "error": f"{type(e).__name__}: {e}"})
+            destroy_parallel(keep_process_group=True)
+            continue
+        for budget in size["budgets"]:
+            row = {"recompute": label, "tokens_per_micro_batch": budget, "row_len": size["row_len"],
+                   "build_s": build_s, "static_gib": static_gib}
+            try:
+                actor.config = dataclasses.replace(actor.config, max_tokens_per_micro_batch=budget)
+                gen = torch.Generator().manual_seed(budget)
+                n_rows, length = budget // size["row_len"], size["row_len"]
+                samples = [TrainSample(tokens=torch.randint(0, arch.vocab_size, (length,), generator=gen).tolist(),
+                                       prompt_len=length // 4, advantage=1.0 if i % 2 else -1.0)
+                           for i in range(n_rows)]
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(size["steps"]):
+                    t0 = time.perf_counter()
+                    metrics = actor.train_step(samples)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                step_s = sum(times[1:]) / len(times[1:])  # the first step compiles and warms up
+                tps = n_rows * length / step_s
+                row |= {"step_s": times, "tokens_per_s": tps, "grad_norm": metrics["grad_norm"],
+                        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                        "mfu": tps * train_flops_per_token(arch, length) / peak if peak else None}
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        del actor
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        destroy_parallel(keep_process_group=True)
+    ok = all("error" not in r for r in rows)
+    return {"status": "ok" if ok else "fail", **_device_info(), "layers": _layer_impl(),
+            "parameters": arch.num_parameters(), "peak_flops": peak, "notes": notes, "rows": rows}
+
+
+# ---- report -----------------------------------------------------------------------------------------------
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.4g}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_fmt(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={_fmt(x)}" for k, x in v.items())
+    return "" if v is None else str(v)
+
+
+def _table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
+    return lines
+
+
+def report(out: Path, dry: bool) -> dict:
+    """Merges OUT/<part>.json (and OUT/<part>.rc from gpu_smoke.sh) into gpu_smoke.json and gpu_smoke.md."""
+    merged = {"dry": dry, "parts": {}}
+    md = [f"# GPU smoke{' (dry run on CPU: plumbing only, not a measurement)' if dry else ''}", ""]
+    for part in PARTS:
+        path, rc_path = out / f"{part}.json", out / f"{part}.rc"
+        rc = int(rc_path.read_text().strip()) if rc_path.exists() else None
+        if path.exists():
+            result = json.loads(path.read_text())
+        else:
+            why = "timed out" if rc in (124, 137) else f"exited with {rc}" if rc is not None else "did not run"
+            result = {"part": part, "status": "fail", "error": f"{why}: no result (see {part}.log)"}
+        result["exit_code"] = rc
+        merged["parts"][part] = result
+        md += [f"## {part}: {result.get('status')}", ""]
+        scalars = {k: v for k, v in result.items() if k not in ("rows", "runs", "part") and not isinstance(v, list)}
+        md += [f"- {k}: {_fmt(v)}" for k, v in scalars.items()]
+        md += [f"- note: {n}" for n in result.get("notes", [])]
+        md += [""] + _table(result.get("rows", [])) + [""]
+    (out / "gpu_smoke.json").write_text(json.dumps(merged, indent=2, default=str))
+    (out / "gpu_smoke.md").write_text("\n".join(md))
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=[*PARTS, "report", "trainer_run"])
+    p.add_argument("--out", required=True, type=Path, help="where <part>.json goes")
+    p.add_argument("--dry", action="store_true", help="tiny sizes on CPU: the script's own test")
+    p.add_argument("--base", type=Path, help="trainer_run: the tiny base policy directory")
+    p.add_argument("--label", choices=["device", "cpu"], help="trainer_run: which run this is")
+    a = p.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.part == "report":
+        merged = report(a.out, a.dry)
+        print((a.out / "gpu_smoke.md").read_text())
+        return 0 if all(r.get("status") == "ok" for r in merged["parts"].values()) else 1
+    if a.part == "trainer_run":
+        result = part_trainer_run(a.base, a.dry, a.out, a.label)
+        (a.out / f"trainer_run_{a.label}.json").write_text(json.dumps(result))
+        return 0
+    t0 = time.perf_counter()
+    if a.part == "hf_logits":
+        result = part_hf_logits(a.dry)
+    elif a.part == "trainer":
+        result = part_trainer(a.dry, a.out)
+    elif a.part == "kernels":
+        result = part_kernels(a.dry)
+    else:
+        result = part_scale(a.dry, a.out)
+    result["seconds"] = time.perf_counter() - t0
+    _write(a.out, a.part, result)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs")}, default=str))
+    return 0 if result["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The first check on a GPU machine, in one command (under 8 minutes on one H200):
+#   1. hf_logits  a tiny Qwen2 loaded from HF weights into the Megatron model vs transformers' logits (CUDA)
+#   2. trainer    the embedded demo's DAPO loop, 3 steps on CUDA with NCCL (world size 1), vs the same seed on CPU
+#   3. kernels    the Triton log-prob/entropy kernels at V=152064 (bf16, fp32) vs fp64; time and peak memory
+#                 against the naive log_softmax + gather
+#   4. scale      a random ~1.5B Qwen2 (Qwen2.5-1.5B shapes), 3 steps at 8k and 16k tokens per micro-batch,
+#                 with and without recompute: max memory allocated, tokens/s, MFU
+# Each part runs in its own process under its own time limit, so one failing part keeps the others' figures.
+# Results: $OUT/gpu_smoke.json and $OUT/gpu_smoke.md (OUT defaults to runs/gpu_smoke); logs: $OUT/<part>.log.
+#
+# The GPU machine needs PyTorch with CUDA, Triton and transformers. megatron-core 0.16.1 (and einops / psutil
+# when missing) come as wheels in .whl/ (tools/fetch_gpu_wheels.sh, run beforehand on a machine with
+# internet) and are installed here with pip --no-index into .whl/site. TransformerEngine is not carried
+# (its wheels are far over the 64 MiB limit): the model runs megatron-core's local layers.
+#
+# usage: bash tools/gpu_smoke.sh [--dry] [PART ...]
+#   --dry   tiny sizes on CPU (gloo): checks this script's plumbing (tests/test_gpu_smoke.py), measures nothing
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=()
+PARTS=()
+for arg in "$@"; do
+    case "$arg" in
+        --dry) DRY=(--dry) ;;
+        hf_logits|trainer|kernels|scale) PARTS+=("$arg") ;;
+        *) echo "usage: bash tools/gpu_smoke.sh [--dry] [hf_logits|trainer|kernels|scale ...]" >&2; exit 2 ;;
+    esac
+done
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(hf_logits trainer kernels scale)
+OUT_DIR=${OUT:-runs/gpu_smoke}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+# The launchers' settings (examples/*.sh): expandable segments, one CUDA connection.
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+# Python: $PY, else this repo's .venv, else the first python3/python that imports torch.
+if [ -z "${PY:-}" ]; then
+    for candidate in .venv/bin/python python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" >/dev/null 2>&1; then
+            PY=$candidate
+            break
+        fi
+    done
+fi
+[ -n "${PY:-}" ] || { echo "gpu_smoke: no python with torch found (set PY=...)" >&2; exit 2; }
+
+# megatron-core & co. from the carried wheels, only when missing (never from the network).
+missing=$("$PY" - <<'EOF'
+import importlib.util
+print(" ".join(pkg for mod, pkg in (("megatron.core", "megatron-core==0.16.1"), ("einops", "einops"),
+                                    ("psutil", "psutil")) if importlib.util.find_spec(mod.split(".")[0]) is None))
+EOF
+)
+if [ -n "$missing" ]; then
+    echo "== installing from .whl/: $missing"
+    # --target implies --ignore-installed, so no dependency resolution: megatron-core's own needs (torch,
+    # numpy, packaging) are already on the machine.
+    # shellcheck disable=SC2086
+    timeout 30 "$PY" -m pip install -q --no-index --no-deps --find-links .whl --target .whl/site $missing \
+        || { echo "gpu_smoke: installing $missing from .whl/ failed (run tools/fetch_gpu_wheels.sh first)" >&2; exit 2; }
+fi
+[ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
+
+# Per-part limits (s): the sum stays under 8 minutes with room for start-up and the report.
+declare -A LIMIT=([hf_logits]=60 [trainer]=150 [kernels]=90 [scale]=150)
+[ ${#DRY[@]} -gt 0 ] && LIMIT=([hf_logits]=300 [trainer]=300 [kernels]=300 [scale]=300)
+for part in "${PARTS[@]}"; do
+    rm -f "$OUT_DIR/$part.json" "$OUT_DIR/$part.rc"
+    echo "== $part (limit ${LIMIT[$part]} s)"
+    start=$SECONDS
+    timeout -k 10 "${LIMIT[$part]}" "$PY" tools/gpu_smoke.py "$part" --out "$OUT_DIR" "${DRY[@]}" \
+        >"$OUT_DIR/$part.log" 2>&1
+    rc=$?
+    echo "$rc" >"$OUT_DIR/$part.rc"
+    echo "   exit $rc after $((SECONDS - start)) s (log: $OUT_DIR/$part.log)"
+done
+"$PY" tools/gpu_smoke.py report --out "$OUT_DIR" "${DRY[@]}"
