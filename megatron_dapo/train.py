@@ -86,7 +86,11 @@ def load_prompt_set(path: str, tokenizer, *, prompt_format: str, max_prompt_leng
 
 
 def load_hf_into_actor(actor, hf_dir: str) -> None:
-    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table."""
+    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table.
+
+    The shards carry local-spec names; `MegatronActor.load_shards` matches them to the model's own
+    parameter names (local or Transformer Engine spec) through `weights.mapping.canonical_mcore_name`.
+    """
     from megatron.core import parallel_state
 
     from megatron_dapo.weights import iter_mcore_shards
