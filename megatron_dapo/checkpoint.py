@@ -24,6 +24,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_dapo import checkpoint_procs
+
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -71,6 +73,7 @@ def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None) -> di
 def save_checkpoint(save_dir: str | os.PathLike, step: int, actor, extra: dict[str, Any]) -> Path:
     """Write step `step` (all ranks call this); `extra` (rank 0's copy is kept) must be picklable."""
     rank, _ = _rank_world()
+    checkpoint_procs.install_results_queue(async_save=False)
     final, tmp = step_dir(save_dir, step), Path(f"{step_dir(save_dir, step)}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,10 +100,7 @@ def _materialise_distributed_optimizer_state(optimizer) -> None:
     Without TE/Apex (the CPU path) megatron-core 0.16.1's DistributedOptimizer.state_dict() reads each
     param's torch-Adam 'step' and asserts there is exactly one value, which fails on a never-stepped
     optimizer (no state at all). Megatron fills dummy state the same way before its fsdp_dtensor loads;
-    the dummy values are overwritten in place by the checkpoint's.
-
-    Known gap (CPU, no TE/Apex): after such a resume the next updates match an uninterrupted run only
-    to ~3e-4 relative (the regular optimizer resumes exactly; tests/test_trainer_dp2_resume.py).
+    the dummy values (main params included) are overwritten in place by the checkpoint's.
     """
     from megatron.core.optimizer import distrib_optimizer
 
@@ -110,6 +110,42 @@ def _materialise_distributed_optimizer_state(optimizer) -> None:
         init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
         if init is not None and not opt.optimizer.state:
             init()
+
+
+def _distributed_adam_steps(optimizer, optimizer_state) -> list[float | None]:
+    """Per chained optimizer: the checkpoint's torch-Adam step of a distributed optimizer (no TE/Apex), else None."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [optimizer_state] if len(opts) == 1 else [v for _, v in sorted(optimizer_state.items())]
+    steps: list[float | None] = []
+    for opt, state in zip(opts, states):
+        if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(opt, distrib_optimizer.DistributedOptimizer):
+            steps.append(None)
+            continue
+        values = {group["step"] for group in state["optimizer"]["param_groups"]}
+        if len(values) != 1:
+            raise ValueError(f"checkpoint's optimizer param groups disagree on the Adam step: {sorted(values)}")
+        steps.append(float(values.pop()))
+    return steps
+
+
+def _restore_distributed_adam_steps(optimizer, steps: list[float | None]) -> None:
+    """Give every param of a resumed distributed optimizer its own torch-Adam 'step' = the saved one.
+
+    megatron-core 0.16.1's DistributedOptimizer.load_state_dict without TE/Apex (torch Adam, the CPU
+    path) gets 'step' wrong twice: it puts one shared tensor into every param's state, then
+    `load_parameter_state_from_dp_reshardable` copies the *fresh* optimizer's step (1, from the dummy
+    step) into it. torch Adam then bias-corrects with step 2, 3, ... instead of N+1, N+2, ... and,
+    incrementing the shared tensor in place once per param, advances it by the number of params per
+    update: the ~3e-4 relative drift of the next updates after a resume. The regular optimizer
+    deep-copies the saved step per param (`_restore_common_per_param_step`), as this does.
+    """
+    for opt, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
+        if step is None:
+            continue
+        for state in opt.optimizer.state.values():
+            state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def latest_step_dir(load_dir: str | os.PathLike) -> Path | None:
@@ -140,10 +176,11 @@ def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None
     loaded = dist_checkpointing.load(state, str(path))
     actor.module.load_state_dict(loaded["model"])
     with torch.no_grad():
+        # The optimizer state holds the fp32 main params: they are loaded as saved, never re-derived
+        # from the (bf16) model params, which would round every update below bf16 resolution away.
+        adam_steps = _distributed_adam_steps(actor.optimizer, loaded["optimizer"])
         actor.optimizer.load_state_dict(loaded["optimizer"])
-        # main (fp32) params from the loaded model weights: a dummy-initialised distributed optimizer
-        # would otherwise keep the main params its dummy step left behind
-        actor.optimizer.reload_model_params()
+        _restore_distributed_adam_steps(actor.optimizer, adam_steps)
     actor.scheduler.load_state_dict(loaded["scheduler"])
     set_rng_state(loaded["rng"])
     extra = dict(loaded["extra"])
