@@ -75,19 +75,17 @@ def install_results_queue(*, async_save: bool) -> None:
     """Give megatron's FileSystemWriterAsync a results queue before it makes its spawn Manager.
 
     Sync: a thread queue. Async: a fork-context Manager queue (the writer runs in a forked proxy).
-    A process uses one mode for all its saves; asking for the other one is an error.
+    Switching modes replaces the queue (and stops the Manager): call it with no save in flight.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     global _mode, _manager
     mode = "async" if async_save else "sync"
     install_parent_death_signal()
+    if _mode == mode and filesystem_async._results_queue is not None:
+        return
+    shutdown()
     with _lock:
-        if _mode == mode:
-            return
-        if _mode is not None or filesystem_async._results_queue is not None:
-            raise RuntimeError(f"dist_checkpointing's results queue is already set up for {_mode or 'another'} "
-                               f"saves; one process saves either with or without --async-save")
         if async_save:
             _manager = multiprocessing.get_context("fork").Manager()
             filesystem_async._results_queue = _manager.Queue()
@@ -102,8 +100,7 @@ def shutdown() -> None:
 
     global _mode, _manager
     with _lock:
-        if _mode is not None:
-            filesystem_async._results_queue = None
+        filesystem_async._results_queue = None
         if _manager is not None:
             _manager.shutdown()
         _mode, _manager = None, None

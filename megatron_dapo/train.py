@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from megatron_dapo.actor import MegatronActor, init_parallel
-    from megatron_dapo.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_dapo.checkpoint import CheckpointSaver, load_checkpoint
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.metrics_log import MetricsLogger
     from megatron_dapo.reward import get_reward_fn
@@ -180,10 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     def next_prompts(k: int) -> list[Prompt]:
         return [train_prompts[i] for i in sampler.next_batch(k)]
 
+    saver = CheckpointSaver(args.save, fully_parallel=args.ckpt_fully_parallel_save,
+                            async_save=args.async_save) if args.save else None
+
     def save(step: int) -> None:
         box = [sampler.state_dict()]
         dist.broadcast_object_list(box, src=0)  # identical common state on every rank
-        save_checkpoint(args.save, step, actor, extra={"sampler": box[0]})
+        saver.save(step, actor, extra={"sampler": box[0]})
 
     logger = None
     if rank0:
@@ -207,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
     try:
         trainer.run()
+        if saver is not None:
+            saver.close()  # an --async-save in flight is finished and renamed here
         if args.export_hf:
             from megatron_dapo.hf_export import export_hf
 
