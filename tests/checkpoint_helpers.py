@@ -47,3 +47,13 @@ def start_from_step(src_ckpt: Path, step: int, dst_ckpt: Path) -> None:
 def metrics(log_dir: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in records}
+
+
+def optimizer_state(actor) -> dict[str, torch.Tensor]:
+    """Copies of the model params and the per-param torch optimizer state (main param, exp_avg, exp_avg_sq, step)."""
+    out = {f"model.{n}": p.detach().clone() for n, p in actor.module.named_parameters()}
+    for k, opt in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
+        for i, (param, state) in enumerate(opt.optimizer.state.items()):
+            out[f"{k}.{i}.main"] = param.detach().clone()
+            out.update({f"{k}.{i}.{name}": t.detach().clone() for name, t in state.items()})
+    return out

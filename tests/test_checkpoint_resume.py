@@ -14,6 +14,7 @@ from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, in
 from megatron_dapo.checkpoint import load_checkpoint, save_checkpoint
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import padded_vocab_size
+from tests.checkpoint_helpers import optimizer_state
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 
@@ -26,16 +27,6 @@ def world():
                                    padded_vocab=padded_vocab_size(arch.vocab_size, 1))
     yield layout, arch, shards
     destroy_parallel()
-
-
-def optimizer_state(actor: MegatronActor) -> dict[str, torch.Tensor]:
-    """Per-param torch optimizer state (main param, exp_avg, exp_avg_sq, step) and the model params."""
-    out = {f"model.{n}": p.detach().clone() for n, p in actor.module.named_parameters()}
-    for k, opt in enumerate(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])):
-        for i, (param, state) in enumerate(opt.optimizer.state.items()):
-            out[f"{k}.{i}.main"] = param.detach().clone()
-            out.update({f"{k}.{i}.{name}": t.detach().clone() for name, t in state.items()})
-    return out
 
 
 @pytest.mark.parametrize(("dtype", "distributed"), [("bfloat16", False), ("float32", True), ("bfloat16", True)],
