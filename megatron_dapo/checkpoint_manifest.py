@@ -10,10 +10,10 @@ are trusted input, see README: nothing here defends against a crafted file), and
 measured 2.5 GB/s (crc32) vs 0.77 GB/s (sha256) on one core here. The work is split, never
 centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote itself (rank 0 also
 the small common files); at load the files are verified round-robin over all ranks.
-Cost at Qwen2.5-32B (524 GB of checkpoint over 128 ranks, ~4.1 GB per rank with
---ckpt-fully-parallel-save): ~1.6 s of CRC per rank at save (page-cache hot) and at load, plus reading
-4.1 GB back from storage at load; a single process doing all 524 GB would take ~210 s (crc32) or
-~680 s (sha256).
+Cost at Qwen2.5-32B (459 GB of checkpoint over 128 ranks, 3.6 GB per rank with
+--ckpt-fully-parallel-save): ~1.4 s of CRC per rank at save (page-cache hot) and at load, plus reading
+3.6 GB back from storage per rank at load; one process doing all 459 GB would take ~184 s (crc32) or
+~600 s (sha256).
 """
 
 from __future__ import annotations
