@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "tokenizer); with --load of a finished run and the same --num-steps it only exports")
     g.add_argument("--save-interval", type=int, default=0,
                    help="checkpoint every N steps (0 = only at the end)")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="split the writing of replicated checkpoint tensors over the data-parallel ranks "
+                        "(megatron-core FullyParallelSaveStrategyWrapper) instead of DP rank 0 writing them all")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a forked background process; a step is renamed (and `latest` "
+                        "updated) only once every rank's write finished, checked at the next save and at exit")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)

@@ -105,7 +105,11 @@ def load_prompt_set(path: str, tokenizer, *, prompt_format: str, max_prompt_leng
 
 
 def load_hf_into_actor(actor, hf_dir: str) -> None:
-    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table."""
+    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table.
+
+    The shards carry local-spec names; `MegatronActor.load_shards` matches them to the model's own
+    parameter names (local or Transformer Engine spec) through `weights.mapping.canonical_mcore_name`.
+    """
     from megatron.core import parallel_state
 
     from megatron_dapo.weights import iter_mcore_shards
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from megatron_dapo.actor import MegatronActor, init_parallel
-    from megatron_dapo.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_dapo.checkpoint import CheckpointSaver, load_checkpoint
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.metrics_log import MetricsLogger
     from megatron_dapo.reward import get_reward_fn
@@ -218,10 +222,13 @@ def main(argv: list[str] | None = None) -> None:
     def next_prompts(k: int) -> list[Prompt]:
         return [train_prompts[i] for i in sampler.next_batch(k)]
 
+    saver = CheckpointSaver(args.save, fully_parallel=args.ckpt_fully_parallel_save,
+                            async_save=args.async_save) if args.save else None
+
     def save(step: int) -> None:
         box = [sampler.state_dict()]
         dist.broadcast_object_list(box, src=0)  # identical common state on every rank
-        save_checkpoint(args.save, step, actor, extra={"sampler": box[0]})
+        saver.save(step, actor, extra={"sampler": box[0]})
 
     logger = None
     if rank0:
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
     try:
         trainer.run()
+        if saver is not None:
+            saver.close()  # an --async-save in flight is finished and renamed here
         if args.export_hf:
             from megatron_dapo.hf_export import export_hf
 

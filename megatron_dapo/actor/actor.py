@@ -38,6 +38,7 @@ from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.models.spec import resolve_transformer_impl
 from megatron_dapo.parallel import ParallelLayout, validate_layout
+from megatron_dapo.weights.mapping import canonical_mcore_name
 
 # Token sums reduced over micro-batches and DP ranks; divided by "tokens" for the reported means.
 METRIC_KEYS = ("pg_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio", "entropy",
@@ -247,16 +248,22 @@ class MegatronActor:
 
     # ---- weights -----------------------------------------------------------------------------------
     def state_dict_for_export(self) -> dict[str, Tensor]:
-        """Stage-local parameter names -> this TP rank's shards (detached, on the model's device)."""
-        return {name: p.detach() for name, p in self.module.named_parameters()}
+        """This TP rank's shards (detached, on the model's device) under local-spec names.
+
+        Names are stage-local and canonical (weights/mapping.py): a Transformer Engine spec model's
+        fused norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) come out as
+        `input_layernorm.weight` / `pre_mlp_layernorm.weight`, so both specs export the same keys.
+        """
+        return {canonical_mcore_name(name): p.detach() for name, p in self.module.named_parameters()}
 
     @torch.no_grad()
     def load_shards(self, shards: Mapping[str, Tensor]) -> None:
-        """Copy this rank's shards (stage-local names, as `state_dict_for_export`) into the model.
+        """Copy this rank's shards (stage-local local-spec names, as `iter_mcore_shards` yields and
+        `state_dict_for_export` returns) into the model, whichever layer spec (local or TE) it uses.
 
         Every parameter must be given with its exact shape; the optimizer's main params are refreshed.
         """
-        params = dict(self.module.named_parameters())
+        params = {canonical_mcore_name(name): p for name, p in self.module.named_parameters()}
         missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))
         if missing or unexpected:
             raise KeyError(f"load_shards: missing {missing}, unexpected {unexpected}")

@@ -58,6 +58,11 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+    if params_dtype != torch.float32:
+        # Megatron-LM's Float16Module casts the whole model: the local spec's torch RMSNorms are built
+        # in fp32 regardless of params_dtype, and a mixed-dtype model breaks the fp16/bf16 optimizer's
+        # checkpoint (its param-id map assumes every param is in the float16 groups).
+        model.to(params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

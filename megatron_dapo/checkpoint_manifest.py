@@ -1,0 +1,100 @@
+"""The manifest of a checkpoint step directory: every file's name, size and CRC-32, checked at --load.
+
+Written into `step_<N>.tmp/manifest.json` after every rank's files are complete and before the
+rename, so a step directory without `.tmp` carries the list of what it must contain. A truncated
+`.distcp` / `common.pt`, a deleted file or flipped bytes are then found before dist_checkpointing
+would fail on them with a bare EOFError / zip error that names no file.
+
+Checksum: CRC-32 (zlib), not SHA-256. It detects truncation and accidental corruption (checkpoints
+are trusted input, see README: nothing here defends against a crafted file), and is ~3x faster:
+measured 2.5 GB/s (crc32) vs 0.77 GB/s (sha256) on one core here. The work is split, never
+centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote itself (rank 0 also
+the small common files); at load the files are verified round-robin over all ranks.
+Cost at Qwen2.5-32B (459 GB of checkpoint over 128 ranks, 3.6 GB per rank with
+--ckpt-fully-parallel-save): ~1.4 s of CRC per rank at save (page-cache hot) and at load, plus reading
+3.6 GB back from storage per rank at load; one process doing all 459 GB would take ~184 s (crc32) or
+~600 s (sha256).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_CHUNK = 16 << 20
+
+
+def crc32_file(path: Path) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits, read in 16 MiB chunks."""
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str, int | str]]:
+    """{name: {"size": bytes, "crc32": hex}} of the given files of `directory`."""
+    return {name: {"size": (directory / name).stat().st_size, "crc32": crc32_file(directory / name)}
+            for name in names}
+
+
+def files_written_by(directory: Path, rank: int, world: int) -> list[str]:
+    """The files of a torch_dist step directory that `rank` describes in the manifest.
+
+    Each rank wrote its own `__<rank>_<i>.distcp` (FileSystemWriterAsync's per-rank prefix); rank 0
+    also takes every other file (common.pt, metadata.json, .metadata: small, written by rank 0).
+    """
+    own = re.compile(r"^__(\d+)_\d+\.distcp$")
+    out = []
+    for path in sorted(directory.iterdir()):
+        if not path.is_file() or path.name == MANIFEST:
+            continue
+        match = own.match(path.name)
+        owner = int(match.group(1)) if match and int(match.group(1)) < world else 0
+        if owner == rank:
+            out.append(path.name)
+    return out
+
+
+def write_manifest(directory: Path, files: dict[str, dict[str, int | str]]) -> None:
+    """Write `manifest.json` (fsync'd) into directory."""
+    path = directory / MANIFEST
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT_VERSION, "checksum": "crc32", "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_manifest(directory: Path) -> dict[str, dict[str, int | str]] | None:
+    """The manifest's file table, or None when the directory has no manifest."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("format") != FORMAT_VERSION or data.get("checksum") != "crc32":
+        raise ValueError(f"{path}: unknown manifest format {data.get('format')!r} / checksum {data.get('checksum')!r}")
+    return data["files"]
+
+
+def check_files(directory: Path, files: dict[str, dict[str, int | str]], names: Iterable[str]) -> list[str]:
+    """Problems of the named manifest entries: missing, wrong size (truncated / grown), CRC mismatch."""
+    problems = []
+    for name in names:
+        want = files[name]
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        size = path.stat().st_size
+        if size != want["size"]:
+            problems.append(f"{path} has {size} bytes, the manifest says {want['size']} (truncated or overwritten)")
+        elif (crc := crc32_file(path)) != want["crc32"]:
+            problems.append(f"{path} has CRC-32 {crc}, the manifest says {want['crc32']} (corrupted)")
+    return problems

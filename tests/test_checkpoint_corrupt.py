@@ -1,0 +1,106 @@
+"""Damaged checkpoints: --load verifies the newest step against its manifest and falls back.
+
+A truncated .distcp or common.pt, or a deleted file, in the newest step makes load_checkpoint resume
+from the previous step with a warning that names the file; when every step is damaged the error
+names each step directory and its problem (instead of dist_checkpointing's bare EOFError).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+
+import pytest
+
+from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointFallbackWarning,
+    load_checkpoint,
+    save_checkpoint,
+)
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import padded_vocab_size
+from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(make_actor, pristine checkpoint dir with steps 1 and 2)."""
+    layout = init_parallel(seed=0)
+    hf = tiny_hf_model(seed=8)
+    arch = Qwen2Arch.from_hf(hf.config)
+    shards = mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                   padded_vocab=padded_vocab_size(arch.vocab_size, 1))
+
+    def make_actor() -> MegatronActor:
+        actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
+        actor.load_shards(shards)
+        return actor
+
+    root = tmp_path_factory.mktemp("ckpt")
+    actor = make_actor()
+    for step in (1, 2):
+        actor.train_step(make_samples(4, seed=step))
+        save_checkpoint(root, step, actor, extra={"tag": step})
+    yield make_actor, root
+    destroy_parallel()
+
+
+def test_manifest_lists_every_file_with_size_and_crc32(saved):
+    step = saved[1] / "step_0000002"
+    files = json.loads((step / "manifest.json").read_text())["files"]
+    on_disk = {p.name for p in step.iterdir() if p.name != "manifest.json"}
+    assert set(files) == on_disk and "common.pt" in files and any(n.endswith(".distcp") for n in files)
+    for name, entry in files.items():
+        data = (step / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+
+
+def _damage(step, how: str) -> str:
+    if how == "truncate-distcp":
+        victim = sorted(step.glob("*.distcp"))[0]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    elif how == "truncate-common":
+        victim = step / "common.pt"
+        victim.write_bytes(victim.read_bytes()[:100])
+    elif how == "flip-byte":
+        victim = sorted(step.glob("*.distcp"))[-1]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    else:
+        victim = sorted(step.glob("*.distcp"))[-1]
+        victim.unlink()
+    return victim.name
+
+
+@pytest.mark.parametrize("how", ["truncate-distcp", "truncate-common", "flip-byte", "delete"])
+def test_damaged_newest_step_falls_back_with_a_warning(saved, tmp_path, how):
+    make_actor, pristine = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    victim = _damage(root / "step_0000002", how)
+    actor = make_actor()
+    with pytest.warns(CheckpointFallbackWarning, match=victim) as record:
+        extra = load_checkpoint(root, actor)
+    assert extra == {"step": 1, "tag": 1}
+    assert "step_0000002" in str(record[0].message) and "step_0000001" in str(record[0].message)
+
+
+def test_every_step_damaged_is_a_clear_error(saved, tmp_path):
+    make_actor, pristine = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    first = _damage(root / "step_0000001", "truncate-common")
+    second = _damage(root / "step_0000002", "delete")
+    with pytest.raises(CheckpointCorruptError) as err:
+        load_checkpoint(root, make_actor())
+    message = str(err.value)
+    assert str(root / "step_0000001" / first) in message and str(root / "step_0000002" / second) in message
+    assert "truncated" in message and "missing" in message
+
+
+def test_empty_load_dir_is_a_fresh_run(saved, tmp_path):
+    assert load_checkpoint(tmp_path, saved[0]()) is None
