@@ -134,11 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-format", choices=["chat", "raw"], default="chat",
                    help="chat: apply the tokenizer's chat template to the prompt messages; raw: use the text")
     g.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="prompts with more message characters are dropped before tokenizing, so one huge row "
-                        "cannot exhaust memory in the tokenizer. Default: "
+                   help="prompts with more message characters are skipped or rejected (--on-long-prompt) before "
+                        "they are tokenized, so one huge row cannot exhaust memory in the tokenizer. Default: "
                         f"{CHARS_PER_TOKEN_BOUND} x --max-prompt-length ({CHARS_PER_TOKEN_BOUND * 2048:,} for 2048), "
-                        "far above what text needs (3-5 characters per token), so it only drops prompts that "
-                        "could not fit in --max-prompt-length tokens anyway")
+                        "far above what text needs (3-5 characters per token), so in practice it only catches "
+                        "prompts that could not fit in --max-prompt-length tokens anyway")
     g.add_argument("--on-long-prompt", choices=ON_LONG_PROMPT, default="skip",
                    help="a prompt over --max-prompt-chars or --max-prompt-length: skip it (counted and reported) "
                         "or stop at start-up with an error naming its file and row")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -65,7 +65,7 @@ def export_hf(actor, out_dir: str | os.PathLike, source_hf_dir: str | os.PathLik
     tmp = None
     if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+        tmp = _fresh_sibling(out, "export")
     try:
         files, total_bytes, weight_map = _write_shards(actor, tmp, max_shard_bytes)
         if tmp is None:
@@ -126,6 +126,17 @@ def _write_shards(actor, tmp: Path | None, max_shard_bytes: int) -> tuple[list[s
     return files, total_bytes, weight_map
 
 
+def _fresh_sibling(out: Path, kind: str) -> Path:
+    """A new empty directory `.<name>.<kind>-<random>` next to `out` (permissions from the umask, not 0700)."""
+    while True:
+        path = out.parent / f".{out.name}.{kind}-{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
 def _move_into_place(tmp: Path, out: Path) -> None:
     """Rename the complete export `tmp` to `out`, moving an earlier export (or empty dir) aside first.
 
@@ -134,7 +145,7 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     """
     old = None
     if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = _fresh_sibling(out, "old")
         os.replace(out, old)  # onto the fresh empty directory
     os.replace(tmp, out)
     if old is not None:

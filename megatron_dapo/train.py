@@ -194,7 +194,7 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
     except ValueError as err:  # the config dataclasses name the flag
         raise UserError(str(err)) from err
     dp = data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tensor_model_parallel_size,
-                            pp=args.pipeline_model_parallel_size)
+                            pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
     check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
                            global_batch_size=args.global_batch_size, dp=dp)
     return reward_fn

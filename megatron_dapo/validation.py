@@ -16,15 +16,17 @@ def _positive(**flags: int) -> None:
             raise UserError(f"--{flag.replace('_', '-')} must be an integer >= 1, got {value!r}")
 
 
-def data_parallel_size(world_size: int, *, tp: int, pp: int) -> int:
-    """world size / (TP x PP); raise when the processes do not split into whole model replicas."""
-    _positive(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    if world_size % (tp * pp):
-        raise UserError(
-            f"{world_size} processes do not split into model replicas of --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp} ranks; change the process count or the layout"
-        )
-    return world_size // (tp * pp)
+def data_parallel_size(world_size: int, *, tp: int, pp: int, cp: int = 1) -> int:
+    """world size / (TP x PP x CP); raise when the processes do not split into whole model replicas."""
+    _positive(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp)
+    replica = tp * pp * cp
+    if world_size % replica:
+        layout = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+        if cp != 1:
+            layout += f" x context-parallel size {cp}"
+        raise UserError(f"{world_size} processes do not split into model replicas of {layout} = {replica} ranks; "
+                        f"change the process count or the layout")
+    return world_size // replica
 
 
 def check_batch_arithmetic(*, rollout_batch_size: int, n_samples_per_prompt: int, global_batch_size: int,
