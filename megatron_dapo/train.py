@@ -162,6 +162,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                           env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {})
     return make_engine("sglang", server, client=client)
 
+
 QUIET_EXIT_DELAY_S = 2.0
 """How much later than the rank that prints an input error the ranks that stay quiet exit."""
 
