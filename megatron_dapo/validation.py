@@ -89,8 +89,8 @@ def check_vocab(*, tokenizer_size: int, vocab_size: int, tokenizer_dir: str, hf_
 def share_verdict(error: UserError | None) -> None:
     """Raise on every rank when global rank 0's checks failed (collective; call on all ranks).
 
-    Rank 0 raises its own error (and prints it); the others raise a silent copy, so one line is
-    shown for the whole world. Without an initialised world of more than one process, `error` is raised
+    Rank 0 raises its own error (main prints it); the others raise a copy with echo=False, so one
+    line is shown for the whole world. Without an initialised world of more than one process, `error` is raised
     as is. Cost: one broadcast of a short string over a gloo group; ranks other than 0 wait here for
     rank 0 to finish reading the prompt files (seconds for DAPO-Math-17k), outside any NCCL watchdog.
     """
