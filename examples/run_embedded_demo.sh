@@ -33,6 +33,7 @@ DATA_ARGS=(
 ROLLOUT_ARGS=(
     --rollout-engine embedded --rollout-batch-size 16 --n-samples-per-prompt 8 --over-sample-factor 1.5
     --rollout-temperature 1.0 --max-response-length 40 --max-num-gen-batches 16 --on-gen-exhausted partial
+    --max-prompt-length 16  # prompts are 6 characters; prompt + response must fit the tiny model's 128 positions
 )
 DAPO_ARGS=(
     --clip-ratio-low 0.2 --clip-ratio-high 0.28 --loss-agg-mode token-mean --dynamic-sampling

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
+from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
 
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
 """--lr-decay-style choices (megatron-core's OptimizerParamScheduler names), checked by ActorConfig too."""
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
                    help="actor parameter dtype (bf16 keeps fp32 main params); default: bf16 on GPU, "
                         "fp32 on CPU")
+    g.add_argument("--allow-exceed-context", action="store_true",
+                   help="run even when --max-prompt-length + --max-response-length exceeds the model's "
+                        "max_position_embeddings (positions past the trained context)")
 
     g = p.add_argument_group("rollout")
     g.add_argument("--rollout-engine", choices=["embedded", "sglang"], default=None,
@@ -119,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rollout-top-p", type=float, default=1.0)
     g.add_argument("--rollout-top-k", type=int, default=-1)
     g.add_argument("--max-response-length", type=int, default=20480, help="L_max, new tokens per response")
-    g.add_argument("--max-prompt-length", type=int, default=2048, help="longer prompts are skipped at load")
+    g.add_argument("--max-prompt-length", type=int, default=2048,
+                   help="prompt tokens after the chat template; longer prompts are skipped at load (--on-long-prompt)")
     g.add_argument("--over-sample-factor", type=float, default=1.0,
                    help="prompts asked per generation round = factor x groups still needed / keep rate "
                         "measured so far in the step (1 in the first round)")
@@ -179,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-prompt-data", default=None, help="held-out prompts for avg@k (parquet or jsonl)")
     g.add_argument("--prompt-format", choices=["chat", "raw"], default="chat",
                    help="chat: apply the tokenizer's chat template to the prompt messages; raw: use the text")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="prompts with more message characters are skipped or rejected (--on-long-prompt) before "
+                        "they are tokenized, so one huge row cannot exhaust memory in the tokenizer. Default: "
+                        f"{CHARS_PER_TOKEN_BOUND} x --max-prompt-length ({CHARS_PER_TOKEN_BOUND * 2048:,} for 2048), "
+                        "far above what text needs (3-5 characters per token), so in practice it only catches "
+                        "prompts that could not fit in --max-prompt-length tokens anyway")
+    g.add_argument("--on-long-prompt", choices=ON_LONG_PROMPT, default="skip",
+                   help="a prompt over --max-prompt-chars or --max-prompt-length: skip it (counted and reported) "
+                        "or stop at start-up with an error naming its file and row")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=int, default=0, help="evaluate every N steps (0 = off)")
@@ -196,4 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wandb-run-name", default=None)
     g.add_argument("--no-wandb", action="store_true")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--debug", action="store_true",
+                   help="show the traceback of input errors instead of the one-line 'error: ...' (exit status 2)")
     return p

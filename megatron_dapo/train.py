@@ -11,17 +11,28 @@ import argparse
 import json
 import os
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig, PolicyLossConfig
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.collect import CollectConfig, Prompt
+from megatron_dapo.collect import CollectConfig, Prompt, RewardFn
+from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import ParallelLayout
 from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.validation import (
+    check_batch_arithmetic,
+    check_context,
+    check_vocab,
+    data_parallel_size,
+    share_verdict,
+)
 
 
 def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
@@ -83,25 +94,43 @@ def _sampling(flags: str, **params) -> SamplingParams:
 
 
 def load_prompt_set(path: str, tokenizer, *, prompt_format: str, max_prompt_length: int,
-                    limit: int | None = None) -> list[Prompt]:
-    """Dataset rows -> token-id prompts; prompts longer than max_prompt_length are skipped (counted)."""
-    from megatron_dapo.data import load_prompts, render_prompt
+                    max_prompt_chars: int | None = None, on_long_prompt: str = "skip", limit: int | None = None,
+                    flag: str | None = None) -> list[Prompt]:
+    """Dataset rows -> token-id prompts within the length limits; every row is read and validated.
 
-    prompts, skipped = [], 0
-    for record in load_prompts(path, limit=limit):
+    A prompt over `max_prompt_chars` (default: data.default_max_prompt_chars) is measured, never
+    tokenized; one over `max_prompt_length` tokens after the template is skipped (counted) or, with
+    on_long_prompt="error", rejected. Any problem raises UserError, prefixed with `flag`, the flag
+    that named `path`, when given.
+    """
+    from megatron_dapo.data import (
+        PromptLengthLimit,
+        default_max_prompt_chars,
+        encode_within_limits,
+        load_prompts,
+        render_prompt,
+    )
+
+    def encode(record) -> list[int]:
         if prompt_format == "chat":
-            ids = render_prompt(record, tokenizer)
-        else:
-            ids = tokenizer.encode("\n".join(m["content"] for m in record.messages), add_special_tokens=False)
-        if len(ids) > max_prompt_length:
-            skipped += 1
-            continue
-        prompts.append(Prompt(prompt_ids=ids, ground_truth=record.ground_truth, index=record.index))
-    if not prompts:
-        raise ValueError(f"{path}: every prompt is longer than --max-prompt-length={max_prompt_length}")
-    if skipped:
-        print(f"[megatron-dapo] {path}: skipped {skipped} prompts longer than {max_prompt_length} tokens")
-    return prompts
+            return render_prompt(record, tokenizer)
+        return tokenizer.encode("\n".join(m["content"] for m in record.messages), add_special_tokens=False)
+
+    prefix = f"{flag} " if flag else ""
+    limits = PromptLengthLimit(max_tokens=max_prompt_length, on_long=on_long_prompt,
+                               max_chars=max_prompt_chars or default_max_prompt_chars(max_prompt_length))
+    try:
+        kept, report = encode_within_limits(load_prompts(path, limit=limit), encode, limits, source=str(path))
+    except (UserError, FileNotFoundError) as err:
+        raise UserError(f"{prefix}{err}") from err
+    if not kept:
+        raise UserError(f"{prefix}{path}: no prompt is within --max-prompt-length {max_prompt_length} tokens and "
+                        f"--max-prompt-chars {limits.max_chars} ({report.over_tokens} over the tokens, "
+                        f"{report.over_chars} over the characters)")
+    if report.over_chars or report.over_tokens:
+        print(f"[megatron-dapo] {path}: skipped {report.over_tokens} prompts longer than {max_prompt_length} "
+              f"tokens and {report.over_chars} longer than {limits.max_chars} characters (--on-long-prompt skip)")
+    return [Prompt(prompt_ids=ids, ground_truth=r.ground_truth, index=r.index) for r, ids in kept]
 
 
 def load_hf_into_actor(actor, hf_dir: str) -> None:
@@ -177,47 +206,130 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     return make_engine("sglang", server, client=client)
 
 
+QUIET_EXIT_DELAY_S = 2.0
+"""How much later than the rank that prints an input error the ranks that stay quiet exit."""
+
+
+@dataclass
+class Inputs:
+    """What the run reads before any model exists; the prompt lists are filled on global rank 0 only."""
+
+    arch: Qwen2Arch
+    tokenizer: Any
+    train_prompts: list[Prompt] = field(default_factory=list)
+    eval_prompts: list[Prompt] = field(default_factory=list)
+
+
+def check_flags(args: argparse.Namespace) -> RewardFn:
+    """The flags alone (same verdict on every rank): config dataclasses, batch arithmetic, prompt limits.
+
+    Returns the --reward-fn function (a dotted path is imported here, so a typo fails before the model).
+    """
+    from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
+    from megatron_dapo.reward import get_reward_fn
+
+    try:
+        build_configs(args)
+        PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
+                          max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
+        reward_fn = get_reward_fn(args.reward_fn)
+    except UserError:
+        raise
+    except ValueError as err:  # the config dataclasses name the flag
+        raise UserError(str(err)) from err
+    dp = data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tensor_model_parallel_size,
+                            pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
+    check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
+                           global_batch_size=args.global_batch_size, dp=dp)
+    return reward_fn
+
+
+def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
+    """config.json, the tokenizer against the model's vocab, the context; with_data: --export-hf and every prompt."""
+    from transformers import AutoTokenizer
+
+    try:
+        arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+    except FileNotFoundError as err:
+        raise UserError(f"--hf-checkpoint: {err}") from err
+    tokenizer_dir = args.tokenizer or args.hf_checkpoint
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"no tokenizer loads from {tokenizer_dir} (--tokenizer, default --hf-checkpoint): "
+                        f"{first_line}") from err
+    check_vocab(tokenizer_size=len(tokenizer), vocab_size=arch.vocab_size, tokenizer_dir=tokenizer_dir,
+                hf_checkpoint=args.hf_checkpoint)
+    check_context(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
+                  context=arch.max_position_embeddings, allow_exceed=args.allow_exceed_context)
+    inputs = Inputs(arch=arch, tokenizer=tokenizer)
+    if not with_data:
+        return inputs
+    if args.export_hf:
+        from megatron_dapo.hf_export import check_export_target
+
+        check_export_target(args.export_hf)
+    limits = dict(prompt_format=args.prompt_format, max_prompt_length=args.max_prompt_length,
+                  max_prompt_chars=args.max_prompt_chars, on_long_prompt=args.on_long_prompt)
+    inputs.train_prompts = load_prompt_set(args.prompt_data, tokenizer, **limits, flag="--prompt-data")
+    if args.eval_prompt_data and args.eval_interval:
+        inputs.eval_prompts = load_prompt_set(args.eval_prompt_data, tokenizer, **limits, flag="--eval-prompt-data",
+                                              limit=args.eval_max_prompts or None)
+    return inputs
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run; an input error prints one line `error: ...` on stderr and exits 2 (`--debug`: the traceback)."""
     args = build_parser().parse_args(argv)
     if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner.py)
         from megatron_dapo.planner import print_plan
 
         sys.exit(print_plan(args))
-    from transformers import AutoTokenizer
+    try:
+        train(args)
+    except UserError as err:
+        if args.debug:
+            raise
+        if err.echo:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        else:  # torchrun names the first rank to exit as the root cause and SIGTERMs the rest: let the printer go first
+            time.sleep(QUIET_EXIT_DELAY_S)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
 
-    from megatron_dapo.actor import MegatronActor, init_parallel
-    from megatron_dapo.checkpoint import CheckpointSaver, load_checkpoint
+
+def train(args: argparse.Namespace) -> None:
+    """validate flags -> read inputs (rank 0) -> build -> generate/reward/filter/train/sync/eval/save (Trainer)."""
+    from megatron_dapo.actor import init_parallel
+    from megatron_dapo.checkpoint import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
-    from megatron_dapo.metrics_log import MetricsLogger
-    from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.trainer import Trainer
 
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        reward_fn = check_flags(args)
+    except UserError as err:
+        err.echo = rank0  # every rank reaches the same verdict; one prints it
+        raise
+    inputs, verdict = None, None
+    if rank0:  # only rank 0 reads the prompt files
+        try:
+            inputs = load_inputs(args, with_data=True)
+        except UserError as err:
+            verdict = err
+    # process groups only: the verdict travels over them
     layout = init_parallel(seed=args.seed, **ParallelLayout.options_from_args(args))
-    rank0 = dist.get_rank() == 0
-    arch = Qwen2Arch.from_hf(args.hf_checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.hf_checkpoint)
+    share_verdict(verdict)
+    inputs = inputs or load_inputs(args, with_data=False)
+    tokenizer, train_prompts = inputs.tokenizer, inputs.train_prompts
     eos = tuple(sorted({t for t in (tokenizer.eos_token_id,) if t is not None}))
     actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
-    reward_fn = get_reward_fn(args.reward_fn)
-
-    actor = MegatronActor(arch, actor_cfg, layout)
-    if args.mcore_checkpoint:
-        from megatron_dapo.weights import load_mcore_checkpoint
-
-        load_mcore_checkpoint(actor.module, args.mcore_checkpoint, layout)
-        actor.optimizer.reload_model_params()
-    else:
-        load_hf_into_actor(actor, args.hf_checkpoint)
-
-    train_prompts = load_prompt_set(args.prompt_data, tokenizer, prompt_format=args.prompt_format,
-                                    max_prompt_length=args.max_prompt_length) if rank0 else []
-    eval_prompts = []
-    if rank0 and args.eval_prompt_data and args.eval_interval:
-        eval_prompts = load_prompt_set(args.eval_prompt_data, tokenizer, prompt_format=args.prompt_format,
-                                       max_prompt_length=args.max_prompt_length,
-                                       limit=args.eval_max_prompts or None)
+    actor = build_actor(args, inputs.arch, actor_cfg, layout)
     sampler = ResumableSampler(max(len(train_prompts), 1), seed=args.seed)
     engine = make_rollout_engine(args, tokenizer) if rank0 else None
+    logger = make_logger(args) if rank0 else None
 
     def next_prompts(k: int) -> list[Prompt]:
         return [train_prompts[i] for i in sampler.next_batch(k)]
@@ -230,27 +342,12 @@ def main(argv: list[str] | None = None) -> None:
         dist.broadcast_object_list(box, src=0)  # identical common state on every rank
         saver.save(step, actor, extra={"sampler": box[0]})
 
-    logger = None
-    if rank0:
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-        (Path(args.log_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
-        logger = MetricsLogger(args.log_dir, total_steps=args.num_steps, wandb_project=args.wandb_project,
-                               run_name=args.wandb_run_name, config=vars(args), use_wandb=not args.no_wandb,
-                               progress=not args.no_progress)
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
-                      next_prompts=next_prompts if rank0 else None, eval_prompts=eval_prompts,
+                      next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
-    if args.load:
-        extra = load_checkpoint(args.load, actor)
-        if extra is not None:
-            if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
-                sampler.load_state_dict(extra["sampler"])
-            trainer.step = int(extra["step"])
-            trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
-            if rank0:
-                print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
     try:
+        resume(args, trainer, sampler)
         trainer.run()
         if saver is not None:
             saver.close()  # an --async-save in flight is finished and renamed here
@@ -269,6 +366,50 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout):
+    """The Megatron actor with its initial weights: --mcore-checkpoint shards, else --hf-checkpoint re-sharded."""
+    from megatron_dapo.actor import MegatronActor
+
+    actor = MegatronActor(arch, actor_cfg, layout)
+    if args.mcore_checkpoint:
+        from megatron_dapo.weights import load_mcore_checkpoint
+
+        load_mcore_checkpoint(actor.module, args.mcore_checkpoint, layout)
+        actor.optimizer.reload_model_params()
+    else:
+        load_hf_into_actor(actor, args.hf_checkpoint)
+    return actor
+
+
+def make_logger(args: argparse.Namespace):
+    """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl."""
+    from megatron_dapo.metrics_log import MetricsLogger
+
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    (Path(args.log_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
+    return MetricsLogger(args.log_dir, total_steps=args.num_steps, wandb_project=args.wandb_project,
+                         run_name=args.wandb_run_name, config=vars(args), use_wandb=not args.no_wandb,
+                         progress=not args.no_progress)
+
+
+def resume(args: argparse.Namespace, trainer, sampler) -> None:
+    """With --load and a checkpoint in it: actor state, rank 0's sampler, the step; the engine gets the weights."""
+    from megatron_dapo.checkpoint import load_checkpoint
+
+    if not args.load:
+        return
+    extra = load_checkpoint(args.load, trainer.actor)
+    if extra is None:
+        return
+    rank0 = dist.get_rank() == 0
+    if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
+        sampler.load_state_dict(extra["sampler"])
+    trainer.step = int(extra["step"])
+    trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
+    if rank0:
+        print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
 
 
 def _write_report(log_dir: Path) -> None:

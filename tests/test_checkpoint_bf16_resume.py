@@ -26,7 +26,7 @@ def train(base, run, *extra: str) -> None:
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
            "--params-dtype", "bfloat16", "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
-           "--save-interval", "1", "--no-wandb", "--no-progress", "--seed", "5", *extra]
+           "--save-interval", "1", "--no-wandb", "--no-progress", "--seed", "5", "--max-prompt-length", "16", *extra]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 

@@ -65,7 +65,8 @@ def te_world(tmp_path_factory):
 
     def make_actor(te: bool, **overrides) -> MegatronActor:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("megatron_dapo.models.gpt.get_layer_spec", lambda use_te=None: te_spec if te else local_spec)
+            mp.setattr("megatron_dapo.models.gpt.get_layer_spec",
+                       lambda use_te=None, config=None: te_spec if te else local_spec)
             return MegatronActor(arch, ActorConfig(**{"lr": 1e-3, **overrides}), layout)
 
     yield layout, hf, arch, hf_dir, make_actor

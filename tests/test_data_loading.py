@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_dapo.data import DataFormatError, PromptRecord, apply_dapo_template, load_prompts
+from megatron_dapo.errors import UserError
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SHIPPED = [
@@ -183,3 +184,126 @@ def test_bad_paths(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataFormatError, match="contains no rows"):
         load_prompts(tmp_path / "empty.jsonl")
+
+
+# ---- encodings, unreadable files -------------------------------------------------------------------
+def test_non_utf8_jsonl_names_file_row_line_and_byte_offset(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    latin1_row = '{"prompt": "café", "label": "2"}\n'.encode("latin-1")
+    data = (json.dumps(GOOD) + "\n\n" + json.dumps(GOOD) + "\n").encode() + latin1_row
+    path.write_bytes(data)
+    with pytest.raises(DataFormatError) as info:
+        load_prompts(path)
+    offset = data.index(b"\xe9")  # the first byte that is not UTF-8, counted independently
+    assert str(info.value) == (f"{path}: row 2: line 4, byte offset {offset}: not valid UTF-8 (invalid continuation "
+                               f"byte: e9); re-encode the file as UTF-8")
+    assert info.value.row == 2
+
+
+def test_non_utf8_json_names_line_and_byte_offset(tmp_path):
+    path = tmp_path / "bad.json"
+    data = b'[{"prompt": "Q", "label": "1"},\n {"prompt": "\x80", "label": "2"}]'
+    path.write_bytes(data)
+    offset = data.index(b"\x80")
+    with pytest.raises(DataFormatError, match=rf"bad.json: line 2, byte offset {offset}: not valid UTF-8"):
+        load_prompts(path)
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(GOOD) + "\n").encode())
+    assert [r.ground_truth for r in load_prompts(path)] == ["2"]
+
+
+def test_file_that_is_not_parquet_names_the_file(tmp_path):
+    path = tmp_path / "fake.parquet"
+    path.write_text("prompt,label\nQ,1\n")
+    with pytest.raises(DataFormatError, match=rf"{path}: cannot be read as parquet"):
+        load_prompts(path)
+
+
+# ---- prompt length: characters before tokens -----------------------------------------------------
+class SpyTokenizer:
+    """The shipped character tokenizer, recording the length of every text it is asked to encode.
+
+    A text over MAX_TEXT fails the test at once instead of being tokenized: the 50 MB prompt would take
+    the character tokenizer past the machine's memory (the issue measured 19 GB with the Qwen2 one).
+    """
+
+    MAX_TEXT = 100_000
+
+    def __init__(self):
+        from megatron_dapo.data.synthetic import build_char_tokenizer
+
+        self.inner = build_char_tokenizer()
+        self.seen: list[int] = []
+        self.chat_template = None
+
+    def encode(self, text, **kwargs):
+        self.seen.append(len(text))
+        assert len(text) <= self.MAX_TEXT, f"the tokenizer was given {len(text)} characters"
+        return self.inner.encode(text, **kwargs)
+
+
+def test_a_50mb_prompt_is_skipped_without_being_tokenized(tmp_path, capsys):
+    from megatron_dapo.train import load_prompt_set
+
+    huge = "1" * (50 * 2**20)
+    path = tmp_path / "huge.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": c}], "reward_model": {"ground_truth": "2"}}
+            for c in ("1+1=", huge, "2+2=")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spy = SpyTokenizer()
+    prompts = load_prompt_set(str(path), spy, prompt_format="chat", max_prompt_length=2048)  # the trainer defaults
+    assert [p.index for p in prompts] == [0, 2]
+    assert prompts[0].prompt_ids == spy.inner.encode("1+1=", add_special_tokens=False)
+    assert spy.seen == [4, 4]  # the 50 MB row never reached the tokenizer
+    assert "skipped 0 prompts longer than 2048 tokens and 1 longer than 65536 characters" in capsys.readouterr().out
+
+
+def test_a_long_prompt_with_on_long_prompt_error_names_file_row_and_flag(tmp_path):
+    from megatron_dapo.train import load_prompt_set
+
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": c}], "reward_model": {"ground_truth": "2"}}
+            for c in ("1+1=", "1" * 200_000)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spy = SpyTokenizer()
+    with pytest.raises(UserError, match=rf"^--prompt-data {path}: row 1: field 'prompt': 200000 characters > "
+                                        r"--max-prompt-chars=65536 \(--on-long-prompt=error"):
+        load_prompt_set(str(path), spy, prompt_format="chat", max_prompt_length=2048, on_long_prompt="error",
+                        flag="--prompt-data")
+    assert spy.seen == [4]
+
+
+@pytest.mark.parametrize("on_long", ["skip", "error"])
+def test_length_limits_chars_then_tokens(on_long):
+    from megatron_dapo.data import PromptLengthLimit, encode_within_limits
+
+    records = [PromptRecord(messages=[{"role": "user", "content": c}], ground_truth="1", data_source="t", index=i)
+               for i, c in enumerate(["ab", "abcdefghij", "abcdef", "abc"])]
+    limit = PromptLengthLimit(max_tokens=4, max_chars=8, on_long=on_long)
+    encoded = []
+
+    def encode(record):
+        encoded.append(record.index)
+        return list(range(len(record.messages[0]["content"])))  # one token per character
+
+    if on_long == "error":
+        with pytest.raises(DataFormatError, match=r"data.jsonl: row 1: field 'prompt': 10 characters > "
+                                                  r"--max-prompt-chars=8"):
+            encode_within_limits(records, encode, limit, source="data.jsonl")
+        return
+    kept, report = encode_within_limits(records, encode, limit, source="data.jsonl")
+    assert [r.index for r, _ in kept] == [0, 3] and encoded == [0, 2, 3]  # row 1 is never encoded
+    assert (report.over_chars, report.over_tokens) == (1, 1)
+
+
+def test_length_limit_flags_are_validated():
+    from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
+
+    assert default_max_prompt_chars(2048) == 65536
+    with pytest.raises(ValueError, match="--max-prompt-chars must be an integer >= 1"):
+        PromptLengthLimit(max_tokens=16, max_chars=0)
+    with pytest.raises(ValueError, match="--on-long-prompt must be one of"):
+        PromptLengthLimit(max_tokens=16, max_chars=64, on_long="truncate")

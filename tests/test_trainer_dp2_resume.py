@@ -27,7 +27,7 @@ def torchrun_train(base, run, num_steps: int, *extra: str) -> None:
            f"--master_port={free_port()}", "-m", "megatron_dapo.train", "--hf-checkpoint", str(base / "model"),
            "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(num_steps), "--rollout-batch-size", "4",
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
-           "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
+           "--max-prompt-length", "16", "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
            "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "11", *extra]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)

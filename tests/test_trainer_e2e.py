@@ -38,7 +38,7 @@ def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
             "--max-response-length", "12", "--overlong-buffer-length", "10", "--lr", "1e-3",
             "--global-batch-size", "8", "--lr-warmup-steps", "4",  # a resume at step 2 continues mid-warm-up
             "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
-            "--save-interval", "2", "--no-progress", "--seed", "7", *extra]
+            "--save-interval", "2", "--no-progress", "--seed", "7", "--max-prompt-length", "16", *extra]
 
 
 def read_jsonl(path: Path) -> dict[int, dict]:

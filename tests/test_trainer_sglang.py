@@ -31,7 +31,8 @@ def test_training_steps_with_an_sglang_server_follow_the_actor(tiny_base, tmp_pa
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
            "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
-           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", "31200", "--weight-sync-mode", "tensor"]
+           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", "31200", "--weight-sync-mode", "tensor",
+           "--max-prompt-length", "16"]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]

@@ -15,6 +15,7 @@ A row with a missing or empty answer or prompt, or a value of the wrong type, ra
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from collections.abc import Iterator
@@ -30,20 +31,40 @@ SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
 def _read_parquet(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
-    import pyarrow.parquet as pq  # local: only parquet users pay for the import
+    import pyarrow as pa  # local: only parquet users pay for the import
+    import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
-    if limit is not None:
-        table = table.slice(0, limit)
-    yield from enumerate(table.to_pylist())
+    try:
+        table = pq.read_table(path)
+        if limit is not None:
+            table = table.slice(0, limit)
+        rows = table.to_pylist()
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:
+        raise DataFormatError(str(path), None, None, f"cannot be read as parquet ({err})") from err
+    yield from enumerate(rows)
+
+
+def _not_utf8(err: UnicodeDecodeError, line_no: int, byte_offset: int) -> str:
+    """Where undecodable bytes sit: the 1-based line and the offset of the first bad byte in the file."""
+    bad = err.object[err.start:err.end].hex(" ")
+    return (f"line {line_no}, byte offset {byte_offset}: not valid UTF-8 ({err.reason}: {bad}); "
+            f"re-encode the file as UTF-8")
 
 
 def _read_jsonl(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
-    row = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
+    """One JSON object per line, decoded line by line from bytes so an encoding error has a byte offset."""
+    row = offset = 0
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            line_start, offset = offset, offset + len(raw)
             if limit is not None and row >= limit:
                 return
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, line_start = raw[len(codecs.BOM_UTF8):], line_start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataFormatError(str(path), row, None, _not_utf8(err, line_no, line_start + err.start)) from None
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) are not rows
             try:
@@ -56,8 +77,15 @@ def _read_jsonl(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
+    data = path.read_bytes()
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        text = data[start:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        offset = start + err.start
+        raise DataFormatError(str(path), None, None, _not_utf8(err, data.count(b"\n", 0, offset) + 1, offset)) from None
+    try:
+        rows = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataFormatError(str(path), None, None, f"not valid JSON ({err})") from err
     if not isinstance(rows, list):
@@ -169,7 +197,7 @@ def load_prompts(
     file = Path(path)
     suffix = file.suffix.lower()
     if suffix not in SUFFIXES:
-        raise ValueError(f"load_prompts: {file} has suffix {suffix!r}; expected one of {', '.join(SUFFIXES)}")
+        raise DataFormatError(str(file), None, None, f"has suffix {suffix!r}; expected one of {', '.join(SUFFIXES)}")
     if not file.is_file():
         raise FileNotFoundError(f"load_prompts: no such dataset file: {file}")
     reader = {".parquet": _read_parquet, ".jsonl": _read_jsonl, ".json": _read_json}[suffix]

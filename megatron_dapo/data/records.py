@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_dapo.errors import UserError
 
-class DataFormatError(ValueError):
+
+class DataFormatError(UserError):
     """A dataset row is malformed; the message names the file, the row and the field."""
 
     def __init__(self, path: str, row: int | None, field_name: str | None, problem: str) -> None:

@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_dapo.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
@@ -38,14 +40,17 @@ class Qwen2Arch:
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"config.json: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("config.json: rms_norm_eps and rope_theta must be positive")
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+        context = self.max_position_embeddings
+        if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+            raise ValueError(f"max_position_embeddings must be a positive integer, got {context!r}")
 
     @property
     def q_size(self) -> int:
@@ -71,26 +76,35 @@ class Qwen2Arch:
 
     @classmethod
     def from_hf(cls, config: Any) -> Qwen2Arch:
-        """Build from an HF config: a dict, a `PretrainedConfig`, a config.json path or its directory."""
+        """Build from an HF config: a dict, a `PretrainedConfig`, a config.json path or its directory.
+
+        A file that is missing raises FileNotFoundError; one that is not a JSON object, or whose fields do
+        not describe a supported model, raises UserError (a ValueError) naming the file.
+        """
+        where = "config.json"
         if isinstance(config, (str, os.PathLike)):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"no HF config at {path}: pass the model directory with config.json")
-            with open(path) as f:
-                config = json.load(f)
+            where = os.fspath(config)
+            if os.path.isdir(where):
+                where = os.path.join(where, "config.json")
+            if not os.path.isfile(where):
+                raise FileNotFoundError(f"no HF config at {where}: pass the model directory with config.json")
+            config = read_config_json(where)
         elif not isinstance(config, dict):
             config = config.to_dict()
+        try:
+            return cls._from_dict(config)
+        except ValueError as err:
+            raise UserError(f"{where}: {err}") from err
+
+    @classmethod
+    def _from_dict(cls, config: dict[str, Any]) -> Qwen2Arch:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json: model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-            )
+            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in config]
         if missing:
-            raise ValueError(f"config.json is missing {missing}")
+            raise ValueError(f"missing {missing}")
         num_heads = config["num_attention_heads"]
         rope_theta = config.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
@@ -108,3 +122,19 @@ class Qwen2Arch:
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
+
+
+def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in `path`; UserError naming the file (and line/column or byte) when it is not one."""
+    try:
+        with open(path, "rb") as f:
+            config = json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{os.fspath(path)} is not UTF-8 text (byte offset {err.start}: {err.reason}); "
+                        f"it should be the model's HF config.json") from None
+    except json.JSONDecodeError as err:
+        raise UserError(f"{os.fspath(path)} is not valid JSON ({err.msg}: line {err.lineno} column {err.colno}); "
+                        f"it should be the model's HF config.json") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{os.fspath(path)} holds a JSON {type(config).__name__}, not the object of an HF config")
+    return config
