@@ -113,8 +113,9 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout.sglang_server import ServerConfig
 
     attach = bool(args.sglang_server_urls)
+    api_key = args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
     client = ClientConfig(
-        max_concurrency=args.sglang_max_concurrency,
+        max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         update_mode=args.weight_sync_mode or ("distributed" if attach else "tensor"),
         bucket_bytes=args.weight_sync_bucket_mb << 20,
         sync_backend="nccl" if torch.cuda.is_available() else "gloo",
@@ -130,7 +131,8 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                           host=args.sglang_host, extra_args=tuple(args.sglang_extra_args.split()),
                           device="cuda" if torch.cuda.is_available() else "cpu", python=python,
                           log_dir=str(Path(args.log_dir) / "sglang"),
-                          env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {})
+                          env={"CUDA_VISIBLE_DEVICES": args.sglang_gpus} if args.sglang_gpus else {},
+                          api_key=api_key, allow_no_api_key=args.sglang_allow_no_api_key)
     return make_engine("sglang", server, client=client)
 
 
