@@ -43,6 +43,7 @@ import itertools
 import json
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -172,6 +173,9 @@ class SGLangEngine(RolloutEngine):
         self._weights_lock = threading.Lock()  # one push at a time: an update, or a lost server's re-sync
         self._sync_group = None
         self._sync_generation = 0  # each (re)built broadcast group gets a new name and port
+        self._sync_members: list[int] = []
+        self._sync_name = ""
+        self._sync_dirty = False
         self._stale: set[int] = set()  # dead, restarting or re-syncing servers: they take no requests
         self._recovering: dict[int, asyncio.Future] = {}
         self._fatal: BaseException | None = None
@@ -413,6 +417,8 @@ class SGLangEngine(RolloutEngine):
         time; a second failure report joins the running one). Runs on the loop thread."""
         task = self._recovering.get(server)
         if task is None or task.done():
+            if server in self._sync_members:  # the broadcast group lost a member: rebuild it before using it
+                self._sync_dirty = True
             self._stale.add(server)
             self._recovering[server] = asyncio.ensure_future(self._recover(server))
 
@@ -439,13 +445,18 @@ class SGLangEngine(RolloutEngine):
         try:
             for _ in range(self.client.recovery_attempts):
                 try:
+                    t_back = time.monotonic()
                     if self.group is not None:
                         await asyncio.get_running_loop().run_in_executor(self._launcher, self.group.restart, server)
                         self._count("rollout/server_restarts")
                     else:
                         await self._wait_back(url)
                         self._count("rollout/server_returns")
+                    t_sync = time.monotonic()
                     await asyncio.to_thread(self._resync, server)
+                    print(f"[megatron-dapo] SGLang server {url} lost: {'restarted' if self.group else 'back'} "
+                          f"after {t_sync - t_back:.1f} s, re-synced to weight version {self._version} in "
+                          f"{time.monotonic() - t_sync:.1f} s", file=sys.stderr, flush=True)
                     break
                 except ServerDied as e:  # died again while re-syncing: start over
                     last = e
@@ -572,6 +583,8 @@ class SGLangEngine(RolloutEngine):
         lost mid-broadcast breaks the collective: the rest of the version is kept, the group torn down, and
         the survivors get the whole version again over a fresh group."""
         lost: set[int] = set()
+        if not targets:
+            return lost
         try:
             group_name = self._ensure_sync_group(targets)
         except ServerDied:
@@ -627,10 +640,11 @@ class SGLangEngine(RolloutEngine):
         """The broadcast group of exactly `targets` (rank 0 = this process, then each server's TP ranks)."""
         from megatron_dapo.rollout.sync_group import init_weight_sync_group
 
-        if self._sync_group is not None and self._sync_members == targets:
+        if self._sync_group is not None and self._sync_members == targets and not self._sync_dirty:
             return self._sync_name
         if self._sync_group is not None:
             self._drop_sync_group(self._sync_members)
+        self._sync_dirty = False
         self._sync_generation += 1
         name = f"megatron_dapo_weight_sync_{self._sync_generation}"
         port = self.client.sync_master_port + self._sync_generation - 1
