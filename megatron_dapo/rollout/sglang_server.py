@@ -5,7 +5,7 @@ otherwise; the interpreter can be another venv's (SGLang never has to be importa
 
 Security: SGLang's weight endpoints (/update_weights_from_tensor) unpickle what they are sent, so anyone who
 can reach a server can run code in it. Servers bind to loopback by default; a wider bind needs an API key
-(--sglang-api-key or SGLANG_API_KEY, passed as the server's --api-key and sent by the client as
+(--sglang-api-key or SGLANG_API_KEY, given to SGLang as its api_key argument and sent by the client as
 `Authorization: Bearer`), or an explicit --sglang-allow-no-api-key.
 
 Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
@@ -55,8 +55,9 @@ class ServerConfig:
     """Server logs go to log_dir/sglang_<i>.log (default: a temp dir)."""
     env: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
-    """Passed to each server (and the router) as --api-key; required when `host` is not loopback
-    (--sglang-api-key, default from the SGLANG_API_KEY environment variable)."""
+    """SGLang's api_key argument of each server (and the router); required when `host` is not loopback
+    (--sglang-api-key, default from the SGLANG_API_KEY environment variable). SGLang 0.5.23 takes it on its
+    command line only, so local users of the node can read it with ps: it guards the network, not the node."""
     allow_no_api_key: bool = False
     """Allow a non-loopback `host` without an API key (--sglang-allow-no-api-key): anyone who can reach the
     port can then push pickled tensors, i.e. run code, in the server."""
