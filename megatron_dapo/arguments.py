@@ -96,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attach to running SGLang servers instead of launching them (multi-node rollouts)")
     g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
     g.add_argument("--sglang-api-key", default=None,
-                   help="API key of the SGLang servers (default: $SGLANG_API_KEY): passed to launched servers as "
-                        "--api-key and sent on every call; required to launch on a non-loopback --sglang-host")
+                   help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
+                        "api_key) and sent on every call; required to launch on a non-loopback --sglang-host")
     g.add_argument("--sglang-allow-no-api-key", action="store_true",
                    help="launch on a non-loopback --sglang-host without an API key (anyone reaching the port can "
                         "run code in the server through its pickle-based weight endpoints)")
