@@ -177,6 +177,7 @@ def test_launch_restart_and_resync(tmp_path):
         groups = engine.generate(_reqs(3, n=2))
         assert len(groups) == 3 and all(s.finish_reason == "length" for g in groups for s in g)
         metrics = engine.take_metrics()
+        assert metrics["rollout/servers_lost"] == 1
         assert metrics["rollout/server_restarts"] == 1 and metrics["sync/servers_recovered"] == 1
         assert metrics["rollout/retried_requests"] >= 1
         stats = httpx.get(f"{cfg.server_url(0)}/stats").json()
@@ -305,6 +306,7 @@ def test_attached_server_lost_during_update_catches_up(fakes, mode, tmp_path):
     port0 = fakes[0][0].server_address[1]
     engine.update_weights(_killing(iter(named), 2, fakes[0]), version=5)
     assert engine.weight_version == 5
+    assert engine.take_metrics()["rollout/servers_lost"] == 1  # counted in the step that lost it
     for name, t in named:
         torch.testing.assert_close(torch.tensor(fakes[1][1].weights[name]), t)
     groups = engine.generate(_reqs(4, n=2))  # served by server 1 alone meanwhile

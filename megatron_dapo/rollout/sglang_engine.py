@@ -16,7 +16,7 @@ What survives what (tests/test_rollout_sglang_recovery.py kills real servers by 
 - A server that dies during a weight update: the update completes on the others, the whole new version is
   kept (see below), and the lost server catches up from it once it is back, before it takes new work.
 - The trainer killed with SIGKILL: launched servers die with it (PR_SET_PDEATHSIG, sglang_server.py).
-Nothing is lost and the step goes on; take_metrics() counts it (rollout/server_restarts,
+Nothing is lost and the step goes on; take_metrics() counts it (rollout/servers_lost, rollout/server_restarts,
 rollout/retried_requests, sync/servers_recovered, rollout/recovery_s).
 
 The last pushed weights: "tensor" and "distributed" keep a host copy of every bucket of the last update (one
@@ -420,6 +420,7 @@ class SGLangEngine(RolloutEngine):
             if server in self._sync_members:  # the broadcast group lost a member: rebuild it before using it
                 self._sync_dirty = True
             self._stale.add(server)
+            self._count("rollout/servers_lost")
             self._recovering[server] = asyncio.ensure_future(self._recover(server))
 
     async def _find_dead(self) -> list[int]:
@@ -525,9 +526,13 @@ class SGLangEngine(RolloutEngine):
                 for _ in kept:  # every server was lost mid-way: still take (and keep) the whole version
                     pass
             self._version = version
-        for i in lost:
-            self._loop.call_soon_threadsafe(self._start_recovery, i)
+        if lost:
+            self._call(self._start_recoveries(lost), self.client.control_timeout_s)
         self._raise_fatal()
+
+    async def _start_recoveries(self, servers: Iterable[int]) -> None:
+        for i in sorted(servers):
+            self._start_recovery(i)
 
     def _keeping(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         """Yields `buckets`, keeping a host copy of each as the new `_kept` (old bucket k dropped as the new
@@ -723,10 +728,11 @@ class SGLangEngine(RolloutEngine):
         self._call(go(), self.client.control_timeout_s)
 
 
-METRIC_KEYS = ("rollout/server_restarts", "rollout/server_returns", "rollout/retried_requests",
-               "sync/servers_recovered", "rollout/recovery_s")
-"""What take_metrics() reports, summed since its last call: launched servers restarted, attached servers
-waited for, samples sent again after a server failure, servers re-synced and put back, seconds spent on that."""
+METRIC_KEYS = ("rollout/servers_lost", "rollout/server_restarts", "rollout/server_returns",
+               "rollout/retried_requests", "sync/servers_recovered", "rollout/recovery_s")
+"""What take_metrics() reports, summed since its last call: servers found dead (while generating, in a control
+call or a weight update), launched servers restarted, attached servers waited for, samples sent again after a
+server failure, servers re-synced and put back in rotation, seconds from a loss to its server's return."""
 
 
 def _check_success(reply: Any, what: str) -> None:
