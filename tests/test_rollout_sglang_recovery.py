@@ -85,10 +85,19 @@ def _process_group(pgid: int) -> list[int]:
     return out
 
 
-def _complete(groups, n, max_new) -> bool:
-    return all(len(g) == n for g in groups) and all(
-        (s.finish_reason, len(s.response_ids)) == ("length", max_new)
-        or (s.finish_reason == "stop" and s.response_ids[-1] == 1) for g in groups for s in g)
+def _mixed_reqs(tag, seed):
+    """One 2-token request, then six of 300 tokens: when the short one comes back, the long ones are mid-way."""
+    return _reqs(1, n=2, max_new=2, tag=f"{tag}s", seed=seed) + _reqs(6, n=2, max_new=300, tag=tag, seed=seed)
+
+
+def _complete(groups, reqs) -> bool:
+    """Every request came back once, with all n samples run to their length or to eos (id 1)."""
+    by_id = {g[0].request_id: g for g in groups}
+    if sorted(by_id) != sorted(r.request_id for r in reqs) or len(groups) != len(reqs):
+        return False
+    return all(len(by_id[r.request_id]) == r.n and all(
+        (s.finish_reason, len(s.response_ids)) == ("length", r.sampling.max_new_tokens)
+        or (s.finish_reason == "stop" and s.response_ids[-1] == 1) for s in by_id[r.request_id]) for r in reqs)
 
 
 def _kill_and_check(engine, old_pids, metrics):
@@ -106,14 +115,14 @@ def test_server_killed_while_generating(served):
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
     assert len(old_pids) >= 2  # the server and its scheduler
-    reqs = _reqs(8, n=2, max_new=48, tag="g", seed=3)
+    reqs = _mixed_reqs("g", seed=3)
     groups = []
     for group in engine.stream(reqs):
         groups.append(group)
         if len(groups) == 1:
             os.kill(victim, signal.SIGKILL)
-    assert sorted(g[0].request_id for g in groups) == sorted(r.request_id for r in reqs)
-    assert _complete(groups, 2, 48)
+    assert _complete(groups, reqs)
+    assert groups[0][0].request_id == "gs0"  # the kill came while the long ones were generating
     samples = [s for g in groups for s in g]
     assert {s.weight_version for s in samples} == {1}
     assert _max_logprob_error(current, samples) < 1e-4  # the redone samples come from the re-synced server
@@ -138,9 +147,10 @@ def test_server_killed_during_weight_update(served):
 
     engine.update_weights(killing(), version=2)
     assert engine.weight_version == 2
-    groups = engine.generate(_reqs(4, n=2, max_new=16, tag="u", seed=4))  # waits for the restart + re-sync
+    reqs = _reqs(4, n=2, max_new=16, tag="u", seed=4)
+    groups = engine.generate(reqs)  # waits for the restart + re-sync
     samples = [s for g in groups for s in g]
-    assert _complete(groups, 2, 16) and {s.weight_version for s in samples} == {2}
+    assert _complete(groups, reqs) and {s.weight_version for s in samples} == {2}
     assert _max_logprob_error(current, samples) < 1e-4
     _kill_and_check(engine, old_pids, engine.take_metrics())
 
@@ -155,15 +165,18 @@ def test_distributed_mode_server_killed_while_generating(served):
     engine.take_metrics()
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
+    reqs = _mixed_reqs("d", seed=5)
     groups = []
-    for group in engine.stream(_reqs(6, n=2, max_new=48, tag="d", seed=5)):
+    for group in engine.stream(reqs):
         groups.append(group)
         if len(groups) == 1:
             os.kill(victim, signal.SIGKILL)
     samples = [s for g in groups for s in g]
-    assert len(groups) == 6 and _complete(groups, 2, 48)
+    assert _complete(groups, reqs)
     assert _max_logprob_error(current, samples) < 1e-4
-    _kill_and_check(engine, old_pids, engine.take_metrics())
+    metrics = engine.take_metrics()
+    assert metrics["rollout/retried_requests"] >= 1
+    _kill_and_check(engine, old_pids, metrics)
     newer = _model(4)
     engine.update_weights(newer.named_parameters(), version=4)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=16, tag="e", seed=6)) for s in g]
