@@ -1,20 +1,42 @@
 #!/usr/bin/env bash
 # Start SGLang servers on a rollout node for runs that attach with --sglang-server-urls.
 # usage: examples/launch_sglang_servers.sh HF_CKPT [NUM_SERVERS] [TP] [BASE_PORT] [HOST]
-# Prints the URLs to pass as SGLANG_URLS. Servers log to runs/sglang-<port>.log; stop them with
-# `kill $(cat runs/sglang-*.pid)` (their process groups end with them).
+# HOST defaults to 127.0.0.1. SGLang's weight endpoints unpickle what they receive, so a wider bind (e.g. 0.0.0.0
+# for a trainer on another node) needs SGLANG_API_KEY in the environment: it is passed as --api-key, and the
+# trainer sends it with --sglang-api-key (or the same SGLANG_API_KEY). SGLANG_ALLOW_NO_API_KEY=1 overrides the
+# refusal on a trusted network. Prints the URLs to pass as SGLANG_URLS. Servers log to
+# ${SGLANG_RUN_DIR:-runs}/sglang-<port>.log; stop them with `kill $(cat runs/sglang-*.pid)` (their process
+# groups end with them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HF_CKPT=${1:?HF checkpoint directory}
 NUM=${2:-2}
 TP=${3:-4}
 BASE_PORT=${4:-30000}
-HOST=${5:-0.0.0.0}
-mkdir -p runs
+HOST=${5:-127.0.0.1}
+RUN_DIR=${SGLANG_RUN_DIR:-runs}
+KEY_ARGS=()
+case "$HOST" in
+    127.* | localhost | ::1) ;;
+    *)
+        if [[ -n "${SGLANG_API_KEY:-}" ]]; then
+            :
+        elif [[ "${SGLANG_ALLOW_NO_API_KEY:-0}" == 1 ]]; then
+            echo "warning: SGLang servers on $HOST without an API key (SGLANG_ALLOW_NO_API_KEY=1)" >&2
+        else
+            echo "refusing to bind SGLang servers to $HOST without an API key: set SGLANG_API_KEY (and pass" \
+                "the same key to the trainer), bind 127.0.0.1, or set SGLANG_ALLOW_NO_API_KEY=1" >&2
+            exit 2
+        fi
+        ;;
+esac
+[[ -n "${SGLANG_API_KEY:-}" ]] && KEY_ARGS=(--api-key "$SGLANG_API_KEY")
+mkdir -p "$RUN_DIR"
 for ((i = 0; i < NUM; i++)); do
     port=$((BASE_PORT + i))
     setsid python -m sglang.launch_server --model-path "$HF_CKPT" --host "$HOST" --port "$port" \
-        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init >"runs/sglang-$port.log" 2>&1 &
-    echo $! >"runs/sglang-$port.pid"
+        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init "${KEY_ARGS[@]}" \
+        >"$RUN_DIR/sglang-$port.log" 2>&1 &
+    echo $! >"$RUN_DIR/sglang-$port.pid"
     echo "http://$(hostname):$port"
 done

@@ -6,7 +6,8 @@
 #
 # Layout: the actor on ACTOR_NODES nodes (TP 8 x PP 2, DP = 8 x ACTOR_NODES / 16), SGLang servers already
 # running on the rollout nodes (started with examples/launch_sglang_servers.sh), weights broadcast to them
-# over NCCL after every step. Run this script on every actor node with NODE_RANK set.
+# over NCCL after every step. Run this script on every actor node with NODE_RANK set. Servers bound beyond
+# loopback need an API key: export the same SGLANG_API_KEY here and for launch_sglang_servers.sh.
 #
 # usage: NODE_RANK=<i> MASTER_ADDR=<node 0> SGLANG_URLS="http://r0:30000 http://r0:30001 ..." \
 #        examples/run_qwen2.5_32b_multinode.sh [HF_CKPT] [RUN_DIR]

@@ -149,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-server-urls", nargs="+", default=None,
                    help="attach to running SGLang servers instead of launching them (multi-node rollouts)")
     g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
+    g.add_argument("--sglang-api-key", default=None,
+                   help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
+                        "api_key) and sent on every call; required to launch on a non-loopback --sglang-host")
+    g.add_argument("--sglang-allow-no-api-key", action="store_true",
+                   help="launch on a non-loopback --sglang-host without an API key (anyone reaching the port can "
+                        "run code in the server through its pickle-based weight endpoints)")
+    g.add_argument("--sglang-server-wait-s", type=float, default=600.0,
+                   help="attach mode: how long a server that stopped answering may take to come back before the "
+                        "run stops with an error naming it")
     g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
                    help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
                         "separate GPUs (NCCL group with the servers); disk: safetensors + "

@@ -172,8 +172,9 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                                                                      colocate=args.sglang_colocate)
     trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
                    if cuda else None)
+    api_key = args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
     client = ClientConfig(
-        max_concurrency=args.sglang_max_concurrency,
+        max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
                                                   colocate=args.sglang_colocate, trainer_gpu=trainer_gpu,
                                                   server_gpus=None if attach else args.sglang_gpus),
@@ -186,7 +187,9 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
 
         check_shm_space(client.bucket_bytes)  # before minutes of server start-up
     if attach:
-        for line in server_setup.attached_determinism_warnings(args.sglang_server_urls, seeded=seeded):
+        for line in server_setup.attached_determinism_warnings(
+                args.sglang_server_urls, seeded=seeded,
+                headers={"Authorization": f"Bearer {api_key}"} if api_key else None):
             print(line)
         return make_engine("sglang", client=client, server_urls=args.sglang_server_urls)
     python = args.sglang_python or sys.executable
@@ -202,7 +205,8 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                           tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port,
                           host=args.sglang_host, extra_args=extra_args + deterministic,
                           device="cuda" if cuda else "cpu", python=python,
-                          log_dir=str(Path(args.log_dir) / "sglang"), env=server_env)
+                          log_dir=str(Path(args.log_dir) / "sglang"), env=server_env,
+                          api_key=api_key, allow_no_api_key=args.sglang_allow_no_api_key)
     return make_engine("sglang", server, client=client)
 
 

@@ -178,12 +178,14 @@ class Trainer:
         """Push the updated policy to the engine as full HF tensors (collective over all ranks)."""
         t0 = time.perf_counter()
         named = iter_hf_weights(self.actor.model, self.actor.arch)
+        metrics: dict[str, float] = {}
         if self.engine is not None:
             self.engine.update_weights(named, version=version)
+            metrics = self.engine.take_metrics()  # this step's server recoveries (rollout and sync)
         else:
             for _ in named:  # stay in step with the collective
                 pass
-        return {"time/sync_s": time.perf_counter() - t0}
+        return metrics | {"time/sync_s": time.perf_counter() - t0}
 
     def evaluate(self) -> dict[str, float]:
         if not self._is_rank0 or not self.eval_prompts:

@@ -1,9 +1,14 @@
 """SGLangEngine client against fake SGLang servers on 127.0.0.1 (tests/sglang/fake_server.py):
-request building, response parsing, bucketing, retries on a dead server, abort, weight updates, restart."""
+request building, response parsing, bucketing, retries on a dead server, abort, weight updates, restart,
+attached servers that die and come back, API keys, and launched servers dying with the trainer."""
 
+import json
 import os
 import stat
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -15,7 +20,7 @@ from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_protocol import generate_payload, parse_generate_response, sample_rid
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
-from tests.sglang.fake_server import fake_logprob, fake_token, serve
+from tests.sglang.fake_server import fake_logprob, fake_token, kill, serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,8 +122,8 @@ def test_abort_mid_stream_returns_all_groups():
     # A sample may still finish in the instant before its abort lands; nothing else may happen to it.
     assert all(s.finish_reason == "abort" or len(s.response_ids) == 30 for s in late)
     assert sum(s.finish_reason == "abort" for s in late) >= 8
-    assert set(state.aborted) <= {sample_rid(i, k) for i in aborted for k in range(2)}
-    assert state.aborted  # in-flight ones got /abort_request by rid
+    # Everything in flight was aborted: one abort-all call, not one per rid.
+    assert state.calls["/abort_request"] == 1 and not state.aborted
     engine.shutdown()
     server.shutdown()
     server.server_close()
@@ -159,9 +164,7 @@ def test_pause_resume_reach_every_server(fakes):
 def test_launch_restart_and_resync(tmp_path):
     """A launched server that dies is restarted, re-synced from the last disk weights, and its
     requests are retried: every group comes back complete."""
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {REPO}/tests/sglang/fake_server.py "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    wrapper = _fake_python(tmp_path)
     cfg = ServerConfig(model_path=str(tmp_path), num_servers=1, base_port=_free_port(), device="cpu",
                        python=str(wrapper), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
                        env={"FAKE_SGLANG_LIFETIME": "60"})
@@ -173,12 +176,23 @@ def test_launch_restart_and_resync(tmp_path):
         engine.group.servers[0].proc.wait()
         groups = engine.generate(_reqs(3, n=2))
         assert len(groups) == 3 and all(s.finish_reason == "length" for g in groups for s in g)
-        assert engine.restarts == 1
+        metrics = engine.take_metrics()
+        assert metrics["rollout/servers_lost"] == 1
+        assert metrics["rollout/server_restarts"] == 1 and metrics["sync/servers_recovered"] == 1
+        assert metrics["rollout/retried_requests"] >= 1
         stats = httpx.get(f"{cfg.server_url(0)}/stats").json()
         assert stats["version"] == "2" and stats["weights"]["w"] == [1.0, 1.0, 1.0]
     finally:
         engine.shutdown()
     assert not engine.group.servers[0].alive()
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An interpreter stand-in that runs the fake server with sglang.launch_server's arguments."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {REPO}/tests/sglang/fake_server.py "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    return wrapper
 
 
 def _free_port() -> int:
@@ -201,3 +215,247 @@ def test_config_validation():
     cmd = ServerConfig(model_path="m", device="cpu", base_port=31000).server_command(0)
     assert cmd[1:3] == ["-m", "sglang.launch_server"] and "127.0.0.1" in cmd and "31000" in cmd
     assert os.path.basename(cmd[0]).startswith("python")
+
+
+# ---- servers that die: attach mode (fake servers die and come back) ----------------------------------------
+
+
+def _weights(count=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(f"model.layers.{i}.w", torch.randn(4, 4, generator=g)) for i in range(count)]
+
+
+def _killing(named, after, victim):
+    """Yields `named`, killing the fake server `victim` (server, state) after `after` tensors."""
+    for k, item in enumerate(named):
+        if k == after:
+            kill(*victim)
+        yield item
+
+
+def _poll(predicate, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_abort_of_some_requests_goes_by_rid():
+    server, state = serve(token_delay_s=0.01)
+    engine = SGLangEngine(server_urls=[_url(server)], client=ClientConfig(max_concurrency=8))
+    seen = {}
+    for group in engine.stream(_reqs(4, n=2, max_new=40)):
+        seen[group[0].request_id] = group
+        if len(seen) == 1:
+            time.sleep(0.05)
+            stopped = engine.abort(["p3"])
+    assert len(seen) == 4 and stopped in ([], ["p3"])
+    assert set(state.aborted) <= {sample_rid("p3", k) for k in range(2)}
+    assert all(s.finish_reason == "length" for rid, g in seen.items() if rid != "p3" for s in g)
+    engine.shutdown()
+    server.shutdown()
+    server.server_close()
+
+
+def test_attached_server_dies_while_generating_and_comes_back():
+    """The only server dies with requests in flight and comes back 1 s later with its initial weights: the
+    engine waits, re-syncs it to the current version, and redoes the lost samples."""
+    server, state = serve(token_delay_s=0.01)
+    port = server.server_address[1]
+    engine = SGLangEngine(server_urls=[_url(server)], client=ClientConfig(max_concurrency=8, bucket_bytes=64,
+                                                                           server_wait_s=30))
+    named = _weights()
+    engine.update_weights(iter(named), version=3)
+    engine.take_metrics()
+    revived = []
+
+    def die_and_return():
+        kill(server, state)
+        time.sleep(1.0)
+        revived.append(serve(port=port))
+
+    groups = []
+    for group in engine.stream(_reqs(6, n=2, max_new=20)):
+        groups.append(group)
+        if len(groups) == 1:
+            threading.Thread(target=die_and_return).start()
+    assert sorted(g[0].request_id for g in groups) == [f"p{i}" for i in range(6)]
+    assert all(s.finish_reason == "length" and len(s.response_ids) == 20 for g in groups for s in g)
+    assert {s.weight_version for g in groups for s in g} == {3}
+    new_state = revived[0][1]
+    assert new_state.version == "3" and new_state.calls["/update_weights_from_tensor"] == 4  # one per bucket
+    for name, t in named:
+        torch.testing.assert_close(torch.tensor(new_state.weights[name]), t)
+    metrics = engine.take_metrics()
+    assert (metrics["rollout/server_returns"], metrics["sync/servers_recovered"]) == (1, 1)
+    assert metrics["rollout/retried_requests"] >= 1 and metrics["rollout/recovery_s"] >= 1.0
+    engine.shutdown()
+    kill(*revived[0])
+
+
+@pytest.mark.parametrize("mode", ["tensor", "disk"])
+def test_attached_server_lost_during_update_catches_up(fakes, mode, tmp_path):
+    """Server 0 dies in the middle of an update: the update completes on server 1, and server 0, once back,
+    gets the whole new version before it takes requests."""
+    urls = [_url(s) for s, _ in fakes]
+    engine = SGLangEngine(server_urls=urls, client=ClientConfig(update_mode=mode, bucket_bytes=64,
+                                                                disk_dir=str(tmp_path), server_wait_s=30))
+    named = _weights(6, seed=1)
+    port0 = fakes[0][0].server_address[1]
+    engine.update_weights(_killing(iter(named), 2, fakes[0]), version=5)
+    assert engine.weight_version == 5
+    assert engine.take_metrics()["rollout/servers_lost"] == 1  # counted in the step that lost it
+    for name, t in named:
+        torch.testing.assert_close(torch.tensor(fakes[1][1].weights[name]), t)
+    groups = engine.generate(_reqs(4, n=2))  # served by server 1 alone meanwhile
+    assert all(s.weight_version == 5 and s.finish_reason == "length" for g in groups for s in g)
+    back, back_state = serve(port=port0)
+    try:
+        recovered = []
+        assert _poll(lambda: recovered.append(engine.take_metrics()["sync/servers_recovered"]) or sum(recovered))
+        assert back_state.version == "5"
+        for name, t in named:
+            torch.testing.assert_close(torch.tensor(back_state.weights[name]), t)
+        before = len(back_state.rids)
+        engine.generate(_reqs(8, n=2))
+        assert len(back_state.rids) > before  # back in rotation
+    finally:
+        engine.shutdown()
+        kill(back, back_state)
+
+
+def test_attached_server_that_never_returns_stops_the_run_naming_it():
+    server, state = serve()
+    url = _url(server)
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(server_wait_s=1.5))
+    kill(server, state)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{url}.*--sglang-server-wait-s"):
+        engine.generate(_reqs(2, n=1))
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match="could not be recovered"):
+        engine.update_weights(iter(_weights()), version=1)
+    engine.shutdown()
+
+
+# ---- security: API keys and loopback binds ----------------------------------------------------------------
+
+
+def test_client_sends_the_api_key_on_every_call():
+    server, state = serve(api_key="s3cret", token_delay_s=0.005)
+    url = _url(server)
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(api_key="s3cret", bucket_bytes=64,
+                                                              max_concurrency=2))
+    assert engine.health()
+    engine.update_weights(iter(_weights()), version=1)
+    for k, _ in enumerate(engine.stream(_reqs(4, n=2, max_new=20))):
+        if k == 0:
+            engine.abort()
+    engine.pause()
+    engine.resume()
+    calls = state.calls
+    assert calls["/update_weights_from_tensor"] == 4 and calls["/generate"] >= 1 and calls["/abort_request"] == 1
+    assert calls["/pause_generation"] == calls["/continue_generation"] == 1
+    assert state.authorizations and set(state.authorizations) == {"Bearer s3cret"}
+    engine.shutdown()
+    keyless = SGLangEngine(server_urls=[url])
+    with pytest.raises(RuntimeError, match="--sglang-api-key"):
+        keyless.generate(_reqs(1, n=1))
+    keyless.shutdown()
+    kill(server, state)
+
+
+def test_launch_refuses_a_wide_bind_without_an_api_key():
+    with pytest.raises(ValueError, match=r"0\.0\.0\.0.*--sglang-api-key.*--sglang-allow-no-api-key"):
+        ServerConfig(model_path="m", host="0.0.0.0")
+    with pytest.raises(ValueError, match="--sglang-api-key"):
+        ServerConfig(model_path="m", host="10.1.2.3", num_servers=2)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert "--api-key" not in ServerConfig(model_path="m", host=host).server_command(0)
+    assert "--api-key" not in ServerConfig(model_path="m", host="0.0.0.0", allow_no_api_key=True).server_command(0)
+    cfg = ServerConfig(model_path="m", host="0.0.0.0", api_key="k", num_servers=2)
+    for cmd in (cfg.server_command(1), cfg.router_command()):
+        assert cmd[cmd.index("--api-key") + 1] == "k"
+    assert ServerConfig(model_path="m").host == "127.0.0.1"
+
+
+FAKE_PYTHON = """#!/usr/bin/env python3
+import json, sys
+with open({out!r}, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("host,env,ok", [
+    ("", {}, True),                                        # default: loopback, no key needed
+    ("0.0.0.0", {}, False),                                # wide bind, no key: refused
+    ("0.0.0.0", {"SGLANG_API_KEY": "k1"}, True),
+    ("0.0.0.0", {"SGLANG_ALLOW_NO_API_KEY": "1"}, True),
+], ids=["loopback", "wide-refused", "wide-key", "wide-allowed"])
+def test_launch_script_binds_loopback_and_needs_a_key_when_wide(tmp_path, host, env, ok):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    out = tmp_path / "argv.jsonl"
+    fake = bin_dir / "python"
+    fake.write_text(FAKE_PYTHON.format(out=str(out)))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    run_env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_API_KEY", "SGLANG_ALLOW_NO_API_KEY")}
+    run_env.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SGLANG_RUN_DIR=str(tmp_path / "runs"))
+    args = ["bash", "examples/launch_sglang_servers.sh", "/models/fake", "2", "1", "31000"] + ([host] if host else [])
+    res = subprocess.run(args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=60)
+    if not ok:
+        assert res.returncode != 0 and "SGLANG_API_KEY" in res.stderr and not out.exists()
+        return
+    assert res.returncode == 0, res.stderr
+    assert _poll(lambda: out.exists() and len(out.read_text().splitlines()) == 2, 10)
+    for line in out.read_text().splitlines():
+        argv = json.loads(line)
+        assert argv[argv.index("--host") + 1] == (host or "127.0.0.1")
+        if "SGLANG_API_KEY" in env:
+            assert argv[argv.index("--api-key") + 1] == env["SGLANG_API_KEY"]
+        else:
+            assert "--api-key" not in argv
+
+
+# ---- launched servers die with the trainer ----------------------------------------------------------------
+
+TRAINER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang_server import ServerConfig
+cfg = ServerConfig(model_path={model!r}, num_servers=2, router=False, base_port={port}, device="cpu",
+                   python={python!r}, startup_timeout_s=30, log_dir={logs!r}, env={{"FAKE_SGLANG_LIFETIME": "60"}})
+engine = SGLangEngine(cfg)
+engine.group.servers[1].proc.kill()
+engine.group.servers[1].proc.wait()
+engine._call(engine._recover(1))  # restarts server 1 from the engine's launcher thread
+print(*(s.pid for s in engine.group.servers), flush=True)
+time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_launched_servers_die_when_the_trainer_is_sigkilled(tmp_path):
+    """Both the servers started at launch (main thread) and one restarted later (launcher thread) die with a
+    SIGKILLed trainer (PR_SET_PDEATHSIG): checked by pid."""
+    wrapper = _fake_python(tmp_path)
+    script = TRAINER.format(repo=str(REPO), model=str(tmp_path), port=_free_port(), python=str(wrapper),
+                            logs=str(tmp_path / "logs"))
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in trainer.stdout.readline().split()]
+        assert len(pids) == 2 and all(_running(p) for p in pids)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _poll(lambda: not any(_running(p) for p in pids), 10), [p for p in pids if _running(p)]

@@ -68,6 +68,11 @@ class RolloutEngine(abc.ABC):
     def shutdown(self) -> None:
         """Releases the model / stops the servers. Idempotent."""
 
+    def take_metrics(self) -> dict[str, float]:
+        """Counters since the last call (e.g. servers restarted, requests retried), for the step's metrics.
+        Engines with nothing to count return {}."""
+        return {}
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

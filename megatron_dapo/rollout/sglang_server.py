@@ -2,10 +2,21 @@
 
 Each server is `python -m sglang.launch_server` in its own process group, bound to 127.0.0.1 unless told
 otherwise; the interpreter can be another venv's (SGLang never has to be importable in the trainer).
+
+Security: SGLang's weight endpoints (/update_weights_from_tensor) unpickle what they are sent, so anyone who
+can reach a server can run code in it. Servers bind to loopback by default; a wider bind needs an API key
+(--sglang-api-key or SGLANG_API_KEY, given to SGLang as its api_key argument and sent by the client as
+`Authorization: Bearer`), or an explicit --sglang-allow-no-api-key.
+
+Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
+servers with it (SGLang's own scheduler / detokenizer children die with their server the same way).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ipaddress
 import os
 import signal
 import subprocess
@@ -43,6 +54,13 @@ class ServerConfig:
     log_dir: str | None = None
     """Server logs go to log_dir/sglang_<i>.log (default: a temp dir)."""
     env: dict[str, str] = field(default_factory=dict)
+    api_key: str | None = None
+    """SGLang's api_key argument of each server (and the router); required when `host` is not loopback
+    (--sglang-api-key, default from the SGLANG_API_KEY environment variable). SGLang 0.5.23 takes it on its
+    command line only, so local users of the node can read it with ps: it guards the network, not the node."""
+    allow_no_api_key: bool = False
+    """Allow a non-loopback `host` without an API key (--sglang-allow-no-api-key): anyone who can reach the
+    port can then push pickled tensors, i.e. run code, in the server."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
@@ -58,6 +76,14 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.startup_timeout_s <= 0:
             raise ValueError("ServerConfig.startup_timeout_s must be > 0")
+        if self.api_key == "":
+            raise ValueError("ServerConfig.api_key is empty: give a real key (--sglang-api-key / SGLANG_API_KEY) "
+                             "or none")
+        if not is_loopback(self.host) and self.api_key is None and not self.allow_no_api_key:
+            raise ValueError(
+                f"refusing to launch SGLang servers bound to {self.host!r} without an API key: their weight "
+                f"endpoints unpickle what they receive. Set --sglang-api-key (or SGLANG_API_KEY), bind "
+                f"--sglang-host 127.0.0.1, or pass --sglang-allow-no-api-key on a trusted network")
         if self.router is None:
             self.router = self.num_servers > 1
         self.extra_args = tuple(self.extra_args)
@@ -82,28 +108,59 @@ class ServerConfig:
                     "--max-total-tokens", "65536", "--mem-fraction-static", "0.1"]
         else:
             cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
+        if self.api_key is not None:
+            cmd += ["--api-key", self.api_key]
         return cmd + list(self.extra_args)
 
     def router_command(self) -> list[str]:
         urls = [self.server_url(i) for i in range(self.num_servers)]
         return [self.python, "-m", "sglang_router.launch_router", "--host", self.host,
                 "--port", str(self.base_port + self.num_servers), "--policy", "round_robin",
-                "--worker-urls", *urls]
+                *(["--api-key", self.api_key] if self.api_key is not None else []), "--worker-urls", *urls]
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8 / ::1 (a bind only this machine can reach)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(prctl, parent_pid: int) -> None:
+    """preexec_fn of every launched process: SIGKILL it when the launching thread's process dies.
+
+    The kernel sends the signal when the *thread* that forked exits, so launches happen on threads that live
+    as long as the engine (the main thread, or the engine's launcher thread). `prctl` is resolved before the
+    fork: nothing here loads a library in the child of a threaded parent."""
+    if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(113)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(114)
 
 
 class ServerProcess:
     """One child process (server or router) with its log file; started in a new session so that
     `stop` ends its whole process tree (SGLang forks scheduler / detokenizer children)."""
 
-    def __init__(self, name: str, command: list[str], url: str, log_path: Path, env: dict[str, str]):
+    def __init__(self, name: str, command: list[str], url: str, log_path: Path, env: dict[str, str],
+                 api_key: str | None = None):
         self.name, self.command, self.url, self.log_path, self.env = name, command, url, log_path, env
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+                                     env={**os.environ, **self.env}, start_new_session=True,
+                                     preexec_fn=lambda: _die_with_parent(prctl, parent))
         log.close()
 
     def alive(self) -> bool:
@@ -113,7 +170,7 @@ class ServerProcess:
         if not self.alive():
             return False
         try:
-            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+            return httpx.get(f"{self.url}/health", headers=self.headers, timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -130,21 +187,33 @@ class ServerProcess:
             f"log:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """Ends the process group (the leader started its own session: pgid == pid), also when the leader is
+        already dead and some of its children are not."""
+        if self.proc is None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            _killpg(pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        _killpg(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
             self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(grace_s)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return "(no log)"
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
+        os.killpg(pgid, sig)
 
 
 class ServerGroup:
@@ -154,18 +223,19 @@ class ServerGroup:
         import tempfile
 
         self.config = config
+        self.stopped = False
         log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="sglang_logs_"))
         env = {**config.env}
         if config.device == "cpu":
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
         self.servers = [
             ServerProcess(f"sglang server {i}", config.server_command(i), config.server_url(i),
-                          log_dir / f"sglang_{i}.log", env)
+                          log_dir / f"sglang_{i}.log", env, config.api_key)
             for i in range(config.num_servers)
         ]
         self.router = (
             ServerProcess("sglang router", config.router_command(), config.router_url,
-                          log_dir / "router.log", env)
+                          log_dir / "router.log", env, config.api_key)
             if config.router else None
         )
 
@@ -183,11 +253,16 @@ class ServerGroup:
             raise
 
     def restart(self, i: int) -> None:
+        """Stops what is left of server i and starts it again; returns once /health answers 200.
+        Call it from a thread that outlives the server (see _die_with_parent)."""
         server = self.servers[i]
         server.stop()
+        if self.stopped:
+            raise RuntimeError(f"{server.name}: not restarted, the server group was stopped")
         server.start()
         server.wait_healthy(self.config.startup_timeout_s)
 
     def stop(self) -> None:
+        self.stopped = True
         for proc in ([self.router] if self.router else []) + self.servers:
             proc.stop()

@@ -3,7 +3,9 @@
 It follows SGLang 0.5.23's wire format (see shared/notes/sglang-on-cpu.md) with a deterministic "model":
 response token k of a prompt is fake_token(prompt, seed, k), its log-prob fake_logprob(token); weight
 updates are stored and reported at /stats. Bound to 127.0.0.1 and self-stopping after --lifetime seconds.
-Run as a script (it accepts and ignores sglang.launch_server's other flags) or in a thread via serve().
+Run as a script (it accepts --api-key and ignores sglang.launch_server's other flags) or in a thread via
+serve(); kill() makes a threaded one die like a real server (in-flight requests get their connection dropped,
+new ones are refused) and serve(port=...) brings one back on the same port with fresh state.
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ def fake_logprob(token: int) -> float:
     return -0.05 - (token % 10) / 10
 
 
+class ServerKilled(ConnectionAbortedError):
+    """Raised in a handler of a killed fake server: the connection drops without a response."""
+
+
 class FakeState:
-    def __init__(self, token_delay_s: float = 0.0):
+    def __init__(self, token_delay_s: float = 0.0, api_key: str | None = None):
         self.token_delay_s = token_delay_s
+        self.api_key = api_key
         self.lock = threading.Lock()
         self.aborted: set[str] = set()
-        self.abort_all = False
+        self.abort_epoch = 0  # /abort_request {abort_all} aborts what is in flight at that moment
+        self.dead = False
+        self.authorizations: list[str | None] = []
         self.paused = threading.Event()
         self.in_update = False
         self.weights: dict[str, list] = {}
@@ -46,12 +55,15 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
     with state.lock:
         state.rids.append(rid)
     seed = params.get("sampling_seed", 0)
+    epoch = state.abort_epoch
     stops = set(params.get("stop_token_ids", []))
     tokens, reason = [], {"type": "length", "length": params["max_new_tokens"]}
     for k in range(params["max_new_tokens"]):
         while state.paused.is_set():
             time.sleep(0.005)
-        if rid in state.aborted or state.abort_all:
+        if state.dead:
+            raise ServerKilled(rid)
+        if rid in state.aborted or state.abort_epoch != epoch:
             reason = {"type": "abort", "message": "Abort before prefill" if not tokens else "aborted"}
             break
         time.sleep(state.token_delay_s)
@@ -80,7 +92,7 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         return _generate(state, body)
     if path == "/abort_request":
         if body.get("abort_all"):
-            state.abort_all = True
+            state.abort_epoch += 1
         else:
             state.aborted.add(body["rid"])
         return 200, {}
@@ -121,7 +133,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     if path == "/stats":
         with state.lock:
             return 200, {"calls": dict(state.calls), "rids": list(state.rids), "version": state.version,
-                         "weights": state.weights, "aborted": sorted(state.aborted)}
+                         "weights": state.weights, "aborted": sorted(state.aborted),
+                         "authorizations": list(state.authorizations)}
     return 404, {"error": f"no route {path}"}
 
 
@@ -135,7 +148,20 @@ def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(data)
 
+        def _authorized(self) -> bool:
+            auth = self.headers.get("Authorization")
+            with state.lock:
+                state.authorizations.append(auth)
+            if state.dead:
+                raise ServerKilled(self.path)
+            if state.api_key is None or self.path == "/health" or auth == f"Bearer {state.api_key}":
+                return True
+            self._reply(401, {"error": "Unauthorized"})  # as SGLang's api-key middleware
+            return False
+
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path == "/health":
                 self._reply(200, {})
             else:
@@ -144,22 +170,35 @@ def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
-            self._reply(*_handle(state, self.path, body))
+            if self._authorized():
+                self._reply(*_handle(state, self.path, body))
 
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # a killed server drops connections; no traceback
+
+    server = Server(("127.0.0.1", port), Handler)
     server.daemon_threads = True
     return server
 
 
-def serve(port: int = 0, token_delay_s: float = 0.0) -> tuple[ThreadingHTTPServer, FakeState]:
+def serve(port: int = 0, token_delay_s: float = 0.0, api_key: str | None = None
+          ) -> tuple[ThreadingHTTPServer, FakeState]:
     """Starts a fake server on a thread; port 0 picks a free one (server.server_address[1])."""
-    state = FakeState(token_delay_s)
+    state = FakeState(token_delay_s, api_key)
     server = make_server(port, state)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, state
+
+
+def kill(server: ThreadingHTTPServer, state: FakeState) -> None:
+    """Dies like a real server: requests in flight lose their connection, new connections are refused."""
+    state.dead = True
+    server.shutdown()
+    server.server_close()
 
 
 def main() -> None:
@@ -167,10 +206,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--lifetime", type=float, default=float(os.environ.get("FAKE_SGLANG_LIFETIME", 120)))
     parser.add_argument("--startup-delay", type=float, default=0.2)
+    parser.add_argument("--api-key", default=None)
     args, _ = parser.parse_known_args()
     time.sleep(args.startup_delay)  # a real server is not healthy at once either
     threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
-    make_server(args.port, FakeState()).serve_forever()
+    make_server(args.port, FakeState(api_key=args.api_key)).serve_forever()
 
 
 if __name__ == "__main__":
