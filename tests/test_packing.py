@@ -1,0 +1,161 @@
+"""Sequence packing and the fused linear log-prob path, single process (local spec, CPU).
+
+Packed micro-batches ([1, T] rows, block-diagonal causal mask, per-row position ids) and the fused
+linear head (hidden states x output weight, chunked) must give the log-probs, entropies, loss metrics
+and gradients of the padded logits path to 1e-6. The TP2 / PP2 / SP versions run in
+tests/test_packing_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample, destroy_parallel, init_parallel
+from megatron_dapo.actor.batching import (
+    block_causal_mask,
+    build_micro_batch,
+    build_packed_micro_batch,
+    iter_micro_batches,
+    packed_length,
+    plan_micro_batches,
+)
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.parallel import padded_vocab_size
+from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+
+ATOL = 1e-6
+METRICS = ("pg_loss", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio", "entropy", "grad_norm", "num_tokens")
+
+
+def _samples(lengths, prompt=2):
+    return [TrainSample(tokens=[(7 * i + t) % 50 + 1 for t in range(n)], prompt_len=prompt)
+            for i, n in enumerate(lengths)]
+
+
+# ---- planning and layout -------------------------------------------------------------------------------
+def test_packed_plan_counts_real_tokens():
+    lengths = [17, 5, 3, 9, 12, 8, 2, 20]
+    groups = plan_micro_batches(lengths, max_tokens=20, micro_batch_size=1, packed=True)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in g) <= 20 for g in groups)
+    # first-fit decreasing reaches the lower bound ceil(76 / 20) = 4 here; padded needs more
+    assert len(groups) == 4
+    assert len(plan_micro_batches(lengths, max_tokens=20, micro_batch_size=1)) > 4
+    with pytest.raises(ValueError, match="--max-tokens-per-micro-batch"):
+        plan_micro_batches(lengths, max_tokens=19, micro_batch_size=1, packed=True)
+
+
+def test_packed_plan_splits_to_the_dp_count_within_budget():
+    lengths = [10, 9, 8, 7, 3, 2, 1]
+    more = plan_micro_batches(lengths, max_tokens=40, micro_batch_size=1, num_micro_batches=4, packed=True)
+    assert len(more) == 4 and sorted(i for g in more for i in g) == list(range(7))
+    assert all(sum(lengths[i] for i in g) <= 40 for g in more)
+
+
+def test_packed_micro_batch_layout():
+    samples = _samples([5, 3, 4])
+    mb = build_packed_micro_batch(samples, [0, 1, 2], pad_to=4)
+    assert packed_length([5, 3, 4], 4) == 12 and mb.tokens.shape == (1, 12)
+    assert mb.cu_seqlens.tolist() == [0, 5, 8, 12] and mb.max_seqlen == 5
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]
+    padded = build_micro_batch(samples, [0, 1, 2])
+    # unpack maps the packed row back onto the padded rows at every real position
+    real = torch.arange(5)[None, :] < torch.tensor([5, 3, 4])[:, None]
+    torch.testing.assert_close(mb.unpack(mb.tokens)[real], padded.tokens[real])
+    torch.testing.assert_close(mb.unpack(mb.targets)[real], padded.targets[real])
+    for key in ("response_mask", "loss_mask", "old_log_probs"):
+        torch.testing.assert_close(getattr(mb, key), getattr(padded, key))
+    # block-diagonal causal mask written out: j visible from i iff same row and j <= i
+    seg = [0] * 5 + [1] * 3 + [2] * 4
+    want = torch.tensor([[not (seg[i] == seg[j] and j <= i) for j in range(12)] for i in range(12)])
+    assert torch.equal(mb.attention_mask[0, 0], want)
+    assert torch.equal(block_causal_mask(torch.tensor([0, 3])), torch.ones(1, 1, 3, 3, dtype=torch.bool).triu(1))
+
+
+def test_sp_padding_forms_its_own_segment():
+    mb = build_packed_micro_batch(_samples([5, 2], prompt=1), [0, 1], pad_to=4, causal_mask=False)
+    assert mb.tokens.shape == (1, 8) and mb.cu_seqlens.tolist() == [0, 5, 7, 8] and mb.attention_mask is None
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 0]
+
+
+def test_packed_batches_are_built_lazily():
+    it = iter_micro_batches(_samples([5, 7, 4]), [[1], [0, 2]], packed=True, causal_mask=False)
+    assert next(it).tokens.shape == (1, 7) and next(it).tokens.shape == (1, 9)
+
+
+# ---- the actor: packed == padded, fused linear == logits -----------------------------------------------
+@pytest.fixture(scope="module")
+def world():
+    layout = init_parallel(seed=0)
+    hf = tiny_hf_model(seed=4)
+    yield layout, hf, Qwen2Arch.from_hf(hf.config)
+    destroy_parallel()
+
+
+def _actor(world, **overrides) -> MegatronActor:
+    layout, hf, arch = world
+    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
+    full = hf_to_full_mcore(hf.state_dict(), arch)
+    actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                            padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+    return actor
+
+
+def _grads(actor: MegatronActor) -> dict[str, torch.Tensor]:
+    """The gradient of the last train_step (megatron's main_grad buffers, scaled by 1 / tokens)."""
+    return {n: p.main_grad.detach().clone() for n, p in actor.module.named_parameters()}
+
+
+VARIANTS = {
+    "packed": dict(pack_sequences=True),
+    "fused_linear": dict(fused_linear_logprob=True),
+    "packed_fused_linear": dict(pack_sequences=True, fused_linear_logprob=True),
+    "packed_megatron_ce": dict(pack_sequences=True, use_fused_logprob=False),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(world):
+    samples = make_samples(9, seed=11)
+    return samples, _run(world, samples, {})
+
+
+def _run(world, samples, overrides):
+    actor = _actor(world, max_tokens_per_micro_batch=48, **overrides)
+    logps, ents = actor.compute_log_probs(samples, with_entropy=True)
+    metrics = actor.train_step(samples)
+    return {"logps": logps, "ents": ents, "metrics": metrics, "grads": _grads(actor),
+            "n_micro": len(actor._micro_batches(samples))}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_matches_padded_logits_path(world, reference, variant):
+    samples, want = reference
+    got = _run(world, samples, VARIANTS[variant])
+    for key in ("logps", "ents"):
+        for g, w in zip(got[key], want[key]):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    for key in METRICS:
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-6, abs=ATOL), key
+    for name, w in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], w, atol=ATOL, rtol=1e-5, msg=name)
+    if "packed" in variant:  # the budget counts real tokens: fewer micro-batches than padded
+        assert got["n_micro"] < want["n_micro"]
+
+
+def test_fused_linear_builds_no_logits(world):
+    """With --fused-linear-logprob the last stage hands the loss [b, s, h] hidden states, not [b, s, V]."""
+    samples = make_samples(3, seed=2)
+    arch = world[2]
+    seen = []
+    actor = _actor(world, fused_linear_logprob=True, max_tokens_per_micro_batch=48)
+    original = actor._token_log_probs
+
+    def spy(mb, output, **kw):
+        seen.append(output.shape[-1])
+        return original(mb, output, **kw)
+
+    actor._token_log_probs = spy
+    actor.compute_log_probs(samples)
+    assert seen and set(seen) == {arch.hidden_size}
