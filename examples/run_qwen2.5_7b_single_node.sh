@@ -17,7 +17,7 @@ ROLLOUT_ARGS=(
     --rollout-batch-size 64 --n-samples-per-prompt 16 --over-sample-factor 1.5
     --rollout-temperature 1.0 --max-response-length 8192 --max-prompt-length 2048
 )
-BATCH_ARGS=(--global-batch-size 256 --max-tokens-per-micro-batch 16384 --num-steps 500)
+BATCH_ARGS=(--global-batch-size 256 --max-tokens-per-micro-batch 16384 --pack-sequences --fused-linear-logprob --num-steps 500)
 RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 20 --load "$RUN_DIR/ckpt")
 
 CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc_per_node 4 -m megatron_dapo.train \

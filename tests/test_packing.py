@@ -159,3 +159,60 @@ def test_fused_linear_builds_no_logits(world):
     actor._token_log_probs = spy
     actor.compute_log_probs(samples)
     assert seen and set(seen) == {arch.hidden_size}
+
+
+# ---- planner -------------------------------------------------------------------------------------------
+def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
+    """32B at TP8, 24576 tokens, bf16: [T, V/tp] logits + grad (2 x 2 B per entry) vs one chunk block
+    (bf16 + fp32 temporaries) plus the fp32 [V/tp, h] d weight accumulator, written out."""
+    from megatron_dapo import planner
+    from megatron_dapo.ops.fused_linear import DEFAULT_CHUNK_LOGITS
+    from megatron_dapo.parallel import ParallelLayout
+    from tests.torchrun import REPO
+
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
+    v_local = padded_vocab_size(arch.vocab_size, 8) // 8
+    kw = dict(tokens=24576, bytes_per_element=2, fused_logprob=True)
+    assert planner.logits_bytes(arch, layout, **kw) == 24576 * v_local * 4
+    chunk = DEFAULT_CHUNK_LOGITS // v_local
+    assert planner.logits_bytes(arch, layout, **kw, fused_linear=True) == (chunk * v_local * 6
+                                                                           + v_local * arch.hidden_size * 4)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    base = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
+    plain, head = (planner.plan_stages(arch, layout, base, spec)[-1],
+                   planner.plan_stages(arch, layout, planner.PlanInputs(
+                       tokens_per_micro_batch=24576, max_seq_len=22528, fused_linear_logprob=True), spec)[-1])
+    assert plain.total - head.total == pytest.approx(planner.logits_bytes(arch, layout, **kw)
+                                                     - planner.logits_bytes(arch, layout, **kw, fused_linear=True))
+
+
+def test_planner_packed_row_length_terms_use_the_whole_row():
+    """Local spec: a packed micro-batch of T tokens is one row, so its mask is T^2 bytes (padded: s^2)."""
+    from megatron_dapo import planner
+    from megatron_dapo.parallel import ParallelLayout
+
+    arch = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
+    kw = dict(first=True, last=True, recompute=False)
+    padded = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=24, **kw)
+    packed = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=96, **kw)
+    assert packed - padded == 96 ** 2 - 24 ** 2
+    (p_pad,), (p_pack,) = (planner.plan_stages(arch, ParallelLayout(), planner.PlanInputs(
+        tokens_per_micro_batch=96, max_seq_len=24, params_dtype="float32", packed=packed), spec)
+        for packed in (False, True))
+    assert p_pack.total > p_pad.total  # the local spec's [T, T] mask and scores: why CPU defaults to padding
+
+
+def test_32b_dry_run_prints_the_fused_linear_saving(tmp_path):
+    from tests.test_planner import LAUNCHERS, _dry_run, _launcher_train_args
+
+    script, env, model = LAUNCHERS[1].values
+    args = _launcher_train_args(tmp_path, script, env, model)
+    assert "--pack-sequences" in args and "--fused-linear-logprob" in args
+    rc, lines = _dry_run(args)
+    assert rc == 0
+    assert any(line.startswith("micro-batch: 24576 real tokens packed") for line in lines)
+    (saving,) = [line for line in lines if line.startswith("last-stage logits per micro-batch")]
+    assert "1.75 GiB as [tokens x V/tp] logits, 0.46 GiB with --fused-linear-logprob (saves 1.29 GiB; on)" in saving

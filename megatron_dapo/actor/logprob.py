@@ -8,7 +8,7 @@ path gets an fp32 copy of the whole [b, s, V/tp] tensor.
 
 `linear_token_log_probs` starts one step earlier, from the last stage's hidden states and the output
 weight (--fused-linear-logprob): no [tokens x V/tp] tensor exists. At the 32B setting (24576 tokens per
-micro-batch, V/tp = 152064 / 8 = 19008) that is 0.87 GiB of bf16 logits, 1.74 GiB for their fp32 copy and
+micro-batch, V/tp = 152576 / 8 = 19072 with TP padding) that is 0.87 GiB of bf16 logits, 1.75 GiB for an fp32 copy and
 0.87 GiB for their gradient per micro-batch in flight, against one 64 MiB fp32 block.
 """
 
