@@ -10,7 +10,8 @@ RUN_DIR=${2:-runs/qwen2.5-7b-dapo}
 source examples/models/qwen2.5-7B.sh
 source examples/common_dapo_args.sh
 
-# Memory (--dry-run --world-size 4): sequence parallelism keeps one 16k-token micro-batch at ~63 GiB of 80.
+# Memory (--dry-run --world-size 4): sequence parallelism and the fused linear log-prob head keep one packed
+# 16k-token micro-batch at ~61 GiB of 80.
 PARALLEL_ARGS+=(--sequence-parallel)
 ROLLOUT_ARGS=(
     --rollout-engine sglang --sglang-num-servers 2 --sglang-tp-size "$SGLANG_TP" --sglang-gpus 4,5,6,7

@@ -93,8 +93,10 @@ def world():
     destroy_parallel()
 
 
-def _actor(world, **overrides) -> MegatronActor:
-    layout, hf, arch = world
+def _actor(world, hf=None, **overrides) -> MegatronActor:
+    layout, default_hf, _ = world
+    hf = hf or default_hf
+    arch = Qwen2Arch.from_hf(hf.config)
     actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
     full = hf_to_full_mcore(hf.state_dict(), arch)
     actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
@@ -121,8 +123,8 @@ def reference(world):
     return samples, _run(world, samples, {})
 
 
-def _run(world, samples, overrides):
-    actor = _actor(world, max_tokens_per_micro_batch=48, **overrides)
+def _run(world, samples, overrides, hf=None):
+    actor = _actor(world, hf, max_tokens_per_micro_batch=48, **overrides)
     logps, ents = actor.compute_log_probs(samples, with_entropy=True)
     metrics = actor.train_step(samples)
     return {"logps": logps, "ents": ents, "metrics": metrics, "grads": _grads(actor),
@@ -142,6 +144,20 @@ def test_variant_matches_padded_logits_path(world, reference, variant):
         torch.testing.assert_close(got["grads"][name], w, atol=ATOL, rtol=1e-5, msg=name)
     if "packed" in variant:  # the budget counts real tokens: fewer micro-batches than padded
         assert got["n_micro"] < want["n_micro"]
+
+
+def test_fused_linear_with_tied_embeddings(world):
+    """Tied weights: the head reads the embedding matrix and its gradient lands on it, as the logits path's."""
+    hf = tiny_hf_model(tie=True, seed=6)
+    samples = make_samples(6, seed=13)
+    want = _run(world, samples, {}, hf)
+    got = _run(world, samples, {"fused_linear_logprob": True, "pack_sequences": True}, hf)
+    assert "output_layer.weight" not in want["grads"]
+    for key in ("logps", "ents"):
+        for g, w in zip(got[key], want[key]):
+            torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+    for name, w in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name], w, atol=ATOL, rtol=1e-5, msg=name)
 
 
 def test_fused_linear_builds_no_logits(world):
