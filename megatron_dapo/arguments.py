@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fused-linear-logprob", action=argparse.BooleanOptionalAction, default=False,
                    help="log-probs/entropy straight from the last stage's hidden states and output weight "
                         "(megatron_dapo.ops.fused_linear_logprob_entropy), chunk by chunk: no [tokens x V/tp] "
-                        "logits (32B launcher: 1.75 -> 0.46 GiB per micro-batch on the last stage). Recomputes "
+                        "logits (32B launcher: 1.75 -> 0.66 GiB per micro-batch on the last stage). Recomputes "
                         "the output GEMM in backward; the GPU launchers turn it on")
     g.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
                    help="actor parameter dtype (bf16 keeps fp32 main params); default: bf16 on GPU, "

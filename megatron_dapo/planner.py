@@ -159,7 +159,9 @@ def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_
     fused_linear (--fused-linear-logprob): no [tokens, V/tp] tensor; the chunked head holds one
     [chunk, V/tp] block in the compute dtype plus its fp32 statistics/gradient temporaries (chunk x V/tp =
     ops.fused_linear.DEFAULT_CHUNK_LOGITS, 16 M entries), and in backward an fp32 [V/tp, h] accumulator of
-    d weight (bf16 weights only). 32B launcher (TP8, 24576 tokens, fused kernel): 1.75 GiB -> 0.46 GiB.
+    d weight (bf16 weights only). Under SP it saves the TP-gathered hidden states [tokens, h], where the
+    output layer saves its 1/tp shard and gathers again in backward: (1 - 1/tp) tokens h more.
+    32B launcher (TP8 + SP, 24576 tokens, fused kernel): 1.75 GiB -> 0.66 GiB.
     """
     vocab_local = padded_vocab_size(arch.vocab_size, layout.tp) // layout.tp
     if fused_linear:
@@ -167,7 +169,8 @@ def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_
 
         chunk = min(default_chunk_tokens(vocab_local), tokens)
         accumulator = vocab_local * arch.hidden_size * 4 if bytes_per_element < 4 else 0
-        return chunk * vocab_local * (bytes_per_element + 4) + accumulator
+        gathered = tokens / layout.cp * arch.hidden_size * bytes_per_element * (1 - 1 / layout.tp) if layout.sp else 0
+        return chunk * vocab_local * (bytes_per_element + 4) + accumulator + gathered
     entries = tokens / layout.cp * vocab_local
     return entries * (2 * bytes_per_element if fused_logprob else bytes_per_element + 12)
 

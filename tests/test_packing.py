@@ -192,8 +192,9 @@ def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
     kw = dict(tokens=24576, bytes_per_element=2, fused_logprob=True)
     assert planner.logits_bytes(arch, layout, **kw) == 24576 * v_local * 4
     chunk = DEFAULT_CHUNK_LOGITS // v_local
-    assert planner.logits_bytes(arch, layout, **kw, fused_linear=True) == (chunk * v_local * 6
-                                                                           + v_local * arch.hidden_size * 4)
+    gathered_hidden = 24576 * arch.hidden_size * 2 * (1 - 1 / 8)  # SP: the head saves [T, h], not [T / 8, h]
+    assert planner.logits_bytes(arch, layout, **kw, fused_linear=True) == pytest.approx(
+        chunk * v_local * 6 + v_local * arch.hidden_size * 4 + gathered_hidden)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     base = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
     plain, head = (planner.plan_stages(arch, layout, base, spec)[-1],
@@ -231,4 +232,4 @@ def test_32b_dry_run_prints_the_fused_linear_saving(tmp_path):
     assert rc == 0
     assert any(line.startswith("micro-batch: 24576 real tokens packed") for line in lines)
     (saving,) = [line for line in lines if line.startswith("last-stage logits per micro-batch")]
-    assert "1.75 GiB as [tokens x V/tp] logits, 0.46 GiB with --fused-linear-logprob (saves 1.29 GiB; on)" in saving
+    assert "1.75 GiB as [tokens x V/tp] logits, 0.66 GiB with --fused-linear-logprob (saves 1.08 GiB; on)" in saving
