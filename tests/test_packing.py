@@ -233,3 +233,15 @@ def test_32b_dry_run_prints_the_fused_linear_saving(tmp_path):
     assert any(line.startswith("micro-batch: 24576 real tokens packed") for line in lines)
     (saving,) = [line for line in lines if line.startswith("last-stage logits per micro-batch")]
     assert "1.75 GiB as [tokens x V/tp] logits, 0.66 GiB with --fused-linear-logprob (saves 1.08 GiB; on)" in saving
+
+
+def test_flags_reach_the_actor_config():
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.train import build_configs
+
+    base = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
+            "--max-response-length", "64", "--overlong-buffer-length", "16"]
+    actor, _, _ = build_configs(build_parser().parse_args(base))
+    assert not actor.pack_sequences and not actor.fused_linear_logprob  # CPU default: padded logits path
+    actor, _, _ = build_configs(build_parser().parse_args(base + ["--pack-sequences", "--fused-linear-logprob"]))
+    assert actor.pack_sequences and actor.fused_linear_logprob
