@@ -35,7 +35,7 @@ ROLLOUT_ARGS=(
     --rollout-batch-size 512 --n-samples-per-prompt 16 --over-sample-factor 1.3
     --rollout-temperature 1.0 --max-response-length 20480 --max-prompt-length 2048
 )
-BATCH_ARGS=(--global-batch-size 512 --max-tokens-per-micro-batch 24576 --num-steps 400)
+BATCH_ARGS=(--global-batch-size 512 --max-tokens-per-micro-batch 24576 --pack-sequences --fused-linear-logprob --num-steps 400)
 RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 10 --load "$RUN_DIR/ckpt")
 
 torchrun --nnodes "$ACTOR_NODES" --node_rank "$NODE_RANK" --nproc_per_node 8 \

@@ -14,14 +14,15 @@ RUN_DIR=${2:-runs/qwen2.5-7b-dapo}
 source examples/models/qwen2.5-7B.sh
 source examples/common_dapo_args.sh
 
-# Memory (--dry-run --world-size 4): sequence parallelism keeps one 16k-token micro-batch at ~63 GiB of 80.
+# Memory (--dry-run --world-size 4): sequence parallelism and the fused linear log-prob head keep one packed
+# 16k-token micro-batch at ~61 GiB of 80.
 PARALLEL_ARGS+=(--sequence-parallel)
 ROLLOUT_ARGS=(
     --rollout-engine sglang --sglang-num-servers 2 --sglang-tp-size "$SGLANG_TP" --sglang-gpus 4,5,6,7
     --rollout-batch-size 64 --n-samples-per-prompt 16 --over-sample-factor 1.5
     --rollout-temperature 1.0 --max-response-length 8192 --max-prompt-length 2048
 )
-BATCH_ARGS=(--global-batch-size 256 --max-tokens-per-micro-batch 16384 --num-steps 500)
+BATCH_ARGS=(--global-batch-size 256 --max-tokens-per-micro-batch 16384 --pack-sequences --fused-linear-logprob --num-steps 500)
 RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 20 --load "$RUN_DIR/ckpt")
 
 CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc_per_node 4 -m megatron_dapo.train \

@@ -109,6 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of one padded micro-batch, rows x longest row (dynamic batch size)")
     g.add_argument("--use-fused-logprob", action=argparse.BooleanOptionalAction, default=True,
                    help="fused vocab-parallel log-prob/entropy kernel (megatron_dapo.ops) in the loss")
+    g.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=False,
+                   help="pack each micro-batch's rows into one [1, T] row: --max-tokens-per-micro-batch then "
+                        "counts real tokens (padding waste ~0). On GPU it needs --transformer-impl "
+                        "transformer_engine (THD attention over cu_seqlens); the local spec (CPU) uses a "
+                        "block-diagonal causal [T, T] mask, which costs more than padding there. The GPU "
+                        "launchers turn it on")
+    g.add_argument("--fused-linear-logprob", action=argparse.BooleanOptionalAction, default=False,
+                   help="log-probs/entropy straight from the last stage's hidden states and output weight "
+                        "(megatron_dapo.ops.fused_linear_logprob_entropy), chunk by chunk: no [tokens x V/tp] "
+                        "logits (32B launcher: 1.75 -> 0.66 GiB per micro-batch on the last stage). Recomputes "
+                        "the output GEMM in backward; the GPU launchers turn it on")
     g.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
                    help="actor parameter dtype (bf16 keeps fp32 main params); default: bf16 on GPU, "
                         "fp32 on CPU")

@@ -18,6 +18,10 @@ against the bytes the real megatron-core model saves on CPU):
   - torch RMSNorm (local spec) keeps input, normalised input and output (3h) + fp32 rstd; TE's fused
     norm-linear keeps input and output (2h);
   - unfused RoPE keeps cos/sin per q and k (4 s d per layer), the local spec an [s, s] bool mask.
+Packing (--pack-sequences): a micro-batch is one [1, T] row of T real tokens, so every row-length term
+(local attention scores, the explicit mask, the RoPE table) uses s = T; on TE (flash) only the RoPE
+table does. Logits on the last stage: [T, V/tp] and their gradient, or with --fused-linear-logprob one
+[chunk, V/tp] block plus the fp32 d weight accumulator of the chunked head.
 Pipeline (1F1B): stage i of p holds min(p - i, M) micro-batches in flight, so stage 0 holds p.
 Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuilds one unit (n layers of one
 micro-batch) during its backward; selective recompute drops the core-attention internals.
@@ -148,10 +152,26 @@ def micro_batch_extra_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tok
 
 
 def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_per_element: int,
-                 fused_logprob: bool) -> float:
+                 fused_logprob: bool, fused_linear: bool = False) -> float:
     """Last stage, one micro-batch: vocab-parallel logits [b, s, V/tp] saved by the loss and their grad;
-    the unfused log-prob adds an fp32 copy, log-softmax and fp32 grad (12 B per entry)."""
-    entries = tokens / layout.cp * padded_vocab_size(arch.vocab_size, layout.tp) / layout.tp
+    the unfused log-prob adds an fp32 copy, log-softmax and fp32 grad (12 B per entry).
+
+    fused_linear (--fused-linear-logprob): no [tokens, V/tp] tensor; the chunked head holds one
+    [chunk, V/tp] block in the compute dtype plus its fp32 statistics/gradient temporaries (chunk x V/tp =
+    ops.fused_linear.DEFAULT_CHUNK_LOGITS, 16 M entries), and in backward an fp32 [V/tp, h] accumulator of
+    d weight (bf16 weights only). Under SP it saves the TP-gathered hidden states [tokens, h], where the
+    output layer saves its 1/tp shard and gathers again in backward: (1 - 1/tp) tokens h more.
+    32B launcher (TP8 + SP, 24576 tokens, fused kernel): 1.75 GiB -> 0.66 GiB.
+    """
+    vocab_local = padded_vocab_size(arch.vocab_size, layout.tp) // layout.tp
+    if fused_linear:
+        from megatron_dapo.ops.fused_linear import default_chunk_tokens
+
+        chunk = min(default_chunk_tokens(vocab_local), tokens)
+        accumulator = vocab_local * arch.hidden_size * 4 if bytes_per_element < 4 else 0
+        gathered = tokens / layout.cp * arch.hidden_size * bytes_per_element * (1 - 1 / layout.tp) if layout.sp else 0
+        return chunk * vocab_local * (bytes_per_element + 4) + accumulator + gathered
+    entries = tokens / layout.cp * vocab_local
     return entries * (2 * bytes_per_element if fused_logprob else bytes_per_element + 12)
 
 
@@ -182,6 +202,10 @@ class PlanInputs:
     params_dtype: str = "bfloat16"
     use_distributed_optimizer: bool = True
     fused_logprob: bool = True
+    packed: bool = False
+    """--pack-sequences: tokens_per_micro_batch real tokens in one row (s = T for row-length terms)."""
+    fused_linear_logprob: bool = False
+    """--fused-linear-logprob: no [tokens, V/tp] logits on the last stage (see logits_bytes)."""
     num_micro_batches: int | None = None
     """Micro-batches per step per DP rank; None = at least pp (1F1B's steady state)."""
     gpu_memory_gib: float = 80.0
@@ -210,7 +234,7 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     opt_per_param = 12 if pbytes == 2 else 8  # fp32 main params (bf16 only) + Adam exp_avg, exp_avg_sq
     opt_shards = layout.dp * layout.cp if inputs.use_distributed_optimizer else 1
     tokens = inputs.tokens_per_micro_batch
-    s = min(inputs.max_seq_len, tokens)
+    s = tokens if inputs.packed else min(inputs.max_seq_len, tokens)
     stage_layers = arch.num_layers // layout.pp
     full = layout.recompute_granularity == "full"
     n_unit = layout.layers_recomputed_per_unit
@@ -243,9 +267,9 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
             "  activations per micro-batch": per_mb,
             "activations in flight (1F1B)": in_flight * per_mb,
             "recompute working set": working,
-            "logits + grad (last stage)": logits_bytes(arch, layout, tokens=tokens, bytes_per_element=spec.
-                                                       bytes_per_element, fused_logprob=inputs.fused_logprob)
-            if last else 0.0,
+            "logits + grad (last stage)": logits_bytes(
+                arch, layout, tokens=tokens, bytes_per_element=spec.bytes_per_element,
+                fused_logprob=inputs.fused_logprob, fused_linear=inputs.fused_linear_logprob) if last else 0.0,
             "pipeline p2p buffers": p2p,
             "SGLang (not colocated)" if inputs.sglang_gib == 0 else "SGLang (colocated)": inputs.sglang_gib * GIB,
             "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB,
@@ -278,7 +302,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Qwen2Arch, ParallelLayout,
     tokens = args.max_tokens_per_micro_batch or max_len
     inputs = PlanInputs(tokens_per_micro_batch=tokens, max_seq_len=max_len, params_dtype=params_dtype,
                         use_distributed_optimizer=args.use_distributed_optimizer,
-                        fused_logprob=args.use_fused_logprob, gpu_memory_gib=args.gpu_memory_gib)
+                        fused_logprob=args.use_fused_logprob, gpu_memory_gib=args.gpu_memory_gib,
+                        packed=args.pack_sequences, fused_linear_logprob=args.fused_linear_logprob)
     spec = ActivationSpec.for_qwen2(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
                                     "bfloat16" else 4)
     return arch, layout, inputs, spec
@@ -296,6 +321,8 @@ def _suggestions(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, sp
                               recompute_num_layers=1), inputs))
     if not inputs.use_distributed_optimizer and layout.dp * layout.cp > 1:
         tries.append(("--use-distributed-optimizer", layout, replace(inputs, use_distributed_optimizer=True)))
+    if not inputs.fused_linear_logprob:
+        tries.append(("--fused-linear-logprob", layout, replace(inputs, fused_linear_logprob=True)))
     half = inputs.tokens_per_micro_batch // 2
     if half >= inputs.max_seq_len:
         tries.append((f"--max-tokens-per-micro-batch {half}", layout, replace(inputs, tokens_per_micro_batch=half)))
@@ -310,7 +337,7 @@ def _suggestions(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, sp
 
 def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:
     plans = plan_stages(arch, layout, inputs, spec)
-    s = min(inputs.max_seq_len, inputs.tokens_per_micro_batch)
+    s = inputs.tokens_per_micro_batch if inputs.packed else min(inputs.max_seq_len, inputs.tokens_per_micro_batch)
     rec = layout.recompute_granularity or "off"
     if layout.recompute_granularity == "full":
         rec += f"/{layout.recompute_method} {layout.layers_recomputed_per_unit}"
@@ -318,8 +345,9 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
         f"layout: TP{layout.tp} x PP{layout.pp} x CP{layout.cp} x DP{layout.dp} = {layout.world_size} GPUs; "
         f"sequence parallel {'on' if layout.sp else 'off'}; recompute {rec}; attention {spec.attention} "
         f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
-        f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; "
-        f"{arch.num_layers // layout.pp} layers per stage",
+        (f"micro-batch: {inputs.tokens_per_micro_batch} real tokens packed in one row (--pack-sequences); "
+         if inputs.packed else f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; ")
+        + f"{arch.num_layers // layout.pp} layers per stage",
         f"{'GiB per GPU':<48}" + "".join(f"{'stage ' + str(p.stage):>10}" for p in plans),
     ]
     lines.append(f"{'  micro-batches in flight (1F1B: pp - stage)':<48}"
@@ -327,6 +355,12 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     for key in plans[0].lines:
         lines.append(f"{key:<48}" + "".join(f"{p.lines[key] / GIB:>10.2f}" for p in plans))
     lines.append(f"{'total':<48}" + "".join(f"{p.total / GIB:>10.2f}" for p in plans))
+    kw = dict(tokens=inputs.tokens_per_micro_batch, bytes_per_element=spec.bytes_per_element,
+              fused_logprob=inputs.fused_logprob)
+    full, head = logits_bytes(arch, layout, **kw), logits_bytes(arch, layout, **kw, fused_linear=True)
+    lines.append(f"last-stage logits per micro-batch: {full / GIB:.2f} GiB as [tokens x V/tp] logits, "
+                 f"{head / GIB:.2f} GiB with --fused-linear-logprob (saves {(full - head) / GIB:.2f} GiB; "
+                 f"{'on' if inputs.fused_linear_logprob else 'off'})")
     return lines
 
 

@@ -9,6 +9,7 @@ over every micro-batch and every DP rank: the token-mean loss is exactly that of
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -21,18 +22,21 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from torch import Tensor
 
 from megatron_dapo.actor.batching import (
     MicroBatch,
     gather_response,
     iter_micro_batches,
+    packed_length,
     padded_length,
     plan_micro_batches,
 )
 from megatron_dapo.actor.config import ActorConfig, TrainSample
-from megatron_dapo.actor.logprob import token_log_probs
+from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
 from megatron_dapo.algorithm.loss import policy_loss
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import Qwen2Arch
@@ -125,7 +129,8 @@ class MegatronActor:
         if not samples:
             raise ValueError("MegatronActor got no samples for this DP rank: give every rank at least one")
         lengths = [len(s.tokens) for s in samples]
-        plan = dict(max_tokens=self.config.max_tokens_per_micro_batch, micro_batch_size=self.config.micro_batch_size)
+        plan = dict(max_tokens=self.config.max_tokens_per_micro_batch, micro_batch_size=self.config.micro_batch_size,
+                    packed=self.config.pack_sequences)
         groups = plan_micro_batches(lengths, **plan)
         if self.layout.dp > 1:
             count = torch.tensor([len(groups)], dtype=torch.int64, device=_device())
@@ -136,26 +141,90 @@ class MegatronActor:
     def _run(self, samples: list[TrainSample], groups: list[list[int]], loss_fn, *, forward_only: bool
              ) -> list[dict[str, Tensor]]:
         device = _device()
-        # TE's causal kernel reads no mask; the local spec needs the explicit [1, 1, s, s] one. Sequence
-        # parallelism splits s over the TP ranks: pad it to a multiple of TP.
+        # TE's causal kernel reads no mask; the local spec needs the explicit [1, 1, s, s] one (packed:
+        # block-diagonal). Sequence parallelism splits s over the TP ranks: pad it to a multiple of TP.
         pad_to = self.layout.tp if self.layout.sp else 1
-        batches = iter_micro_batches(samples, groups, causal_mask=self.transformer_impl == "local", pad_to=pad_to)
+        packed, te = self.config.pack_sequences, self.transformer_impl == "transformer_engine"
+        batches = iter_micro_batches(samples, groups, causal_mask=not te, pad_to=pad_to, packed=packed)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator).to(device)
-            output = model(mb.tokens, mb.position_ids, mb.attention_mask)  # last stage: [b, s, V/tp]
+            extra = {}
+            if packed and te:  # THD: attention and RoPE restart at every cu_seqlens offset
+                extra["packed_seq_params"] = PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                    max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            with self._rope_per_row(mb if packed and not te else None), self._hidden_output():
+                # last stage: logits [b, s, V/tp], or hidden [b, s, h] with --fused-linear-logprob
+                output = model(mb.tokens, mb.position_ids, mb.attention_mask, **extra)
             return output, partial(loss_fn, mb)
 
+        if packed:
+            seq_length, rows = max(packed_length([len(samples[i].tokens) for i in g], pad_to) for g in groups), 1
+        else:
+            seq_length = padded_length(max(len(samples[i].tokens) for g in groups for i in g), pad_to)
+            rows = max(len(g) for g in groups)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=batches, model=[self.model],
-            num_microbatches=len(groups),
-            seq_length=padded_length(max(len(samples[i].tokens) for g in groups for i in g), pad_to),
-            micro_batch_size=max(len(g) for g in groups), forward_only=forward_only,
+            num_microbatches=len(groups), seq_length=seq_length, micro_batch_size=rows, forward_only=forward_only,
         )
 
-    def _token_log_probs(self, mb: MicroBatch, logits: Tensor, *, compute_entropy: bool):
-        return token_log_probs(logits, mb.targets, vocab_size=self.arch.vocab_size,
-                               use_fused=self.config.use_fused_logprob, compute_entropy=compute_entropy)
+    @contextmanager
+    def _rope_per_row(self, mb: MicroBatch | None):
+        """Local spec, packed: RoPE angles of each token's own position id (megatron-core's bshd RoPE would
+        number the [1, T] row 0..T-1 across row boundaries). RoPE scores depend only on q - k offsets, which
+        the block-diagonal mask keeps within a row, so this changes rounding, not maths: the angles stay as
+        small as in the padded run (fp32 angle error grows with the position). No-op for mb=None."""
+        rope = getattr(self.module, "rotary_pos_emb", None)
+        if mb is None or rope is None:
+            yield
+            return
+        positions = mb.position_ids[0]
+
+        def per_token(max_seq_len: int, *args, **kwargs) -> Tensor:
+            emb = type(rope).forward(rope, max_seq_len, *args, **kwargs)  # [T, 1, 1, dim]
+            return emb.index_select(0, positions)
+
+        rope.forward = per_token
+        try:
+            yield
+        finally:
+            del rope.forward
+
+    @contextmanager
+    def _hidden_output(self):
+        """--fused-linear-logprob: the last stage's output layer returns its input (TP-replicated hidden
+        states, gathered from the SP shards) instead of logits; `_token_log_probs` applies the weight."""
+        layer = getattr(self.module, "output_layer", None)
+        if not self.config.fused_linear_logprob or layer is None or not self.module.post_process:
+            yield
+            return
+
+        def passthrough(hidden: Tensor, weight: Tensor | None = None, runtime_gather_output=None):
+            if layer.sequence_parallel:  # backward: this rank's slice of d hidden, already summed over TP
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            return hidden, None
+
+        layer.forward = passthrough
+        try:
+            yield
+        finally:
+            del layer.forward
+
+    def _output_weight(self) -> Tensor:
+        """This TP rank's [V/tp, h] output weight, as GPTModel._postprocess picks it (tied: the embedding)."""
+        m = self.module
+        return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+
+    def _token_log_probs(self, mb: MicroBatch, output: Tensor, *, compute_entropy: bool):
+        """(log-probs, entropy or None) in the loss-side [n, L] layout from the last stage's output."""
+        if self.config.fused_linear_logprob:
+            logp, entropy = linear_token_log_probs(output, self._output_weight(), mb.targets,
+                                                   vocab_size=self.arch.vocab_size, compute_entropy=compute_entropy)
+        else:
+            logp, entropy = token_log_probs(output, mb.targets, vocab_size=self.arch.vocab_size,
+                                            use_fused=self.config.use_fused_logprob, compute_entropy=compute_entropy)
+        return mb.unpack(logp), mb.unpack(entropy)
 
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()

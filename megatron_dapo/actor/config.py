@@ -43,6 +43,12 @@ class ActorConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     use_fused_logprob: bool = True
     """Use megatron_dapo.ops' fused vocab-parallel log-prob/entropy when importable (--use-fused-logprob)."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's rows into one [1, T] row (--pack-sequences); the token budget then counts
+    real tokens. TE: THD attention over cu_seqlens; local spec: a block-diagonal causal mask."""
+    fused_linear_logprob: bool = False
+    """Compute log-probs/entropy from the last stage's hidden states and the output weight chunk by chunk,
+    never building [tokens x V/tp] logits (--fused-linear-logprob)."""
     params_dtype: str = "float32"
     """Parameter dtype (--params-dtype): float32 or bfloat16 (bf16 keeps fp32 main params)."""
     seed: int = 1234

@@ -27,20 +27,29 @@ def default_chunk_tokens(vocab_local: int) -> int:
     return max(16, DEFAULT_CHUNK_LOGITS // max(vocab_local, 1))
 
 
+def _block(hidden: Tensor, weight: Tensor, invalid: Tensor | None) -> Tensor:
+    """One [chunk, V_local] logits block; columns in `invalid` (padded vocab ids) get a finite -inf."""
+    logits = hidden @ weight.t()
+    if invalid is not None:
+        logits.masked_fill_(invalid, torch.finfo(logits.dtype).min / 2)
+    return logits
+
+
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     """hidden [N, H], weight [V_local, H] -> (log p_t [N], entropy [N] or None)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, local_t: Tensor, kernels: Kernels, tp_group,
-                compute_entropy: bool, chunk: int):
+                compute_entropy: bool, chunk: int, invalid: Tensor | None):
         parts = []
         for i in range(0, hidden.shape[0], chunk):
-            logits = hidden[i:i + chunk] @ weight.t()  # [chunk, V_local], freed after the stats
+            logits = _block(hidden[i:i + chunk], weight, invalid)  # [chunk, V_local], freed after the stats
             parts.append(kernels.local_stats(logits, local_t[i:i + chunk], compute_entropy=compute_entropy,
                                              chunk_size=None))
         lse, logp, entropy = finalize(combine_stats(concat_stats(parts), tp_group))
         ctx.save_for_backward(hidden, weight, local_t, lse, entropy if compute_entropy else lse)
         ctx.kernels, ctx.tp_group, ctx.chunk, ctx.compute_entropy = kernels, tp_group, chunk, compute_entropy
+        ctx.invalid = invalid
         return logp, entropy
 
     @staticmethod
@@ -58,7 +67,7 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             if need_w else None
         for i in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(i, i + ctx.chunk)
-            logits = hidden[sl] @ weight.t()
+            logits = _block(hidden[sl], weight, ctx.invalid)  # masked columns: p = 0, so zero gradient
             d_logits = ctx.kernels.logits_grad(logits, local_t[sl], lse[sl],
                                                None if g_h is None else entropy[sl], g_lp[sl],
                                                None if g_h is None else g_h[sl], chunk_size=None, out=logits)
@@ -70,19 +79,21 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
         if need_w:
             d_weight = d_weight.to(weight.dtype)
-        return d_hidden, d_weight, None, None, None, None, None
+        return d_hidden, d_weight, None, None, None, None, None, None
 
 
 def fused_linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, *,
                                  tp_group: dist.ProcessGroup | None = None, compute_entropy: bool = True,
-                                 backend: str = "auto",
-                                 chunk_size: int | None = None) -> tuple[Tensor, Tensor | None]:
+                                 backend: str = "auto", chunk_size: int | None = None,
+                                 vocab_size: int | None = None) -> tuple[Tensor, Tensor | None]:
     """log p(target) and entropy of softmax(hidden @ weight.T) without materialising the logits.
 
     hidden: [N, H] (replicated across `tp_group`); weight: [V_local, H], rank r holding vocab rows
     [r * V_local, (r + 1) * V_local); targets: [N] global vocab ids.
     Returns (logp [N], entropy [N] or None), fp32 (fp64 for fp64 inputs), differentiable w.r.t. hidden and
     weight. chunk_size: tokens per chunk (default ~16 M logits per chunk). backend as token_logprob_entropy.
+    vocab_size: the real (unpadded) vocab; weight rows of global id >= vocab_size (Megatron's TP padding)
+    are left out of the softmax, as if their logits were -inf (default: every row is a real token).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V_local, H] with the same H, got "
@@ -95,9 +106,15 @@ def fused_linear_logprob_entropy(hidden: Tensor, weight: Tensor, targets: Tensor
     check_chunk_size(chunk_size)
     kernels = resolve_backend(backend, hidden.device)
     vocab_local = weight.shape[0]
-    check_targets(targets, global_vocab_size(vocab_local, tp_group))
+    padded_vocab = global_vocab_size(vocab_local, tp_group)
+    if vocab_size is not None and not 0 < vocab_size <= padded_vocab:
+        raise ValueError(f"vocab_size must be in [1, {padded_vocab}] (the weight's global rows), got {vocab_size}")
+    check_targets(targets, padded_vocab if vocab_size is None else vocab_size)
     start, _ = vocab_range(vocab_local, tp_group)
     local_t = local_targets(targets, start, vocab_local)
     chunk = chunk_size or default_chunk_tokens(vocab_local)
+    invalid = None
+    if vocab_size is not None and start + vocab_local > vocab_size:
+        invalid = torch.arange(start, start + vocab_local, device=weight.device) >= vocab_size
     return _FusedLinearLogprobEntropy.apply(hidden, weight, local_t, kernels, tp_group, compute_entropy,
-                                            chunk)
+                                            chunk, invalid)
