@@ -3,48 +3,26 @@ requests, abort, and a weight update through each path. Needs .venv-sglang (tool
 skipped otherwise. Reference for log-probs: a teacher-forced HF forward of the same weights."""
 
 import dataclasses
-import socket
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, tiny_model
 
-SGLANG_PY = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(not SGLANG_PY.exists(), reason="no .venv-sglang: run tools/setup_sglang_env.sh"),
-]
-CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1,
-           bos_token_id=0)
-
-
-def _model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**CFG)).eval()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang")
-    model = _model(0)
+    model = tiny_model(0)
     model.save_pretrained(root / "model")
-    cfg = ServerConfig(model_path=str(root / "model"), base_port=min(_port(), 60000), device="cpu",
-                       python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
-                       extra_args=("--dtype", "float32"), env={"OMP_NUM_THREADS": "1"})
+    cfg = cpu_server_config(root)
     engine = SGLangEngine(cfg, client=ClientConfig(max_concurrency=16, control_timeout_s=120,
-                                                   sync_backend="gloo", sync_master_port=_port(),
+                                                   sync_backend="gloo", sync_master_port=free_port(),
                                                    disk_dir=str(root / "weights")))
     yield engine, model
     engine.shutdown()
@@ -104,7 +82,7 @@ def test_server_info_reports_deterministic_inference(served):
 def test_weight_update_paths(served, mode):
     engine, _ = served
     engine.client = dataclasses.replace(engine.client, update_mode=mode)
-    new = _model({"tensor": 1, "distributed": 2, "disk": 3}[mode])
+    new = tiny_model({"tensor": 1, "distributed": 2, "disk": 3}[mode])
     version = engine.weight_version + 1
     engine.update_weights(new.named_parameters(), version=version)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=8, seed=4)) for s in g]
@@ -120,7 +98,7 @@ def test_router_round_robins(tmp_path):
     from tests.sglang.fake_server import serve
 
     fakes = [serve() for _ in range(2)]
-    cfg = ServerConfig(model_path="unused", num_servers=2, base_port=min(_port(), 60000),
+    cfg = ServerConfig(model_path="unused", num_servers=2, base_port=min(free_port(), 60000),
                        python=str(SGLANG_PY))
     cmd = cfg.router_command()
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in fakes]

@@ -8,48 +8,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from tests.sglang.real_server import MARKS, cpu_server_config, free_port, tiny_model
 
-SGLANG_PY = Path(__file__).resolve().parents[1] / ".venv-sglang" / "bin" / "python"
-pytestmark = [
-    pytest.mark.sglang,
-    pytest.mark.skipif(not SGLANG_PY.exists(), reason="no .venv-sglang: run `make sglang-env`"),
-]
-CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1,
-           bos_token_id=0)
-
-
-def _model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**CFG)).eval()
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang-recovery")
-    _model(0).save_pretrained(root / "model")
-    cfg = ServerConfig(model_path=str(root / "model"), base_port=min(_port(), 60000), device="cpu",
-                       python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
-                       extra_args=("--dtype", "float32"), env={"OMP_NUM_THREADS": "1"})
+    tiny_model(0).save_pretrained(root / "model")
+    cfg = cpu_server_config(root)
     engine = SGLangEngine(cfg, client=ClientConfig(max_concurrency=16, control_timeout_s=120, bucket_bytes=40_000,
-                                                   sync_backend="gloo", sync_master_port=_port()))
+                                                   sync_backend="gloo", sync_master_port=free_port()))
     yield engine
     engine.shutdown()
 
@@ -109,7 +87,7 @@ def _kill_and_check(engine, old_pids, metrics):
 
 def test_server_killed_while_generating(served):
     engine = served
-    current = _model(1)
+    current = tiny_model(1)
     engine.update_weights(current.named_parameters(), version=1)
     engine.take_metrics()
     victim = engine.group.servers[0].pid
@@ -133,7 +111,7 @@ def test_server_killed_while_generating(served):
 
 def test_server_killed_during_weight_update(served):
     engine = served
-    current = _model(2)
+    current = tiny_model(2)
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
     named = list(current.named_parameters())
@@ -160,7 +138,7 @@ def test_distributed_mode_server_killed_while_generating(served):
     next update rebuilds the group."""
     engine = served
     engine.client = dataclasses.replace(engine.client, update_mode="distributed")
-    current = _model(3)
+    current = tiny_model(3)
     engine.update_weights(current.named_parameters(), version=3)
     engine.take_metrics()
     victim = engine.group.servers[0].pid
@@ -177,7 +155,7 @@ def test_distributed_mode_server_killed_while_generating(served):
     metrics = engine.take_metrics()
     assert metrics["rollout/retried_requests"] >= 1
     _kill_and_check(engine, old_pids, metrics)
-    newer = _model(4)
+    newer = tiny_model(4)
     engine.update_weights(newer.named_parameters(), version=4)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=16, tag="e", seed=6)) for s in g]
     assert {s.weight_version for s in samples} == {4} and _max_logprob_error(newer, samples) < 1e-4

@@ -1,0 +1,42 @@
+"""What the tests against a real CPU SGLang 0.5.23 server share: its Python, the tiny model, a free port, the config."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megatron_dapo.rollout.sglang_server import ServerConfig
+
+SGLANG_PY = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
+MARKS = [
+    pytest.mark.sglang,
+    pytest.mark.skipif(not SGLANG_PY.exists(), reason="no .venv-sglang: run `make sglang-env`"),
+]
+"""pytestmark of a module that starts real servers: skipped without the CPU SGLang environment."""
+CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=1,
+           bos_token_id=0)
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    """A random tiny Qwen2 (CFG); each seed gives other weights, for weight-update checks."""
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**CFG)).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_server_config(root: Path, **overrides) -> ServerConfig:
+    """One fp32 CPU server of the model saved under root/model, logs in root/logs."""
+    fields = dict(model_path=str(root / "model"), base_port=min(free_port(), 60000), device="cpu",
+                  python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
+                  extra_args=("--dtype", "float32"), env={"OMP_NUM_THREADS": "1"})
+    return ServerConfig(**{**fields, **overrides})
