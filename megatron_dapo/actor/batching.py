@@ -165,6 +165,8 @@ class MicroBatch:
     """[b] fp32."""
     response_lens: list[int]
     prompt_lens: list[int]
+    is_weights: Tensor | None = None
+    """[b, s] fp32 rollout-correction weights (1 in rows without any); None when no row has them."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
@@ -207,6 +209,12 @@ def build_micro_batch(samples: Sequence[TrainSample], indices: list[int], *, cau
         loss_mask[r, p - 1:n - 1] = 1.0 if row.loss_mask is None else row.loss_mask.float()
         if row.old_log_probs is not None:
             old[r, p - 1:n - 1] = row.old_log_probs.float()
+    is_weights = None
+    if any(row.is_weights is not None for row in rows):
+        is_weights = torch.ones(b, s, dtype=torch.float32)
+        for r, row in enumerate(rows):
+            if row.is_weights is not None:
+                is_weights[r, row.prompt_len - 1:len(row.tokens) - 1] = row.is_weights.float()
     return MicroBatch(
         indices=list(indices),
         tokens=tokens,
@@ -220,6 +228,7 @@ def build_micro_batch(samples: Sequence[TrainSample], indices: list[int], *, cau
         advantages=torch.tensor([float(row.advantage) for row in rows], dtype=torch.float32),
         response_lens=[row.response_len for row in rows],
         prompt_lens=[row.prompt_len for row in rows],
+        is_weights=is_weights,
     )
 
 
