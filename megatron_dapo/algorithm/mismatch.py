@@ -13,6 +13,9 @@ https://fengyao.notion.site/off-policy-rl, flags --use-tis --tis-cap C):
 
     loss_t <- min(r_t, C) * loss_t                                   (weight detached, C >= 1)
 
+No lower bound, as slime's TIS with its default lower clip 0 and verl's rollout IS "truncate" mode; the
+token-mean denominator is unchanged (TIS re-weights, it does not remove tokens).
+
 MIS (masked / rejection IS: Liu, Li et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse
 from the Training-Inference Mismatch", https://richardli.xyz/rl-collapse; verl's rollout correction
 "mask" mode; flags --mis-mode {token,sequence} --mis-threshold T): a token leaves the loss (its loss
