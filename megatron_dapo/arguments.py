@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
+from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
 
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
@@ -198,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reward-fn", default="math_dapo",
                    help="math_dapo | math_dapo_boxed | dotted path 'pkg.mod:fn' with signature "
                         "fn(response: str, ground_truth: str) -> RewardResult(score, acc, pred)")
+
+    g = p.add_argument_group("off-policy correction",
+                             "rollout (SGLang) vs actor log-probs, r = pi_old / pi_rollout per token; "
+                             "see megatron_dapo/algorithm/mismatch.py")
+    g.add_argument("--use-tis", action="store_true",
+                   help="truncated importance sampling: multiply each token's loss by min(r, --tis-cap)")
+    g.add_argument("--tis-cap", type=float, default=2.0, help="C of TIS, >= 1")
+    g.add_argument("--mis-mode", choices=MIS_MODES, default=None,
+                   help="masked importance sampling: drop tokens (token) or whole responses (sequence: geometric "
+                        "mean of r) whose ratio is outside [1/--mis-threshold, --mis-threshold]; unset = off")
+    g.add_argument("--mis-threshold", type=float, default=2.0, help="T of MIS, > 1")
 
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", required=True, help="training prompts: DAPO-format parquet or jsonl")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig, PolicyLossConfig
+from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, OverlongConfig, PolicyLossConfig
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn
 from megatron_dapo.errors import UserError
@@ -82,6 +82,8 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
         eval_sampling=eval_sampling,
+        off_policy=OffPolicyConfig(use_tis=args.use_tis, tis_cap=args.tis_cap, mis_mode=args.mis_mode,
+                                   mis_threshold=args.mis_threshold),
     )
     return actor, collect, trainer
 

@@ -19,6 +19,14 @@ from megatron.core import parallel_state
 from megatron_dapo.actor import MegatronActor, TrainSample
 from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
 from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
+from megatron_dapo.algorithm.mismatch import (
+    MAX_KEYS,
+    SUM_KEYS,
+    OffPolicyConfig,
+    mismatch_sums,
+    off_policy_correction,
+    reduce_mismatch,
+)
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.evaluation import evaluate
 from megatron_dapo.metrics_log import MetricsLogger
@@ -50,6 +58,8 @@ class TrainerConfig:
     save_dir: str | None = None
     save_interval: int = 0
     """Checkpoint every N steps (--save-interval); the last step is always saved when save_dir is set."""
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
+    """Rollout-vs-actor correction (--use-tis, --tis-cap, --mis-mode, --mis-threshold)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -161,7 +171,7 @@ class Trainer:
         t0 = time.perf_counter()
         local = [r for mb in minibatches for r in mb]
         old = self.actor.compute_log_probs([r.sample for r in local])
-        metrics = self._mismatch([r.rollout_log_probs for r in local], old)
+        metrics = self._mismatch(local, old)
         if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
             for r, lp in zip(local, old):
                 r.sample.old_log_probs = lp
@@ -206,14 +216,29 @@ class Trainer:
             self.logger.log(step, metrics)
 
     # ---- metrics -----------------------------------------------------------------------------------
-    def _mismatch(self, rollout_logp: list[torch.Tensor], actor_logp: list[torch.Tensor]) -> dict[str, float]:
-        """|rollout log-prob - actor log-prob| over every response token, reduced over DP ranks."""
-        flat = torch.cat([(a - r).abs() for r, a in zip(rollout_logp, actor_logp)])
-        stats = torch.tensor([float(flat.sum()), float(flat.numel())], dtype=torch.float64)
-        peak = torch.tensor([float(flat.max()) if flat.numel() else 0.0], dtype=torch.float64)
+    def _mismatch(self, local: list[Rollout], actor_logp: list[torch.Tensor]) -> dict[str, float]:
+        """Rollout-vs-actor correction and `mismatch/*` metrics (algorithm/mismatch.py) over every response
+        token, reduced over DP ranks. With --use-tis / --mis-mode, sets each sample's is_weights / loss_mask.
+
+        Host cost, per DP rank: about 30 vector ops per response, 3.2 s at the 32B worst case (1024 responses
+        x 20480 tokens, one CPU thread, measured here at 64 x 20480), against a step of tens of minutes; one
+        all-reduce of 88 B."""
+        cfg = self.config.off_policy
+        stats = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
+        peak = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
+        for r, old in zip(local, actor_logp):
+            old, rollout = old.detach().float().cpu().unsqueeze(0), r.rollout_log_probs.unsqueeze(0)
+            sums = mismatch_sums(old, rollout, torch.ones_like(old), cfg)
+            stats += torch.tensor([float(sums[k]) for k in SUM_KEYS], dtype=torch.float64)
+            peak = torch.maximum(peak, torch.tensor([float(sums[k]) for k in MAX_KEYS], dtype=torch.float64))
+            if cfg.enabled:
+                sample = r.sample
+                mask = torch.ones_like(old) if sample.loss_mask is None else sample.loss_mask.float().unsqueeze(0)
+                corr = off_policy_correction(old, rollout, mask, cfg)
+                sample.loss_mask = corr.loss_mask[0]
+                sample.is_weights = None if corr.is_weights is None else corr.is_weights[0]
         if parallel_state.get_data_parallel_world_size() > 1:
             group = parallel_state.get_data_parallel_group()
             dist.all_reduce(stats, group=group)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        return {"mismatch/logprob_abs_diff_mean": float(stats[0] / stats[1]) if stats[1] else 0.0,
-                "mismatch/logprob_abs_diff_max": float(peak[0])}
+        return reduce_mismatch(dict(zip(SUM_KEYS, stats.tolist())) | dict(zip(MAX_KEYS, peak.tolist())))

@@ -29,7 +29,8 @@ def torchrun_train(base, run, num_steps: int, *extra: str) -> None:
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--max-prompt-length", "16", "--overlong-buffer-length", "10", "--lr", "1e-3", "--global-batch-size", "8",
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"),
-           "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "11", *extra]
+           "--save-interval", "2", "--no-wandb", "--no-progress", "--seed", "11",
+           "--use-tis", "--mis-mode", "sequence", *extra]  # embedded engine: weights 1, nothing masked
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -50,3 +51,8 @@ def test_dp2_resume_matches_uninterrupted(tiny_base, tmp_path, optimizer):
     rel, key = max_rel_diff(read_checkpoint_tensors(ref / "ckpt" / "step_0000003"),
                             read_checkpoint_tensors(split / "ckpt" / "step_0000003"))
     assert rel <= 1e-5, (rel, key)
+    for step, r in ref_m.items():  # same weights in engine and actor: the correction is the identity
+        assert r["mismatch/is_ratio_mean"] == pytest.approx(1.0, abs=1e-5), step
+        assert r["mismatch/tis_clipfrac"] == r["mismatch/mis_maskfrac"] == 0.0, step
+        assert r["mismatch/ppl_ratio"] == pytest.approx(1.0, abs=1e-5), step
+        assert r["mismatch/tokens"] > 0 and r["mismatch/logprob_abs_diff_max"] < 1e-4, step

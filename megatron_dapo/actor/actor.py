@@ -266,7 +266,8 @@ class MegatronActor:
     def _loss_fn(self, mb: MicroBatch, logits: Tensor):
         logp, entropy = self._token_log_probs(mb, logits, compute_entropy=True)
         old = torch.where(mb.has_old.unsqueeze(-1), mb.old_log_probs, logp.detach())
-        out = policy_loss(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy)
+        out = policy_loss(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy,
+                          is_weights=mb.is_weights)
         # megatron sums this int count over micro-batches and DP ranks and scales grads by 1 / total.
         metrics = {k: v.detach() for k, v in out.metrics.items()}
         return out.loss_sum, out.denominator.round().to(torch.int), metrics

@@ -218,6 +218,8 @@ class MicroBatch:
     """Packed only: [segments + 1] int32 offsets of the rows (and of a trailing pad segment) in [1, T]."""
     max_seqlen: int = 0
     """Packed only: longest segment of cu_seqlens."""
+    is_weights: Tensor | None = None
+    """[b, s] fp32 rollout-correction weights (1 in rows without any); None when no row has them."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
@@ -268,8 +270,14 @@ def _row_tensors(rows: Sequence[TrainSample], s: int) -> dict[str, Tensor]:
         loss_mask[r, p - 1:n - 1] = 1.0 if row.loss_mask is None else row.loss_mask.float()
         if row.old_log_probs is not None:
             old[r, p - 1:n - 1] = row.old_log_probs.float()
+    is_weights = None
+    if any(row.is_weights is not None for row in rows):
+        is_weights = torch.ones(b, s, dtype=torch.float32)
+        for r, row in enumerate(rows):
+            if row.is_weights is not None:
+                is_weights[r, row.prompt_len - 1:len(row.tokens) - 1] = row.is_weights.float()
     return dict(tokens=tokens, targets=targets, response_mask=response_mask, loss_mask=loss_mask,
-                old_log_probs=old)
+                old_log_probs=old, is_weights=is_weights)
 
 
 def _row_fields(rows: Sequence[TrainSample]) -> dict:
@@ -332,7 +340,7 @@ def build_packed_micro_batch(samples: Sequence[TrainSample], indices: list[int],
         indices=list(indices), tokens=tokens, position_ids=position_ids,
         attention_mask=block_causal_mask(cu) if causal_mask else None, targets=targets,
         response_mask=padded["response_mask"], loss_mask=padded["loss_mask"],
-        old_log_probs=padded["old_log_probs"], **_row_fields(rows),
+        old_log_probs=padded["old_log_probs"], is_weights=padded["is_weights"], **_row_fields(rows),
         unpack_index=starts[:, None] + offsets, cu_seqlens=cu, max_seqlen=max(segments),
     )
 

@@ -109,16 +109,22 @@ class TrainSample:
     """[response_len] log pi_old; None = on-policy (the current log-probs, detached)."""
     loss_mask: torch.Tensor | None = None
     """[response_len] 1 = token enters the loss; None = all ones."""
+    is_weights: torch.Tensor | None = None
+    """[response_len] detached rollout-correction weight per token (--use-tis: min(pi_old/pi_rollout, C),
+    algorithm/mismatch.py), multiplied into the token's loss; None = all ones."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_len < len(self.tokens):
             raise ValueError(f"TrainSample: need 1 <= prompt_len ({self.prompt_len}) < len(tokens) "
                              f"({len(self.tokens)}): at least one prompt and one response token")
-        for name in ("old_log_probs", "loss_mask"):
+        for name in ("old_log_probs", "loss_mask", "is_weights"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (self.response_len,):
                 raise ValueError(f"TrainSample.{name} has shape {tuple(value.shape)}, expected "
                                  f"[response_len={self.response_len}]")
+        weights = self.is_weights
+        if weights is not None and not (torch.isfinite(weights).all() and (weights >= 0).all()):
+            raise ValueError("TrainSample.is_weights must be finite and >= 0")
 
     @property
     def response_len(self) -> int:

@@ -1,4 +1,5 @@
-"""DAPO maths on plain tensors: policy loss, advantages, dynamic sampling, overlong shaping.
+"""DAPO maths on plain tensors: policy loss, advantages, dynamic sampling, overlong shaping, off-policy
+correction.
 
 No Megatron, no I/O: everything here is a pure function or a small stateful accumulator.
 """
@@ -20,6 +21,15 @@ from megatron_dapo.algorithm.loss import (
     policy_loss,
     reduce_metrics,
 )
+from megatron_dapo.algorithm.mismatch import (
+    MIS_MODES,
+    OffPolicyConfig,
+    mis_keep_mask,
+    mismatch_sums,
+    off_policy_correction,
+    reduce_mismatch,
+    tis_weights,
+)
 from megatron_dapo.algorithm.overlong import (
     OverlongConfig,
     overlong_keep_mask,
@@ -30,10 +40,12 @@ from megatron_dapo.algorithm.overlong import (
 __all__ = [
     "AGG_MODES",
     "KEEP_RATE_FLOOR",
+    "MIS_MODES",
     "ON_EXHAUSTED",
     "BatchFiller",
     "DynamicSamplingConfig",
     "GenerationBudgetExhausted",
+    "OffPolicyConfig",
     "OverlongConfig",
     "PolicyLossConfig",
     "PolicyLossOutput",
@@ -41,9 +53,14 @@ __all__ = [
     "broadcast_to_tokens",
     "group_advantages",
     "group_is_informative",
+    "mis_keep_mask",
+    "mismatch_sums",
+    "off_policy_correction",
     "overlong_keep_mask",
     "overlong_penalties",
     "overlong_penalty",
     "policy_loss",
     "reduce_metrics",
+    "reduce_mismatch",
+    "tis_weights",
 ]

@@ -105,6 +105,7 @@ def policy_loss(
     config: PolicyLossConfig,
     *,
     entropy: Tensor | None = None,
+    is_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
     """DAPO clipped surrogate on a micro-batch.
 
@@ -114,6 +115,8 @@ def policy_loss(
         advantages: [B] per-sequence or [B, S] per-token advantages.
         mask: [B, S] 1 for response tokens that enter the loss, 0 for prompt / padding / filtered.
         entropy: optional [B, S] per-token entropy, only reported.
+        is_weights: optional [B, S] rollout-correction weights (TIS, algorithm/mismatch.py), detached here;
+            each token's clipped loss is multiplied by its weight; the denominator is unchanged.
     Returns:
         PolicyLossOutput(loss_sum, denominator, metrics). Metric sums over masked tokens: pg_loss,
         clipfrac_high (ratio clipped at 1+eps_high with A > 0), clipfrac_low (clipped at 1-eps_low with
@@ -146,6 +149,11 @@ def policy_loss(
         cap = -advantages * config.dual_clip_c  # positive where A < 0
         dual_active = (advantages < 0) & (token_loss > cap)
         token_loss = torch.where(dual_active, cap, token_loss)
+    if is_weights is not None:
+        if is_weights.shape != log_probs.shape:
+            raise ValueError(f"is_weights {tuple(is_weights.shape)} must have the [B, S] shape of log_probs "
+                             f"{tuple(log_probs.shape)}")
+        token_loss = token_loss * is_weights.detach().to(dtype)
 
     loss_sum, denominator = aggregate(token_loss, maskf, config.agg_mode)
     with torch.no_grad():
