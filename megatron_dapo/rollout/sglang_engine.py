@@ -71,6 +71,8 @@ from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_te
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 
 UPDATE_MODES = ("tensor", "distributed", "disk")
+_SYNC_GROUP_IDS = itertools.count(1)
+"""Names of the weight-sync broadcast groups of this process (a name can be registered only once)."""
 
 
 @dataclass(kw_only=True)
@@ -646,7 +648,8 @@ class SGLangEngine(RolloutEngine):
             self._drop_sync_group(self._sync_members)
         self._sync_dirty = False
         self._sync_generation += 1
-        name = f"megatron_dapo_weight_sync_{self._sync_generation}"
+        # torch.distributed keeps group names per process: unique across every engine this process made
+        name = f"megatron_dapo_weight_sync_{next(_SYNC_GROUP_IDS)}"
         port = self.client.sync_master_port + self._sync_generation - 1
         world = 1 + len(targets) * self.tp
         futures = [asyncio.run_coroutine_threadsafe(self._post(self.urls[i], "/init_weights_update_group", {
