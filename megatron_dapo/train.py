@@ -68,7 +68,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
     trainer = TrainerConfig(
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
-        eval_sampling=eval_sampling,
+        eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
     )
     return actor, collect, trainer
 
@@ -195,9 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         return [train_prompts[i] for i in sampler.next_batch(k)]
 
     def save(step: int) -> None:
-        box = [sampler.state_dict()]
-        dist.broadcast_object_list(box, src=0)  # identical common state on every rank
-        save_checkpoint(args.save, step, actor, extra={"sampler": box[0]})
+        from megatron_dapo import comm
+
+        state = sampler.state_dict()
+        if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
+            state = comm.broadcast_object(state, 0, group=trainer.wait_group)
+        save_checkpoint(args.save, step, actor, extra={"sampler": state})
 
     logger = None
     if rank0:
@@ -234,7 +237,9 @@ def main(argv: list[str] | None = None) -> None:
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():
-            dist.barrier()
+            from megatron_dapo import comm
+
+            comm.barrier()
             dist.destroy_process_group()
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterator, Mapping
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -24,6 +23,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from torch import Tensor
 
+from megatron_dapo import comm
 from megatron_dapo.actor.batching import MicroBatch, build_micro_batches
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import token_log_probs
@@ -151,7 +151,7 @@ class MegatronActor:
                         per_sample[k][i] = values
             flat = torch.stack([torch.cat(rows) for rows in per_sample])  # type: ignore[arg-type]
         if self.layout.pp > 1:
-            dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            comm.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
         split = [list(row.cpu().split(lens)) for row in flat]
         return (split[0], split[1]) if with_entropy else split[0]
@@ -188,9 +188,9 @@ class MegatronActor:
                     if key in out:
                         sums[k] += out[key].double()
         if self.layout.pp > 1:  # only the last stage holds loss metrics
-            dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+            comm.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         if self.layout.dp > 1:
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         totals = dict(zip(METRIC_KEYS, sums.tolist()))
         tokens = totals.pop("tokens")
         metrics = {key: (value / tokens if tokens > 0 else 0.0) for key, value in totals.items()}
