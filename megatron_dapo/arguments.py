@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--over-sample-factor", type=float, default=1.0,
                    help="prompts asked per generation round = factor x groups still needed / keep rate "
                         "measured so far in the step (1 in the first round)")
+    g.add_argument("--rollout-timeout", type=float, default=12.0,
+                   help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
+                        "made at start; Megatron's NCCL groups keep their own 30-minute timeout)")
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", type=int, default=1, help="tensor parallel size of each SGLang server")
     g.add_argument("--sglang-base-port", type=int, default=30000)

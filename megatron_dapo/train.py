@@ -81,7 +81,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
     trainer = TrainerConfig(
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
-        eval_sampling=eval_sampling,
+        eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
         off_policy=OffPolicyConfig(use_tis=args.use_tis, tis_cap=args.tis_cap, mis_mode=args.mis_mode,
                                    mis_threshold=args.mis_threshold),
     )
@@ -345,9 +345,12 @@ def train(args: argparse.Namespace) -> None:
                             async_save=args.async_save) if args.save else None
 
     def save(step: int) -> None:
-        box = [sampler.state_dict()]
-        dist.broadcast_object_list(box, src=0)  # identical common state on every rank
-        saver.save(step, actor, extra={"sampler": box[0]})
+        from megatron_dapo import comm
+
+        state = sampler.state_dict()
+        if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
+            state = comm.broadcast_object(state, 0, group=trainer.wait_group)
+        saver.save(step, actor, extra={"sampler": state})
 
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
@@ -371,7 +374,9 @@ def train(args: argparse.Namespace) -> None:
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():
-            dist.barrier()
+            from megatron_dapo import comm
+
+            comm.barrier()
             dist.destroy_process_group()
 
 

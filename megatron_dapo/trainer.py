@@ -1,9 +1,12 @@
 """The DAPO training loop: generate -> reward -> filter -> old log-probs -> train -> sync -> eval -> save.
 
 Every rank of the torchrun world runs this loop (SPMD). Global rank 0 owns the rollout engine and
-the prompt sampler; it collects each step's batch and broadcasts it. Each data-parallel rank then
+the prompt sampler; it collects each step's batch, computes advantages, loss masks and the DP partition,
+and sends each data-parallel rank only its rows as tensors (megatron_dapo/dataplane.py); the other ranks
+wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog. Each DP rank then
 trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
-through `weights.export.iter_hf_weights` (a collective every rank iterates).
+through `weights.export.iter_hf_weights` (a collective every rank iterates). Every collective here
+goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
 """
 
 from __future__ import annotations
@@ -11,11 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dapo import comm
 from megatron_dapo.actor import MegatronActor, TrainSample
 from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
 from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
@@ -28,6 +33,7 @@ from megatron_dapo.algorithm.mismatch import (
     reduce_mismatch,
 )
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
+from megatron_dapo.dataplane import DataPlane, pack, unpack
 from megatron_dapo.evaluation import evaluate
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.rollout.engine import RolloutEngine
@@ -60,10 +66,14 @@ class TrainerConfig:
     """Checkpoint every N steps (--save-interval); the last step is always saved when save_dir is set."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Rollout-vs-actor correction (--use-tis, --tis-cap, --mis-mode, --mis-threshold)."""
+    rollout_timeout_h: float = 12.0
+    """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"--num-steps must be >= 1, got {self.num_steps}")
+        if not self.rollout_timeout_h > 0:
+            raise ValueError(f"--rollout-timeout must be > 0 hours, got {self.rollout_timeout_h}")
         if self.global_batch_size < 0 or self.eval_interval < 0 or self.save_interval < 0:
             raise ValueError("--global-batch-size, --eval-interval and --save-interval must be >= 0")
         if self.eval_interval and self.eval_sampling is None:
@@ -87,11 +97,20 @@ class Trainer:
     step: int = 0
     """Last completed step (set by a resume)."""
     _is_rank0: bool = field(init=False)
+    _plane: DataPlane | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self._is_rank0 and (self.engine is None or self.next_prompts is None):
             raise ValueError("global rank 0 needs the rollout engine and the prompt sampler")
+        if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes the groups
+            self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
+                                    timeout=timedelta(hours=self.config.rollout_timeout_h))
+
+    @property
+    def wait_group(self):
+        """The world gloo group with the --rollout-timeout (None in a world of one)."""
+        return self._plane.wait_group if self._plane is not None else None
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -100,9 +119,8 @@ class Trainer:
             self.log(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
-            groups, metrics = self.rollout(step)                   # generate -> reward -> filter
-            samples, group_metrics = self.build_samples(groups)    # advantages, masks, my DP share
-            metrics |= group_metrics
+            metrics, shares = self.rank0_batch(step)               # rank 0: rollout, advantages, DP split
+            samples = self.distribute(shares)                      # my DP share (others wait here, gloo)
             metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
             metrics |= self.sync_weights(step)                     # actor -> rollout engine
             if cfg.eval_interval and step % cfg.eval_interval == 0:
@@ -119,22 +137,42 @@ class Trainer:
                                                                      and step % cfg.save_interval == 0))
 
     # ---- stages ------------------------------------------------------------------------------------
-    def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
-        """Rank 0 collects the step's kept groups; every rank receives them."""
-        payload: list = [None]
-        if self._is_rank0:
-            result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
-                                   step=step)
-            if self.logger is not None:  # which prompts each step saw: audit trail and resume check
-                self.logger.log_record("prompts", {"step": step, "requested": result.requested,
-                                                   "kept": [g.prompt.index for g in result.groups]})
-            payload = [(result.groups, result.metrics)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(payload, src=0)
-        return payload[0]
+    def rank0_batch(self, step: int) -> tuple[dict[str, float], list[list[list[Rollout]]] | None]:
+        """Rank 0: rollout metrics and every DP rank's share [dp][minibatch][row]; ({}, None) elsewhere.
 
-    def build_samples(self, groups: list[ScoredGroup]) -> tuple[list[list[Rollout]], dict[str, float]]:
-        """Group-normalised advantages -> TrainSamples, split into mini-batches, this DP rank's share."""
+        A failure on rank 0 is sent to the waiting ranks (they raise too) before it propagates."""
+        if not self._is_rank0:
+            return {}, None
+        try:
+            groups, metrics = self.rollout(step)                       # generate -> reward -> filter
+            shares, group_metrics = self.build_samples(groups)        # advantages, masks, DP partition
+        except BaseException:
+            if self._plane is not None:
+                self._plane.abort()
+            raise
+        return metrics | group_metrics, shares
+
+    def distribute(self, shares: list[list[list[Rollout]]] | None) -> list[list[Rollout]]:
+        """This DP rank's rows of each mini-batch: rank 0 sends each DP rank its share as tensors.
+
+        Every rank but 0 waits here for the whole rollout, on the --rollout-timeout gloo group."""
+        if self._plane is None:
+            return shares[0]
+        packed = [pack(share) for share in shares] if shares is not None else None
+        return unpack(self._plane.exchange(packed), Rollout)
+
+    def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Rank 0 collects the step's kept groups."""
+        result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
+                               step=step)
+        if self.logger is not None:  # which prompts each step saw: audit trail and resume check
+            self.logger.log_record("prompts", {"step": step, "requested": result.requested,
+                                               "kept": [g.prompt.index for g in result.groups]})
+        return result.groups, result.metrics
+
+    def build_samples(self, groups: list[ScoredGroup]) -> tuple[list[list[list[Rollout]]], dict[str, float]]:
+        """Rank 0: group-normalised advantages -> TrainSamples, split into mini-batches, then each mini-batch
+        into the DP ranks' shares: [dp][minibatch][row]."""
         flat = [(g_idx, s, r) for g_idx, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
         adv = group_advantages([r for _, _, r in flat], [g for g, _, _ in flat])
         keep = overlong_keep_mask([s.truncated for _, s, _ in flat], self.collect.overlong)
@@ -149,7 +187,7 @@ class Trainer:
         ]
         gbs = self.config.global_batch_size or len(rollouts)
         minibatches = [rollouts[i:i + gbs] for i in range(0, len(rollouts), gbs)]
-        dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        dp = parallel_state.get_data_parallel_world_size()
         if any(len(mb) < dp for mb in minibatches):
             raise ValueError(
                 f"a mini-batch has fewer responses than the {dp} data-parallel ranks; raise "
@@ -157,13 +195,16 @@ class Trainer:
             )
         metrics = {"train/advantage_abs_mean": float(adv.abs().mean()), "train/minibatches": len(minibatches),
                    "train/responses": float(len(rollouts))}
-        # token-cost balanced (quadratic attention term included), not strided: see partition_for_dp
+        splits = [self.dp_split(mb, dp) for mb in minibatches]  # [minibatch][dp][row index]
+        return [[[mb[i] for i in split[d]] for mb, split in zip(minibatches, splits)] for d in range(dp)], metrics
+
+    def dp_split(self, minibatch: list[Rollout], dp: int) -> list[list[int]]:
+        """Row indices of `minibatch` that each of the `dp` ranks trains on: balanced by token cost (quadratic
+        attention term included), not strided; see actor/batching.partition_for_dp."""
         arch = self.actor.arch
         coef = attention_cost_coefficient(arch.hidden_size, arch.intermediate_size, arch.num_heads,
                                           arch.num_kv_heads, arch.head_dim)
-        shares = [partition_for_dp([len(r.sample.tokens) for r in mb], dp, attn_coef=coef)[rank]
-                  for mb in minibatches]
-        return [[mb[i] for i in share] for mb, share in zip(minibatches, shares)], metrics
+        return partition_for_dp([len(r.sample.tokens) for r in minibatch], dp, attn_coef=coef)
 
     def train(self, minibatches: list[list[Rollout]], step: int) -> dict[str, float]:
         """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch, all
@@ -198,13 +239,16 @@ class Trainer:
         return metrics | {"time/sync_s": time.perf_counter() - t0}
 
     def evaluate(self) -> dict[str, float]:
-        if not self._is_rank0 or not self.eval_prompts:
-            return {}
-        t0 = time.perf_counter()
-        metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
-                           n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
-                           pass_ks=(1, self.config.eval_n_samples), seed=self.collect.seed)
-        metrics["time/eval_s"] = time.perf_counter() - t0
+        """Rank 0 evaluates; the other ranks wait for it on the --rollout-timeout gloo group."""
+        metrics: dict[str, float] = {}
+        if self._is_rank0 and self.eval_prompts:
+            t0 = time.perf_counter()
+            metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
+                               n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
+                               pass_ks=(1, self.config.eval_n_samples), seed=self.collect.seed)
+            metrics["time/eval_s"] = time.perf_counter() - t0
+        if self._plane is not None:
+            self._plane.wait()
         return metrics
 
     def save(self, step: int) -> None:
@@ -218,7 +262,8 @@ class Trainer:
     # ---- metrics -----------------------------------------------------------------------------------
     def _mismatch(self, local: list[Rollout], actor_logp: list[torch.Tensor]) -> dict[str, float]:
         """Rollout-vs-actor correction and `mismatch/*` metrics (algorithm/mismatch.py) over every response
-        token, reduced over DP ranks. With --use-tis / --mis-mode, sets each sample's is_weights / loss_mask.
+        token, reduced over DP ranks (CPU values moved to the DP group's device by comm). With --use-tis /
+        --mis-mode, sets each sample's is_weights / loss_mask.
 
         Host cost, per DP rank: about 30 vector ops per response, 3.2 s at the 32B worst case (1024 responses
         x 20480 tokens, one CPU thread, measured here at 64 x 20480), against a step of tens of minutes; one
@@ -239,6 +284,6 @@ class Trainer:
                 sample.is_weights = None if corr.is_weights is None else corr.is_weights[0]
         if parallel_state.get_data_parallel_world_size() > 1:
             group = parallel_state.get_data_parallel_group()
-            dist.all_reduce(stats, group=group)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(stats, group=group)
+            comm.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         return reduce_mismatch(dict(zip(SUM_KEYS, stats.tolist())) | dict(zip(MAX_KEYS, peak.tolist())))

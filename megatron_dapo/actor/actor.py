@@ -27,6 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from torch import Tensor
 
+from megatron_dapo import comm
 from megatron_dapo.actor.batching import (
     MicroBatch,
     gather_response,
@@ -134,7 +135,7 @@ class MegatronActor:
         groups = plan_micro_batches(lengths, **plan)
         if self.layout.dp > 1:
             count = torch.tensor([len(groups)], dtype=torch.int64, device=_device())
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+            comm.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
             groups = plan_micro_batches(lengths, **plan, num_micro_batches=int(count.item()))
         return groups
 
@@ -257,7 +258,7 @@ class MegatronActor:
                         per_sample[k][i] = values
             flat = torch.stack([torch.cat(rows) for rows in per_sample])  # type: ignore[arg-type]
         if self.layout.pp > 1:
-            dist.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            comm.broadcast(flat, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                            group=parallel_state.get_pipeline_model_parallel_group())
         split = [list(row.cpu().split(lens)) for row in flat]
         return (split[0], split[1]) if with_entropy else split[0]
@@ -295,9 +296,9 @@ class MegatronActor:
                     if key in out:
                         sums[k] += out[key].double()
         if self.layout.pp > 1:  # only the last stage holds loss metrics
-            dist.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
+            comm.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         if self.layout.dp > 1:
-            dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
         totals = dict(zip(METRIC_KEYS, sums.tolist()))
         tokens = totals.pop("tokens")
         metrics = {key: (value / tokens if tokens > 0 else 0.0) for key, value in totals.items()}

@@ -1,0 +1,156 @@
+"""torchrun worker (2 gloo ranks, DP=2) for tests/test_dataplane_dist.py.
+
+The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one launch:
+  A. DataPlane with two replicas (rank 0 -> rank 1 by send/recv) and with one replica of both ranks
+     (the leader's broadcast to its TP/PP peers): every rank gets exactly its share.
+  B. abort(): the waiting rank raises instead of waiting.
+  C. A Trainer step whose rollout engine takes SLOW_S > DEFAULT_TIMEOUT_S: rank 1 waits that long in
+     `distribute` and the step completes (train + weight sync). Meanwhile a control thread on rank 1
+     waits on a gloo group with the default group's timeout for a message that never comes: it fires.
+  D. Rank 0 evaluates for SLOW_S; rank 1 waits in `evaluate` and returns.
+Writes each rank's checks to <out_dir>/rank<r>.json (argv[1]) for the test to read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 8
+SLOW_S = 11.0
+
+
+CHECKS: dict = {}
+
+
+def check(name: str, value) -> None:
+    CHECKS[name] = value
+
+
+def digest(minibatches) -> list:
+    return [[(r.sample.tokens, r.sample.prompt_len, r.sample.advantage, r.sample.loss_mask.tolist(),
+              r.rollout_log_probs.tolist()) for r in mb] for mb in minibatches]
+
+
+def main() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    rank = dist.get_rank()
+    from megatron.core import parallel_state
+
+    from megatron_dapo.actor import MegatronActor, init_parallel
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.dataplane import DataPlane, pack, unpack
+    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.parallel import padded_vocab_size
+    from megatron_dapo.train import build_configs
+    from megatron_dapo.trainer import Rollout, Trainer
+    from tests import sim_engine as sim
+    from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
+    from tests.test_dataplane import _rows
+
+    layout = init_parallel(seed=0, timeout_minutes=1)
+    hour = timedelta(hours=1)
+
+    # A. two replicas (dp rank = parallel_state's), then one replica holding both ranks
+    shares = [[_rows(3, 10 + d), _rows(2, 20 + d)] for d in range(2)]
+    for name, dp_rank, expect in (("two_replicas", parallel_state.get_data_parallel_rank(), rank),
+                                  ("one_replica", 0, 0)):
+        plane = DataPlane(dp_rank, timeout=hour)
+        dp = plane.dp_size
+        got = unpack(plane.exchange([pack(s) for s in shares[:dp]] if rank == 0 else None), Rollout)
+        check(name, {"dp": dp, "equal": digest(got) == digest(shares[expect]), "bytes": plane.bytes_received,
+                     "expected_bytes": pack(shares[expect]).nbytes})
+
+    # B. abort reaches the waiting rank
+    if rank == 0:
+        plane.abort()
+        check("abort", "sent")
+    else:
+        try:
+            plane.exchange(None)
+            check("abort", "no error")
+        except RuntimeError as e:
+            check("abort", str(e))
+
+    # C. a trainer step whose generation outlasts the default group's timeout
+    hf = tiny_hf_model(seed=3)
+    arch = Qwen2Arch.from_hf(hf.config)
+    args = build_parser().parse_args([
+        "--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1", "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "4", "--no-dynamic-sampling", "--max-response-length", "8",
+        "--overlong-buffer-length", "2", "--lr", "1e-3", "--rollout-timeout", "1"])
+    actor_cfg, collect_cfg, trainer_cfg = build_configs(args)
+    actor = MegatronActor(arch, actor_cfg, layout)
+    actor.load_shards(mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0,
+                                            pp=1, pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+
+    class SlowEngine(sim.LengthLatencyEngine):
+        def stream(self, requests):
+            time.sleep(SLOW_S)
+            return super().stream(requests)
+
+        def update_weights(self, named_tensors, *, version: int) -> None:
+            self.synced = sum(t.numel() for _, t in named_tensors)  # the export is a collective: consume it
+
+    engine = SlowEngine(keep_rate=1.0, truncate_prob=0.0, seed=1) if rank == 0 else None
+    trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
+                      next_prompts=sim.cycling(sim.prompts(8)) if rank == 0 else None, eval_prompts=[],
+                      decode=sim.decode, reward_fn=sim.reward, logger=None)
+    control = {}
+    if rank == 1:
+        short = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+
+        def wait_on_short_group() -> None:  # what waiting on a group with the default timeout does
+            t0 = time.perf_counter()
+            try:
+                dist.recv(torch.zeros(1), src=0, group=short)
+                control["outcome"] = "received"
+            except RuntimeError as e:
+                control["outcome"] = f"{type(e).__name__}: {str(e)[:80]}"
+            control["after_s"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=wait_on_short_group, daemon=True)
+    else:
+        dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    distribute, waited = trainer.distribute, {}
+
+    def timed_distribute(shares):
+        t0 = time.perf_counter()
+        out = distribute(shares)
+        waited["s"] = time.perf_counter() - t0
+        waited["rows"] = sum(len(mb) for mb in out)
+        return out
+
+    trainer.distribute = timed_distribute
+    if rank == 1:
+        thread.start()
+    logged = {}
+    trainer.log = lambda step, metrics: logged.update(metrics)
+    trainer.run()
+    check("step", {"step": trainer.step, "waited_s": waited["s"], "rows": waited["rows"],
+                   "pg_loss": logged.get("train/pg_loss"), "mismatch": logged.get("mismatch/logprob_abs_diff_mean"),
+                   "synced": getattr(engine, "synced", None)})
+    if rank == 1:
+        thread.join(timeout=60)
+        check("control", control)
+
+    # D. rank 0's evaluation outlasts the default timeout; rank 1 waits for it on the rollout-timeout group
+    t0 = time.perf_counter()
+    if rank == 0:
+        time.sleep(SLOW_S)
+    trainer.evaluate()
+    check("eval_wait", {"waited_s": time.perf_counter() - t0})
+    dist.barrier()
+    with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+        json.dump(CHECKS, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Two gloo ranks (tests/dist/dataplane_wait.py, one launch, ~45 s): each DP rank receives exactly its
+rows; an abort on rank 0 reaches the waiting rank; a rollout and an evaluation that outlast the default
+process group's timeout (8 s) are waited out on the --rollout-timeout gloo group and the step completes,
+while a wait on a group with the default timeout fires."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.torchrun import REPO, run_torchrun
+
+pytestmark = pytest.mark.slow
+DEFAULT_TIMEOUT_S, SLOW_S = 8, 11.0
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> dict[int, dict]:
+    out_dir = tmp_path_factory.mktemp("dataplane")
+    run_torchrun(REPO / "tests" / "dist" / "dataplane_wait.py", str(out_dir), timeout=400)
+    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def _both(checks, name) -> list:
+    return [checks[r][name] for r in (0, 1) if name in checks[r]]
+
+
+def test_each_dp_rank_gets_exactly_its_share(checks):
+    two = _both(checks, "two_replicas")
+    one = _both(checks, "one_replica")
+    assert len(two) == len(one) == 2
+    assert all(c["equal"] and c["dp"] == 2 for c in two) and all(c["equal"] and c["dp"] == 1 for c in one)
+    for name in ("two_replicas", "one_replica"):  # rank 0 receives nothing, rank 1 exactly its share's bytes
+        assert checks[0][name]["bytes"] == 0
+        assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] > 0
+
+
+def test_abort_reaches_the_waiting_rank(checks):
+    assert checks[0]["abort"] == "sent"
+    assert checks[1]["abort"] == "global rank 0 failed while collecting the rollout batch; see its log"
+
+
+def test_slow_rollout_outlasts_the_default_timeout_and_the_step_completes(checks):
+    steps = _both(checks, "step")
+    assert len(steps) == 2 and all(s["step"] == 1 for s in steps)
+    assert steps[1]["waited_s"] > SLOW_S > DEFAULT_TIMEOUT_S  # rank 1 waited out the rollout in distribute
+    assert sum(s["rows"] for s in steps) == 8 and min(s["rows"] for s in steps) == 4  # 2 prompts x 4, DP=2
+    assert steps[0]["pg_loss"] == pytest.approx(steps[1]["pg_loss"])  # metrics reduced over DP
+    assert steps[0]["mismatch"] == pytest.approx(steps[1]["mismatch"]) and steps[0]["mismatch"] > 0
+    assert steps[0]["synced"] > 0  # rank 0's engine got the weights: the export ran on both ranks
+    control = checks[1]["control"]
+    assert control["outcome"] != "received" and DEFAULT_TIMEOUT_S - 1 < control["after_s"] < SLOW_S, control
+
+
+def test_rank0_eval_is_waited_out(checks):
+    assert checks[1]["eval_wait"]["waited_s"] > SLOW_S - 0.5
