@@ -106,6 +106,13 @@ class HFCheckpointReader:
             raise CheckpointError(f"{self.dir} has no tensor {name!r}")
         return f.get(name)
 
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of tensor `name`, memory-mapped read-only (thread-safe; see map_file_tensor)."""
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.dir} has no tensor {name!r}")
+        return f.map_rows(name, start, stop)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()

@@ -3,15 +3,18 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping each name to
 {dtype, shape, data_offsets}, then the raw bytes. Because the converter knows every shape from the
 config, it writes the header first and then each tensor's bytes in order, so it never holds more
-than the tensor being written. Reading uses seek + readinto into a fresh tensor instead of mmap,
-so the bytes of tensors already processed do not stay resident (mmap pages would count in RSS).
+than the tensor being written. Reading uses pread into a fresh tensor instead of mmap, so the bytes
+of tensors already processed do not stay resident (mmap pages would count in RSS), and several
+threads can read one file at once.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -34,6 +37,28 @@ DTYPE_TO_ST: dict[torch.dtype, str] = {
 }
 ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 _ALIGN = 8  # the safetensors package pads the header to 8 bytes; keep files byte-compatible
+
+
+def map_file_tensor(fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A read-only CPU tensor over file bytes at `offset` (mmap, pre-faulted with MAP_POPULATE).
+
+    No copy: writing it to another file moves each byte once (page cache -> page cache), like a byte
+    copy. The mapping lives as long as the tensor (or a view of it); its pages count in RSS only
+    meanwhile, so a caller that drops each tensor after use holds one tensor's pages at a time.
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+    with warnings.catch_warnings():  # read-only is intended: nothing writes to these tensors
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset - start)
+    return raw.view(dtype).reshape(tuple(shape))
 
 
 class CheckpointError(ValueError):
@@ -144,6 +169,7 @@ class SafetensorsFile:
         except Exception:
             self._file.close()
             raise
+        self._fd = self._file.fileno()
 
     def _parse_header(self, size: int) -> tuple[dict[str, TensorSpec], dict[str, str], dict[str, int]]:
         head = self._file.read(8)
@@ -194,13 +220,42 @@ class SafetensorsFile:
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        out = torch.empty(spec.shape, dtype=spec.dtype)
-        if spec.nbytes:
-            self._file.seek(self._offsets[name])
-            got = self._file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-            if got != spec.nbytes:
-                raise CheckpointError(f"{self.path}: short read of {name} ({got} of {spec.nbytes} bytes)")
+        return self.get_rows(name, 0, spec.shape[0] if spec.shape else 1)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop (dim 0) of tensor `name` as a new CPU tensor; thread-safe (pread)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
+        row_bytes = spec.nbytes // rows if rows else 0
+        out = torch.empty((stop - start, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
+        want = (stop - start) * row_bytes
+        if want:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < want:  # pread may return less than asked for very large reads
+                n = os.preadv(self._fd, [view[got:]], self._offsets[name] + start * row_bytes + got)
+                if n <= 0:
+                    break
+                got += n
+            if got != want:
+                raise CheckpointError(f"{self.path}: short read of {name} ({got} of {want} bytes)")
         return out
+
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of tensor `name` as a read-only memory-mapped tensor (see map_file_tensor)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
+        row_bytes = spec.nbytes // rows if rows else 0
+        shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
+        return map_file_tensor(self._fd, self._offsets[name] + start * row_bytes, shape, spec.dtype)
 
     def close(self) -> None:
         self._file.close()
