@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_dapo.metrics_log import MetricsLogger
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.trainer import Trainer
+    from megatron_dapo.weights.dist_load import initial_checkpoint, load_model_weights
 
     layout = init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                            seed=args.seed)
@@ -155,12 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     reward_fn = get_reward_fn(args.reward_fn)
 
     actor = MegatronActor(arch, actor_cfg, layout)
-    if args.mcore_checkpoint:
-        from megatron_dapo.weights import load_mcore_checkpoint
-
-        load_mcore_checkpoint(actor.module, args.mcore_checkpoint, layout)
-        actor.optimizer.reload_model_params()
-    else:
+    init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
+    if init_ckpt is None:
         load_hf_into_actor(actor, args.hf_checkpoint)
 
     train_prompts = load_prompt_set(args.prompt_data, tokenizer, prompt_format=args.prompt_format,
@@ -192,7 +189,11 @@ def main(argv: list[str] | None = None) -> None:
                       next_prompts=next_prompts if rank0 else None, eval_prompts=eval_prompts,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
-    if args.load:
+    if init_ckpt is not None:  # torch_dist model weights at any TP/PP: iteration 0, fresh optimizer
+        load_model_weights(actor.module, init_ckpt, arch)
+        actor.optimizer.reload_model_params()
+        trainer.sync_weights(0)  # the engine was started from --hf-checkpoint
+    elif args.load:
         extra = load_checkpoint(args.load, actor)
         if extra is not None:
             if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders

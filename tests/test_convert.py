@@ -304,8 +304,8 @@ def test_missing_corrupt_and_mismatched_shards(tmp_path: Path, capsys: pytest.Ca
     (hf / "config.json").write_text(json.dumps(config)[:-5])  # issue 12: name the file, not a bare JSONDecodeError
     _expect_error(capsys, argv, f"--hf-path: {hf / 'config.json'} is not valid JSON")
     (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
-    _expect_error(capsys, argv, f"{hf}/config.json declares torch.bfloat16", f"the tensors of --hf-path {hf} are torch.float32",
-                  "--dtype")
+    _expect_error(capsys, argv, f"{hf}/config.json declares torch.bfloat16",
+                  f"the tensors of --hf-path {hf} are torch.float32", "--dtype")
     assert not (tmp_path / "mc").exists()
 
 

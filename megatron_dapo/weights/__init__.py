@@ -11,7 +11,7 @@ from megatron_dapo.weights.mapping import (
     canonical_mcore_name,
     resolve_mcore_name,
 )
-from megatron_dapo.weights.plan import iter_hf_from_full_mcore, iter_mcore_shards, stage_tensors
+from megatron_dapo.weights.plan import iter_mcore_shards, stage_tensors
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "MappingEntry",
     "canonical_mcore_name",
     "hf_to_mcore_tensor",
-    "iter_hf_from_full_mcore",
     "iter_mcore_shards",
     "load_mcore_checkpoint",
     "mcore_to_hf_tensors",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,6 +23,20 @@ from megatron_dapo.weights.dist_ckpt import TRACKER_FILE, DistCheckpointReader
 def is_megatron_lm_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a Megatron-LM-layout checkpoint root (converter output), not a training --save dir."""
     return (Path(path) / TRACKER_FILE).is_file()
+
+
+def initial_checkpoint(load: str | None, mcore_checkpoint: str | None) -> str | None:
+    """The torch_dist checkpoint a run starts its weights from, or None (start from --hf-checkpoint).
+
+    That is --load when it is converter output (Megatron-LM layout), not a training run to resume.
+    --mcore-checkpoint is its deprecated spelling; a --load given too wins (it resumes or starts there).
+    """
+    if mcore_checkpoint:
+        warnings.warn("--mcore-checkpoint is deprecated: pass hf-to-mcore output as --load (it loads at any "
+                      "TP/PP)", FutureWarning, stacklevel=2)
+        if not load:
+            return mcore_checkpoint
+    return load if load and is_megatron_lm_checkpoint(load) else None
 
 
 def check_checkpoint_config(path: str | os.PathLike[str], arch: Qwen2Arch, *, flag: str = "--load") -> Path:

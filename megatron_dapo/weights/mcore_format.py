@@ -1,4 +1,6 @@
-"""The on-disk Megatron checkpoint format the converter writes and the actor loads.
+"""Legacy: the per-rank safetensors format checkpoint_convert wrote before torch_dist (read only by
+`weights/load.py`'s load_mcore_checkpoint, which nothing in the project calls any more; the converter now
+writes megatron-core dist checkpoints, see `weights/dist_ckpt.py`). Kept until that loader is removed.
 
     <dir>/latest_checkpointed_iteration.txt   "release" (converted) or an iteration number
     <dir>/args.json                           Megatron args + the HF config.json (key "hf_config")
