@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokenizer-path", help="copy tokenizer files from here (default: <load>/hf_assets)")
     b.add_argument("--max-shard-size", default="5GB", help="largest HF shard, e.g. 5GB, 500MB (default 5GB)")
     b.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep)")
+    b.add_argument("--threads", type=int, default=4, help="tensors converted and written in parallel (default 4)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     return parser
 

@@ -1,17 +1,18 @@
 """A megatron-core dist checkpoint (torch_dist) -> HF safetensors shards + index + config + tokenizer files.
 
 Reads converter output and this project's training checkpoints (`<save>/step_N/`, any TP/PP; optimizer
-state is ignored) alike: per mapping-table entry and layer, the chunks overlapping that layer are read
-from the `.distcp` files, merged into the TP=1 tensor and split into HF tensors by the table's layout
-function. A reader thread works one tensor ahead of the writer. Memory: two layers' largest tensors.
+state is ignored) alike: per mapping-table entry and layer, the chunks overlapping that layer are
+memory-mapped from the `.distcp` files, merged into the TP=1 tensor and split into HF tensors by the
+table's layout function, then written at their offsets in the HF shards (headers first), several
+tensors at once. Memory: 2 x --threads tensors.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from megatron_dapo.weights.ckpt_config import (
 from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
 from megatron_dapo.weights.layout import merge_tp_shards
-from megatron_dapo.weights.mapping import QWEN2_MAPPING, dist_key, hf_names
+from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
@@ -64,8 +65,12 @@ class McoreToHfConfig:
     """--dtype: fp32 | bf16 | fp16; default keeps the checkpoint's dtype."""
     overwrite: bool = False
     """--overwrite: replace an existing --save directory."""
+    threads: int = 4
+    """--threads: tensors converted and written in parallel."""
 
     def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not os.path.isdir(self.load):
             raise FileNotFoundError(f"--load {self.load} is not a directory")
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -97,27 +102,50 @@ def _model_dtype(reader: DistCheckpointReader, arch: Qwen2Arch) -> torch.dtype:
     return dtypes.pop()
 
 
-def iter_hf_tensors(reader: DistCheckpointReader, arch: Qwen2Arch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of the whole model in `hf_tensor_specs` order (layers ascending), one
-    mapping-table tensor read ahead on a worker thread."""
-    jobs: list[tuple[Any, int | None]] = []
+def _jobs(arch: Qwen2Arch) -> list[tuple[MappingEntry, int | None]]:
+    """(mapping entry, layer) of every stored model tensor slice, in HF file order."""
+    jobs: list[tuple[MappingEntry, int | None]] = []
     for stage in ("first", "layer", "last"):
         entries = [e for e in QWEN2_MAPPING if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
         layers: list[int | None] = list(range(arch.num_layers)) if stage == "layer" else [None]
         jobs += [(e, layer) for layer in layers for e in entries]
+    return jobs
 
-    def load(job: tuple[Any, int | None]) -> list[tuple[str, torch.Tensor]]:
-        entry, layer = job
-        full = reader.read(dist_key(entry), layer)
-        return list(zip(hf_names(entry, layer=layer, tied=False), merge_tp_shards(entry.kind, [full], arch)))
 
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        ahead = pool.submit(load, jobs[0])
-        for i in range(len(jobs)):
-            current = ahead.result()
-            if i + 1 < len(jobs):
-                ahead = pool.submit(load, jobs[i + 1])
-            yield from current
+def hf_tensors(
+    reader: DistCheckpointReader, arch: Qwen2Arch, entry: MappingEntry, layer: int | None
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors of one mapping entry (one layer of it): memory-mapped views where the layout allows."""
+    full = reader.read(dist_key(entry), layer)
+    return list(zip(hf_names(entry, layer=layer, tied=False), merge_tp_shards(entry.kind, [full], arch)))
+
+
+def write_hf_tensors(
+    reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int
+) -> None:
+    """Convert and write every tensor, `threads` at a time (each reads its slice, then pwrites it).
+
+    At most 2 x threads tensors are in flight, so memory is that many tensors (mapped pages of the
+    checkpoint, plus a copy where qkv's rows de-interleave or --dtype casts), whatever the model size.
+    """
+
+    def run(job: tuple[MappingEntry, int | None]) -> None:
+        for name, tensor in hf_tensors(reader, arch, *job):
+            writer.write(name, tensor.to(dtype))
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        window: deque[Future[None]] = deque()
+        try:
+            for job in _jobs(arch):
+                window.append(pool.submit(run, job))
+                if len(window) >= 2 * threads:
+                    window.popleft().result()
+            while window:
+                window.popleft().result()
+        except BaseException:
+            for future in window:
+                future.cancel()
+            raise
 
 
 def mcore_to_hf(cfg: McoreToHfConfig) -> list[str]:
@@ -132,8 +160,7 @@ def mcore_to_hf(cfg: McoreToHfConfig) -> list[str]:
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
             writer = HFShardedWriter(tmp, specs, cfg.max_shard_bytes)
             try:
-                for name, tensor in iter_hf_tensors(reader, arch):
-                    writer.write(name, tensor.to(dtype))
+                write_hf_tensors(reader, arch, writer, dtype, cfg.threads)
                 writer.close()
             except BaseException:
                 writer.abort()

@@ -1,6 +1,6 @@
 """Megatron-core dist checkpoints (torch_dist) of a Qwen2 model, written and read without building a model.
 
-Layout written (Megatron-LM's, so `--load DIR` here and in Megatron-LM with `--ckpt-format torch_dist`
+Layout written (Megatron-LM's, so `--load DIR` here and Megatron-LM's torch_dist loader
 open it)::
 
     <dir>/latest_checkpointed_iteration.txt   "release"

@@ -85,6 +85,30 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+def safetensors_header(
+    path: str | os.PathLike[str], specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int]]:
+    """(8-byte length + JSON header, padded, as the safetensors package writes it; each tensor's file offset)."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: duplicate tensor names in {names}")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, offsets = 0, []
+    for spec in specs:
+        if spec.dtype not in DTYPE_TO_ST:
+            raise ValueError(f"{path}: dtype {spec.dtype} of {spec.name} has no safetensors code")
+        header[spec.name] = {
+            "dtype": DTYPE_TO_ST[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offsets.append(offset)
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, [8 + len(raw) + o for o in offsets]
+
+
 class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor, in the order of `specs`.
 
@@ -98,28 +122,12 @@ class StreamingSafetensorsWriter:
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
     ) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{path}: duplicate tensor names in {names}")
-        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-        offset = 0
-        for spec in specs:
-            if spec.dtype not in DTYPE_TO_ST:
-                raise ValueError(f"{path}: dtype {spec.dtype} of {spec.name} has no safetensors code")
-            header[spec.name] = {
-                "dtype": DTYPE_TO_ST[spec.dtype],
-                "shape": list(spec.shape),
-                "data_offsets": [offset, offset + spec.nbytes],
-            }
-            offset += spec.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % _ALIGN)
+        head, _ = safetensors_header(path, specs, metadata)
         self.path = os.fspath(path)
         self._specs = list(specs)
         self._next = 0
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._file.write(head)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._specs):
@@ -153,6 +161,54 @@ class StreamingSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+class PositionalSafetensorsWriter:
+    """A safetensors file whose tensors may be written in any order, from several threads at once.
+
+    The header is written at construction; `write` puts a tensor's bytes at its offset with pwrite
+    (no shared file position), so writer threads copy into the page cache in parallel. `close`
+    fails naming any tensor never written.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None
+    ) -> None:
+        head, offsets = safetensors_header(path, specs, metadata)
+        self.path = os.fspath(path)
+        self._at = {s.name: (s, o) for s, o in zip(specs, offsets)}
+        self._written: set[str] = set()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, head, 0)
+        if specs:  # size the file now, so a tensor written early lands before the end
+            os.ftruncate(self._fd, offsets[-1] + specs[-1].nbytes)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._at:
+            raise ValueError(f"{self.path}: {name} is not declared in its header")
+        spec, offset = self._at[name]
+        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"{self.path}: {name} declared {spec.dtype} {list(spec.shape)}, got "
+                             f"{tensor.dtype} {list(tensor.shape)}")
+        data = _tensor_bytes(tensor.cpu())
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], offset + done)
+        self._written.add(name)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        missing = [n for n in self._at if n not in self._written]
+        if missing:
+            raise ValueError(f"{self.path}: closed with {len(missing)} tensor(s) unwritten: {missing[:4]}")
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class SafetensorsFile:
