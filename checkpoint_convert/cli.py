@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PP size to check the layer count against (default 1)")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the HF dtype)")
     a.add_argument("--threads", type=int, default=4, help="parallel writer threads (default 4)")
-    a.add_argument("--chunk-mb", type=int, default=256,
-                   help="split stored tensors into row chunks of at most this many MiB (default 256)")
+    a.add_argument("--chunk-mb", type=int, default=16,
+                   help="split stored tensors into row chunks of at most this many MiB (default 16)")
     a.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     a.add_argument(
         "--dry-run",
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokenizer-path", help="copy tokenizer files from here (default: <load>/hf_assets)")
     b.add_argument("--max-shard-size", default="5GB", help="largest HF shard, e.g. 5GB, 500MB (default 5GB)")
     b.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep)")
-    b.add_argument("--threads", type=int, default=4, help="tensors converted and written in parallel (default 4)")
+    b.add_argument("--threads", type=int, default=4, help="row blocks converted and written in parallel (default 4)")
+    b.add_argument("--chunk-mb", type=int, default=16,
+                   help="largest row block read and written at once, in MiB (default 16)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     return parser
 

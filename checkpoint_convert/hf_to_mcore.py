@@ -58,7 +58,7 @@ class HfToMcoreConfig:
     """--dry-run: print the Megatron args and tensor shapes; read only config.json, write nothing."""
     threads: int = 4
     """--threads: parallel writer threads (one .distcp file each)."""
-    chunk_mb: int = 256
+    chunk_mb: int = 16
     """--chunk-mb: largest stored chunk; bigger tensors are split along rows (bounds memory per thread)."""
 
     def __post_init__(self) -> None:
@@ -71,6 +71,7 @@ class HfToMcoreConfig:
         if self.chunk_mb < 1:
             raise ValueError(f"--chunk-mb must be >= 1, got {self.chunk_mb}")
         self.layout = ParallelLayout(tp=self.tp, pp=self.pp)
+        self.chunk_bytes = self.chunk_mb << 20
 
 
 def _row_chunks(
@@ -217,7 +218,7 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         reader.check_expected(hf_tensor_specs(arch, src_dtype))
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
-        chunk_bytes = cfg.chunk_mb << 20
+        chunk_bytes = cfg.chunk_bytes
         tensors = {
             dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes)
             for e in QWEN2_MAPPING

@@ -4,7 +4,7 @@ Reads converter output and this project's training checkpoints (`<save>/step_N/`
 state is ignored) alike: per mapping-table entry and layer, the chunks overlapping that layer are
 memory-mapped from the `.distcp` files, merged into the TP=1 tensor and split into HF tensors by the
 table's layout function, then written at their offsets in the HF shards (headers first), several
-tensors at once. Memory: 2 x --threads tensors.
+row blocks at once. Memory: --threads blocks of at most --chunk-mb.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from megatron_dapo.weights.ckpt_config import (
 )
 from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
-from megatron_dapo.weights.layout import merge_tp_shards
+from megatron_dapo.weights.layout import hf_row_starts, hf_shapes, merge_tp_shards
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 from megatron_dapo.weights.safetensors_io import CheckpointError
@@ -66,15 +66,20 @@ class McoreToHfConfig:
     overwrite: bool = False
     """--overwrite: replace an existing --save directory."""
     threads: int = 4
-    """--threads: tensors converted and written in parallel."""
+    """--threads: row blocks converted and written in parallel."""
+    chunk_mb: int = 16
+    """--chunk-mb: largest row block read and written at once (bounds memory per thread)."""
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.chunk_mb < 1:
+            raise ValueError(f"--chunk-mb must be >= 1, got {self.chunk_mb}")
         if not os.path.isdir(self.load):
             raise FileNotFoundError(f"--load {self.load} is not a directory")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.chunk_bytes = self.chunk_mb << 20
         self.max_shard_bytes = parse_size(self.max_shard_size) if self.max_shard_size else DEFAULT_SHARD_BYTES
 
 
@@ -102,43 +107,59 @@ def _model_dtype(reader: DistCheckpointReader, arch: Qwen2Arch) -> torch.dtype:
     return dtypes.pop()
 
 
-def _jobs(arch: Qwen2Arch) -> list[tuple[MappingEntry, int | None]]:
-    """(mapping entry, layer) of every stored model tensor slice, in HF file order."""
-    jobs: list[tuple[MappingEntry, int | None]] = []
+Job = tuple[MappingEntry, "int | None", "tuple[int, int, int] | None"]
+
+
+def _jobs(reader: DistCheckpointReader, arch: Qwen2Arch, chunk_bytes: int) -> list[Job]:
+    """(entry, layer, part) in HF file order; part = (HF tensor index, first row, end row) of a row block
+    of at most chunk_bytes, or None for a whole qkv layer (its rows interleave per query group)."""
+    jobs: list[Job] = []
     for stage in ("first", "layer", "last"):
         entries = [e for e in QWEN2_MAPPING if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
         layers: list[int | None] = list(range(arch.num_layers)) if stage == "layer" else [None]
-        jobs += [(e, layer) for layer in layers for e in entries]
+        for layer in layers:
+            for e in entries:
+                if hf_row_starts(e, arch) is None:
+                    jobs.append((e, layer, None))
+                    continue
+                itemsize = torch.empty((), dtype=reader.dtype(dist_key(e))).element_size()
+                for i, shape in enumerate(hf_shapes(e, arch)):
+                    step = max(1, chunk_bytes // (itemsize * torch.Size(shape[1:]).numel()))
+                    jobs += [(e, layer, (i, a, min(shape[0], a + step))) for a in range(0, shape[0], step)]
     return jobs
 
 
-def hf_tensors(
-    reader: DistCheckpointReader, arch: Qwen2Arch, entry: MappingEntry, layer: int | None
-) -> list[tuple[str, torch.Tensor]]:
-    """The HF tensors of one mapping entry (one layer of it): memory-mapped views where the layout allows."""
-    full = reader.read(dist_key(entry), layer)
-    return list(zip(hf_names(entry, layer=layer, tied=False), merge_tp_shards(entry.kind, [full], arch)))
-
-
 def write_hf_tensors(
-    reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int
+    reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int,
+    chunk_bytes: int,
 ) -> None:
-    """Convert and write every tensor, `threads` at a time (each reads its slice, then pwrites it).
+    """Convert and write every tensor as row blocks, `threads` at a time (map the block, pwrite it).
 
-    At most 2 x threads tensors are in flight, so memory is that many tensors (mapped pages of the
-    checkpoint, plus a copy where qkv's rows de-interleave or --dtype casts), whatever the model size.
+    HF tensor i of an entry is rows starts[i]: of its stored (TP=1) tensor (`hf_row_starts`), so a
+    block is a byte range of the checkpoint copied to a byte range of the HF file: no copy in memory
+    except qkv (de-interleaved per layer) and a --dtype cast. Memory: `threads` blocks of at most
+    chunk_bytes, or a qkv layer (at Qwen2.5-32B: 4 x 16 MiB, or 73 MB).
     """
 
-    def run(job: tuple[MappingEntry, int | None]) -> None:
-        for name, tensor in hf_tensors(reader, arch, *job):
-            writer.write(name, tensor.to(dtype))
+    def run(job: Job) -> None:
+        entry, layer, part = job
+        names = hf_names(entry, layer=layer, tied=False)
+        if part is None:
+            full = reader.read(dist_key(entry), layer)
+            for name, tensor in zip(names, merge_tp_shards(entry.kind, [full], arch)):
+                writer.write(name, tensor.to(dtype))
+            return
+        i, lo, hi = part
+        start = hf_row_starts(entry, arch)[i]
+        block = reader.read(dist_key(entry), layer, rows=(start + lo, start + hi))
+        writer.write_rows(names[i], lo, block.to(dtype))
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         window: deque[Future[None]] = deque()
         try:
-            for job in _jobs(arch):
+            for job in _jobs(reader, arch, chunk_bytes):
                 window.append(pool.submit(run, job))
-                if len(window) >= 2 * threads:
+                if len(window) >= 2 * threads:  # queued jobs hold no data; only running ones do
                     window.popleft().result()
             while window:
                 window.popleft().result()
@@ -160,7 +181,7 @@ def mcore_to_hf(cfg: McoreToHfConfig) -> list[str]:
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
             writer = HFShardedWriter(tmp, specs, cfg.max_shard_bytes)
             try:
-                write_hf_tensors(reader, arch, writer, dtype, cfg.threads)
+                write_hf_tensors(reader, arch, writer, dtype, cfg.threads, cfg.chunk_bytes)
                 writer.close()
             except BaseException:
                 writer.abort()

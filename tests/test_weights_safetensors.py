@@ -82,9 +82,10 @@ def test_positional_writer_any_order_from_threads_equals_the_package_file(tmp_pa
     write_safetensors(tmp_path / "s.safetensors", tensors.items(), metadata={"format": "pt"})
     assert (tmp_path / "p.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
     w = PositionalSafetensorsWriter(tmp_path / "q.safetensors", specs[:2])
-    with pytest.raises(ValueError, match=r"a.bf16 declared torch.bfloat16 \[3, 5\], got torch.float32"):
+    with pytest.raises(ValueError, match=r"a.bf16 declared torch.bfloat16 \[3, 5\], got rows 0:3 of torch.float32"):
         w.write("a.bf16", torch.zeros(3, 5))
     w.write("b.fp32", torch.zeros(7))
+    w.write_rows("a.bf16", 1, torch.zeros(2, 5, dtype=torch.bfloat16))  # rows 1:3 only; row 0 missing
     with pytest.raises(ValueError, match=r"1 tensor\(s\) unwritten: \['a.bf16'\]"):
         w.close()
 

@@ -68,7 +68,8 @@ BODIES = {
     "    shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p)))",
     "hf-to-mcore": "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
     "'--pp', '{pp}', '--threads', '{threads}', '--chunk-mb', '{chunk_mb}']) == 0",
-    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}]) == 0",
+    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}, '--threads', '{threads}', "
+    "'--chunk-mb', '{chunk_mb}']) == 0",
 }
 
 
@@ -128,7 +129,7 @@ def main() -> None:
     parser.add_argument("--shard-gb", type=float, default=0.5, help="HF input shard size (default 0.5)")
     parser.add_argument("--repeat", type=int, default=2, help="runs per step, interleaved; best counts")
     parser.add_argument("--threads", type=int, default=4, help="hf-to-mcore --threads (default 4)")
-    parser.add_argument("--chunk-mb", type=int, default=64, help="hf-to-mcore --chunk-mb (default 64)")
+    parser.add_argument("--chunk-mb", type=int, default=16, help="--chunk-mb of both conversions (default 16)")
     parser.add_argument(
         "--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)"
     )
@@ -159,11 +160,11 @@ def main() -> None:
             every = " ".join(f"{r[0]:.2f}" for r in runs[name])
             print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{peak / 1e6:>13.0f}{extra:>17.0f}  {every}")
         grown = max(r[1] - r[2] for n, rs in runs.items() for r in rs if n in ("hf-to-mcore", "mcore-to-hf"))
-        bound = layer + max(ns.threads * (ns.chunk_mb << 20), 2 * largest)
+        # a writer thread holds its chunk and, while producing the next, the previous one
+        bound = layer + 2 * ns.threads * (ns.chunk_mb << 20)
         print(
-            f"largest RSS growth of a conversion {grown / 1e6:.0f} MB; one layer + write buffers "
-            f"(max({ns.threads} threads x {ns.chunk_mb} MiB, 2 x largest tensor)) = {bound / 1e6:.0f} MB; "
-            f"checkpoint {total / 1e6:.0f} MB"
+            f"largest RSS growth of a conversion {grown / 1e6:.0f} MB; bound: one layer + write buffers "
+            f"(2 x {ns.threads} threads x {ns.chunk_mb} MiB) = {bound / 1e6:.0f} MB; checkpoint {total / 1e6:.0f} MB"
         )
     finally:
         shutil.rmtree(ns.workdir, ignore_errors=True)

@@ -177,6 +177,13 @@ class HFShardedWriter:
             raise ValueError(f"{self.dir}: {name} is not a planned tensor")
         f.write(name, tensor)
 
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows start:start+len(rows) of tensor `name` (thread-safe; each row once)."""
+        f = self._where.get(name)
+        if f is None:
+            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
+        f.write_rows(name, start, rows)
+
     def close(self) -> None:
         """Close every shard (each checks it is complete) and write the index when there are several."""
         for f in self._files:

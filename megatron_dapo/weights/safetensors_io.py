@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,8 @@ class StreamingSafetensorsWriter:
 
 
 class PositionalSafetensorsWriter:
-    """A safetensors file whose tensors may be written in any order, from several threads at once.
+    """A safetensors file whose tensors (or row ranges of them) may be written in any order, from several
+    threads at once.
 
     The header is written at construction; `write` puts a tensor's bytes at its offset with pwrite
     (no shared file position), so writer threads copy into the page cache in parallel. `close`
@@ -177,31 +179,49 @@ class PositionalSafetensorsWriter:
         head, offsets = safetensors_header(path, specs, metadata)
         self.path = os.fspath(path)
         self._at = {s.name: (s, o) for s, o in zip(specs, offsets)}
-        self._written: set[str] = set()
+        self._rows: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self._fd, head, 0)
         if specs:  # size the file now, so a tensor written early lands before the end
             os.ftruncate(self._fd, offsets[-1] + specs[-1].nbytes)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if name not in self._at:
-            raise ValueError(f"{self.path}: {name} is not declared in its header")
-        spec, offset = self._at[name]
-        if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+        """Write the whole tensor `name` (thread-safe)."""
+        spec = self._spec(name)
+        if tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{self.path}: {name} declared {spec.dtype} {list(spec.shape)}, got "
                              f"{tensor.dtype} {list(tensor.shape)}")
-        data = _tensor_bytes(tensor.cpu())
+        self.write_rows(name, 0, tensor.reshape(-1) if not spec.shape else tensor)
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows start:start+len(rows) (dim 0) of tensor `name` (thread-safe; each row once)."""
+        spec = self._spec(name)
+        n_rows = spec.shape[0] if spec.shape else 1
+        trailing = spec.shape[1:] if spec.shape else ()
+        fits = 0 <= start <= start + len(rows) <= n_rows
+        if rows.dtype != spec.dtype or tuple(rows.shape[1:]) != trailing or not fits:
+            raise ValueError(f"{self.path}: {name} declared {spec.dtype} {list(spec.shape)}, got rows {start}:"
+                             f"{start + len(rows)} of {rows.dtype} {list(rows.shape)}")
+        data = _tensor_bytes(rows.cpu())
+        offset = self._at[name][1] + start * (spec.nbytes // n_rows if n_rows else 0)
         done = 0
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], offset + done)
-        self._written.add(name)
+        with self._lock:
+            self._rows[name] = self._rows.get(name, 0) + len(rows)
+
+    def _spec(self, name: str) -> TensorSpec:
+        if name not in self._at:
+            raise ValueError(f"{self.path}: {name} is not declared in its header")
+        return self._at[name][0]
 
     def close(self) -> None:
         if self._fd < 0:
             return
         os.close(self._fd)
         self._fd = -1
-        missing = [n for n in self._at if n not in self._written]
+        missing = [n for n, (s, _) in self._at.items() if self._rows.get(n, 0) != (s.shape[0] if s.shape else 1)]
         if missing:
             raise ValueError(f"{self.path}: closed with {len(missing)} tensor(s) unwritten: {missing[:4]}")
 
