@@ -266,6 +266,7 @@ class DistCheckpointReader:
         }
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
         return tuple(self.tensors[key].size)
@@ -274,10 +275,11 @@ class DistCheckpointReader:
         return self.tensors[key].properties.dtype
 
     def _fd(self, relative_path: str) -> int:
-        fd = self._fds.get(relative_path)
-        if fd is None:
-            fd = self._fds[relative_path] = os.open(self.dir / relative_path, os.O_RDONLY)
-        return fd
+        with self._lock:  # reader threads share one fd per file (pread / mmap need no file position)
+            fd = self._fds.get(relative_path)
+            if fd is None:
+                fd = self._fds[relative_path] = os.open(self.dir / relative_path, os.O_RDONLY)
+            return fd
 
     def _map_chunk(
         self, key: str, offsets: Offset, sizes: Shape, axis: int = 0, skip: int = 0, rows: int | None = None
