@@ -1,15 +1,47 @@
 """Write a directory all-or-nothing: build it under a temporary sibling, then rename it into place.
 
-A crash or error mid-conversion leaves at most a `.<name>.tmp-<pid>` sibling (removed on a clean
-error), never a half-written checkpoint under the final name.
+The temporary sibling is `.<name>.tmp-<host>-<pid>`. An error or a SIGINT/SIGTERM (the CLI turns
+SIGTERM into SystemExit) removes it; a SIGKILL cannot be caught, so every run first removes the
+temporaries that runs on this host left behind when their pid is no longer alive (a converted 32B
+model leaves ~64 GB there otherwise). A half-written checkpoint never appears under the final name.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+_TMP = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_temporaries(parent: str) -> list[str]:
+    """Remove `.*.tmp-<host>-<pid>` / `.old-` siblings of this host whose process is gone; return them."""
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+            removed.append(name)
+    return removed
 
 
 @contextmanager
@@ -22,7 +54,9 @@ def atomic_output_dir(
         raise FileExistsError(f"{flag} {final} already exists; pass --overwrite to replace it")
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+    remove_stale_temporaries(parent)
+    tag = f"{socket.gethostname()}-{os.getpid()}"
+    tmp = os.path.join(parent, f".{name}.tmp-{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -32,7 +66,7 @@ def atomic_output_dir(
         raise
     if os.path.exists(final):
         # Same filesystem, so both renames are atomic; the old copy is only deleted once replaced.
-        old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+        old = os.path.join(parent, f".{name}.old-{tag}")
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)

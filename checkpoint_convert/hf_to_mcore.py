@@ -1,12 +1,14 @@
-"""HF Qwen2 safetensors -> Megatron per-rank safetensors, streamed one parameter at a time.
+"""HF Qwen2 safetensors -> a megatron-core dist checkpoint (torch_dist) that `--load` opens at any TP/PP.
 
-Peak memory is one parameter's HF tensors plus its TP shards (the embedding is the largest: vocab x
-hidden), independent of model size: headers are written first from config-derived shapes, then each
-TP rank's file receives its shard's bytes in order.
+No model is built: each tensor goes through the mapping table to its dist-checkpoint key and global
+shape, as chunks (HF row ranges, copied straight into place; the QKV interleave is one chunk per layer)
+that writer threads read from the HF files only when they write them. `--tp`/`--pp` only validate
+that the model splits over that layout and set the padded vocab; megatron-core reshards at load.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import dataclass
@@ -16,20 +18,26 @@ import torch
 
 from checkpoint_convert.atomic_dir import atomic_output_dir
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, validate_layout
-from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets
-from megatron_dapo.weights.mcore_format import (
-    ARGS_FILE,
-    ASSETS_DIR,
-    DTYPES,
-    TRACKER_FILE,
-    check_args,
-    megatron_args,
-    rank_file,
-    read_args,
+from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.weights.ckpt_config import check_dtype, config_dtype, read_hf_config
+from megatron_dapo.weights.dist_ckpt import (
+    FORMAT,
+    ITERATION_DIR,
+    Chunk,
+    LazyTensor,
+    serialized_object,
+    sharded_object_key,
+    write_dist_checkpoint,
+    write_tracker,
 )
-from megatron_dapo.weights.plan import hf_tensor_specs, iter_mcore_shards, mcore_stage_specs
-from megatron_dapo.weights.safetensors_io import CheckpointError, StreamingSafetensorsWriter
+from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets
+from megatron_dapo.weights.layout import global_shape, hf_row_starts, hf_shapes, hf_to_mcore_tensor
+from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
+from megatron_dapo.weights.plan import hf_tensor_specs
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ASSETS_DIR = "hf_assets"
+"""Tokenizer and generation files copied next to the checkpoint, so mcore-to-hf needs no --tokenizer-path."""
 
 
 @dataclass(kw_only=True)
@@ -37,100 +45,189 @@ class HfToMcoreConfig:
     hf_path: str
     """--hf-path: HF model directory (config.json + safetensors; only config.json for --dry-run)."""
     save: str
-    """--save: output Megatron checkpoint directory."""
+    """--save: output checkpoint directory (Megatron-LM layout: latest_checkpointed_iteration.txt, release/)."""
     tp: int = 1
-    """--tp: tensor-parallel size the checkpoint is sharded for."""
+    """--tp: tensor-parallel size to validate the model against (heads, kv heads, ffn) and pad the vocab for."""
     pp: int = 1
-    """--pp: pipeline-parallel size."""
+    """--pp: pipeline-parallel size to validate the layer count against."""
     dtype: str | None = None
     """--dtype: fp32 | bf16 | fp16; default keeps the HF checkpoint's dtype (bit-exact)."""
     overwrite: bool = False
     """--overwrite: replace an existing --save directory."""
     dry_run: bool = False
-    """--dry-run: print the Megatron args and per-rank shapes; read only config.json, write nothing."""
+    """--dry-run: print the Megatron args and tensor shapes; read only config.json, write nothing."""
+    threads: int = 4
+    """--threads: parallel writer threads (one .distcp file each)."""
+    chunk_mb: int = 16
+    """--chunk-mb: largest stored chunk; bigger tensors are split along rows (bounds memory per thread)."""
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.hf_path):
             raise FileNotFoundError(f"--hf-path {self.hf_path} is not a directory")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.chunk_mb < 1:
+            raise ValueError(f"--chunk-mb must be >= 1, got {self.chunk_mb}")
         self.layout = ParallelLayout(tp=self.tp, pp=self.pp)
+        self.chunk_bytes = self.chunk_mb << 20
 
 
-def describe(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, args: dict[str, Any]) -> str:
-    """Megatron args and per-stage shard shapes as printable text (every TP rank of a stage is alike)."""
-    lines = ["megatron args:", json.dumps({k: v for k, v in args.items() if k != "hf_config"}, indent=2)]
-    for pp_rank in range(layout.pp):
-        specs = mcore_stage_specs(arch, layout, pp_rank, dtype)
-        nbytes = sum(s.nbytes for s in specs)
-        lines.append(
-            f"pp stage {pp_rank}: each of {layout.tp} TP rank(s) holds {len(specs)} tensors, "
-            f"{nbytes / 1e9:.3f} GB"
-        )
-        lines += [f"  {s.name} {list(s.shape)}" for s in specs]
+def _row_chunks(
+    reader: HFCheckpointReader, name: str, rows: int, prefix: tuple[int, ...], row0: int,
+    row_bytes: int, chunk_bytes: int, dtype: torch.dtype,
+) -> list[Chunk]:
+    """HF tensor `name` ([rows, ...]) as chunks of at most chunk_bytes, placed at global row row0."""
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    shape = reader.specs[name].shape
+    out = []
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+
+        def produce(start: int = start, stop: int = stop) -> torch.Tensor:
+            t = reader.map_rows(name, start, stop).to(dtype)  # no copy unless --dtype casts
+            return t.view(*(1,) * len(prefix), *t.shape)
+
+        out.append(Chunk((*prefix, row0 + start, *(0,) * (len(shape) - 1)),
+                         (*(1,) * len(prefix), stop - start, *shape[1:]), produce))
+    return out
+
+
+def _entry_tensor(
+    reader: HFCheckpointReader, entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int,
+    dtype: torch.dtype, chunk_bytes: int,
+) -> LazyTensor:
+    """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks."""
+    shape = global_shape(entry, arch, padded_vocab)
+    lazy = LazyTensor(shape, dtype)
+    layers: list[int | None] = list(range(arch.num_layers)) if entry.stage == "layer" else [None]
+    starts = hf_row_starts(entry, arch)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for layer in layers:
+        prefix = () if layer is None else (layer,)
+        names = hf_names(entry, layer=layer, tied=False)
+        if starts is None:  # qkv: rows interleave per query group, one chunk per layer
+
+            def produce(names: tuple[str, ...] = names) -> torch.Tensor:
+                hf = [reader.map_rows(n, 0, reader.specs[n].shape[0]).to(dtype) for n in names]
+                (fused,) = hf_to_mcore_tensor(entry.kind, hf, arch, 1)
+                return fused.view(1, *fused.shape)
+
+            lazy.chunks.append(Chunk((layer, *(0,) * (len(shape) - 1)), (1, *shape[1:]), produce))
+            continue
+        for name, row0, hf_shape in zip(names, starts, hf_shapes(entry, arch)):
+            row_bytes = itemsize * (hf_shape[1] if len(hf_shape) > 1 else 1)
+            lazy.chunks += _row_chunks(reader, name, hf_shape[0], prefix, row0, row_bytes, chunk_bytes, dtype)
+        if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
+            pad = (padded_vocab - arch.vocab_size, *shape[1:])
+            # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load.
+            lazy.chunks.append(Chunk((arch.vocab_size, 0), pad, lambda pad=pad: torch.zeros(pad, dtype=dtype)))
+    return lazy
+
+
+def extra_state_objects(arch: Qwen2Arch) -> dict[str, Any]:
+    """The per-layer `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load.
+
+    Stored as None (no FP8 metadata): megatron-core's local linears ignore it, TE's accept None.
+    """
+    modules = sorted({
+        dist_key(e).rsplit(".", 1)[0] for e in QWEN2_MAPPING if e.stage == "layer" and e.kind != "replicated"
+    })
+    return {
+        sharded_object_key(f"{m}._extra_state", (layer,), (arch.num_layers,)): serialized_object(None)
+        for m in modules
+        for layer in range(arch.num_layers)
+    }
+
+
+def megatron_args(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
+    """The Megatron-LM arguments that build this model (the names its check_checkpoint_args reads)."""
+    return {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.intermediate_size,
+        "num_attention_heads": arch.num_heads,
+        "group_query_attention": arch.num_kv_heads != arch.num_heads,
+        "num_query_groups": arch.num_kv_heads,
+        "kv_channels": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "padded_vocab_size": padded_vocab_size(arch.vocab_size, layout.tp),
+        "make_vocab_size_divisible_by": 128,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "rotary_base": arch.rope_theta,
+        "norm_epsilon": arch.rms_norm_eps,
+        "untie_embeddings_and_output_weights": not arch.tie_word_embeddings,
+        "add_qkv_bias": True,
+        "add_bias_linear": False,
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "position_embedding_type": "rope",
+        "params_dtype": dtype,
+        "ckpt_format": "torch_dist",
+        "use_dist_ckpt": True,
+        "iteration": 0,
+    }
+
+
+def common_state(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> dict:
+    """common.pt: Megatron-LM's `args` (a Namespace), iteration 0, and the HF config for the way back."""
+    return {
+        "args": argparse.Namespace(**megatron_args(arch, layout, dtype)),
+        "iteration": 0,
+        "checkpoint_version": 3.0,
+        "hf_config": hf_config,
+        "format": FORMAT,
+    }
+
+
+def describe(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> str:
+    """Megatron args and the global shape of every stored tensor, as printable text."""
+    padded = padded_vocab_size(arch.vocab_size, layout.tp)
+    args = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in megatron_args(arch, layout, dtype).items()}
+    lines = ["megatron args:", json.dumps(args, indent=2), f"tensors ({dtype}, global shapes, layer axis first):"]
+    total = 0
+    for e in QWEN2_MAPPING:
+        if e.tied_hf and arch.tie_word_embeddings:
+            continue
+        shape = global_shape(e, arch, padded)
+        total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        lines.append(f"  {dist_key(e)} {list(shape)}")
+    lines.append(f"total {total / 1e9:.3f} GB; each of tp={layout.tp} x pp={layout.pp} ranks loads its part")
     return "\n".join(lines)
 
 
-def _check_existing(save: str, arch: Qwen2Arch, layout: ParallelLayout) -> None:
-    """A --save that already holds a checkpoint of another model/layout is named in the error."""
-    if os.path.isfile(os.path.join(save, ARGS_FILE)):
-        check_args(read_args(save), arch, layout, source=f"existing checkpoint {save}")
-
-
 def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
-    """Convert; returns the Megatron args written to args.json (or that would be, for a dry run)."""
-    with open(os.path.join(cfg.hf_path, "config.json")) as f:
-        hf_config = json.load(f)
+    """Convert; returns the common state written to common.pt (or that would be, for a dry run)."""
+    hf_config = read_hf_config(cfg.hf_path, flag="--hf-path")
     arch = Qwen2Arch.from_hf(hf_config)
-    validate_layout(arch, cfg.layout)
+    validate_layout(arch, cfg.layout)  # the one layout check: heads, kv heads, ffn vs TP; layers vs PP
     if cfg.dry_run:
         dtype = DTYPES[cfg.dtype or "bf16"]
-        args = megatron_args(arch, cfg.layout, dtype=dtype, hf_config=hf_config)
-        print(describe(arch, cfg.layout, dtype, args))
-        return args
+        print(describe(arch, cfg.layout, dtype, hf_config))
+        return common_state(arch, cfg.layout, dtype, hf_config)
     if os.path.exists(cfg.save) and not cfg.overwrite:
-        try:
-            _check_existing(cfg.save, arch, cfg.layout)
-        except CheckpointError as e:
-            raise FileExistsError(f"--save {cfg.save} already exists and differs: {e}") from e
+        raise FileExistsError(f"--save {cfg.save} already exists; pass --overwrite to replace it")
     with HFCheckpointReader(cfg.hf_path) as reader:
         src_dtype = reader.dtype()
+        if cfg.dtype is None:
+            check_dtype(config_dtype(hf_config), src_dtype, declared_from=f"{cfg.hf_path}/config.json",
+                        actual_from=f"--hf-path {cfg.hf_path}")
         reader.check_expected(hf_tensor_specs(arch, src_dtype))
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
-        args = megatron_args(arch, cfg.layout, dtype=dtype, hf_config=hf_config)
+        padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
+        chunk_bytes = cfg.chunk_bytes
+        tensors = {
+            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes)
+            for e in QWEN2_MAPPING
+            if not (e.tied_hf and arch.tie_word_embeddings)
+        }
+        common = common_state(arch, cfg.layout, dtype, hf_config)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
-            for pp_rank in range(cfg.layout.pp):
-                _write_stage(reader, arch, cfg.layout, pp_rank, dtype, tmp)
+            write_dist_checkpoint(os.path.join(tmp, ITERATION_DIR), tensors, extra_state_objects(arch), common,
+                                  threads=cfg.threads)
+            write_tracker(tmp)
             copy_assets(cfg.hf_path, os.path.join(tmp, ASSETS_DIR))
-            with open(os.path.join(tmp, ARGS_FILE), "w") as f:
-                json.dump(args, f, indent=2)
-            with open(os.path.join(tmp, TRACKER_FILE), "w") as f:
-                f.write("release")
-    return args
-
-
-def _write_stage(
-    reader: HFCheckpointReader,
-    arch: Qwen2Arch,
-    layout: ParallelLayout,
-    pp_rank: int,
-    dtype: torch.dtype,
-    out_dir: str,
-) -> None:
-    """Stream stage `pp_rank` into one open file per TP rank."""
-    specs = mcore_stage_specs(arch, layout, pp_rank, dtype)
-    writers = []
-    try:
-        for tp_rank in range(layout.tp):
-            path = rank_file(out_dir, "release", tp_rank, pp_rank)
-            os.makedirs(os.path.dirname(path))
-            writers.append(StreamingSafetensorsWriter(path, specs, metadata={"format": "pt"}))
-        for name, shards in iter_mcore_shards(lambda n: reader.get(n).to(dtype), arch, layout, pp_rank):
-            for writer, shard in zip(writers, shards):
-                writer.write(name, shard)
-        for writer in writers:
-            writer.close()
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
+    return common

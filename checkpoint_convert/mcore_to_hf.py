@@ -1,37 +1,40 @@
-"""Megatron per-rank safetensors -> HF safetensors shards + index + config.json + tokenizer files.
+"""A megatron-core dist checkpoint (torch_dist) -> HF safetensors shards + index + config + tokenizer files.
 
-Streams one parameter at a time: its TP shards are read from the stage's rank files, merged with
-the mapping table's layout function and appended to the current HF shard.
+Reads converter output and this project's training checkpoints (`<save>/step_N/`, any TP/PP; optimizer
+state is ignored) alike: per mapping-table entry and layer, the chunks overlapping that layer are
+memory-mapped from the `.distcp` files, merged into the TP=1 tensor and split into HF tensors by the
+table's layout function, then written at their offsets in the HF shards (headers first), several
+row blocks at once. Memory: --threads blocks of at most --chunk-mb.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from checkpoint_convert.atomic_dir import atomic_output_dir
+from checkpoint_convert.hf_to_mcore import ASSETS_DIR, DTYPES
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout
-from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
-from megatron_dapo.weights.layout import mcore_to_hf_tensors
-from megatron_dapo.weights.mcore_format import (
-    ASSETS_DIR,
-    DTYPES,
-    arch_from_args,
-    check_args,
-    layout_from_args,
-    rank_file,
-    read_args,
-    read_iteration,
+from megatron_dapo.weights.ckpt_config import (
+    check_global_shapes,
+    check_same_arch,
+    read_hf_config,
 )
-from megatron_dapo.weights.plan import hf_tensor_specs, layers_per_stage, mcore_stage_specs, stage_tensors
-from megatron_dapo.weights.safetensors_io import CheckpointError, SafetensorsFile
+from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
+from megatron_dapo.weights.layout import hf_row_starts, hf_shapes, merge_tp_shards
+from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
+from megatron_dapo.weights.plan import hf_tensor_specs
+from megatron_dapo.weights.safetensors_io import CheckpointError
 
 _UNITS = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def parse_size(text: str) -> int:
@@ -48,11 +51,12 @@ def parse_size(text: str) -> int:
 @dataclass(kw_only=True)
 class McoreToHfConfig:
     load: str
-    """--load: Megatron checkpoint directory written by hf-to-mcore."""
+    """--load: converter output, a training run's --save directory, or one step_N / iteration directory."""
     save: str
     """--save: output HF model directory."""
     hf_config: str | None = None
-    """--hf-config: config.json (or its dir) to write instead of the embedded one; checked against args."""
+    """--hf-config: config.json (or its dir) to write; checked against the checkpoint. Needed for training
+    checkpoints, which store no HF config."""
     tokenizer_path: str | None = None
     """--tokenizer-path: copy tokenizer files from here instead of <load>/hf_assets."""
     max_shard_size: str = "5GB"
@@ -61,93 +65,131 @@ class McoreToHfConfig:
     """--dtype: fp32 | bf16 | fp16; default keeps the checkpoint's dtype."""
     overwrite: bool = False
     """--overwrite: replace an existing --save directory."""
+    threads: int = 4
+    """--threads: row blocks converted and written in parallel."""
+    chunk_mb: int = 16
+    """--chunk-mb: largest row block read and written at once (bounds memory per thread)."""
 
     def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.chunk_mb < 1:
+            raise ValueError(f"--chunk-mb must be >= 1, got {self.chunk_mb}")
         if not os.path.isdir(self.load):
             raise FileNotFoundError(f"--load {self.load} is not a directory")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.chunk_bytes = self.chunk_mb << 20
         self.max_shard_bytes = parse_size(self.max_shard_size) if self.max_shard_size else DEFAULT_SHARD_BYTES
 
 
-def _open_ranks(
-    cfg: McoreToHfConfig, iteration: str | int, arch: Qwen2Arch, layout: ParallelLayout
-) -> list[list[SafetensorsFile]]:
-    """files[pp][tp], every header checked against the config-derived names and shapes up front."""
-    expected_dtype = DTYPES[read_args(cfg.load)["params_dtype"]]
-    files: list[list[SafetensorsFile]] = []
-    try:
-        for pp_rank in range(layout.pp):
-            want = {s.name: s for s in mcore_stage_specs(arch, layout, pp_rank, expected_dtype)}
-            row = []
-            for tp_rank in range(layout.tp):
-                f = SafetensorsFile(rank_file(cfg.load, iteration, tp_rank, pp_rank))
-                row.append(f)
-                if f.specs != want:
-                    bad = sorted(set(want) ^ set(f.specs)) or [n for n in want if f.specs[n] != want[n]]
-                    raise CheckpointError(f"{f.path}: tensors differ from args.json's model: {bad[:5]}")
-            files.append(row)
-    except BaseException:
-        for f in (f for row in files for f in row):
-            f.close()
-        raise
-    return files
-
-
-def _hf_config(cfg: McoreToHfConfig, args: dict[str, Any], layout: ParallelLayout) -> dict[str, Any]:
+def _resolve_config(cfg: McoreToHfConfig, reader: DistCheckpointReader) -> dict[str, Any]:
+    """The HF config to write: --hf-config (checked against the stored one), else the stored one."""
+    stored = reader.common.get("hf_config")
     if cfg.hf_config is None:
-        return dict(args["hf_config"])
-    path = os.path.join(cfg.hf_config, "config.json") if os.path.isdir(cfg.hf_config) else cfg.hf_config
-    with open(path) as f:
-        hf_config = json.load(f)
-    check_args(
-        args, Qwen2Arch.from_hf(hf_config), layout, source=f"--load {cfg.load} (vs --hf-config {path})"
-    )
-    return hf_config
+        if stored is None:
+            raise CheckpointError(
+                f"--load {cfg.load} stores no HF config (a training checkpoint): pass --hf-config with the "
+                "config.json of the model it was trained from"
+            )
+        return dict(stored)
+    given = read_hf_config(cfg.hf_config, flag="--hf-config")
+    if stored is not None:
+        check_same_arch(Qwen2Arch.from_hf(stored), Qwen2Arch.from_hf(given),
+                        stored_from=f"--load {cfg.load}", requested_from=f"--hf-config {cfg.hf_config}")
+    return given
+
+
+def _model_dtype(reader: DistCheckpointReader, arch: Qwen2Arch) -> torch.dtype:
+    dtypes = {reader.dtype(dist_key(e)) for e in QWEN2_MAPPING if not (e.tied_hf and arch.tie_word_embeddings)}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{reader.dir} mixes dtypes {sorted(map(str, dtypes))} in its model; pass --dtype")
+    return dtypes.pop()
+
+
+Job = tuple[MappingEntry, "int | None", "tuple[int, int, int] | None"]
+
+
+def _jobs(reader: DistCheckpointReader, arch: Qwen2Arch, chunk_bytes: int) -> list[Job]:
+    """(entry, layer, part) in HF file order; part = (HF tensor index, first row, end row) of a row block
+    of at most chunk_bytes, or None for a whole qkv layer (its rows interleave per query group)."""
+    jobs: list[Job] = []
+    for stage in ("first", "layer", "last"):
+        entries = [e for e in QWEN2_MAPPING if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
+        layers: list[int | None] = list(range(arch.num_layers)) if stage == "layer" else [None]
+        for layer in layers:
+            for e in entries:
+                if hf_row_starts(e, arch) is None:
+                    jobs.append((e, layer, None))
+                    continue
+                itemsize = torch.empty((), dtype=reader.dtype(dist_key(e))).element_size()
+                for i, shape in enumerate(hf_shapes(e, arch)):
+                    step = max(1, chunk_bytes // (itemsize * torch.Size(shape[1:]).numel()))
+                    jobs += [(e, layer, (i, a, min(shape[0], a + step))) for a in range(0, shape[0], step)]
+    return jobs
+
+
+def write_hf_tensors(
+    reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int,
+    chunk_bytes: int,
+) -> None:
+    """Convert and write every tensor as row blocks, `threads` at a time (map the block, pwrite it).
+
+    HF tensor i of an entry is rows starts[i]: of its stored (TP=1) tensor (`hf_row_starts`), so a
+    block is a byte range of the checkpoint copied to a byte range of the HF file: no copy in memory
+    except qkv (de-interleaved per layer) and a --dtype cast. Memory: `threads` blocks of at most
+    chunk_bytes, or a qkv layer (at Qwen2.5-32B: 4 x 16 MiB, or 73 MB).
+    """
+
+    def run(job: Job) -> None:
+        entry, layer, part = job
+        names = hf_names(entry, layer=layer, tied=False)
+        if part is None:
+            full = reader.read(dist_key(entry), layer)
+            for name, tensor in zip(names, merge_tp_shards(entry.kind, [full], arch)):
+                writer.write(name, tensor.to(dtype))
+            return
+        i, lo, hi = part
+        start = hf_row_starts(entry, arch)[i]
+        block = reader.read(dist_key(entry), layer, rows=(start + lo, start + hi))
+        writer.write_rows(names[i], lo, block.to(dtype))
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        window: deque[Future[None]] = deque()
+        try:
+            for job in _jobs(reader, arch, chunk_bytes):
+                window.append(pool.submit(run, job))
+                if len(window) >= 2 * threads:  # queued jobs hold no data; only running ones do
+                    window.popleft().result()
+            while window:
+                window.popleft().result()
+        except BaseException:
+            for future in window:
+                future.cancel()
+            raise
 
 
 def mcore_to_hf(cfg: McoreToHfConfig) -> list[str]:
     """Convert; returns the HF tensor names written, in file order."""
-    args = read_args(cfg.load)
-    iteration = read_iteration(cfg.load)
-    arch = arch_from_args(args, source=f"--load {cfg.load}")
-    layout = layout_from_args(args)
-    hf_config = _hf_config(cfg, args, layout)
-    dtype = DTYPES[cfg.dtype or args["params_dtype"]]
-    specs = hf_tensor_specs(arch, dtype)
-    files = _open_ranks(cfg, iteration, arch, layout)
-    per_stage = layers_per_stage(arch, layout)
-    try:
+    with DistCheckpointReader(cfg.load) as reader:
+        hf_config = _resolve_config(cfg, reader)
+        arch = Qwen2Arch.from_hf(hf_config)
+        shapes = {k: reader.shape(k) for k in reader.tensors}
+        check_global_shapes(shapes, arch, source=f"--load {cfg.load}", against="the HF config")
+        dtype = DTYPES[cfg.dtype] if cfg.dtype else _model_dtype(reader, arch)
+        specs = hf_tensor_specs(arch, dtype)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
             writer = HFShardedWriter(tmp, specs, cfg.max_shard_bytes)
             try:
-                for pp_rank, row in enumerate(files):
-                    for t in stage_tensors(arch, layout, pp_rank):
-                        shards = [f.get(t.mcore_name) for f in row]
-                        if t.entry.kind == "replicated" and any(
-                            not torch.equal(shards[0], s) for s in shards
-                        ):
-                            raise CheckpointError(
-                                f"{t.mcore_name} of pp stage {pp_rank} differs across TP ranks"
-                            )
-                        for name, tensor in mcore_to_hf_tensors(
-                            t.mcore_name, shards, arch, layer_offset=pp_rank * per_stage
-                        ):
-                            writer.write(name, tensor.to(dtype))
+                write_hf_tensors(reader, arch, writer, dtype, cfg.threads, cfg.chunk_bytes)
                 writer.close()
             except BaseException:
                 writer.abort()
                 raise
-            dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-                dtype
-            ]
             # transformers >= 5 writes "dtype", older versions "torch_dtype": update whichever is there.
             for key in [k for k in ("torch_dtype", "dtype") if k in hf_config] or ["torch_dtype"]:
-                hf_config[key] = dtype_name
+                hf_config[key] = _DTYPE_NAMES[dtype]
             with open(os.path.join(tmp, "config.json"), "w") as f:
                 json.dump(hf_config, f, indent=2)
             copy_assets(cfg.tokenizer_path or os.path.join(cfg.load, ASSETS_DIR), tmp)
-    finally:
-        for f in (f for row in files for f in row):
-            f.close()
     return [s.name for s in specs]

@@ -31,10 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "policy and the architecture")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --hf-checkpoint)")
     g.add_argument("--mcore-checkpoint", default=None,
-                   help="initial actor weights from `checkpoint_convert hf-to-mcore` output of the same "
-                        "TP/PP (each rank reads only its shard); default: re-shard --hf-checkpoint")
+                   help="deprecated: pass `checkpoint_convert hf-to-mcore` output as --load instead")
     g.add_argument("--load", default=None,
-                   help="resume from this checkpoint directory (written by --save); the newest step is taken")
+                   help="resume from this checkpoint directory (written by --save; the newest step is taken), "
+                        "or start from `checkpoint_convert hf-to-mcore` output (torch_dist, any TP/PP; model "
+                        "weights only, iteration 0)")
     g.add_argument("--save", default=None, help="checkpoint directory (model, optimizer, scheduler, RNG, "
                                                 "sampler, step)")
     g.add_argument("--export-hf", default=None,

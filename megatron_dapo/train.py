@@ -313,6 +313,7 @@ def train(args: argparse.Namespace) -> None:
     from megatron_dapo.checkpoint import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.trainer import Trainer
+    from megatron_dapo.weights.dist_load import initial_checkpoint
 
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
@@ -333,7 +334,8 @@ def train(args: argparse.Namespace) -> None:
     tokenizer, train_prompts = inputs.tokenizer, inputs.train_prompts
     eos = tuple(sorted({t for t in (tokenizer.eos_token_id,) if t is not None}))
     actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
-    actor = build_actor(args, inputs.arch, actor_cfg, layout)
+    init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
+    actor = build_actor(args, inputs.arch, actor_cfg, layout, init_ckpt)
     sampler = ResumableSampler(max(len(train_prompts), 1), seed=args.seed)
     engine = make_rollout_engine(args, tokenizer) if rank0 else None
     logger = make_logger(args) if rank0 else None
@@ -357,7 +359,10 @@ def train(args: argparse.Namespace) -> None:
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
     try:
-        resume(args, trainer, sampler)
+        if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
+            trainer.sync_weights(0)
+        else:
+            resume(args, trainer, sampler)
         trainer.run()
         if saver is not None:
             saver.close()  # an --async-save in flight is finished and renamed here
@@ -380,16 +385,17 @@ def train(args: argparse.Namespace) -> None:
             dist.destroy_process_group()
 
 
-def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout):
-    """The Megatron actor with its initial weights: --mcore-checkpoint shards, else --hf-checkpoint re-sharded."""
+def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, init_ckpt: str | None):
+    """The Megatron actor with its initial weights: a torch_dist checkpoint's model weights at any TP/PP
+    (`init_ckpt`, converter output passed as --load: iteration 0, fresh optimizer), else --hf-checkpoint
+    re-sharded."""
     from megatron_dapo.actor import MegatronActor
+    from megatron_dapo.weights.dist_load import load_model_weights
 
     actor = MegatronActor(arch, actor_cfg, layout)
-    if args.mcore_checkpoint:
-        from megatron_dapo.weights import load_mcore_checkpoint
-
-        load_mcore_checkpoint(actor.module, args.mcore_checkpoint, layout)
-        actor.optimizer.reload_model_params()
+    if init_ckpt is not None:
+        load_model_weights(actor.module, init_ckpt, arch)
+        actor.optimizer.reload_model_params()  # the weights changed outside the optimizer
     else:
         load_hf_into_actor(actor, args.hf_checkpoint)
     return actor

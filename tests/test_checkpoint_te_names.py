@@ -114,14 +114,15 @@ def test_hf_export_from_te_actor_equals_hf(te_world):
         assert torch.equal(exported[name], tensor), name
 
 
-def test_mcore_checkpoint_into_te_actor(te_world, tmp_path):
+def test_converter_checkpoint_into_te_actor(te_world, tmp_path):
+    """hf-to-mcore output (torch_dist, TE key names) as --load into a TE-spec actor: train.build_actor's path."""
     from checkpoint_convert.cli import main as convert
-    from megatron_dapo.weights import load_mcore_checkpoint
+    from megatron_dapo.weights.dist_load import load_model_weights
 
-    layout, hf, _, hf_dir, make_actor = te_world
+    _, hf, arch, hf_dir, make_actor = te_world
     assert convert(["hf-to-mcore", "--hf-path", str(hf_dir), "--save", str(tmp_path / "mc")]) == 0
     actor = make_actor(True)
-    load_mcore_checkpoint(actor.module, tmp_path / "mc", layout)
+    load_model_weights(actor.module, tmp_path / "mc", arch)
     actor.optimizer.reload_model_params()
     samples = make_samples(2, seed=5)
     for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0]):

@@ -1,9 +1,13 @@
-"""checkpoint_convert on tiny random HF Qwen2 models: bit-exact round trips, validation, atomic output."""
+"""checkpoint_convert on tiny random HF Qwen2 models: torch_dist layout, bit-exact round trips, config checks,
+atomic output and clean-up after a killed run. Loading into live models at TP/PP 1-2: tests/test_weights_live.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,10 @@ import transformers
 from safetensors import safe_open
 
 from checkpoint_convert.cli import main
+from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights import hf_format
+from tests.dist.actor_common import hf_to_full_mcore
+from tests.torchrun import REPO, subprocess_env
 
 TINY = dict(
     vocab_size=200,
@@ -55,33 +62,62 @@ def convert(*argv: str) -> None:
     assert main(list(argv)) == 0
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2"])
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_hf_mcore_hf_round_trip_is_bit_exact(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
-    make_tiny_hf(tmp_path / "hf", tied=tied)
-    convert(
-        "hf-to-mcore",
-        "--hf-path",
-        str(tmp_path / "hf"),
-        "--save",
-        str(tmp_path / "mc"),
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-    )
-    args = json.loads((tmp_path / "mc" / "args.json").read_text())
-    assert (args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]) == (tp, pp)
-    assert args["untie_embeddings_and_output_weights"] == (not tied)
+
+def dcp_tensors(ckpt_iter_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist directory, read by torch.distributed.checkpoint itself (independent)."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(ckpt_iter_dir)).read_metadata()
+    state = {
+        k: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for k, md in metadata.state_dict_metadata.items()
+        if hasattr(md, "chunks")
+    }
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt_iter_dir)), no_dist=True)
+    return state
+
+
+def load_common(ckpt_iter_dir: Path) -> dict:
+    import argparse
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        return torch.load(ckpt_iter_dir / "common.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(("tp", "pp", "tied"), [(1, 1, False), (1, 1, True), (2, 2, False), (2, 2, True)],
+                         ids=["tp1pp1-untied", "tp1pp1-tied", "tp2pp2-untied", "tp2pp2-tied"])
+def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
+    model = make_tiny_hf(tmp_path / "hf", tied=tied)
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
+            "--tp", str(tp), "--pp", str(pp))
+    # Megatron-LM layout: the tracker names a release directory holding a torch_dist checkpoint.
     assert (tmp_path / "mc" / "latest_checkpointed_iteration.txt").read_text() == "release"
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            shard = tmp_path / "mc" / "release" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" / "model.safetensors"
-            with safe_open(shard, framework="pt") as f:  # rank files load with the safetensors package
-                qkv = f.get_tensor("decoder.layers.1.self_attention.linear_qkv.weight")
-                assert qkv.shape == ((4 + 2 * 2) * 8 // tp, 32)
-                assert ("embedding.word_embeddings.weight" in set(f.keys())) == (pp_rank == 0)
+    release = tmp_path / "mc" / "release"
+    assert json.loads((release / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    common = load_common(release)
+    args = common["args"]
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
+    assert (args.num_layers, args.num_query_groups, args.padded_vocab_size) == (4, 2, 256)
+    assert args.untie_embeddings_and_output_weights == (not tied) and common["iteration"] == 0
+    # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping, layers stacked.
+    stored = dcp_tensors(release)
+    full = hf_to_full_mcore(model.state_dict(), Qwen2Arch.from_hf(tmp_path / "hf"))
+    emb = stored["embedding.word_embeddings.weight"]
+    assert emb.shape == (256, 32) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
+    assert not emb[200:].any()  # padding rows are zero
+    assert ("output_layer.weight" in stored) == (not tied)
+    for i in range(4):
+        m = f"decoder.layers.{i}."
+        for key, ref in [
+            ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
+            ("self_attention.linear_qkv.bias", full[m + "self_attention.linear_qkv.bias"]),
+            ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
+            ("mlp.linear_fc1.layer_norm_weight", full[m + "pre_mlp_layernorm.weight"]),
+            ("mlp.linear_fc1.weight", torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])),
+            ("self_attention.linear_proj.weight", full[m + "self_attention.linear_proj.weight"]),
+            ("mlp.linear_fc2.weight", full[m + "mlp.linear_fc2.weight"]),
+        ]:
+            assert torch.equal(stored["decoder.layers." + key][i], ref), (i, key)
     convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
     original, back = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
     assert set(back) == set(original)
@@ -92,23 +128,75 @@ def test_hf_mcore_hf_round_trip_is_bit_exact(tmp_path: Path, tp: int, pp: int, t
     )
 
 
+def test_sharded_ids_match_megatron_core() -> None:
+    """The converter writes megatron-core's ShardedObject keys and metadata.json without importing it."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_dapo.weights.dist_ckpt import MEGATRON_CONFIG, sharded_object_key
+
+    obj = ShardedObject("decoder.layers.mlp.linear_fc1._extra_state", None, (64,), (3,), replica_id=0)
+    assert sharded_object_key(obj.key, (3,), (64,)) == obj.unique_key
+    from dataclasses import asdict
+
+    assert asdict(CheckpointingConfig(sharded_backend="torch_dist")) == MEGATRON_CONFIG
+
+
+def test_large_tensors_are_stored_in_row_chunks(tmp_path: Path) -> None:
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    # Every tiny tensor fits one default chunk: split with chunks of a few rows (fp32, hidden 32).
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, _entry_tensor
+    from megatron_dapo.weights.mapping import QWEN2_MAPPING
+
+    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))  # validates
+    with hf_format.HFCheckpointReader(tmp_path / "hf") as reader:
+        emb = _entry_tensor(reader, QWEN2_MAPPING[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
+        fc1 = _entry_tensor(reader, QWEN2_MAPPING[6], arch, 256, torch.float32, chunk_bytes=32 * 4 * 20)
+        # 200 vocab rows in 64-row chunks + one zero chunk of the 56 padding rows
+        assert [(c.offset, c.shape) for c in emb.chunks] == [
+            ((0, 0), (64, 32)), ((64, 0), (64, 32)), ((128, 0), (64, 32)), ((192, 0), (8, 32)),
+            ((200, 0), (56, 32)),
+        ]
+        assert torch.equal(torch.cat([c.produce() for c in emb.chunks[:4]]), reader.get("model.embed_tokens.weight"))
+        # fc1 of layer 1: gate rows 0-47 then up rows 48-95 of the [2F, H] slice, 20 rows a chunk
+        layer1 = [c for c in fc1.chunks if c.offset[0] == 1]
+        assert [c.offset[1] for c in layer1] == [0, 20, 40, 48, 68, 88]
+        up = torch.cat([c.produce()[0] for c in layer1[3:]])
+        assert torch.equal(up, reader.get("model.layers.1.mlp.up_proj.weight"))
+
+
+@pytest.mark.parametrize(("h2m_bytes", "m2h_bytes"), [(1000, 4096), (4096, 1000)], ids=["small-stored", "small-read"])
+def test_row_chunks_of_any_size_round_trip(tmp_path: Path, h2m_bytes: int, m2h_bytes: int) -> None:
+    """Stored chunks and read blocks of a few rows (1000 B = 7 rows of hidden 32): blocks inside one stored
+    chunk are mapped in place, blocks across chunks are assembled; both give the HF tensors back exactly."""
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
+    from checkpoint_convert.mcore_to_hf import McoreToHfConfig, mcore_to_hf
+
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"), threads=3)
+    cfg.chunk_bytes = h2m_bytes
+    hf_to_mcore(cfg)
+    stored = dcp_tensors(tmp_path / "mc" / "release")  # torch's own reader assembles the chunks
+    assert stored["embedding.word_embeddings.weight"].shape == (256, 32)
+    back = McoreToHfConfig(load=str(tmp_path / "mc"), save=str(tmp_path / "hf2"), threads=3)
+    back.chunk_bytes = m2h_bytes
+    mcore_to_hf(back)
+    original, result = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
+    assert set(result) == set(original) and all(torch.equal(result[n], t) for n, t in original.items())
+
+
 def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) -> None:
     model = make_tiny_hf(tmp_path / "hf", tied=False, max_shard_size="40KB")
     assert (tmp_path / "hf" / hf_format.INDEX_FILE).exists()  # the input is sharded too
     (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 128}')
     convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
-    convert(
-        "mcore-to-hf",
-        "--load",
-        str(tmp_path / "mc"),
-        "--save",
-        str(tmp_path / "out"),
-        "--max-shard-size",
-        "30KB",
-    )
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "out"), "--max-shard-size", "30KB")
     index = json.loads((tmp_path / "out" / hf_format.INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and all((tmp_path / "out" / s).exists() for s in shards)
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == shards  # every shard listed
+    assert set(index["weight_map"]) == set(read_all(tmp_path / "hf"))
     assert index["metadata"]["total_size"] == sum(
         t.numel() * t.element_size() for t in read_all(tmp_path / "out").values()
     )
@@ -121,9 +209,8 @@ def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) 
 
 def test_dtype_cast_to_bf16(tmp_path: Path) -> None:
     make_tiny_hf(tmp_path / "hf", tied=True)
-    convert(
-        "hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--dtype", "bf16"
-    )
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--dtype", "bf16")
+    assert load_common(tmp_path / "mc" / "release")["args"].params_dtype == torch.bfloat16
     convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
     original, back = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
     assert all(torch.equal(back[n], t.to(torch.bfloat16)) for n, t in original.items())
@@ -150,18 +237,8 @@ QWEN25_32B = dict(
 def test_qwen25_32b_dry_run_maps_to_megatron_args(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(QWEN25_32B))
-    convert(
-        "hf-to-mcore",
-        "--hf-path",
-        str(tmp_path / "hf"),
-        "--save",
-        str(tmp_path / "mc"),
-        "--tp",
-        "8",
-        "--pp",
-        "2",
-        "--dry-run",
-    )
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--dry-run")
     assert not (tmp_path / "mc").exists()
     out = capsys.readouterr().out
     args = json.loads(out[out.index("{") : out.index("}") + 1])
@@ -184,22 +261,22 @@ def test_qwen25_32b_dry_run_maps_to_megatron_args(tmp_path: Path, capsys: pytest
         swiglu=True,
         normalization="RMSNorm",
         position_embedding_type="rope",
-        params_dtype="bf16",
+        params_dtype="torch.bfloat16",
+        ckpt_format="torch_dist",
     )
     assert {k: args[k] for k in expected} == expected
-    # Per-rank shapes: qkv (40 + 2*8) heads x 128 / 8 ranks; fc1 2 x 27648 / 8; fc2 27648 / 8 columns.
+    # Global shapes, layers stacked: qkv (40 + 2*8) heads x 128; fc1 = [gate; up].
     for line in (
-        "  embedding.word_embeddings.weight [19072, 5120]",
-        "  decoder.layers.31.self_attention.linear_qkv.weight [896, 5120]",
-        "  decoder.layers.31.self_attention.linear_qkv.bias [896]",
-        "  decoder.layers.0.self_attention.linear_proj.weight [5120, 640]",
-        "  decoder.layers.0.mlp.linear_fc1.weight [6912, 5120]",
-        "  decoder.layers.0.mlp.linear_fc2.weight [5120, 3456]",
-        "  output_layer.weight [19072, 5120]",
+        "  embedding.word_embeddings.weight [152576, 5120]",
+        "  decoder.layers.self_attention.linear_qkv.weight [64, 7168, 5120]",
+        "  decoder.layers.self_attention.linear_qkv.bias [64, 7168]",
+        "  decoder.layers.self_attention.linear_qkv.layer_norm_weight [64, 5120]",
+        "  decoder.layers.self_attention.linear_proj.weight [64, 5120, 5120]",
+        "  decoder.layers.mlp.linear_fc1.weight [64, 55296, 5120]",
+        "  decoder.layers.mlp.linear_fc2.weight [64, 5120, 27648]",
+        "  output_layer.weight [152576, 5120]",
     ):
-        assert line + "\n" in out + "\n", line
-    stage0, stage1 = out.split("pp stage 1:")
-    assert "decoder.layers.32." not in out and "output_layer" not in stage0 and "embedding" not in stage1
+        assert line + "\n" in out, line
 
 
 @pytest.mark.parametrize(
@@ -215,22 +292,8 @@ def test_layout_errors_name_the_mismatch(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], tp: str, pp: str, message: str
 ) -> None:
     make_tiny_hf(tmp_path / "hf", tied=False)
-    assert (
-        main(
-            [
-                "hf-to-mcore",
-                "--hf-path",
-                str(tmp_path / "hf"),
-                "--save",
-                str(tmp_path / "mc"),
-                "--tp",
-                tp,
-                "--pp",
-                pp,
-            ]
-        )
-        == 1
-    )
+    argv = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", tp, "--pp", pp]
+    assert main(argv) == 1
     import re
 
     assert re.search(message, capsys.readouterr().err)
@@ -258,67 +321,114 @@ def test_missing_corrupt_and_mismatched_shards(tmp_path: Path, capsys: pytest.Ca
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
     _expect_error(capsys, argv, "model.layers.0.mlp.gate_proj.weight: shape [48, 32]", "implies [40, 32]")
+    (hf / "config.json").write_text(json.dumps(config)[:-5])  # issue 12: name the file, not a bare JSONDecodeError
+    _expect_error(capsys, argv, f"--hf-path: {hf / 'config.json'} is not valid JSON")
+    (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))
+    _expect_error(capsys, argv, f"{hf}/config.json declares torch.bfloat16",
+                  f"the tensors of --hf-path {hf} are torch.float32", "--dtype")
     assert not (tmp_path / "mc").exists()
 
 
 def test_failure_mid_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_tiny_hf(tmp_path / "hf", tied=False)
-    real_get = hf_format.HFCheckpointReader.get
+    real = hf_format.HFCheckpointReader.map_rows
     calls = []
 
-    def failing_get(self: hf_format.HFCheckpointReader, name: str) -> torch.Tensor:
+    def failing(self: hf_format.HFCheckpointReader, name: str, start: int, stop: int) -> torch.Tensor:
         calls.append(name)
         if len(calls) > 12:
             raise OSError("disk vanished")
-        return real_get(self, name)
+        return real(self, name, start, stop)
 
-    monkeypatch.setattr(hf_format.HFCheckpointReader, "get", failing_get)
+    monkeypatch.setattr(hf_format.HFCheckpointReader, "map_rows", failing)
     with pytest.raises(OSError, match="disk vanished"):
-        main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2"])
+        main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--threads", "2"])
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither the output nor its temporary sibling
 
 
-def test_existing_checkpoint_and_hf_config_are_checked_against_args(
+def test_stored_config_and_shapes_are_checked_before_reading(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     make_tiny_hf(tmp_path / "hf", tied=False)
     base = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc")]
     convert(*base)
-    _expect_error(
-        capsys,
-        [*base, "--tp", "2"],
-        "already exists",
-        "tensor_model_parallel_size: checkpoint has 1, expected 2",
-    )
-    convert(*base, "--tp", "2", "--overwrite")
-    assert json.loads((tmp_path / "mc" / "args.json").read_text())["tensor_model_parallel_size"] == 2
+    _expect_error(capsys, base, "already exists", "--overwrite")
+    convert(*base, "--overwrite")
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
-    other = transformers.Qwen2Config(**{**TINY, "num_hidden_layers": 6})
-    other.save_pretrained(tmp_path / "other")
-    _expect_error(
-        capsys,
-        [
-            "mcore-to-hf",
-            "--load",
-            str(tmp_path / "mc"),
-            "--save",
-            str(tmp_path / "out"),
-            "--hf-config",
-            str(tmp_path / "other"),
-        ],
-        "num_layers: checkpoint has 4, expected 6",
-    )
-    _expect_error(
-        capsys,
-        ["mcore-to-hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "out")],
-        "is not a checkpoint written by checkpoint_convert",
-    )
-    rank = tmp_path / "mc" / "release" / "mp_rank_01_000" / "model.safetensors"
-    rank.unlink()
-    _expect_error(
-        capsys,
-        ["mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "out")],
-        "missing safetensors file",
-        "mp_rank_01_000",
-    )
+    back = ["mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "out")]
+    for field, value, shown in [("rope_theta", 10000.0, "1000000.0"), ("tie_word_embeddings", True, "False"),
+                                ("num_key_value_heads", 4, "2"), ("vocab_size", 300, "200")]:
+        transformers.Qwen2Config(**{**TINY, field: value}).save_pretrained(tmp_path / "other")
+        _expect_error(capsys, [*back, "--hf-config", str(tmp_path / "other")],
+                      f"{field}: --load {tmp_path / 'mc'} has {shown}", f"--hf-config {tmp_path / 'other'} has {value}")
+    _expect_error(capsys, ["mcore-to-hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "out")],
+                  "is not a megatron-core dist checkpoint")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "args.json").write_text("{}")
+    _expect_error(capsys, ["mcore-to-hf", "--load", str(tmp_path / "old"), "--save", str(tmp_path / "out")],
+                  "per-rank safetensors format", "hf-to-mcore")
+    distcp = sorted((tmp_path / "mc" / "release").glob("*.distcp"))[0]
+    distcp.unlink()
+    _expect_error(capsys, back, str(distcp))
     assert not (tmp_path / "out").exists()
+
+
+def test_geometry_checks_name_the_config_field() -> None:
+    from megatron_dapo.weights import CheckpointError
+    from megatron_dapo.weights.ckpt_config import check_global_shapes, expected_global_shapes
+
+    arch = Qwen2Arch.from_hf({**TINY, "model_type": "qwen2"})
+    good = expected_global_shapes(arch, 256)
+    assert check_global_shapes(good, arch, source="ckpt", against="cfg") == 256
+    assert check_global_shapes({**good, "embedding.word_embeddings.weight": (1024, 32),
+                                "output_layer.weight": (1024, 32)}, arch, source="ckpt", against="cfg") == 1024
+    cases = [
+        ({"embedding.word_embeddings.weight": (128, 32)}, "ckpt has 128 embedding rows (padded vocab), cfg has "
+                                                          "vocab_size 200"),
+        ({"decoder.layers.self_attention.linear_qkv.weight": (4, 48, 32)}, "ckpt has [4, 48, 32], cfg implies "
+                                                                           "[4, 64, 32]"),
+        ({"decoder.layers.self_attention.linear_qkv.bias": None}, "qkv bias"),
+    ]
+    for change, message in cases:
+        shapes = {k: v for k, v in {**good, **change}.items() if v is not None}
+        with pytest.raises(CheckpointError, match=__import__("re").escape(message)):
+            check_global_shapes(shapes, arch, source="ckpt", against="cfg")
+    tied = Qwen2Arch.from_hf({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})
+    with pytest.raises(CheckpointError, match="untied output layer, cfg has tie_word_embeddings=true"):
+        check_global_shapes(good, tied, source="ckpt", against="cfg")
+
+
+_KILLABLE = """
+import sys, time
+from megatron_dapo.weights import hf_format
+real = hf_format.HFCheckpointReader.map_rows
+def slow(self, *a):
+    print("WRITING", flush=True)
+    time.sleep(600)
+hf_format.HFCheckpointReader.map_rows = slow
+from checkpoint_convert.cli import main
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_killed_run_leaves_no_temporary_after_the_next_run(tmp_path: Path, sig: signal.Signals) -> None:
+    """Issue 12: SIGTERM removes the temporary at exit; SIGKILL's is removed by the next run (dead pid)."""
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    argv = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "out" / "mc")]
+    proc = subprocess.Popen([sys.executable, "-c", _KILLABLE, *argv], cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().startswith("WRITING")  # a writer thread is inside the conversion
+        tmp = [p.name for p in (tmp_path / "out").iterdir()]
+        assert len(tmp) == 1 and tmp[0].startswith(".mc.tmp-") and tmp[0].endswith(f"-{proc.pid}")
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = os.listdir(tmp_path / "out")
+    assert left == (tmp if sig == signal.SIGKILL else [])
+    convert(*argv)
+    assert os.listdir(tmp_path / "out") == ["mc"]

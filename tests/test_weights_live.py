@@ -1,7 +1,8 @@
-"""A converted checkpoint in a live megatron-core GPTModel: strict load, logits vs HF, HF export.
+"""A converted torch_dist checkpoint in a live megatron-core GPTModel: config checks, logits vs HF, HF export.
 
-Single-process checks run here; TP=2 and PP=2 run under torchrun (tests/dist/weights_export.py) and
-are compared with both the original HF tensors and this process's TP=1 export.
+TP=1/PP=1 runs in this process; one 4-rank torchrun launch (tests/dist/weights_dist_ckpt.py) loads the
+same checkpoints at TP x PP = 2x1, 1x2 and 2x2, and saves them as training-style checkpoints that
+mcore-to-hf must convert back bit-exactly.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors.torch import save_file
 
 from checkpoint_convert.cli import main as convert_main
 from megatron_dapo.models.hf_config import Qwen2Arch
@@ -18,7 +19,7 @@ from megatron_dapo.parallel import ParallelLayout
 from tests.test_convert import make_tiny_hf, read_all
 from tests.torchrun import run_torchrun
 
-WORKER = Path(__file__).parent / "dist" / "weights_export.py"
+WORKER = Path(__file__).parent / "dist" / "weights_dist_ckpt.py"
 
 
 @pytest.fixture(scope="module")
@@ -29,13 +30,8 @@ def parallel_1():
     destroy_parallel()
 
 
-def _convert(hf: Path, out: Path, tp: int, pp: int) -> Path:
-    assert (
-        convert_main(
-            ["hf-to-mcore", "--hf-path", str(hf), "--save", str(out), "--tp", str(tp), "--pp", str(pp)]
-        )
-        == 0
-    )
+def _convert(hf: Path, out: Path, *extra: str) -> Path:
+    assert convert_main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(out), *extra]) == 0
     return out
 
 
@@ -51,16 +47,15 @@ def test_single_process_logits_and_export_match_hf(
     tmp_path: Path, parallel_1: ParallelLayout, tied: bool
 ) -> None:
     from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.weights import load_mcore_checkpoint
+    from megatron_dapo.weights.dist_load import load_model_weights
     from megatron_dapo.weights.export import iter_hf_weights
 
     hf_model = make_tiny_hf(tmp_path / "hf", tied=tied)
     arch = Qwen2Arch.from_hf(tmp_path / "hf")
     model = build_gpt_model(arch).eval()
-    assert (
-        load_mcore_checkpoint(model, _convert(tmp_path / "hf", tmp_path / "mc", 1, 1), parallel_1)
-        == "release"
-    )
+    # written for TP=2 (vocab padded to 256 either way): the checkpoint is layout-independent
+    ckpt = _convert(tmp_path / "hf", tmp_path / "mc", "--tp", "2")
+    assert load_model_weights(model, ckpt, arch) == ckpt / "release"
     ids = torch.randint(0, arch.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
     logits = _causal_forward(model, ids)[..., : arch.vocab_size]
     with torch.no_grad():
@@ -70,53 +65,49 @@ def test_single_process_logits_and_export_match_hf(
     original = read_all(tmp_path / "hf")
     assert set(exported) == set(original)
     assert all(torch.equal(exported[n], t) for n, t in original.items())
+    # exported tensors are copies: changing the model afterwards must not change them
+    with torch.no_grad():
+        model.decoder.final_layernorm.weight.add_(1.0)
+    assert torch.equal(exported["model.norm.weight"], original["model.norm.weight"])
 
 
-def test_load_is_strict_and_names_the_layout_mismatch(tmp_path: Path, parallel_1: ParallelLayout) -> None:
+def test_load_checks_the_stored_config_before_reading(tmp_path: Path, parallel_1: ParallelLayout) -> None:
     from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.weights import CheckpointError, load_mcore_checkpoint
+    from megatron_dapo.weights import CheckpointError
+    from megatron_dapo.weights.dist_load import load_model_weights
 
     make_tiny_hf(tmp_path / "hf", tied=False)
-    mc2 = _convert(tmp_path / "hf", tmp_path / "mc2", 2, 1)
+    ckpt = _convert(tmp_path / "hf", tmp_path / "mc")
     arch = Qwen2Arch.from_hf(tmp_path / "hf")
-    with pytest.raises(CheckpointError, match=r"sharded for tp=2, pp=1 .* --tensor-model-parallel-size 1"):
-        load_mcore_checkpoint(build_gpt_model(arch), mc2, parallel_1)
-    tied_model = build_gpt_model(Qwen2Arch(**{**arch.to_dict(), "tie_word_embeddings": True}))
-    with pytest.raises(CheckpointError, match=r"unexpected \['output_layer.weight'\]"):
-        load_mcore_checkpoint(tied_model, _convert(tmp_path / "hf", tmp_path / "mc1", 1, 1), parallel_1)
+    model = build_gpt_model(arch)
+    for field, value, stored in [("rope_theta", 1e4, 1e6), ("tie_word_embeddings", True, False)]:
+        other = Qwen2Arch(**{**arch.to_dict(), field: value})
+        with pytest.raises(CheckpointError, match=rf"{field}: --load {ckpt} has {stored!r}, "
+                                                  rf"--hf-checkpoint config.json has {value!r}"):
+            load_model_weights(model, ckpt, other)
+    with pytest.raises(CheckpointError, match="per-rank safetensors format"):
+        (tmp_path / "old").mkdir()
+        (tmp_path / "old" / "args.json").write_text("{}")
+        load_model_weights(model, tmp_path / "old", arch)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("tp", "pp", "tied"), [(2, 1, True), (1, 2, False)], ids=["tp2-tied", "pp2-untied"])
-def test_torchrun_export_equals_hf_and_single_process(
-    tmp_path: Path, parallel_1: ParallelLayout, tp: int, pp: int, tied: bool
-) -> None:
-    from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.weights import load_mcore_checkpoint
-    from megatron_dapo.weights.export import iter_hf_weights
-
-    hf_model = make_tiny_hf(tmp_path / "hf", tied=tied, seed=tp + 2 * pp)
-    ckpt = _convert(tmp_path / "hf", tmp_path / "mc", tp, pp)
-    (tmp_path / "out").mkdir()
-    # One launch per layout: re-initialising parallel groups inside one torchrun world hung under gloo.
-    run_torchrun(
-        WORKER, str(ckpt), str(tmp_path / "hf"), str(tmp_path / "out"), str(tp), str(pp), nproc=2, timeout=300
-    )
-    # The single-process export of the same HF model (converted at TP=1, PP=1) is the reference.
-    arch = Qwen2Arch.from_hf(tmp_path / "hf")
-    single = build_gpt_model(arch).eval()
-    load_mcore_checkpoint(single, _convert(tmp_path / "hf", tmp_path / "mc1", 1, 1), parallel_1)
-    reference = dict(iter_hf_weights(single, arch))
-    original = read_all(tmp_path / "hf")
-    assert set(reference) == set(original)
-    assert all(torch.equal(reference[n], t) for n, t in original.items())
-    for rank in range(tp * pp):  # every rank of the model-parallel group receives the whole model
-        with safe_open(tmp_path / "out" / f"rank{rank}.safetensors", framework="pt") as f:
-            assert set(f.keys()) == set(reference), rank
-            for name, tensor in reference.items():
-                assert torch.equal(f.get_tensor(name), tensor), (rank, name)
-    if pp == 1:
-        with safe_open(tmp_path / "out" / "logits.safetensors", framework="pt") as f:
-            with torch.no_grad():
-                expected = hf_model(f.get_tensor("ids")).logits
-            torch.testing.assert_close(f.get_tensor("logits"), expected, rtol=1e-5, atol=1e-5)
+def test_one_checkpoint_loads_at_tp_pp_1_2_and_training_checkpoints_convert_back(tmp_path: Path) -> None:
+    models = {}
+    for tie in ("untied", "tied"):
+        models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tie == "tied", seed=len(tie))
+        ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            save_file({"ids": ids, "logits": models[tie](ids).logits.contiguous()}, tmp_path / f"ref_{tie}.safetensors")
+        _convert(tmp_path / f"hf_{tie}", tmp_path / f"mc_{tie}")
+    out = run_torchrun(WORKER, str(tmp_path), "2x1,1x2,2x2", nproc=4, timeout=600)
+    oks = [line for line in out.splitlines() if line.startswith("OK ")]
+    assert oks == [f"OK {layout} {tie}" for layout in ("2x1", "1x2", "2x2") for tie in ("untied", "tied")], out[-3000:]
+    # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly.
+    for tie in ("untied", "tied"):
+        argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{tie}"), "--save", str(tmp_path / f"back_{tie}")]
+        assert convert_main(argv) == 1  # a training checkpoint stores no HF config: --hf-config is required
+        assert convert_main([*argv, "--hf-config", str(tmp_path / f"hf_{tie}")]) == 0
+        original, back = read_all(tmp_path / f"hf_{tie}"), read_all(tmp_path / f"back_{tie}")
+        assert set(back) == set(original)
+        assert all(torch.equal(back[n], t) for n, t in original.items())

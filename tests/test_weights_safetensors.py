@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from megatron_dapo.weights.safetensors_io import (
     CheckpointError,
+    PositionalSafetensorsWriter,
     SafetensorsFile,
     StreamingSafetensorsWriter,
     TensorSpec,
@@ -63,6 +64,29 @@ def test_writer_enforces_declared_order_shape_and_completeness(tmp_path: Path) -
         w.write("x", torch.zeros(4))
     w.write("x", torch.zeros(2))
     with pytest.raises(ValueError, match="1 tensor\\(s\\) unwritten: \\['y'\\]"):
+        w.close()
+
+
+def test_positional_writer_any_order_from_threads_equals_the_package_file(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    tensors = _tensors()
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    w = PositionalSafetensorsWriter(tmp_path / "p.safetensors", specs, metadata={"format": "pt"})
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda item: w.write(*item), reversed(list(tensors.items()))))
+    w.close()
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    with safe_open(tmp_path / "p.safetensors", framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(n), t) for n, t in tensors.items())
+    write_safetensors(tmp_path / "s.safetensors", tensors.items(), metadata={"format": "pt"})
+    assert (tmp_path / "p.safetensors").read_bytes() == (tmp_path / "s.safetensors").read_bytes()
+    w = PositionalSafetensorsWriter(tmp_path / "q.safetensors", specs[:2])
+    with pytest.raises(ValueError, match=r"a.bf16 declared torch.bfloat16 \[3, 5\], got rows 0:3 of torch.float32"):
+        w.write("a.bf16", torch.zeros(3, 5))
+    w.write("b.fp32", torch.zeros(7))
+    w.write_rows("a.bf16", 1, torch.zeros(2, 5, dtype=torch.bfloat16))  # rows 1:3 only; row 0 missing
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) unwritten: \['a.bf16'\]"):
         w.close()
 
 

@@ -1,12 +1,13 @@
 """Benchmark checkpoint_convert on a synthetic bf16 Qwen2 checkpoint: time vs a byte copy, peak RSS.
 
-    python tools/bench_convert.py --size-gb 2 [--tp 2 --pp 2] [--workdir /tmp/bench_convert]
+    python tools/bench_convert.py --size-gb 2 [--tp 2 --pp 2] [--repeat 2] [--workdir /tmp/bench_convert]
 
 Writes a random HF checkpoint of about --size-gb (streamed, never in memory), then runs, each in a
-fresh process: a plain copy of the shard files, hf-to-mcore, mcore-to-hf, and an import-only baseline.
-Prints wall time as a ratio to the copy, and each process's peak RSS (ru_maxrss) next to the size of
-the largest tensor and of one decoder layer: streaming means peak RSS - baseline stays near those,
-not near the checkpoint size.
+fresh process: a plain copy of the shard files, hf-to-mcore (HF -> torch_dist), mcore-to-hf
+(torch_dist -> HF), and an import-only baseline. Each step runs --repeat times, interleaved, after an
+os.sync() so no step pays for the previous one's dirty pages; the best time counts. Prints wall time
+as a ratio to the copy (goal <= 1.4x) and the peak RSS growth during the step next to one decoder
+layer plus the writer's buffers (goal: growth within that bound, not near the checkpoint size).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ BASE = dict(
 CHILD = """
 import glob, os, resource, shutil, threading, time
 import psutil, torch
+import torch.distributed.checkpoint
 from checkpoint_convert.cli import main
 proc, peak, done = psutil.Process(), [0], threading.Event()
 def sample():
@@ -65,8 +67,9 @@ BODIES = {
     "for p in glob.glob({hf!r} + '/*.safetensors'):\n"
     "    shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p)))",
     "hf-to-mcore": "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
-    "'--pp', '{pp}']) == 0",
-    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}]) == 0",
+    "'--pp', '{pp}', '--threads', '{threads}', '--chunk-mb', '{chunk_mb}']) == 0",
+    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}, '--threads', '{threads}', "
+    "'--chunk-mb', '{chunk_mb}']) == 0",
 }
 
 
@@ -99,9 +102,16 @@ def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
     return writer.total_bytes
 
 
-def run_child(body: str) -> tuple[float, int, int]:
+# The directory each step writes; removed before the step (deleting GBs with `discard` is slow too).
+OUTPUT = {"byte copy of shards": "copy", "hf-to-mcore": "mc", "mcore-to-hf": "hf2"}
+
+
+def run_child(body: str, output: str | None = None) -> tuple[float, int, int]:
     """(seconds, peak RSS during the step, RSS before it) of `body` in a fresh process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if output is not None:
+        shutil.rmtree(output, ignore_errors=True)
+    os.sync()  # start from no dirty pages: writeback of an earlier step must not be billed to this one
     out = subprocess.run(
         [sys.executable, "-c", CHILD.format(body=body)], env=env, capture_output=True, text=True, check=True
     ).stdout
@@ -117,6 +127,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--shard-gb", type=float, default=0.5, help="HF input shard size (default 0.5)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per step, interleaved; best counts")
+    parser.add_argument("--threads", type=int, default=4, help="hf-to-mcore --threads (default 4)")
+    parser.add_argument("--chunk-mb", type=int, default=16, help="--chunk-mb of both conversions (default 16)")
     parser.add_argument(
         "--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)"
     )
@@ -133,14 +146,26 @@ def main() -> None:
             f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16; largest tensor "
             f"{largest / 1e6:.0f} MB, one layer {layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp}"
         )
-        results = {name: run_child(body.format(tp=ns.tp, pp=ns.pp, **paths)) for name, body in BODIES.items()}
+        runs: dict[str, list[tuple[float, int, int]]] = {name: [] for name in BODIES}
+        for _ in range(ns.repeat):
+            for name, body in BODIES.items():
+                fmt = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb, **paths)
+                out = paths[OUTPUT[name]] if name in OUTPUT else None
+                runs[name].append(run_child(body.format(**fmt), out))
+        results = {name: min(r, key=lambda x: x[0]) for name, r in runs.items()}
         copy_s = results["byte copy of shards"][0]
-        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'peak - start MB':>17}")
+        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'peak - start MB':>17}  all runs (s)")
         for name, (seconds, peak, before) in results.items():
             ratio, extra = seconds / copy_s, (peak - before) / 1e6
-            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{peak / 1e6:>13.0f}{extra:>17.0f}")
-        grown = max(r[1] - r[2] for n, r in results.items() if n in ("hf-to-mcore", "mcore-to-hf"))
-        print(f"checkpoint size / largest RSS growth of a conversion: {total / max(1, grown):.1f}x")
+            every = " ".join(f"{r[0]:.2f}" for r in runs[name])
+            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{peak / 1e6:>13.0f}{extra:>17.0f}  {every}")
+        grown = max(r[1] - r[2] for n, rs in runs.items() for r in rs if n in ("hf-to-mcore", "mcore-to-hf"))
+        # a writer thread holds its chunk and, while producing the next, the previous one
+        bound = layer + 2 * ns.threads * (ns.chunk_mb << 20)
+        print(
+            f"largest RSS growth of a conversion {grown / 1e6:.0f} MB; bound: one layer + write buffers "
+            f"(2 x {ns.threads} threads x {ns.chunk_mb} MiB) = {bound / 1e6:.0f} MB; checkpoint {total / 1e6:.0f} MB"
+        )
     finally:
         shutil.rmtree(ns.workdir, ignore_errors=True)
 

@@ -67,9 +67,11 @@ def _stage_tensors(
     params: list[tuple[str, str, torch.nn.Parameter]], arch: Qwen2Arch
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for kind, name, param in params:
+        storage = param.untyped_storage().data_ptr()
         for hf_name, tensor in mcore_to_hf_tensors(name, _gather_tp(kind, param), arch):
-            # Replicated tensors would alias the live parameter; later optimizer steps must not change them.
-            yield hf_name, tensor.clone() if kind == "replicated" else tensor
+            # Without a TP gather (replicated kinds, TP=1) the result is a view of the live parameter;
+            # later optimizer steps must not change what was exported.
+            yield hf_name, tensor.clone() if tensor.untyped_storage().data_ptr() == storage else tensor
 
 
 def iter_hf_weights(

@@ -16,8 +16,8 @@ import torch
 
 from megatron_dapo.weights.safetensors_io import (
     CheckpointError,
+    PositionalSafetensorsWriter,
     SafetensorsFile,
-    StreamingSafetensorsWriter,
     TensorSpec,
 )
 
@@ -106,6 +106,13 @@ class HFCheckpointReader:
             raise CheckpointError(f"{self.dir} has no tensor {name!r}")
         return f.get(name)
 
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of tensor `name`, memory-mapped read-only (thread-safe; see map_file_tensor)."""
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.dir} has no tensor {name!r}")
+        return f.map_rows(name, start, stop)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -133,7 +140,11 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
 
 
 class HFShardedWriter:
-    """Write HF tensors in the planned order, opening each shard when its first tensor arrives."""
+    """Write an HF checkpoint's tensors in any order, from several threads at once.
+
+    Every shard file is created with its header up front (the plan is fixed by `specs` and
+    max_shard_bytes); `write` pwrites a tensor at its offset in its shard.
+    """
 
     def __init__(
         self,
@@ -147,33 +158,36 @@ class HFShardedWriter:
         self._names = (
             [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
-        self._shard = -1
-        self._left = 0
-        self._writer: StreamingSafetensorsWriter | None = None
+        self._files: list[PositionalSafetensorsWriter] = []
+        self._where: dict[str, PositionalSafetensorsWriter] = {}
+        try:
+            for name, shard in zip(self._names, self._shards):
+                f = PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata={"format": "pt"})
+                self._files.append(f)
+                self._where.update({spec.name: f for spec in shard})
+        except BaseException:
+            self.abort()
+            raise
         self.total_bytes = sum(s.nbytes for s in specs)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        if self._left == 0:
-            if self._writer is not None:
-                self._writer.close()
-            self._shard += 1
-            if self._shard >= len(self._shards):
-                raise ValueError(f"{self.dir}: {name} written after all planned tensors")
-            specs = self._shards[self._shard]
-            self._writer = StreamingSafetensorsWriter(
-                os.path.join(self.dir, self._names[self._shard]), specs, metadata={"format": "pt"}
-            )
-            self._left = len(specs)
-        assert self._writer is not None
-        self._writer.write(name, tensor)
-        self._left -= 1
+        """Write tensor `name` (thread-safe; each tensor once)."""
+        f = self._where.get(name)
+        if f is None:
+            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
+        f.write(name, tensor)
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows start:start+len(rows) of tensor `name` (thread-safe; each row once)."""
+        f = self._where.get(name)
+        if f is None:
+            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
+        f.write_rows(name, start, rows)
 
     def close(self) -> None:
-        """Close the last shard (checks completeness) and write the index when there are several."""
-        if self._writer is not None:
-            self._writer.close()
-        if self._shard != len(self._shards) - 1 or self._left:
-            raise ValueError(f"{self.dir}: closed after {self._shard + 1} of {len(self._shards)} shards")
+        """Close every shard (each checks it is complete) and write the index when there are several."""
+        for f in self._files:
+            f.close()
         if len(self._shards) > 1:
             weight_map = {s.name: self._names[i] for i, shard in enumerate(self._shards) for s in shard}
             with open(os.path.join(self.dir, INDEX_FILE), "w") as f:
@@ -182,8 +196,8 @@ class HFShardedWriter:
                 )
 
     def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
+        for f in self._files:
+            f.abort()
 
 
 def copy_assets(src_dir: str | os.PathLike[str], dst_dir: str | os.PathLike[str]) -> list[str]:

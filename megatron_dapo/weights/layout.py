@@ -53,6 +53,34 @@ def mcore_shard_shape(entry: MappingEntry, arch: Qwen2Arch, tp: int) -> Shape:
     return (shapes[0][0], shapes[0][1] // tp)  # row
 
 
+def global_shape(entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int) -> Shape:
+    """Shape of `entry` in a dist checkpoint: the TP=1 tensor, layers stacked on a leading axis.
+
+    Layout-independent except the vocab rows, which megatron-core pads per TP and reshards at load.
+    """
+    if entry.kind == "vocab":
+        shape: Shape = (padded_vocab, arch.hidden_size)
+    else:
+        shape = mcore_shard_shape(entry, arch, 1)
+    return (arch.num_layers, *shape) if entry.stage == "layer" else shape
+
+
+def hf_row_starts(entry: MappingEntry, arch: Qwen2Arch) -> list[int] | None:
+    """Where each HF tensor of `entry` starts on dim 0 of its global (TP=1) tensor, or None.
+
+    Every kind but qkv stores its HF tensors stacked along dim 0 (fc1 = [gate; up], the vocab then
+    zero rows up to the padded size), so a converter can copy HF row ranges straight into place.
+    qkv interleaves rows per query group and returns None: build it with `hf_to_mcore_tensor`.
+    """
+    if entry.kind == "qkv":
+        return None
+    starts, row = [], 0
+    for shape in hf_shapes(entry, arch):
+        starts.append(row)
+        row += shape[0]
+    return starts
+
+
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor:
     """[q_size, *t], [kv_size, *t] x2 -> [groups * (heads_per_group + 2) * head_dim, *t].
 
@@ -126,28 +154,36 @@ def hf_to_mcore_tensor(
     raise ValueError(f"unknown layout kind {kind!r}")
 
 
+def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat that does not copy a single tensor (the TP=1 / dist-checkpoint case)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
+
+
 def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch) -> list[torch.Tensor]:
-    """Inverse of `hf_to_mcore_tensor`: TP shards (index = rank) -> HF tensor(s) in table order."""
+    """Inverse of `hf_to_mcore_tensor`: TP shards (index = rank) -> HF tensor(s) in table order.
+
+    With one shard (TP=1) the results are views of it where the layout allows (all but qkv).
+    """
     if not shards:
         raise ValueError("merge_tp_shards needs at least one shard")
     if kind == "replicated":
         return [shards[0]]
     if kind == "column":
-        return [torch.cat(list(shards), dim=0)]
+        return [_cat(shards, 0)]
     if kind == "row":
-        return [torch.cat(list(shards), dim=1)]
+        return [_cat(shards, 1)]
     if kind == "vocab":
-        full = torch.cat(list(shards), dim=0)
+        full = _cat(shards, 0)
         if full.shape[0] < arch.vocab_size:
             raise ValueError(
                 f"vocab shards hold {full.shape[0]} rows, fewer than vocab_size {arch.vocab_size}"
             )
         return [full[: arch.vocab_size]]
     if kind == "qkv":
-        return _split_qkv(torch.cat(list(shards), dim=0), arch)
+        return _split_qkv(_cat(shards, 0), arch)
     if kind == "fc1":
         halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return [torch.cat([g for g, _ in halves], dim=0), torch.cat([u for _, u in halves], dim=0)]
+        return [_cat([g for g, _ in halves], 0), _cat([u for _, u in halves], 0)]
     raise ValueError(f"unknown layout kind {kind!r}")
 
 

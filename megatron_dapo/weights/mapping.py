@@ -137,6 +137,17 @@ def canonical_mcore_name(name: str) -> str:
     return entry.mcore.format(layer=layer) if layer is not None else entry.mcore
 
 
+def dist_key(entry: MappingEntry) -> str:
+    """The key of `entry` in a megatron-core dist checkpoint (torch_dist), e.g. Megatron-LM's.
+
+    Decoder layers are stacked on a leading layer axis (no `{layer}` in the key), and the fused norms
+    use the Transformer Engine spec names (`linear_qkv.layer_norm_weight`, the first alias) whichever
+    spec the model runs: `GPTModel.sharded_state_dict()` of megatron-core 0.16.1 maps both to these.
+    """
+    name = entry.aliases[0] if entry.aliases else entry.mcore
+    return name.replace("{layer}.", "")
+
+
 def has_output_layer(*, tied: bool, is_first_stage: bool) -> bool:
     """Whether a last PP stage holds `output_layer.weight`.
 

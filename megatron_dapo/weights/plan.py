@@ -14,7 +14,7 @@ import torch
 
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import ParallelLayout, validate_layout
-from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor, mcore_shard_shape, mcore_to_hf_tensors
+from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec
 
@@ -31,16 +31,12 @@ class StageTensor:
     """HF sources, global layer numbers; for a tied output layer, the embedding."""
 
 
-def layers_per_stage(arch: Qwen2Arch, layout: ParallelLayout) -> int:
-    validate_layout(arch, layout)
-    return arch.num_layers // layout.pp
-
-
 def stage_tensors(arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int) -> list[StageTensor]:
     """The parameters stage `pp_rank` holds, in file order."""
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
-    per_stage = layers_per_stage(arch, layout)
+    validate_layout(arch, layout)
+    per_stage = arch.num_layers // layout.pp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     tied = arch.tie_word_embeddings
     out: list[StageTensor] = []
@@ -69,16 +65,6 @@ def stage_tensors(arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int) -> list
                 out.append(StageTensor(entry.mcore, entry, None, hf_names(entry, layer=None, tied=tied)))
     # Within a stage, group by layer so a reader/writer touches one layer at a time.
     return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
-
-
-def mcore_stage_specs(
-    arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int, dtype: torch.dtype
-) -> list[TensorSpec]:
-    """Names, dtype and per-TP-rank shapes of one stage's shard file (same for every TP rank)."""
-    return [
-        TensorSpec(t.mcore_name, dtype, mcore_shard_shape(t.entry, arch, layout.tp))
-        for t in stage_tensors(arch, layout, pp_rank)
-    ]
 
 
 def hf_tensor_specs(arch: Qwen2Arch, dtype: torch.dtype) -> list[TensorSpec]:
@@ -112,14 +98,3 @@ def iter_mcore_shards(
                 )
         yield t.mcore_name, hf_to_mcore_tensor(t.entry.kind, hf, arch, layout.tp)
 
-
-def iter_hf_from_full_mcore(
-    name: str, full_tensor: torch.Tensor, arch: Qwen2Arch
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A full (TP=1 layout) megatron-core tensor with a global layer number -> its HF tensor(s).
-
-    "Full" means what a TP=1 model holds: fc1 is [gate; up], QKV is group-interleaved, the vocab may
-    be padded. TP shards go through `mcore_to_hf_tensors` instead (fc1 shards do not concatenate
-    to the TP=1 layout).
-    """
-    yield from mcore_to_hf_tensors(name, [full_tensor], arch)

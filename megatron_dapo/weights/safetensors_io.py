@@ -3,15 +3,19 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header mapping each name to
 {dtype, shape, data_offsets}, then the raw bytes. Because the converter knows every shape from the
 config, it writes the header first and then each tensor's bytes in order, so it never holds more
-than the tensor being written. Reading uses seek + readinto into a fresh tensor instead of mmap,
-so the bytes of tensors already processed do not stay resident (mmap pages would count in RSS).
+than the tensor being written. Reading uses pread into a fresh tensor instead of mmap, so the bytes
+of tensors already processed do not stay resident (mmap pages would count in RSS), and several
+threads can read one file at once.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
+import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -34,6 +38,28 @@ DTYPE_TO_ST: dict[torch.dtype, str] = {
 }
 ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_ST.items()}
 _ALIGN = 8  # the safetensors package pads the header to 8 bytes; keep files byte-compatible
+
+
+def map_file_tensor(fd: int, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A read-only CPU tensor over file bytes at `offset` (mmap, pre-faulted with MAP_POPULATE).
+
+    No copy: writing it to another file moves each byte once (page cache -> page cache), like a byte
+    copy. The mapping lives as long as the tensor (or a view of it); its pages count in RSS only
+    meanwhile, so a caller that drops each tensor after use holds one tensor's pages at a time.
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    region = mmap.mmap(fd, offset + nbytes - start, flags=flags, prot=mmap.PROT_READ, offset=start)
+    with warnings.catch_warnings():  # read-only is intended: nothing writes to these tensors
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset - start)
+    return raw.view(dtype).reshape(tuple(shape))
 
 
 class CheckpointError(ValueError):
@@ -60,6 +86,30 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+def safetensors_header(
+    path: str | os.PathLike[str], specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None
+) -> tuple[bytes, list[int]]:
+    """(8-byte length + JSON header, padded, as the safetensors package writes it; each tensor's file offset)."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{path}: duplicate tensor names in {names}")
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset, offsets = 0, []
+    for spec in specs:
+        if spec.dtype not in DTYPE_TO_ST:
+            raise ValueError(f"{path}: dtype {spec.dtype} of {spec.name} has no safetensors code")
+        header[spec.name] = {
+            "dtype": DTYPE_TO_ST[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offsets.append(offset)
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw, [8 + len(raw) + o for o in offsets]
+
+
 class StreamingSafetensorsWriter:
     """Write a safetensors file tensor by tensor, in the order of `specs`.
 
@@ -73,28 +123,12 @@ class StreamingSafetensorsWriter:
         specs: Sequence[TensorSpec],
         metadata: dict[str, str] | None = None,
     ) -> None:
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{path}: duplicate tensor names in {names}")
-        header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-        offset = 0
-        for spec in specs:
-            if spec.dtype not in DTYPE_TO_ST:
-                raise ValueError(f"{path}: dtype {spec.dtype} of {spec.name} has no safetensors code")
-            header[spec.name] = {
-                "dtype": DTYPE_TO_ST[spec.dtype],
-                "shape": list(spec.shape),
-                "data_offsets": [offset, offset + spec.nbytes],
-            }
-            offset += spec.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % _ALIGN)
+        head, _ = safetensors_header(path, specs, metadata)
         self.path = os.fspath(path)
         self._specs = list(specs)
         self._next = 0
         self._file: BinaryIO = open(self.path, "wb")  # noqa: SIM115 - closed in close()
-        self._file.write(struct.pack("<Q", len(raw)))
-        self._file.write(raw)
+        self._file.write(head)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._specs):
@@ -130,6 +164,73 @@ class StreamingSafetensorsWriter:
             self.abort()
 
 
+class PositionalSafetensorsWriter:
+    """A safetensors file whose tensors (or row ranges of them) may be written in any order, from several
+    threads at once.
+
+    The header is written at construction; `write` puts a tensor's bytes at its offset with pwrite
+    (no shared file position), so writer threads copy into the page cache in parallel. `close`
+    fails naming any tensor never written.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], specs: Sequence[TensorSpec], metadata: dict[str, str] | None = None
+    ) -> None:
+        head, offsets = safetensors_header(path, specs, metadata)
+        self.path = os.fspath(path)
+        self._at = {s.name: (s, o) for s, o in zip(specs, offsets)}
+        self._rows: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, head, 0)
+        if specs:  # size the file now, so a tensor written early lands before the end
+            os.ftruncate(self._fd, offsets[-1] + specs[-1].nbytes)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the whole tensor `name` (thread-safe)."""
+        spec = self._spec(name)
+        if tuple(tensor.shape) != spec.shape:
+            raise ValueError(f"{self.path}: {name} declared {spec.dtype} {list(spec.shape)}, got "
+                             f"{tensor.dtype} {list(tensor.shape)}")
+        self.write_rows(name, 0, tensor.reshape(-1) if not spec.shape else tensor)
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        """Write rows start:start+len(rows) (dim 0) of tensor `name` (thread-safe; each row once)."""
+        spec = self._spec(name)
+        n_rows = spec.shape[0] if spec.shape else 1
+        trailing = spec.shape[1:] if spec.shape else ()
+        fits = 0 <= start <= start + len(rows) <= n_rows
+        if rows.dtype != spec.dtype or tuple(rows.shape[1:]) != trailing or not fits:
+            raise ValueError(f"{self.path}: {name} declared {spec.dtype} {list(spec.shape)}, got rows {start}:"
+                             f"{start + len(rows)} of {rows.dtype} {list(rows.shape)}")
+        data = _tensor_bytes(rows.cpu())
+        offset = self._at[name][1] + start * (spec.nbytes // n_rows if n_rows else 0)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], offset + done)
+        with self._lock:
+            self._rows[name] = self._rows.get(name, 0) + len(rows)
+
+    def _spec(self, name: str) -> TensorSpec:
+        if name not in self._at:
+            raise ValueError(f"{self.path}: {name} is not declared in its header")
+        return self._at[name][0]
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        os.close(self._fd)
+        self._fd = -1
+        missing = [n for n, (s, _) in self._at.items() if self._rows.get(n, 0) != (s.shape[0] if s.shape else 1)]
+        if missing:
+            raise ValueError(f"{self.path}: closed with {len(missing)} tensor(s) unwritten: {missing[:4]}")
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class SafetensorsFile:
     """Lazy reader: parses and validates the header on open, reads a tensor only on `get`."""
 
@@ -144,6 +245,7 @@ class SafetensorsFile:
         except Exception:
             self._file.close()
             raise
+        self._fd = self._file.fileno()
 
     def _parse_header(self, size: int) -> tuple[dict[str, TensorSpec], dict[str, str], dict[str, int]]:
         head = self._file.read(8)
@@ -194,13 +296,42 @@ class SafetensorsFile:
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        out = torch.empty(spec.shape, dtype=spec.dtype)
-        if spec.nbytes:
-            self._file.seek(self._offsets[name])
-            got = self._file.readinto(memoryview(out.reshape(-1).view(torch.uint8).numpy()))
-            if got != spec.nbytes:
-                raise CheckpointError(f"{self.path}: short read of {name} ({got} of {spec.nbytes} bytes)")
+        return self.get_rows(name, 0, spec.shape[0] if spec.shape else 1)
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop (dim 0) of tensor `name` as a new CPU tensor; thread-safe (pread)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
+        row_bytes = spec.nbytes // rows if rows else 0
+        out = torch.empty((stop - start, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
+        want = (stop - start) * row_bytes
+        if want:
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < want:  # pread may return less than asked for very large reads
+                n = os.preadv(self._fd, [view[got:]], self._offsets[name] + start * row_bytes + got)
+                if n <= 0:
+                    break
+                got += n
+            if got != want:
+                raise CheckpointError(f"{self.path}: short read of {name} ({got} of {want} bytes)")
         return out
+
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of tensor `name` as a read-only memory-mapped tensor (see map_file_tensor)."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        rows = spec.shape[0] if spec.shape else 1
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
+        row_bytes = spec.nbytes // rows if rows else 0
+        shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
+        return map_file_tensor(self._fd, self._offsets[name] + start * row_bytes, shape, spec.dtype)
 
     def close(self) -> None:
         self._file.close()

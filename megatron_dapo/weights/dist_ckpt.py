@@ -1,0 +1,430 @@
+"""Megatron-core dist checkpoints (torch_dist) of a Qwen2 model, written and read without building a model.
+
+Layout written (Megatron-LM's, so `--load DIR` here and Megatron-LM's torch_dist loader
+open it)::
+
+    <dir>/latest_checkpointed_iteration.txt   "release"
+    <dir>/release/metadata.json         {"sharded_backend": "torch_dist", ...}
+    <dir>/release/common.pt             args (argparse.Namespace), iteration 0, hf_config
+    <dir>/release/.metadata, __0_*.distcp  torch.distributed.checkpoint files
+
+"release" (not `iter_0000000` + "0"): Megatron-LM's read_metadata asserts `iteration > 0 or release`, and
+a release checkpoint is what it starts from at iteration 0 with a fresh optimizer and RNG.
+
+A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
+leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
+list of chunks (global offset, shape, a function producing its bytes): the writer asks for a chunk only
+when a writer thread reaches it, so memory holds a few chunks, not the model. Training checkpoints
+(`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the model keys
+and ignore optimizer state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.weights.safetensors_io import CheckpointError, map_file_tensor
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+ITERATION_DIR = "release"
+METADATA_JSON = "metadata.json"
+COMMON_FILE = "common.pt"
+DCP_METADATA = ".metadata"
+TRAINING_LATEST = "latest"  # megatron_dapo.checkpoint's marker of the newest step_N
+FORMAT = "megatron_dapo.dist_ckpt/1"
+# megatron-core's CheckpointingConfig for torch_dist (dist_checkpointing/core.py), as metadata.json holds it
+MEGATRON_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+Offset = tuple[int, ...]
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a global tensor; `produce()` returns a contiguous tensor of `shape`."""
+
+    offset: Offset
+    shape: Shape
+    produce: Callable[[], torch.Tensor]
+
+
+@dataclass
+class LazyTensor:
+    """A global tensor of a dist checkpoint as chunks whose data is produced on demand.
+
+    Implements torch.distributed.checkpoint's `_Checkpointable` protocol (write items and chunk list
+    from metadata alone); `_LazyPlanner.lookup_object` calls `produce` when a writer thread needs it.
+    """
+
+    shape: Shape
+    dtype: torch.dtype
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def __create_write_items__(self, fqn: str, _obj: object) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(c.offset), i),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)),
+                    properties=TensorProperties(dtype=self.dtype),
+                    size=torch.Size(self.shape),
+                ),
+            )
+            for i, c in enumerate(self.chunks)
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in self.chunks]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        chunk = self.chunks[index.index] if index.index is not None else None
+        if chunk is None or tuple(chunk.offset) != tuple(index.offset):
+            chunk = next(c for c in self.chunks if tuple(c.offset) == tuple(index.offset))
+        tensor = chunk.produce()
+        if tuple(tensor.shape) != chunk.shape or tensor.dtype != self.dtype:
+            raise CheckpointError(
+                f"{index.fqn} chunk at {list(chunk.offset)}: produced {tensor.dtype} {list(tensor.shape)}, "
+                f"declared {self.dtype} {list(chunk.shape)}"
+            )
+        return tensor.contiguous()
+
+
+def sharded_object_key(key: str, offset: Offset, shape: Shape) -> str:
+    """The storage key of a megatron-core ShardedObject (its `unique_key`), without importing megatron.
+
+    Importing megatron.core costs ~3-25 s and ~500 MB RSS (it compiles fusions and imports wandb); the
+    converter needs none of it. tests/test_convert.py checks this equals megatron-core's own.
+    """
+    return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
+
+
+def serialized_object(value: Any) -> io.BytesIO:
+    """A megatron-core ShardedObject's stored bytes (torch_dist keeps `[data]` torch.save'd)."""
+    buf = io.BytesIO()
+    torch.save([value], buf)
+    return buf
+
+
+def _planner(cancelled: threading.Event):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _LazyPlanner(DefaultSavePlanner):
+        """Resolves LazyTensor chunks on demand; BytesIO values are stored as they are (megatron's way).
+
+        Once `cancelled` is set (the main thread failed or got SIGTERM), writer threads stop at their next
+        chunk instead of writing the rest of the checkpoint into a directory being removed.
+        """
+
+        def lookup_object(self, index: Any) -> Any:
+            if cancelled.is_set():
+                raise RuntimeError("checkpoint write cancelled")
+            obj = self.state_dict[index.fqn]
+            return obj.__get_tensor_shard__(index) if isinstance(obj, LazyTensor) else super().lookup_object(index)
+
+        def transform_object(self, write_item: Any, obj: Any) -> Any:
+            return obj if isinstance(obj, io.BytesIO) else super().transform_object(write_item, obj)
+
+    return _LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def write_dist_checkpoint(
+    iter_dir: str | os.PathLike[str],
+    tensors: dict[str, LazyTensor],
+    objects: dict[str, io.BytesIO],
+    common: dict[str, Any],
+    *,
+    threads: int = 4,
+) -> None:
+    """Write one torch_dist iteration directory from a single process (no process group needed).
+
+    `objects` maps ShardedObject unique keys to their serialized bytes. `threads` writer threads each
+    fill their own `.distcp` file, producing one chunk at a time (the previous one is released once
+    the next exists): peak memory is about 2 x `threads` chunks. At Qwen2.5-32B (64 GB bf16, 16 MiB
+    chunks, 4 threads) that is ~128 MiB plus a 73 MB qkv layer, and the time is the disk's write time
+    (bytes move page cache -> page cache once, as in a byte copy; no CRC32 is computed).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    iter_dir = os.fspath(iter_dir)
+    os.makedirs(iter_dir, exist_ok=True)
+    state: dict[str, Any] = {**tensors, **objects}
+    writer = dcp.FileSystemWriter(iter_dir, thread_count=threads, sync_files=False)
+    # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
+    # computing it costs as much as writing the bytes.
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    cancelled = threading.Event()
+    try:
+        dcp.save(state, storage_writer=writer, planner=_planner(cancelled), no_dist=True)
+    except dcp.api.CheckpointException as e:
+        # DCP wraps what failed (a missing shard, a full disk) in a BaseException; raise the cause itself
+        raise next(exc for exc, _ in e.failures.values()) from e
+    except BaseException:
+        cancelled.set()
+        raise
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    torch.save(common, os.path.join(iter_dir, COMMON_FILE))
+    with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:
+        json.dump(MEGATRON_CONFIG, f)  # last: megatron treats a directory without it as incomplete
+
+
+def write_tracker(ckpt_dir: str | os.PathLike[str]) -> None:
+    with open(os.path.join(os.fspath(ckpt_dir), TRACKER_FILE), "w") as f:
+        f.write(ITERATION_DIR)
+
+
+def resolve_iteration_dir(path: str | os.PathLike[str], *, flag: str = "--load") -> Path:
+    """The directory holding `.metadata` for any checkpoint path of this project.
+
+    Accepts a Megatron-LM root (`latest_checkpointed_iteration.txt` -> `iter_%07d` or `release`), a
+    training run's --save root (`latest` -> `step_%07d`), or an iteration/step directory itself.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{flag} {root} is not a directory")
+    if (root / DCP_METADATA).is_file():
+        return root
+    tracker = root / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text != "release" and not text.isdigit():
+            raise CheckpointError(f"{tracker} holds {text!r}; expected an iteration number or 'release'")
+        found = root / ("release" if text == "release" else f"iter_{int(text):07d}")
+    elif (root / TRAINING_LATEST).is_file() or any(root.glob("step_*")):
+        from megatron_dapo.checkpoint import candidate_step_dirs
+
+        # newest step with its torch_dist metadata (`--load` also verifies the manifest; this reads weights only)
+        found = next((p for p in candidate_step_dirs(root) if (p / DCP_METADATA).is_file()), None)
+        if found is None:
+            raise CheckpointError(f"{flag} {root} holds no complete step_N checkpoint")
+    elif (root / "args.json").is_file():
+        raise CheckpointError(
+            f"{flag} {root} is in the per-rank safetensors format of checkpoint_convert before torch_dist, "
+            "which is no longer read: convert the HF model again with `python -m checkpoint_convert hf-to-mcore`"
+        )
+    else:
+        raise CheckpointError(
+            f"{flag} {root} is not a megatron-core dist checkpoint: no {DCP_METADATA}, {TRACKER_FILE} or "
+            f"{TRAINING_LATEST} in it"
+        )
+    if not (found / DCP_METADATA).is_file():
+        raise CheckpointError(f"{found} has no {DCP_METADATA}: the checkpoint is incomplete or not torch_dist")
+    return found
+
+
+def load_common(iter_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """common.pt of an iteration directory ({} when absent); Megatron-LM stores `args` as a Namespace."""
+    path = Path(iter_dir) / COMMON_FILE
+    if not path.is_file():
+        return {}
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return {}  # e.g. a training checkpoint's scheduler state: holds no model config
+
+
+class DistCheckpointReader:
+    """Random access to the tensors of a torch_dist checkpoint: metadata parsed once, chunks read on demand.
+
+    Reading a layer slice touches only the chunks that overlap it (one per TP shard of that layer in a
+    training checkpoint, exactly one in converter output), so memory is one layer's tensor.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, flag: str = "--load") -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.dir = resolve_iteration_dir(path, flag=flag)
+        try:
+            self.metadata = FileSystemReader(str(self.dir)).read_metadata()
+        except (pickle.UnpicklingError, EOFError) as e:
+            raise CheckpointError(f"{self.dir / DCP_METADATA} is corrupt: {e}") from e
+        self.tensors = {
+            k: md for k, md in self.metadata.state_dict_metadata.items() if hasattr(md, "chunks")
+        }
+        self.common = load_common(self.dir)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def shape(self, key: str) -> Shape:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def _fd(self, relative_path: str) -> int:
+        with self._lock:  # reader threads share one fd per file (pread / mmap need no file position)
+            fd = self._fds.get(relative_path)
+            if fd is None:
+                fd = self._fds[relative_path] = os.open(self.dir / relative_path, os.O_RDONLY)
+            return fd
+
+    def _map_chunk(
+        self, key: str, offsets: Offset, sizes: Shape, axis: int = 0, skip: int = 0, rows: int | None = None
+    ) -> torch.Tensor:
+        """A stored chunk, or `rows` of it along `axis` from `skip` (axes before `axis` must have size 1).
+
+        Fast path: a read-only memory-mapped tensor over just those bytes (no copy). torch_dist stores a
+        chunk as a torch.save zip of uncompressed records; its bytes are the record `<archive>/data/0`,
+        found through the zip's central directory. Anything else falls back to torch.load of the record.
+        """
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{key}: stored with transforms {info.transform_descriptors}, not supported")
+        fd = self._fd(info.relative_path)
+        dtype = self.tensors[key].properties.dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        rows = sizes[axis] - skip if rows is None else rows
+        shape = (*sizes[:axis], rows, *sizes[axis + 1 :])
+        start = _zip_record_start(fd, info.offset, info.length, torch.Size(sizes).numel() * itemsize)
+        if start is not None:
+            return map_file_tensor(fd, start + skip * itemsize * torch.Size(sizes[axis + 1 :]).numel(), shape, dtype)
+        buf = bytearray(info.length)
+        _pread_exact(fd, memoryview(buf), info.offset, self.dir / info.relative_path)
+        whole = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True).reshape(sizes)
+        return whole.narrow(axis, skip, rows)
+
+    def read(self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The global tensor `key`, or its `layer` slice (without the layer axis), or rows lo:hi of that.
+
+        Reads only the stored chunks overlapping the request; when one chunk holds it (converter output
+        always, training checkpoints at TP=1), the result is a memory-mapped view of just those bytes.
+        """
+        if key not in self.tensors:
+            raise CheckpointError(f"{self.dir} has no tensor {key!r}")
+        md = self.tensors[key]
+        shape = tuple(md.size)
+        region = [(0, n) for n in shape]
+        if layer is not None:
+            region[0] = (layer, layer + 1)
+        row_axis = 1 if layer is not None else 0
+        if rows is not None:
+            region[row_axis] = rows
+        want = tuple(hi - lo for lo, hi in region)
+        pieces = [
+            c for c in md.chunks
+            if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
+        ]
+        inside = [
+            c for c in pieces if all(o <= lo and hi <= o + n for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
+        ]
+        contiguous = inside and all(  # the region only narrows the row axis, axes before it have size 1
+            (i == row_axis) or (i < row_axis and n == 1) or (i > row_axis and (lo, hi) == (o, o + n))
+            for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region))
+        )
+        if contiguous:
+            c = inside[0]
+            lo, hi = region[row_axis]
+            out = self._map_chunk(key, tuple(c.offsets), tuple(c.sizes), row_axis, lo - c.offsets[row_axis], hi - lo)
+        else:
+            out = torch.empty(want, dtype=md.properties.dtype)
+            for c in pieces:
+                data = self._map_chunk(key, tuple(c.offsets), tuple(c.sizes))
+                spans = list(zip(c.offsets, c.sizes, region))
+                src = tuple(slice(max(lo, o) - o, min(hi, o + n) - o) for o, n, (lo, hi) in spans)
+                dst = tuple(slice(max(lo, o) - lo, min(hi, o + n) - lo) for o, n, (lo, hi) in spans)
+                out[dst] = data.reshape(tuple(c.sizes))[src]
+        return out[0] if layer is not None else out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> DistCheckpointReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class _Window(io.RawIOBase):
+    """A read-only file-like view of bytes [offset, offset + length) of fd (for zipfile), via pread."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.length - self.pos if n < 0 else min(n, self.length - self.pos)
+        data = os.pread(self.fd, max(n, 0), self.offset + self.pos)
+        self.pos += len(data)
+        return data
+
+
+def _zip_record_start(fd: int, offset: int, length: int, nbytes: int) -> int | None:
+    """File offset of the tensor bytes inside a torch.save zip stored at [offset, offset+length), or None
+    unless it holds exactly one uncompressed `data/0` record of `nbytes` bytes, little-endian."""
+    import struct
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(_Window(fd, offset, length)) as z:
+            infos = z.infolist()
+    except zipfile.BadZipFile:
+        return None
+    records = [i for i in infos if "/data/" in i.filename and not i.filename.endswith(".pkl")]
+    order = [i for i in infos if i.filename.endswith("/byteorder")]
+    if len(records) != 1 or not records[0].filename.endswith("/data/0") or records[0].compress_type != 0:
+        return None
+    if records[0].file_size != nbytes:
+        return None
+
+    def data_start(info: zipfile.ZipInfo) -> int | None:
+        header = os.pread(fd, 30, offset + info.header_offset)  # CRCs may be 0: never read via zipfile
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        return offset + info.header_offset + 30 + name_len + extra_len
+
+    if order:
+        at = data_start(order[0])
+        if at is None or os.pread(fd, order[0].file_size, at) != b"little":
+            return None
+    return data_start(records[0])
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(f"{path}: short read at byte {offset + got} (truncated checkpoint?)")
+        got += n

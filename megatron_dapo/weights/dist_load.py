@@ -1,0 +1,75 @@
+"""Start a run from a torch_dist checkpoint's model weights: converter output or another run's checkpoint.
+
+`train.py --load DIR` calls this when DIR has Megatron-LM's `latest_checkpointed_iteration.txt` (what
+`checkpoint_convert hf-to-mcore` writes): the model loads at the run's TP/PP (megatron-core reshards),
+and the run starts at iteration 0 with a fresh optimizer. Resuming a run (model + optimizer + step) is
+`megatron_dapo.checkpoint.load_checkpoint`'s job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.weights.ckpt_config import check_global_shapes, check_same_arch
+from megatron_dapo.weights.dist_ckpt import TRACKER_FILE, DistCheckpointReader
+
+
+def is_megatron_lm_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a Megatron-LM-layout checkpoint root (converter output), not a training --save dir."""
+    return (Path(path) / TRACKER_FILE).is_file()
+
+
+def initial_checkpoint(load: str | None, mcore_checkpoint: str | None) -> str | None:
+    """The torch_dist checkpoint a run starts its weights from, or None (start from --hf-checkpoint).
+
+    That is --load when it is converter output (Megatron-LM layout), not a training run to resume.
+    --mcore-checkpoint is its deprecated spelling; a --load given too wins (it resumes or starts there).
+    """
+    if mcore_checkpoint:
+        warnings.warn("--mcore-checkpoint is deprecated: pass hf-to-mcore output as --load (it loads at any "
+                      "TP/PP)", FutureWarning, stacklevel=2)
+        if not load:
+            return mcore_checkpoint
+    return load if load and is_megatron_lm_checkpoint(load) else None
+
+
+def check_checkpoint_config(path: str | os.PathLike[str], arch: Qwen2Arch, *, flag: str = "--load") -> Path:
+    """Compare a checkpoint's stored HF config and tensor shapes with `arch`, reading no tensor data.
+
+    Returns the iteration directory. Raises CheckpointError naming both values of each mismatch.
+    """
+    with DistCheckpointReader(path, flag=flag) as reader:
+        stored = reader.common.get("hf_config")
+        if stored is not None:
+            check_same_arch(Qwen2Arch.from_hf(stored), arch, stored_from=f"{flag} {path}",
+                            requested_from="--hf-checkpoint config.json")
+        check_global_shapes({k: reader.shape(k) for k in reader.tensors}, arch, source=f"{flag} {path}",
+                            against="--hf-checkpoint config.json")
+        return reader.dir
+
+
+def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arch: Qwen2Arch,
+                       *, flag: str = "--load") -> Path:
+    """Load the model tensors of a torch_dist checkpoint into this rank's model (all ranks call it).
+
+    `model` is this rank's chunk (possibly DDP-wrapped): its `sharded_state_dict()` names the global
+    slices this rank needs, and dist_checkpointing reads only those. Optimizer state in the checkpoint
+    is ignored; callers refresh the optimizer's main params afterwards (`optimizer.reload_model_params`).
+    Cost at Qwen2.5-32B TP8 x PP2: each rank reads its 1/16 of 64 GB (4 GB); no rank waits on another
+    except the final barrier inside dist_checkpointing.load.
+    """
+    from megatron.core import dist_checkpointing
+
+    iter_dir = check_checkpoint_config(path, arch, flag=flag)
+    sharded = model.sharded_state_dict()
+    # common.pt of converter output holds Megatron-LM's args as an argparse.Namespace
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        loaded = dist_checkpointing.load(sharded, str(iter_dir))
+    model.load_state_dict({k: loaded[k] for k in sharded})
+    return iter_dir

@@ -1,0 +1,87 @@
+"""torchrun worker (4 ranks): one torch_dist checkpoint per model loads at several TP x PP layouts.
+
+Args: WORK LAYOUTS. WORK holds hf_{untied,tied}/ (HF models), mc_{untied,tied}/ (hf-to-mcore output)
+and ref_{untied,tied}.safetensors (HF logits of fixed ids). LAYOUTS is e.g. "1x1,2x1,1x2,2x2" (tp x pp;
+dp fills the world). For each layout and model, every rank loads the checkpoint through
+`load_model_weights`, runs a pipelined forward and checks logits against HF's, then exports the model
+with `iter_hf_weights` and checks every tensor bit-exact against the HF files. At the last layout each
+model is also saved as a training-style checkpoint (`<WORK>/train_<tie>/step_0000003`, model under key
+"model") for the test to convert back with mcore-to-hf. Prints "OK <tp>x<pp> <tie>" per check.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from safetensors.torch import load_file
+
+from megatron_dapo.actor import destroy_parallel, init_parallel
+from megatron_dapo.models import Qwen2Arch, build_gpt_model
+from megatron_dapo.weights.dist_load import load_model_weights
+from megatron_dapo.weights.export import iter_hf_weights
+from megatron_dapo.weights.hf_format import HFCheckpointReader
+
+
+def pipelined_logits(model, ids: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor | None:
+    """Full-vocab logits [b, s, vocab] on last-stage ranks (None elsewhere): stage by stage, TP-gathered."""
+    b, s = ids.shape
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(diagonal=1)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    with torch.no_grad():
+        if pp_rank > 0:
+            hidden = torch.empty(s, b, arch.hidden_size)
+            dist.recv(hidden, src=ranks[pp_rank - 1])
+            model.set_input_tensor(hidden)
+        out = model(input_ids=ids, position_ids=torch.arange(s).expand(b, s), attention_mask=mask)
+        if pp_rank < pp - 1:
+            dist.send(out.contiguous(), dst=ranks[pp_rank + 1])
+            return None
+    parts = [torch.empty_like(out) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, out.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[..., : arch.vocab_size]
+
+
+def check_layout(work: str, tp: int, pp: int, save_training: bool) -> None:
+    init_parallel(tp=tp, pp=pp)
+    for tie in ("untied", "tied"):
+        arch = Qwen2Arch.from_hf(os.path.join(work, f"hf_{tie}"))
+        model = build_gpt_model(arch).eval()
+        load_model_weights(model, os.path.join(work, f"mc_{tie}"), arch)
+        ref = load_file(os.path.join(work, f"ref_{tie}.safetensors"))
+        logits = pipelined_logits(model, ref["ids"], arch)
+        if logits is not None:
+            torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+        exported = {name: t.clone() for name, t in iter_hf_weights([model], arch)}
+        with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:
+            assert set(exported) == set(hf.specs), sorted(set(exported) ^ set(hf.specs))
+            bad = [n for n in exported if not torch.equal(exported[n], hf.get(n))]
+        assert not bad, f"exported tensors differ from HF: {bad[:5]}"
+        if save_training:
+            step = os.path.join(work, f"train_{tie}", "step_0000003")
+            if dist.get_rank() == 0:
+                os.makedirs(step)
+            dist.barrier()
+            dist_checkpointing.save({"model": model.sharded_state_dict()}, step)
+            if dist.get_rank() == 0:
+                with open(os.path.join(work, f"train_{tie}", "latest"), "w") as f:
+                    f.write("step_0000003")
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"OK {tp}x{pp} {tie}", flush=True)
+    destroy_parallel(keep_process_group=True)
+
+
+def main() -> None:
+    work, layouts = sys.argv[1], sys.argv[2].split(",")
+    for i, layout in enumerate(layouts):
+        tp, pp = (int(x) for x in layout.split("x"))
+        check_layout(work, tp, pp, save_training=i == len(layouts) - 1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
