@@ -7,13 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.actor import MegatronActor
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from megatron_dapo.train import build_configs
 from megatron_dapo.trainer import Rollout, Trainer, TrainerConfig
-from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import (
+    load_hf_weights,
+    make_samples,
+    single_process_world,
+)
 
 ROLLOUT_STEPS = 25
 MINIBATCHES = 3
@@ -34,10 +36,7 @@ def expected_lr(k: int, *, warmup: int, style: str, decay_steps: int | None) -> 
 
 @pytest.fixture(scope="module")
 def world():
-    layout = init_parallel(seed=0)
-    hf = tiny_hf_model(seed=3)
-    yield layout, hf, Qwen2Arch.from_hf(hf.config)
-    destroy_parallel()
+    yield from single_process_world(hf_seed=3)
 
 
 def _trainer(world, flags: list[str]) -> Trainer:
@@ -47,8 +46,7 @@ def _trainer(world, flags: list[str]) -> Trainer:
                                       "--max-response-length", "16", "--overlong-buffer-length", "4", *flags])
     actor_cfg, collect_cfg, _ = build_configs(args)
     actor = MegatronActor(arch, actor_cfg, layout)
-    actor.load_shards(mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0,
-                                            pp=1, pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+    load_hf_weights(actor, hf)
     return Trainer(config=TrainerConfig(num_steps=ROLLOUT_STEPS), collect=collect_cfg, actor=actor,
                    engine=object(), next_prompts=lambda k: [], eval_prompts=[], decode=str, reward_fn=None,
                    logger=None)

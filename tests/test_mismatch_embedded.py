@@ -6,30 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample, destroy_parallel, init_parallel
+from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
 from megatron_dapo.algorithm import OffPolicyConfig, PolicyLossConfig, policy_loss
-from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.trainer import Rollout, Trainer, TrainerConfig
-from tests.dist.actor_common import TINY, hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import (
+    TINY,
+    load_hf_weights,
+    make_samples,
+    single_process_world,
+)
 
 
 @pytest.fixture(scope="module")
 def world():
-    layout = init_parallel(seed=0)
-    hf = tiny_hf_model(seed=4)
-    yield layout, hf, Qwen2Arch.from_hf(hf.config)
-    destroy_parallel()
+    yield from single_process_world(hf_seed=4)
 
 
 def _actor(world, **overrides) -> MegatronActor:
     layout, hf, arch = world
     actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
-    full = hf_to_full_mcore(hf.state_dict(), arch)
-    actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
-                                            padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+    load_hf_weights(actor, hf)
     return actor
 
 

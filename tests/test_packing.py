@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample, destroy_parallel, init_parallel
+from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
 from megatron_dapo.actor.batching import (
     block_causal_mask,
     build_micro_batch,
@@ -22,7 +22,12 @@ from megatron_dapo.actor.batching import (
 )
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import padded_vocab_size
-from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import (
+    load_hf_weights,
+    make_samples,
+    single_process_world,
+    tiny_hf_model,
+)
 
 ATOL = 1e-6
 METRICS = ("pg_loss", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio", "entropy", "grad_norm", "num_tokens")
@@ -87,10 +92,7 @@ def test_packed_batches_are_built_lazily():
 # ---- the actor: packed == padded, fused linear == logits -----------------------------------------------
 @pytest.fixture(scope="module")
 def world():
-    layout = init_parallel(seed=0)
-    hf = tiny_hf_model(seed=4)
-    yield layout, hf, Qwen2Arch.from_hf(hf.config)
-    destroy_parallel()
+    yield from single_process_world(hf_seed=4)
 
 
 def _actor(world, hf=None, **overrides) -> MegatronActor:
@@ -98,9 +100,7 @@ def _actor(world, hf=None, **overrides) -> MegatronActor:
     hf = hf or default_hf
     arch = Qwen2Arch.from_hf(hf.config)
     actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
-    full = hf_to_full_mcore(hf.state_dict(), arch)
-    actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
-                                            padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+    load_hf_weights(actor, hf)
     return actor
 
 

@@ -160,3 +160,22 @@ def hf_response_log_probs(model, samples) -> tuple[list[torch.Tensor], list[torc
             logps.append(logsm[pos, torch.tensor(s.tokens[s.prompt_len:])].float())
             ents.append(-(logsm[pos].exp() * logsm[pos]).sum(-1).float())
     return logps, ents
+
+
+def single_process_world(hf_seed: int):
+    """Generator for a module-scoped fixture: (layout, tiny HF model, arch) in a 1-rank parallel state."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+
+    layout = init_parallel(seed=0)
+    hf = tiny_hf_model(seed=hf_seed)
+    yield layout, hf, Qwen2Arch.from_hf(hf.config)
+    destroy_parallel()
+
+
+def load_hf_weights(actor, hf) -> None:
+    """Copy `hf`'s weights into a single-process (TP1, PP1) actor through this module's own mapping."""
+    from megatron_dapo.parallel import padded_vocab_size
+
+    full = hf_to_full_mcore(hf.state_dict(), actor.arch)
+    actor.load_shards(mcore_shards_for_rank(full, actor.arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                            padded_vocab=padded_vocab_size(actor.arch.vocab_size, 1)))
