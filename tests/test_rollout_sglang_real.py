@@ -5,12 +5,11 @@ skipped otherwise. Reference for log-probs: a teacher-forced HF forward of the s
 import dataclasses
 
 import pytest
-import torch
 
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
-from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, tiny_model
+from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
 
@@ -28,17 +27,6 @@ def served(tmp_path_factory):
     engine.shutdown()
 
 
-def _max_logprob_error(model, samples) -> float:
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        with torch.no_grad():
-            lp = model(ids).logits[0].log_softmax(-1)[len(s.prompt_ids) - 1 : -1]
-        ref = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
-        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
-    return worst
-
-
 def _reqs(count, n, max_new, **kw):
     sp = SamplingParams(max_new_tokens=max_new, **kw)
     return [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=n, sampling=sp, request_id=f"q{i}")
@@ -53,7 +41,7 @@ def test_generate_logprobs_match_hf(served):
     for s in samples:  # a random model samples eos (id 1) now and then
         assert (s.finish_reason, len(s.response_ids)) == ("length", 8) or \
             (s.finish_reason == "stop" and s.response_ids[-1] == 1)
-    assert _max_logprob_error(model, samples) < 1e-4
+    assert max_logprob_error(model, samples) < 1e-4
     every_token = tuple(range(2, 128))
     (stopped,) = engine.generate(_reqs(1, n=1, max_new=8, stop_token_ids=every_token))[0]
     assert stopped.finish_reason == "stop" and len(stopped.response_ids) == 1
@@ -87,7 +75,7 @@ def test_weight_update_paths(served, mode):
     engine.update_weights(new.named_parameters(), version=version)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=8, seed=4)) for s in g]
     assert {s.weight_version for s in samples} == {version}
-    assert _max_logprob_error(new, samples) < 1e-4
+    assert max_logprob_error(new, samples) < 1e-4
 
 
 def test_router_round_robins(tmp_path):

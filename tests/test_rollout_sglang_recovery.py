@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
-from tests.sglang.real_server import MARKS, cpu_server_config, free_port, tiny_model
+from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
 
@@ -36,17 +35,6 @@ def _reqs(count, n, max_new, tag, **kw):
     sp = SamplingParams(max_new_tokens=max_new, **kw)
     return [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=n, sampling=sp, request_id=f"{tag}{i}")
             for i in range(count)]
-
-
-def _max_logprob_error(model, samples) -> float:
-    worst = 0.0
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        with torch.no_grad():
-            lp = model(ids).logits[0].log_softmax(-1)[len(s.prompt_ids) - 1 : -1]
-        ref = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
-        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
-    return worst
 
 
 def _process_group(pgid: int) -> list[int]:
@@ -103,7 +91,7 @@ def test_server_killed_while_generating(served):
     assert groups[0][0].request_id == "gs0"  # the kill came while the long ones were generating
     samples = [s for g in groups for s in g]
     assert {s.weight_version for s in samples} == {1}
-    assert _max_logprob_error(current, samples) < 1e-4  # the redone samples come from the re-synced server
+    assert max_logprob_error(current, samples) < 1e-4  # the redone samples come from the re-synced server
     metrics = engine.take_metrics()
     assert metrics["rollout/retried_requests"] >= 1
     _kill_and_check(engine, old_pids, metrics)
@@ -129,7 +117,7 @@ def test_server_killed_during_weight_update(served):
     groups = engine.generate(reqs)  # waits for the restart + re-sync
     samples = [s for g in groups for s in g]
     assert _complete(groups, reqs) and {s.weight_version for s in samples} == {2}
-    assert _max_logprob_error(current, samples) < 1e-4
+    assert max_logprob_error(current, samples) < 1e-4
     _kill_and_check(engine, old_pids, engine.take_metrics())
 
 
@@ -151,11 +139,11 @@ def test_distributed_mode_server_killed_while_generating(served):
             os.kill(victim, signal.SIGKILL)
     samples = [s for g in groups for s in g]
     assert _complete(groups, reqs)
-    assert _max_logprob_error(current, samples) < 1e-4
+    assert max_logprob_error(current, samples) < 1e-4
     metrics = engine.take_metrics()
     assert metrics["rollout/retried_requests"] >= 1
     _kill_and_check(engine, old_pids, metrics)
     newer = tiny_model(4)
     engine.update_weights(newer.named_parameters(), version=4)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=16, tag="e", seed=6)) for s in g]
-    assert {s.weight_version for s in samples} == {4} and _max_logprob_error(newer, samples) < 1e-4
+    assert {s.weight_version for s in samples} == {4} and max_logprob_error(newer, samples) < 1e-4

@@ -40,3 +40,15 @@ def cpu_server_config(root: Path, **overrides) -> ServerConfig:
                   python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
                   extra_args=("--dtype", "float32"), env={"OMP_NUM_THREADS": "1"})
     return ServerConfig(**{**fields, **overrides})
+
+
+def max_logprob_error(model, samples) -> float:
+    """Largest |server log-prob - teacher-forced HF log-prob| over every response token of `samples`."""
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            lp = model(ids).logits[0].log_softmax(-1)[len(s.prompt_ids) - 1 : -1]
+        ref = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
+    return worst
