@@ -298,15 +298,19 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
         return self.get_rows(name, 0, spec.shape[0] if spec.shape else 1)
 
-    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows start:stop (dim 0) of tensor `name` as a new CPU tensor; thread-safe (pread)."""
+    def _row_span(self, name: str, start: int, stop: int) -> tuple[TensorSpec, int]:
+        """(spec of `name`, bytes per dim-0 row), after checking that rows start:stop exist."""
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
         rows = spec.shape[0] if spec.shape else 1
         if not 0 <= start <= stop <= rows:
             raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
-        row_bytes = spec.nbytes // rows if rows else 0
+        return spec, spec.nbytes // rows if rows else 0
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop (dim 0) of tensor `name` as a new CPU tensor; thread-safe (pread)."""
+        spec, row_bytes = self._row_span(name, start, stop)
         out = torch.empty((stop - start, *spec.shape[1:]) if spec.shape else (), dtype=spec.dtype)
         want = (stop - start) * row_bytes
         if want:
@@ -323,13 +327,7 @@ class SafetensorsFile:
 
     def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of tensor `name` as a read-only memory-mapped tensor (see map_file_tensor)."""
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        rows = spec.shape[0] if spec.shape else 1
-        if not 0 <= start <= stop <= rows:
-            raise ValueError(f"{self.path}: rows {start}:{stop} of {name} outside 0:{rows}")
-        row_bytes = spec.nbytes // rows if rows else 0
+        spec, row_bytes = self._row_span(name, start, stop)
         shape = (stop - start, *spec.shape[1:]) if spec.shape else ()
         return map_file_tensor(self._fd, self._offsets[name] + start * row_bytes, shape, spec.dtype)
 
