@@ -21,7 +21,7 @@ from megatron_dapo.checkpoint import CheckpointSaver, load_checkpoint
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import padded_vocab_size
 from tests.checkpoint_helpers import optimizer_state
-from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import hf_to_full_mcore, load_hf_weights, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 MODES = {"default": (False, False), "fully-parallel": (True, False), "async": (False, True),
          "fully-parallel+async": (True, True)}
@@ -49,12 +49,10 @@ def main(out_dir: Path) -> None:
     rank = dist.get_rank()
     hf = tiny_hf_model(seed=2)
     arch = Qwen2Arch.from_hf(hf.config)
-    shards = mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
-                                   padded_vocab=padded_vocab_size(arch.vocab_size, 1))
 
     def make_actor() -> MegatronActor:
         actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
-        actor.load_shards(shards)
+        load_hf_weights(actor, hf)
         return actor
 
     actor = make_actor()
