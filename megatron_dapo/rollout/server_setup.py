@@ -93,10 +93,9 @@ def deterministic_server_args(*, seeded: bool, wanted: bool, device: str,
         f"(slower decoding; --no-sglang-deterministic-inference turns it off)")
 
 
-def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0,
-                         headers: dict[str, str] | None = None) -> bool | None:
-    """enable_deterministic_inference of a running server from /server_info (or the older /get_server_info);
-    None when neither answers with it. `headers`: e.g. the Authorization of a server with an API key."""
+def server_info(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0,
+                headers: dict[str, str] | None = None) -> dict | None:
+    """A running server's /server_info (or the older /get_server_info) as a dict; None when neither answers."""
     for path in ("/server_info", "/get_server_info"):
         try:
             resp = get(f"{url.rstrip('/')}{path}", timeout=timeout_s, headers=headers or {})
@@ -108,9 +107,50 @@ def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_
             info = resp.json()
         except ValueError:
             continue
-        if isinstance(info, dict) and "enable_deterministic_inference" in info:
-            return bool(info["enable_deterministic_inference"])
+        if isinstance(info, dict):
+            return info
     return None
+
+
+def server_deterministic(url: str, get: Callable[..., Any] = httpx.get, timeout_s: float = 10.0,
+                         headers: dict[str, str] | None = None) -> bool | None:
+    """enable_deterministic_inference of a running server from /server_info (or the older /get_server_info);
+    None when neither answers with it. `headers`: e.g. the Authorization of a server with an API key."""
+    info = server_info(url, get, timeout_s, headers)
+    if info is not None and "enable_deterministic_inference" in info:
+        return bool(info["enable_deterministic_inference"])
+    return None
+
+
+def sync_ranks(url: str, info: dict | None) -> int:
+    """How many ranks a server adds to the weight-sync group: its tp_size (SGLang numbers them
+    rank_offset + tp_rank). SGLang 0.5.23's /init_weights_update_group asserts dp_size == 1, so a DP server
+    is refused here, naming its URL."""
+    if info is None or "tp_size" not in info:
+        raise RuntimeError(f"SGLang server {url}: could not read tp_size from /server_info (or /get_server_info); "
+                           f"the weight-sync group size depends on it")
+    tp, dp = int(info["tp_size"]), int(info.get("dp_size") or 1)
+    if tp < 1:
+        raise RuntimeError(f"SGLang server {url}: /server_info reports tp_size={tp}")
+    if dp != 1:
+        raise RuntimeError(f"SGLang server {url} runs with dp_size={dp}: SGLang's /init_weights_update_group "
+                           f"supports dp_size 1 only; start one server per replica instead")
+    return tp
+
+
+def sync_group_layout(ranks_per_server: Sequence[int]) -> tuple[int, list[int]]:
+    """World size and each server's rank_offset of the weight-sync group: rank 0 is the trainer, server k's
+    ranks are offset_k + tp_rank, offsets the running sum from 1. At 32B, 16 servers at TP4: world 65,
+    offsets 1, 5, ..., 61. Each update broadcasts 65 GB (bf16, one server copy) once over this group.
+    Before, attached servers were taken as TP1 (world 17, offsets 1..16): ranks overlapped, the group never
+    formed, and rank 0 failed after the 600 s rendezvous timeout while the servers hung."""
+    if any(int(r) < 1 for r in ranks_per_server):
+        raise ValueError(f"sync_group_layout: every server needs >= 1 rank, got {list(ranks_per_server)}")
+    offsets, nxt = [], 1
+    for r in ranks_per_server:
+        offsets.append(nxt)
+        nxt += int(r)
+    return nxt, offsets
 
 
 def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Callable[..., Any] = httpx.get,

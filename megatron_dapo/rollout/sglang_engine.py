@@ -59,6 +59,7 @@ import torch
 
 from megatron_dapo.rollout.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_buckets
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.server_setup import server_info, sync_group_layout, sync_ranks
 from megatron_dapo.rollout.sglang_protocol import (
     aborted_sample,
     generate_payload,
@@ -149,12 +150,12 @@ class SGLangEngine(RolloutEngine):
         if self.group is not None:
             self.group.start()  # on this thread, which outlives the servers (PR_SET_PDEATHSIG)
             self.urls = [s.url for s in self.group.servers]
-            self.tp = servers.tp_per_server
+            self._tps: list[int] | None = [servers.tp_per_server] * len(self.urls)
             self.entry_url = self.group.router.url if self.group.router is not None else None
         else:
             self.urls = [u.rstrip("/") for u in server_urls]
-            self.tp = 1
             self.entry_url = None
+            self._tps = None  # read from the servers' /server_info at the first tensor / distributed push
         self._version = 0
         self._disk_weights: str | None = None
         self._kept: list[Bucket] = []
@@ -169,6 +170,7 @@ class SGLangEngine(RolloutEngine):
         self._recovering: dict[int, asyncio.Future] = {}
         self._fatal: BaseException | None = None
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+        self._sync_bytes = 0  # bytes pushed by the update in progress (tensor: per server; distributed: once)
         self._rr = itertools.count()
         self._inflight: dict[str, set[str]] = {}  # request_id -> rids of its samples in flight
         self._aborted: set[str] = set()
@@ -505,6 +507,7 @@ class SGLangEngine(RolloutEngine):
         buckets = iter_buckets(named_tensors, self.client.bucket_bytes)
         mode = self.client.update_mode
         with self._weights_lock:
+            start, self._sync_bytes = time.perf_counter(), 0
             targets = self._serving()
             if mode == "disk":
                 lost = self._push_disk(targets, buckets, version)
@@ -515,9 +518,32 @@ class SGLangEngine(RolloutEngine):
                 for _ in kept:  # every server was lost mid-way: still take (and keep) the whole version
                     pass
             self._version = version
+            self._sync_report(version, time.perf_counter() - start, len(targets) - len(lost))
         if lost:
             self._call(self._start_recoveries(lost), self.client.control_timeout_s)
         self._raise_fatal()
+
+    @property
+    def tps(self) -> list[int]:
+        """Each server's TP size: its ranks in the sync group, its payloads per tensor push. Attached servers
+        are asked once (/server_info tp_size; dp_size > 1 is refused, naming the URL)."""
+        if self._tps is None:
+            self._tps = [sync_ranks(u, server_info(u, headers=self._headers)) for u in self.urls]
+        return self._tps
+
+    def _sync_report(self, version: int, seconds: float, servers: int) -> None:
+        """sync/seconds, sync/gbytes (bytes pushed / 1e9), sync/gbps of this update into take_metrics(), and
+        one line on stdout. At 32B (bf16) one server copy is 65 GB: "distributed" broadcasts it once over the
+        group of the trainer and the 16 servers' 64 TP ranks (65 GB, ~3-7 s at 10-25 GB/s); "tensor" hands it
+        to each server (65 GB per server); "disk" writes it once (65 GB of shards)."""
+        gbytes = self._sync_bytes / 1e9
+        gbps = gbytes / seconds if seconds > 0 else 0.0
+        with self._lock:
+            self._metrics["sync/seconds"] += seconds
+            self._metrics["sync/gbytes"] += gbytes
+            self._metrics["sync/gbps"] = gbps
+        print(f"[megatron-dapo] weight sync v{version}: {gbytes:.2f} GB in {seconds:.2f} s ({gbps:.2f} GB/s) "
+              f"to {servers} servers", flush=True)
 
     async def _start_recoveries(self, servers: Iterable[int]) -> None:
         for i in sorted(servers):
@@ -568,9 +594,14 @@ class SGLangEngine(RolloutEngine):
                 flat = stage_bucket(bucket.flat, cuda=cuda)
                 views = Bucket(flat=flat, metas=bucket.metas).named_tensors()
                 # One payload per server TP rank: each rank's deserialization takes one IPC reference.
-                body = {"serialized_named_tensors": [serialize_named_tensors(views) for _ in range(self.tp)],
-                        "flush_cache": False, "weight_version": str(version)}
-                live = self._send(live, "/update_weights_from_tensor", body, lost)
+                by_tp = {}
+                for tp in sorted({self.tps[i] for i in live}):
+                    body = {"serialized_named_tensors": [serialize_named_tensors(views) for _ in range(tp)],
+                            "flush_cache": False, "weight_version": str(version)}
+                    by_tp[tp] = self._send([i for i in live if self.tps[i] == tp],
+                                           "/update_weights_from_tensor", body, lost)
+                live = [i for i in live if i in set().union(*by_tp.values())]
+                self._sync_bytes += bucket.flat.numel() * bucket.flat.element_size() * len(live)
                 del flat, views, body  # the servers have loaded it: at most one bucket alive at a time
                 if cuda:
                     torch.cuda.ipc_collect()  # free the bucket's GPU block now that no server holds it
@@ -616,6 +647,7 @@ class SGLangEngine(RolloutEngine):
                     flat = flat.cuda()
                 try:
                     torch.distributed.broadcast(flat.view(torch.uint8), src=0, group=self._sync_group)
+                    self._sync_bytes += flat.numel() * flat.element_size()  # once over the group
                 except RuntimeError:
                     broken = True
                 for i, f in futures.items():
@@ -651,10 +683,10 @@ class SGLangEngine(RolloutEngine):
         # torch.distributed keeps group names per process: unique across every engine this process made
         name = f"megatron_dapo_weight_sync_{next(_SYNC_GROUP_IDS)}"
         port = self.client.sync_master_port + self._sync_generation - 1
-        world = 1 + len(targets) * self.tp
+        world, offsets = sync_group_layout([self.tps[i] for i in targets])
         futures = [asyncio.run_coroutine_threadsafe(self._post(self.urls[i], "/init_weights_update_group", {
             "master_address": self.client.sync_master_address, "master_port": port,
-            "rank_offset": 1 + k * self.tp, "world_size": world, "group_name": name,
+            "rank_offset": offsets[k], "world_size": world, "group_name": name,
             "backend": self.client.sync_backend}), self._loop) for k, i in enumerate(targets)]
         self._sync_group = init_weight_sync_group(
             master_address=self.client.sync_master_address, master_port=port, world_size=world,
@@ -701,6 +733,7 @@ class SGLangEngine(RolloutEngine):
         for k, bucket in enumerate(buckets):
             shard = f"model-{k:05d}.safetensors"
             save_file({n: t.clone() for n, t in bucket.named_tensors()}, str(out / shard))
+            self._sync_bytes += bucket.flat.numel() * bucket.flat.element_size()
             index.update({m.name: shard for m in bucket.metas})
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
         if self.group is not None:  # the servers need the config next to the weights
@@ -727,10 +760,12 @@ class SGLangEngine(RolloutEngine):
 
 
 METRIC_KEYS = ("rollout/servers_lost", "rollout/server_restarts", "rollout/server_returns",
-               "rollout/retried_requests", "sync/servers_recovered", "rollout/recovery_s")
+               "rollout/retried_requests", "sync/servers_recovered", "rollout/recovery_s",
+               "sync/seconds", "sync/gbytes", "sync/gbps")
 """What take_metrics() reports, summed since its last call: servers found dead (while generating, in a control
 call or a weight update), launched servers restarted, attached servers waited for, samples sent again after a
-server failure, servers re-synced and put back in rotation, seconds from a loss to its server's return."""
+server failure, servers re-synced and put back in rotation, seconds from a loss to its server's return; weight
+updates' seconds and GB pushed, and the GB/s of the last one (see _sync_report)."""
 
 
 def _check_success(reply: Any, what: str) -> None:

@@ -2,7 +2,10 @@
 
 It follows SGLang 0.5.23's wire format (see shared/notes/sglang-on-cpu.md) with a deterministic "model":
 response token k of a prompt is fake_token(prompt, seed, k), its log-prob fake_logprob(token); weight
-updates are stored and reported at /stats. Bound to 127.0.0.1 and self-stopping after --lifetime seconds.
+updates are stored and reported at /stats. /server_info reports tp_size and dp_size (serve(tp_size=...)); the
+distributed path is real: /init_weights_update_group makes one gloo member per fake TP rank join the trainer's
+group as rank_offset + tp_rank (as SGLang, recorded in /stats "group_inits"), and /update_weights_from_distributed
+receives the flattened bucket on every one of them. Bound to 127.0.0.1 and self-stopping after --lifetime seconds.
 Run as a script (it accepts --api-key and ignores sglang.launch_server's other flags) or in a thread via
 serve(); kill() makes a threaded one die like a real server (in-flight requests get their connection dropped,
 new ones are refused) and serve(port=...) brings one back on the same port with fresh state.
@@ -32,8 +35,13 @@ class ServerKilled(ConnectionAbortedError):
 
 
 class FakeState:
-    def __init__(self, token_delay_s: float = 0.0, api_key: str | None = None):
+    def __init__(self, token_delay_s: float = 0.0, api_key: str | None = None, tp_size: int = 1,
+                 dp_size: int = 1):
         self.token_delay_s = token_delay_s
+        self.tp_size, self.dp_size = tp_size, dp_size
+        self.tensor_payloads: list[int] = []  # payload count of each /update_weights_from_tensor
+        self.group_inits: list[dict] = []  # /init_weights_update_group bodies, in order
+        self.groups: dict[str, list] = {}  # group name -> one gloo group per fake TP rank
         self.api_key = api_key
         self.lock = threading.Lock()
         self.aborted: set[str] = set()
@@ -85,6 +93,76 @@ def _load_tensors(state: FakeState, named) -> None:
         state.weights[name] = tensor.clone().tolist()
 
 
+def _on_ranks(state: FakeState, fn, timeout_s: float = 60.0) -> list:
+    """Runs fn(tp_rank) on one thread per fake TP rank (collectives need them all at once); their results."""
+    out: list = [None] * state.tp_size
+
+    def run(r):
+        try:
+            out[r] = fn(r)
+        except Exception as e:  # noqa: BLE001 - reported to the client as success: false
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(state.tp_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    return out
+
+
+def _init_group(state: FakeState, body: dict) -> tuple[int, dict]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with state.lock:
+        state.group_inits.append(dict(body))
+    name, world, timeout = body["group_name"], body["world_size"], timedelta(seconds=30)
+    url = f"tcp://{body['master_address']}:{body['master_port']}"
+
+    def join(tp_rank):  # what torch's _new_process_group_helper builds for a gloo group named `name`
+        rank = body["rank_offset"] + tp_rank
+        store, _, _ = next(dist.rendezvous(url, rank, world, timeout=timeout))
+        prefix = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world, timeout=timeout)
+
+    groups = _on_ranks(state, join)
+    errors = [g for g in groups if g is None or isinstance(g, Exception)]  # None: still waiting at the timeout
+    if errors:
+        return 200, {"success": False, "message": f"group {name} did not form: {errors[0]!r}"}
+    state.groups[name] = groups
+    return 200, {"success": True, "message": ""}
+
+
+def _receive(state: FakeState, body: dict) -> tuple[int, dict]:
+    import torch
+    import torch.distributed as dist
+
+    if not state.in_update:
+        return 400, {"success": False, "message": "call /begin_weight_update first"}
+    groups = state.groups.get(body["group_name"])
+    if groups is None:
+        return 400, {"success": False, "message": f"no group {body['group_name']}"}
+    dtype = getattr(torch, body["dtypes"][0])
+    numels = [int(torch.Size(s).numel()) for s in body["shapes"]]
+
+    def recv(tp_rank):
+        flat = torch.empty(sum(numels), dtype=dtype)
+        groups[tp_rank].broadcast([flat.view(torch.uint8)], dist.BroadcastOptions()).wait()
+        return flat
+
+    flats = _on_ranks(state, recv)
+    bad = [f for f in flats if f is None or isinstance(f, Exception)]
+    if bad:
+        return 200, {"success": False, "message": f"broadcast not received: {bad[0]!r}"}
+    offsets = [sum(numels[:k]) for k in range(len(numels))]
+    _load_tensors(state, [(n, flats[0][o:o + c].view(s))
+                          for n, o, c, s in zip(body["names"], offsets, numels, body["shapes"])])
+    state.version = body.get("weight_version") or state.version
+    return 200, {"success": True, "message": "ok"}
+
+
 def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     with state.lock:
         state.calls[path] = state.calls.get(path, 0) + 1
@@ -104,6 +182,16 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         return 200, {}
     if path == "/flush_cache":
         return 200, {}
+    if path == "/server_info":
+        return 200, {"tp_size": state.tp_size, "dp_size": state.dp_size}
+    if path == "/init_weights_update_group":
+        return _init_group(state, body)
+    if path == "/update_weights_from_distributed":
+        return _receive(state, body)
+    if path == "/destroy_weights_update_group":
+        if state.groups.pop(body["group_name"], None) is None:
+            return 400, {"success": False, "message": f"no group {body['group_name']}"}
+        return 200, {"success": True, "message": ""}
     if path == "/begin_weight_update":
         state.in_update = True
         return 200, {"success": True, "message": ""}
@@ -118,6 +206,7 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         import torch.multiprocessing  # noqa: F401 - tensor reductions
 
         payloads = body["serialized_named_tensors"]
+        state.tensor_payloads.append(len(payloads))  # one per TP rank, as SGLang expects
         named = ForkingPickler.loads(base64.b64decode(payloads[0]))
         _load_tensors(state, named)
         state.version = body.get("weight_version") or state.version
@@ -134,7 +223,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         with state.lock:
             return 200, {"calls": dict(state.calls), "rids": list(state.rids), "version": state.version,
                          "weights": state.weights, "aborted": sorted(state.aborted),
-                         "authorizations": list(state.authorizations)}
+                         "authorizations": list(state.authorizations), "group_inits": list(state.group_inits),
+                         "tensor_payloads": list(state.tensor_payloads)}
     return 404, {"error": f"no route {path}"}
 
 
@@ -185,10 +275,10 @@ def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
     return server
 
 
-def serve(port: int = 0, token_delay_s: float = 0.0, api_key: str | None = None
-          ) -> tuple[ThreadingHTTPServer, FakeState]:
+def serve(port: int = 0, token_delay_s: float = 0.0, api_key: str | None = None, tp_size: int = 1,
+          dp_size: int = 1) -> tuple[ThreadingHTTPServer, FakeState]:
     """Starts a fake server on a thread; port 0 picks a free one (server.server_address[1])."""
-    state = FakeState(token_delay_s, api_key)
+    state = FakeState(token_delay_s, api_key, tp_size, dp_size)
     server = make_server(port, state)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, state

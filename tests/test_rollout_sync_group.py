@@ -1,0 +1,112 @@
+"""Weight-sync group layout from the servers' own TP sizes, and the per-update sync metrics (fake servers)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.server_setup import sync_group_layout, sync_ranks
+from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from tests.sglang.fake_server import serve
+
+
+def test_layout_is_the_running_sum_of_server_ranks():
+    world, offsets = sync_group_layout([4] * 16)  # 32B: 16 servers at TP4
+    assert world == 65 and offsets == list(range(1, 62, 4))
+    assert sync_group_layout([1, 2, 1]) == (5, [1, 2, 4])
+    with pytest.raises(ValueError, match=">= 1 rank"):
+        sync_group_layout([2, 0])
+
+
+def test_server_ranks_come_from_server_info_and_dp_is_refused():
+    assert sync_ranks("http://a:1", {"tp_size": 4, "dp_size": 1}) == 4
+    with pytest.raises(RuntimeError, match=r"http://b:1 runs with dp_size=2"):
+        sync_ranks("http://b:1", {"tp_size": 4, "dp_size": 2})
+    with pytest.raises(RuntimeError, match=r"http://c:1: could not read tp_size"):
+        sync_ranks("http://c:1", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def mixed():
+    servers = [serve(tp_size=1), serve(tp_size=2)]
+    yield servers
+    for server, _ in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def _named():
+    gen = torch.Generator().manual_seed(0)
+    return [(f"model.layers.{i}.w", torch.randn(16, 16, generator=gen)) for i in range(3)]
+
+
+def _attach(servers, mode):
+    urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers]
+    return SGLangEngine(server_urls=urls, client=ClientConfig(
+        update_mode=mode, bucket_bytes=1024, sync_backend="gloo", sync_master_port=_free_port(),
+        control_timeout_s=60))
+
+
+def test_mixed_tp_distributed_group_forms_with_disjoint_ranks_and_reports_metrics(mixed, capsys):
+    engine = _attach(mixed, "distributed")
+    try:
+        assert engine.take_metrics()["sync/gbytes"] == 0.0
+        named = _named()
+        engine.update_weights(iter(named), version=3)
+        inits = [state.group_inits for _, state in mixed]
+        assert [len(i) for i in inits] == [1, 1]
+        (a,), (b,) = inits
+        assert a["world_size"] == b["world_size"] == 1 + 1 + 2
+        ranks = [a["rank_offset"] + r for r in range(1)] + [b["rank_offset"] + r for r in range(2)]
+        assert sorted(ranks) == [1, 2, 3]  # every server rank once, none on the trainer's rank 0
+        for _, state in mixed:  # the group formed and every TP rank received every bucket
+            for name, t in named:
+                torch.testing.assert_close(torch.tensor(state.weights[name]), t)
+            assert state.version == "3"
+        metrics = engine.take_metrics()
+        pushed = sum(t.numel() * t.element_size() for _, t in named)  # broadcast once over the group
+        assert metrics["sync/gbytes"] == pytest.approx(pushed / 1e9)
+        assert metrics["sync/seconds"] > 0
+        assert metrics["sync/gbps"] == pytest.approx(metrics["sync/gbytes"] / metrics["sync/seconds"])
+        line = [ln for ln in capsys.readouterr().out.splitlines() if "weight sync v3" in ln]
+        assert len(line) == 1 and "to 2 servers" in line[0] and f"{pushed / 1e9:.2f} GB" in line[0]
+        assert engine.take_metrics()["sync/gbytes"] == 0.0  # taken: reset
+    finally:
+        engine.shutdown()
+
+
+def test_mixed_tp_tensor_mode_sends_one_payload_per_tp_rank(mixed):
+    engine = _attach(mixed, "tensor")
+    try:
+        named = _named()
+        engine.update_weights(iter(named), version=2)
+        counts = [state.tensor_payloads for _, state in mixed]
+        assert counts[0] and set(counts[0]) == {1} and set(counts[1]) == {2} and len(counts[0]) == len(counts[1])
+        for _, state in mixed:
+            for name, t in named:
+                torch.testing.assert_close(torch.tensor(state.weights[name]), t)
+        pushed = sum(t.numel() * t.element_size() for _, t in named)
+        assert engine.take_metrics()["sync/gbytes"] == pytest.approx(2 * pushed / 1e9)  # a copy per server
+    finally:
+        engine.shutdown()
+
+
+def test_attaching_a_dp_server_names_it():
+    server, _ = serve(tp_size=2, dp_size=2)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        engine = SGLangEngine(server_urls=[url], client=ClientConfig(update_mode="distributed", sync_backend="gloo"))
+        with pytest.raises(RuntimeError, match=rf"{url} runs with dp_size=2"):
+            engine.update_weights(iter(_named()), version=1)
+        engine.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
