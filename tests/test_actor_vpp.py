@@ -44,8 +44,9 @@ def runs(tmp_path_factory) -> tuple[dict, list[dict]]:
     tmp = tmp_path_factory.mktemp("actor_vpp")
     hf = tiny_hf_model(tie=False, seed=1, num_hidden_layers=4)
     arch = Qwen2Arch.from_hf(hf.config)
+    hf.save_pretrained(tmp / "hf")
     data = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(), "config": CONFIG, "seed": 7,
-            "samples": make_samples(10, seed=3), "steps": STEPS}
+            "samples": make_samples(10, seed=3), "steps": STEPS, "hf_dir": str(tmp / "hf")}
     torch.save(data, tmp / "input.pt")
     reference = _single_process(data)
     run_torchrun(REPO / "tests/dist/actor_vpp.py", str(tmp / "input.pt"), str(tmp))
@@ -65,6 +66,8 @@ def test_vpp_matches_single_process(runs):
         for i, (logp, ent) in enumerate(zip(rank["logps"], rank["entropies"])):
             torch.testing.assert_close(logp, reference["logps"][i], atol=2e-5, rtol=0)
             torch.testing.assert_close(ent, reference["entropies"][i], atol=2e-5, rtol=0)
+        for i, logp in enumerate(rank["logps_two"]):  # 1 micro-batch split to 2 for the schedule
+            torch.testing.assert_close(logp, reference["logps"][i], atol=2e-5, rtol=0)
         for got, want in zip(rank["metrics"], reference["metrics"], strict=True):
             assert got["num_tokens"] == want["num_tokens"]
             for key in METRICS:
