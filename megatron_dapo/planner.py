@@ -356,7 +356,10 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
         f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
         (f"micro-batch: {inputs.tokens_per_micro_batch} real tokens packed in one row (--pack-sequences); "
          if inputs.packed else f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; ")
-        + f"{arch.num_layers // layout.pp} layers per stage",
+        + f"{arch.num_layers // layout.pp} layers per stage"
+        + (f" in {layout.virtual_stages(arch.num_layers)} interleaved chunks (--num-layers-per-virtual-pipeline-"
+           f"stage {layout.layers_per_virtual_stage}; activations: Korthikanti 2022 4.2.3)"
+           if layout.layers_per_virtual_stage else ""),
         f"{'GiB per GPU':<48}" + "".join(f"{'stage ' + str(p.stage):>10}" for p in plans),
     ]
     lines.append(f"{'  micro-batches in flight (1F1B: pp - stage)':<48}"
