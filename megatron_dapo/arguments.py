@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline (Megatron's VPP): each PP rank holds num_layers / (PP x this) "
+                        "model chunks; needs --pipeline-model-parallel-size > 1")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (megatron-core distributed "
                         "optimizer)")

@@ -84,11 +84,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _model_keys(actor) -> list[str]:
+    """The state keys of the model chunks: "model", or Megatron-LM's "model0", "model1", ... under
+    --num-layers-per-virtual-pipeline-stage. The sharded tensors inside carry global layer numbers, so a
+    checkpoint loads at any VPP (or none), like any TP/PP."""
+    return ["model"] if len(actor.modules) == 1 else [f"model{c}" for c in range(len(actor.modules))]
+
+
 def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None) -> dict[str, Any]:
-    model_sd = actor.module.sharded_state_dict()
+    models = {key: module.sharded_state_dict() for key, module in zip(_model_keys(actor), actor.modules)}
+    model_sd = models["model"] if len(models) == 1 else models
     rank, world = _rank_world()
     return {
-        "model": model_sd,
+        **models,
         "optimizer": actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                         metadata=OPTIM_METADATA),
         "rng": ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0),
@@ -328,7 +336,8 @@ def load_training_state(path: Path, actor) -> dict[str, Any]:
     _materialise_distributed_optimizer_state(actor.optimizer)
     state = _sharded_state(actor, is_loading=True, rng=None)
     loaded = dist_checkpointing.load(state, str(path))
-    actor.module.load_state_dict(loaded["model"])
+    for key, module in zip(_model_keys(actor), actor.modules):
+        module.load_state_dict(loaded[key])
     with torch.no_grad():
         # The optimizer state holds the fp32 main params: they are loaded as saved, never re-derived
         # from the (bf16) model params, which would round every update below bf16 resolution away.

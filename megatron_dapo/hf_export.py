@@ -111,7 +111,7 @@ def _write_shards(actor, tmp: Path | None, max_shard_bytes: int) -> tuple[list[s
         weight_map.update(dict.fromkeys(shard, name))
         shard, shard_bytes = {}, 0
 
-    for name, tensor in iter_hf_weights(actor.model, actor.arch):
+    for name, tensor in iter_hf_weights(actor.chunks, actor.arch):
         if tmp is None:
             continue  # every rank iterates the collective; rank 0 writes
         tensor = tensor.detach().to("cpu").contiguous()

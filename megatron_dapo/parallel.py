@@ -42,6 +42,9 @@ class ParallelLayout:
     """--overlap-param-gather: distributed-optimizer param all-gather overlapped with the next forward"""
     transformer_impl: str | None = None
     """--transformer-impl: 'transformer_engine', 'local' or None (TE on CUDA, local without; models/spec.py)"""
+    layers_per_virtual_stage: int | None = None
+    """--num-layers-per-virtual-pipeline-stage: interleaved 1F1B (Megatron's VPP); each PP rank holds
+    num_layers / (pp * this) model chunks (`virtual_stages`). None: one chunk per PP rank."""
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
@@ -75,10 +78,27 @@ class ParallelLayout:
                              "--context-parallel-size 1")
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core's rule)")
+        if self.layers_per_virtual_stage is not None:
+            if not isinstance(self.layers_per_virtual_stage, int) or self.layers_per_virtual_stage < 1:
+                raise ValueError("--num-layers-per-virtual-pipeline-stage must be a positive integer, got "
+                                 f"{self.layers_per_virtual_stage!r}")
+            if self.pp == 1:
+                raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
+                                 "(it interleaves model chunks over the pipeline ranks)")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Model chunks per PP rank (Megatron's virtual_pipeline_model_parallel_size); 1 without VPP."""
+        if self.layers_per_virtual_stage is None:
+            return 1
+        if num_layers % (self.pp * self.layers_per_virtual_stage):
+            raise ValueError(
+                f"num_hidden_layers ({num_layers}) is not divisible by --pipeline-model-parallel-size "
+                f"({self.pp}) x --num-layers-per-virtual-pipeline-stage ({self.layers_per_virtual_stage})")
+        return num_layers // (self.pp * self.layers_per_virtual_stage)
 
     @property
     def layers_recomputed_per_unit(self) -> int:
@@ -119,6 +139,7 @@ class ParallelLayout:
             recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
             recompute_num_layers=args.recompute_num_layers, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, transformer_impl=args.transformer_impl,
+            layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
         )
 
     @classmethod
@@ -155,7 +176,8 @@ def validate_layout(arch: Qwen2Arch, layout: ParallelLayout) -> None:
             f"num_hidden_layers ({arch.num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({layout.pp})"
         )
-    stage_layers = arch.num_layers // layout.pp
+    vpp = layout.virtual_stages(arch.num_layers)
+    stage_layers = arch.num_layers // (layout.pp * vpp)  # layers of one model chunk
     if layout.recompute_granularity == "full":
         n = layout.layers_recomputed_per_unit
         if n > stage_layers or (layout.recompute_method == "uniform" and stage_layers % n):

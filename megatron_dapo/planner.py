@@ -23,6 +23,10 @@ Packing (--pack-sequences): a micro-batch is one [1, T] row of T real tokens, so
 table does. Logits on the last stage: [T, V/tp] and their gradient, or with --fused-linear-logprob one
 [chunk, V/tp] block plus the fp32 d weight accumulator of the chunked head.
 Pipeline (1F1B): stage i of p holds min(p - i, M) micro-batches in flight, so stage 0 holds p.
+Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage, v chunks of L / (p v) layers per stage):
+megatron-core's schedule runs 2 (p - i - 1) + (v - 1) p warm-up chunk-forwards on stage i, so it holds
+that + 1 chunk-micro-batches (capped by M v); on stage 0 that is L (1 + (p - 1) / (p v)) layers' worth,
+Korthikanti et al. 2022 section 4.2.3's interleaved factor. Embedding / head extras stay per micro-batch.
 Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuilds one unit (n layers of one
 micro-batch) during its backward; selective recompute drops the core-attention internals.
 """
@@ -235,7 +239,8 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     opt_shards = layout.dp * layout.cp if inputs.use_distributed_optimizer else 1
     tokens = inputs.tokens_per_micro_batch
     s = tokens if inputs.packed else min(inputs.max_seq_len, tokens)
-    stage_layers = arch.num_layers // layout.pp
+    vpp = layout.virtual_stages(arch.num_layers)
+    stage_layers = arch.num_layers // (layout.pp * vpp)  # layers of one model chunk (the stage without VPP)
     full = layout.recompute_granularity == "full"
     n_unit = layout.layers_recomputed_per_unit
     layer = layer_activation_bytes(spec, layout, tokens=tokens, seq_len=s,
@@ -254,10 +259,14 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
         first, last = stage == 0, stage == layout.pp - 1
         params = stage_parameters(arch, layout, stage)
         in_flight = layout.pp - stage
+        # chunk-micro-batches in flight (interleaved: see the module doc); = in_flight without VPP
+        chunks = in_flight if vpp == 1 else 2 * (layout.pp - stage - 1) + (vpp - 1) * layout.pp + 1
         if inputs.num_micro_batches is not None:
             in_flight = min(in_flight, inputs.num_micro_batches)
-        per_mb = per_mb_layers + micro_batch_extra_bytes(spec, layout, tokens=tokens, seq_len=s, first=first,
-                                                         last=last, recompute=full)
+            chunks = min(chunks, inputs.num_micro_batches * vpp)
+        extra = micro_batch_extra_bytes(spec, layout, tokens=tokens, seq_len=s, first=first, last=last,
+                                        recompute=full)
+        per_mb = vpp * per_mb_layers + extra
         p2p = 0.0 if layout.pp == 1 else 2 * recompute_input_bytes(spec, layout, tokens=tokens)
         lines = {
             f"weights ({inputs.params_dtype})": params * pbytes,
@@ -265,7 +274,7 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
             f"optimizer (fp32 Adam{' + main params' if pbytes == 2 else ''}, /{opt_shards})":
                 params * opt_per_param / opt_shards,
             "  activations per micro-batch": per_mb,
-            "activations in flight (1F1B)": in_flight * per_mb,
+            "activations in flight (1F1B)": chunks * per_mb_layers + in_flight * extra,
             "recompute working set": working,
             "logits + grad (last stage)": logits_bytes(
                 arch, layout, tokens=tokens, bytes_per_element=spec.bytes_per_element,
@@ -347,7 +356,10 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
         f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
         (f"micro-batch: {inputs.tokens_per_micro_batch} real tokens packed in one row (--pack-sequences); "
          if inputs.packed else f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; ")
-        + f"{arch.num_layers // layout.pp} layers per stage",
+        + f"{arch.num_layers // layout.pp} layers per stage"
+        + (f" in {layout.virtual_stages(arch.num_layers)} interleaved chunks (--num-layers-per-virtual-pipeline-"
+           f"stage {layout.layers_per_virtual_stage}; activations: Korthikanti 2022 4.2.3)"
+           if layout.layers_per_virtual_stage else ""),
         f"{'GiB per GPU':<48}" + "".join(f"{'stage ' + str(p.stage):>10}" for p in plans),
     ]
     lines.append(f"{'  micro-batches in flight (1F1B: pp - stage)':<48}"

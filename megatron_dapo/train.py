@@ -146,14 +146,18 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
 
     from megatron_dapo.weights import iter_mcore_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
+    from megatron_dapo.weights.plan import virtual_stage
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = actor.config.torch_params_dtype
     with HFCheckpointReader(hf_dir) as reader:
-        shards = {name: per_tp[tp_rank].to(dtype)
-                  for name, per_tp in iter_mcore_shards(reader.get, actor.arch, actor.layout, pp_rank)}
-    actor.load_shards(shards)
+        for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
+            layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
+            shards = {name: per_tp[tp_rank].to(dtype)
+                      for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            actor.load_shards(shards, chunk, reload=False)
+    actor.optimizer.reload_model_params()
 
 
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
@@ -328,7 +332,14 @@ def train(args: argparse.Namespace) -> None:
         except UserError as err:
             verdict = err
     # process groups only: the verdict travels over them
-    layout = init_parallel(seed=args.seed, **ParallelLayout.options_from_args(args))
+    # an interleaved pipeline sizes parallel_state by the layer count (every rank reads config.json)
+    num_layers = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        try:
+            num_layers = Qwen2Arch.from_hf(args.hf_checkpoint).num_layers
+        except FileNotFoundError as err:
+            raise UserError(f"--hf-checkpoint: {err}") from err
+    layout = init_parallel(seed=args.seed, num_layers=num_layers, **ParallelLayout.options_from_args(args))
     share_verdict(verdict)
     inputs = inputs or load_inputs(args, with_data=False)
     tokenizer, train_prompts = inputs.tokenizer, inputs.train_prompts
@@ -394,7 +405,8 @@ def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, in
 
     actor = MegatronActor(arch, actor_cfg, layout)
     if init_ckpt is not None:
-        load_model_weights(actor.module, init_ckpt, arch)
+        for module in actor.modules:  # one chunk, or several under --num-layers-per-virtual-pipeline-stage
+            load_model_weights(module, init_ckpt, arch)
         actor.optimizer.reload_model_params()  # the weights changed outside the optimizer
     else:
         load_hf_into_actor(actor, args.hf_checkpoint)

@@ -228,7 +228,7 @@ class Trainer:
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the updated policy to the engine as full HF tensors (collective over all ranks)."""
         t0 = time.perf_counter()
-        named = iter_hf_weights(self.actor.model, self.actor.arch)
+        named = iter_hf_weights(self.actor.chunks, self.actor.arch)
         metrics: dict[str, float] = {}
         if self.engine is not None:
             self.engine.update_weights(named, version=version)

@@ -40,7 +40,7 @@ def fake_actor(monkeypatch, scale: float, *, fail_after: int | None = None):
             yield name, torch.full((2, 3), scale)
 
     monkeypatch.setattr(hf_export, "iter_hf_weights", iter_hf_weights)
-    return SimpleNamespace(model=None, arch=None, config=SimpleNamespace(torch_params_dtype=torch.float32))
+    return SimpleNamespace(chunks=None, arch=None, config=SimpleNamespace(torch_params_dtype=torch.float32))
 
 
 def siblings(path: Path) -> set[str]:

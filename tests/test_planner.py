@@ -221,3 +221,31 @@ def test_planned_bytes_per_component_are_itemised():
     assert first.lines["activations in flight (1F1B)"] == 2 * first.lines["  activations per micro-batch"]
     assert first.lines["logits + grad (last stage)"] == 0 < last.lines["logits + grad (last stage)"]
     assert Counter(k.startswith("  ") for k in first.lines)[True] == 1
+
+
+def test_interleaved_activations_match_korthikanti_factor():
+    """--num-layers-per-virtual-pipeline-stage: stage 0 holds L (1 + (p - 1) / (p v)) layers of activations
+    (Korthikanti et al. 2022, section 4.2.3) against L for plain 1F1B."""
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-7B")  # 28 layers
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=4096, max_seq_len=4096)
+    p, v = 2, 7  # 2 layers per virtual stage
+    layer = planner.layer_activation_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096)
+    plain = planner.plan_stages(arch, ParallelLayout(tp=4, pp=p), inputs, spec)
+    vpp = planner.plan_stages(arch, ParallelLayout(tp=4, pp=p, layers_per_virtual_stage=2), inputs, spec)
+
+    def layer_part(plan, stage):
+        extra = planner.micro_batch_extra_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096,
+                                                first=stage == 0, last=stage == p - 1, recompute=False)
+        return plan[stage].lines["activations in flight (1F1B)"] - plan[stage].in_flight * extra
+
+    L = arch.num_layers
+    assert layer_part(plain, 0) == pytest.approx(L * layer)
+    assert layer_part(vpp, 0) == pytest.approx(L * (1 + (p - 1) / (p * v)) * layer)
+    # last stage: (v - 1) p + 1 chunks of L / (p v) layers, against L / p for plain 1F1B
+    assert layer_part(vpp, 1) == pytest.approx(((v - 1) * p + 1) * L / (p * v) * layer)
+    assert layer_part(plain, 1) == pytest.approx(L / p * layer)
+    # weights, grads and optimizer are unchanged: the stage holds the same parameters
+    for a, b in zip(plain, vpp):
+        assert {k: x for k, x in a.lines.items() if "activation" not in k} == \
+            {k: x for k, x in b.lines.items() if "activation" not in k}

@@ -1,6 +1,7 @@
 """MegatronActor: DDP-wrapped GPTModel + megatron optimizer/scheduler; log-prob forward and DAPO step.
 
-Both paths run through megatron's `get_forward_backward_func` (no pipelining, or 1F1B under PP) on
+Both paths run through megatron's `get_forward_backward_func` (no pipelining, 1F1B under PP, or
+interleaved 1F1B over model chunks under --num-layers-per-virtual-pipeline-stage) on
 dynamically sized micro-batches. The train step returns the DAPO loss as (numerator, token count)
 with `calculate_per_token_loss=True`, so megatron divides the gradients once by the tokens summed
 over every micro-batch and every DP rank: the token-mean loss is exactly that of the whole mini-batch.
@@ -43,6 +44,7 @@ from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.models.spec import resolve_transformer_impl
 from megatron_dapo.parallel import ParallelLayout, validate_layout
+from megatron_dapo.weights.load import unwrap
 from megatron_dapo.weights.mapping import canonical_mcore_name
 
 # Token sums reduced over micro-batches and DP ranks; divided by "tokens" for the reported means.
@@ -83,9 +85,16 @@ class MegatronActor:
         variable = {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
         if layout.pp == 1:
             variable = {}
-        module = build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
-                                 use_te=self.transformer_impl == "transformer_engine", layout=layout, **variable)
-        tcfg = module.config
+        # --num-layers-per-virtual-pipeline-stage: one GPTModel chunk per virtual stage (Megatron-LM's
+        # get_model); chunk c of PP rank r holds the layers of virtual stage c * pp + r.
+        vpp = layout.virtual_stages(arch.num_layers)
+        if vpp > 1:
+            # Megatron-LM's p2p setting for interleaving: forward and backward exchanges as separate
+            # calls (the shape exchange of a combined 4-way call pairs a grad with an activation at PP=2).
+            variable.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+        modules = [build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
+                                   use_te=self.transformer_impl == "transformer_engine", layout=layout,
+                                   vp_stage=c if vpp > 1 else None, **variable) for c in range(vpp)]
         if layout.overlap_param_gather and not config.use_distributed_optimizer:
             raise ValueError("--overlap-param-gather needs --use-distributed-optimizer")
         ddp_config = DistributedDataParallelConfig(
@@ -93,17 +102,21 @@ class MegatronActor:
             overlap_param_gather=layout.overlap_param_gather,
             use_distributed_optimizer=config.use_distributed_optimizer,
         )
-        self.model = DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=module)
+        # Megatron-LM buckets only the first chunk's grads separately (its overlap trigger).
+        self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
+                                               disable_bucketing=c > 0) for c, m in enumerate(modules)]
         # What megatron's training loop wires: grad sync + the 1 / (global token count) scaling.
-        tcfg.no_sync_func = self.model.no_sync
-        tcfg.finalize_model_grads_func = finalize_model_grads
+        no_sync = self.chunks[0].no_sync if vpp == 1 else [chunk.no_sync for chunk in self.chunks]
+        for m in modules:
+            m.config.no_sync_func = no_sync
+            m.config.finalize_model_grads_func = finalize_model_grads
         bf16 = config.torch_params_dtype == torch.bfloat16
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
             adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
             clip_grad=config.clip_grad, use_distributed_optimizer=config.use_distributed_optimizer,
             bf16=bf16, params_dtype=config.torch_params_dtype,
-        ), [self.model])
+        ), self.chunks)
         # Counts rollout steps, not optimizer steps: num_steps = the last rollout step trained (0 before the
         # first), so rollout step k trains at lr * k / warmup during warmup (see train_step's rollout_step).
         self.scheduler = OptimizerParamScheduler(
@@ -116,9 +129,22 @@ class MegatronActor:
         self.steps = 0
 
     @property
+    def model(self) -> DistributedDataParallel:
+        """The DDP-wrapped stage; an interleaved layout has several: use `chunks`."""
+        if len(self.chunks) > 1:
+            raise RuntimeError("MegatronActor.model: --num-layers-per-virtual-pipeline-stage gives this rank "
+                               f"{len(self.chunks)} model chunks; use MegatronActor.chunks")
+        return self.chunks[0]
+
+    @property
     def module(self) -> torch.nn.Module:
-        """The unwrapped GPTModel stage (stage-local layer numbers, this TP rank's shards)."""
+        """The unwrapped GPTModel stage (stage-local layer numbers, this TP rank's shards); one chunk only."""
         return self.model.module
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The unwrapped GPTModel chunks of this rank, virtual stage order (one without VPP)."""
+        return [chunk.module for chunk in self.chunks]
 
     # ---- data plumbing -------------------------------------------------------------------------
     def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
@@ -137,6 +163,18 @@ class MegatronActor:
             count = torch.tensor([len(groups)], dtype=torch.int64, device=_device())
             comm.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
             groups = plan_micro_batches(lengths, **plan, num_micro_batches=int(count.item()))
+        pp = self.layout.pp
+        if len(self.chunks) > 1 and len(groups) % pp:
+            # megatron-core's interleaved schedule runs micro-batches in groups of PP (its
+            # microbatch_group_size_per_vp_stage default): the count must be a multiple of PP.
+            # Same lengths and count on every DP rank, so they all agree.
+            target = -(-len(groups) // pp) * pp
+            groups = plan_micro_batches(lengths, **plan, num_micro_batches=target)
+            if len(groups) != target:
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs a multiple of "
+                                 f"--pipeline-model-parallel-size ({pp}) micro-batches, but {len(samples)} "
+                                 f"samples on this DP rank split into at most {len(groups)}: give each DP rank "
+                                 f"at least {target} samples or drop the interleaved pipeline")
         return groups
 
     def _run(self, samples: list[TrainSample], groups: list[list[int]], loss_fn, *, forward_only: bool
@@ -146,7 +184,8 @@ class MegatronActor:
         # block-diagonal). Sequence parallelism splits s over the TP ranks: pad it to a multiple of TP.
         pad_to = self.layout.tp if self.layout.sp else 1
         packed, te = self.config.pack_sequences, self.transformer_impl == "transformer_engine"
-        batches = iter_micro_batches(samples, groups, causal_mask=not te, pad_to=pad_to, packed=packed)
+        def batches():
+            return iter_micro_batches(samples, groups, causal_mask=not te, pad_to=pad_to, packed=packed)
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator).to(device)
@@ -155,7 +194,8 @@ class MegatronActor:
                 extra["packed_seq_params"] = PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-            with self._rope_per_row(mb if packed and not te else None), self._hidden_output():
+            module = unwrap(model)
+            with self._rope_per_row(module, mb if packed and not te else None), self._hidden_output(module):
                 # last stage: logits [b, s, V/tp], or hidden [b, s, h] with --fused-linear-logprob
                 output = model(mb.tokens, mb.position_ids, mb.attention_mask, **extra)
             return output, partial(loss_fn, mb)
@@ -165,18 +205,20 @@ class MegatronActor:
         else:
             seq_length = padded_length(max(len(samples[i].tokens) for g in groups for i in g), pad_to)
             rows = max(len(g) for g in groups)
+        # Interleaved: one iterator per chunk, each yielding the same micro-batches in order.
+        iterators = batches() if len(self.chunks) == 1 else [batches() for _ in self.chunks]
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=batches, model=[self.model],
+            forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
             num_microbatches=len(groups), seq_length=seq_length, micro_batch_size=rows, forward_only=forward_only,
         )
 
     @contextmanager
-    def _rope_per_row(self, mb: MicroBatch | None):
+    def _rope_per_row(self, module: torch.nn.Module, mb: MicroBatch | None):
         """Local spec, packed: RoPE angles of each token's own position id (megatron-core's bshd RoPE would
         number the [1, T] row 0..T-1 across row boundaries). RoPE scores depend only on q - k offsets, which
         the block-diagonal mask keeps within a row, so this changes rounding, not maths: the angles stay as
         small as in the padded run (fp32 angle error grows with the position). No-op for mb=None."""
-        rope = getattr(self.module, "rotary_pos_emb", None)
+        rope = getattr(module, "rotary_pos_emb", None)
         if mb is None or rope is None:
             yield
             return
@@ -193,11 +235,11 @@ class MegatronActor:
             del rope.forward
 
     @contextmanager
-    def _hidden_output(self):
+    def _hidden_output(self, module: torch.nn.Module):
         """--fused-linear-logprob: the last stage's output layer returns its input (TP-replicated hidden
         states, gathered from the SP shards) instead of logits; `_token_log_probs` applies the weight."""
-        layer = getattr(self.module, "output_layer", None)
-        if not self.config.fused_linear_logprob or layer is None or not self.module.post_process:
+        layer = getattr(module, "output_layer", None)
+        if not self.config.fused_linear_logprob or layer is None or not module.post_process:
             yield
             return
 
@@ -214,7 +256,7 @@ class MegatronActor:
 
     def _output_weight(self) -> Tensor:
         """This TP rank's [V/tp, h] output weight, as GPTModel._postprocess picks it (tied: the embedding)."""
-        m = self.module
+        m = self.modules[-1]  # the chunk with the head (the last virtual stage)
         return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
 
     def _token_log_probs(self, mb: MicroBatch, output: Tensor, *, compute_entropy: bool):
@@ -283,7 +325,8 @@ class MegatronActor:
         means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful.
         """
         groups = self._micro_batches(samples)
-        self.model.zero_grad_buffer()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._schedule_rollout_step(rollout_step)
         outputs = self._run(samples, groups, self._loss_fn, forward_only=False)
@@ -318,23 +361,27 @@ class MegatronActor:
             self.scheduler.step(increment=target - current)
 
     # ---- weights -----------------------------------------------------------------------------------
-    def state_dict_for_export(self) -> dict[str, Tensor]:
+    def state_dict_for_export(self, chunk: int = 0) -> dict[str, Tensor]:
         """This TP rank's shards (detached, on the model's device) under local-spec names.
 
         Names are stage-local and canonical (weights/mapping.py): a Transformer Engine spec model's
         fused norms (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) come out as
         `input_layernorm.weight` / `pre_mlp_layernorm.weight`, so both specs export the same keys.
+        `chunk`: which model chunk under --num-layers-per-virtual-pipeline-stage (names local to it).
         """
-        return {canonical_mcore_name(name): p.detach() for name, p in self.module.named_parameters()}
+        return {canonical_mcore_name(name): p.detach() for name, p in self.modules[chunk].named_parameters()}
 
     @torch.no_grad()
-    def load_shards(self, shards: Mapping[str, Tensor]) -> None:
+    def load_shards(self, shards: Mapping[str, Tensor], chunk: int = 0, *, reload: bool = True) -> None:
         """Copy this rank's shards (stage-local local-spec names, as `iter_mcore_shards` yields and
         `state_dict_for_export` returns) into the model, whichever layer spec (local or TE) it uses.
 
-        Every parameter must be given with its exact shape; the optimizer's main params are refreshed.
+        Every parameter must be given with its exact shape; the optimizer's main params are refreshed
+        (`reload=False` defers that, when loading several chunks). `chunk`: the model chunk under
+        --num-layers-per-virtual-pipeline-stage; its shards are those of a non-interleaved layout with
+        pp x chunks stages at stage chunk * pp + pp_rank (`weights.plan.virtual_stage`).
         """
-        params = {canonical_mcore_name(name): p for name, p in self.module.named_parameters()}
+        params = {canonical_mcore_name(name): p for name, p in self.modules[chunk].named_parameters()}
         missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))
         if missing or unexpected:
             raise KeyError(f"load_shards: missing {missing}, unexpected {unexpected}")
@@ -343,4 +390,5 @@ class MegatronActor:
                 raise ValueError(f"load_shards: {name} has shape {tuple(shards[name].shape)}, the model "
                                  f"expects {tuple(p.shape)}")
             p.copy_(shards[name])
-        self.optimizer.reload_model_params()
+        if reload:
+            self.optimizer.reload_model_params()

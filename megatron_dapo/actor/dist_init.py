@@ -41,7 +41,7 @@ def _init_process_group(timeout_minutes: int) -> None:
 
 def init_parallel(
     layout: ParallelLayout | None = None, *, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234,
-    timeout_minutes: int = 30, **options: Any,
+    timeout_minutes: int = 30, num_layers: int | None = None, **options: Any,
 ) -> ParallelLayout:
     """Initialise torch.distributed and megatron parallel_state; return the layout in use.
 
@@ -49,6 +49,8 @@ def init_parallel(
     world size) must cover the world exactly; its cp becomes
     parallel_state's context-parallel size (DP groups then exclude the CP ranks of one sequence). Seeds
     torch with `seed` and megatron's model-parallel RNG tracker (dropout-free models only on CPU).
+    An interleaved layout (--num-layers-per-virtual-pipeline-stage) needs the model's `num_layers` to
+    set parallel_state's virtual pipeline size (model chunks per PP rank).
     """
     cpu.install()
     _init_process_group(timeout_minutes)
@@ -61,17 +63,26 @@ def init_parallel(
             "ranks, but the "
             f"world has {world}: change --nproc_per_node or the parallel flags"
         )
+    vpp = None
+    if layout.layers_per_virtual_stage is not None:
+        if num_layers is None:
+            raise ValueError("init_parallel: --num-layers-per-virtual-pipeline-stage needs num_layers= (the "
+                             "model's layer count) to size the virtual pipeline")
+        vpp = layout.virtual_stages(num_layers)
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
                    parallel_state.get_context_parallel_world_size())
-        if current != (layout.tp, layout.pp, layout.cp):
-            raise RuntimeError(f"parallel_state already initialised with (tp, pp, cp)={current}: "
+        current_vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if current != (layout.tp, layout.pp, layout.cp) or current_vpp != vpp:
+            raise RuntimeError(f"parallel_state already initialised with (tp, pp, cp)={current}, "
+                               f"vpp={current_vpp}: "
                                "call destroy_parallel() first")
     else:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             context_parallel_size=layout.cp, distributed_timeout_minutes=timeout_minutes,
+            virtual_pipeline_model_parallel_size=vpp,
         )
     torch.manual_seed(seed)
     if torch.cuda.is_available():

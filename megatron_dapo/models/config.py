@@ -70,6 +70,8 @@ def transformer_config_from_arch(
     # Parallel sizes, sequence parallelism and activation recomputation (--sequence-parallel,
     # --recompute-*, --context-parallel-size): one source, the layout.
     fields.update(layout.transformer_config_fields())
+    if layout.layers_per_virtual_stage is not None:  # --num-layers-per-virtual-pipeline-stage
+        fields["virtual_pipeline_model_parallel_size"] = layout.virtual_stages(arch.num_layers)
     if not torch.cuda.is_available():
         fields.update(CPU_ONLY_SETTINGS)
     cuda = torch.cuda.is_available()  # Megatron-LM's GPU fusions, each where its kernel exists

@@ -22,6 +22,7 @@ def build_gpt_model(
     post_process: bool | None = None,
     params_dtype: torch.dtype = torch.float32,
     use_te: bool | None = None,
+    vp_stage: int | None = None,
     **config_overrides,
 ) -> GPTModel:
     """This rank's pipeline stage of `arch` as a GPTModel (RoPE, padded vocab, tied or untied head).
@@ -29,6 +30,8 @@ def build_gpt_model(
     Needs megatron parallel_state initialised (`megatron_dapo.actor.init_parallel`); tp / pp default to
     its sizes and must match them; pre/post_process default to whether this is the first/last stage.
     The head returns vocab-parallel logits [b, s, padded_vocab / tp] (parallel_output=True).
+    `vp_stage`: which model chunk of this PP rank to build under an interleaved layout (layers of
+    virtual stage vp_stage * pp + pp_rank; pre/post_process then only on the first / last chunk).
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
@@ -50,13 +53,16 @@ def build_gpt_model(
         transformer_layer_spec=get_layer_spec(use_te, config),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
-        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        pre_process=(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+                     if pre_process is None else pre_process),
+        post_process=(parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+                      if post_process is None else post_process),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
+        vp_stage=vp_stage,
     )
     if params_dtype != torch.float32:
         # Megatron-LM's Float16Module casts the whole model: the local spec's torch RMSNorms are built

@@ -8,7 +8,7 @@ the config alone is what lets the converter write headers first and stream the b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -65,6 +65,21 @@ def stage_tensors(arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int) -> list
                 out.append(StageTensor(entry.mcore, entry, None, hf_names(entry, layer=None, tied=tied)))
     # Within a stage, group by layer so a reader/writer touches one layer at a time.
     return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
+
+
+def virtual_stage(layout: ParallelLayout, num_layers: int, pp_rank: int, chunk: int) -> tuple[ParallelLayout, int]:
+    """(layout, stage) whose `stage_tensors` are the tensors of model chunk `chunk` of PP rank `pp_rank`.
+
+    Under --num-layers-per-virtual-pipeline-stage chunk c of PP rank r is virtual stage c * pp + r of
+    pp * vpp equal stages (megatron-core's get_transformer_layer_offset), i.e. stage c * pp + r of the
+    non-interleaved layout with pp * vpp stages. Without VPP: (layout, pp_rank) for chunk 0.
+    """
+    vpp = layout.virtual_stages(num_layers)
+    if not 0 <= chunk < vpp:
+        raise ValueError(f"chunk {chunk} is outside 0..{vpp - 1}")
+    if vpp == 1:
+        return layout, pp_rank
+    return replace(layout, pp=layout.pp * vpp, layers_per_virtual_stage=None), chunk * layout.pp + pp_rank
 
 
 def hf_tensor_specs(arch: Qwen2Arch, dtype: torch.dtype) -> list[TensorSpec]:

@@ -16,12 +16,13 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256)
 
 
-def tiny_hf_model(*, tie: bool = False, seed: int = 0):
-    """A random-weight Qwen2ForCausalLM (fp32, eager attention) with nonzero q/k/v biases and norms."""
+def tiny_hf_model(*, tie: bool = False, seed: int = 0, **overrides):
+    """A random-weight Qwen2ForCausalLM (fp32, eager attention) with nonzero q/k/v biases and norms;
+    `overrides` replace TINY's config fields (e.g. num_hidden_layers=4)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(**TINY, tie_word_embeddings=tie, attn_implementation="eager")
+    cfg = Qwen2Config(**{**TINY, **overrides}, tie_word_embeddings=tie, attn_implementation="eager")
     model = Qwen2ForCausalLM(cfg).float().eval()
     with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so a mix-up shows
         for name, p in model.named_parameters():
