@@ -9,16 +9,16 @@
 # rollout/server_returns, sync/servers_recovered), rollout-vs-actor mismatch small. Exit 0 = all held.
 #
 # usage: examples/rehearse_multinode.sh [RUN_DIR]     (needs .venv and .venv-sglang: `make sglang-env`)
-# Env: NUM_STEPS (100: a tiny step takes ~1 s and a CPU server ~50 s to come back; the return must land
+# Env: NUM_STEPS (300: a tiny step takes <1 s and a restarted CPU server 60+ s to come back; the return must land
 # inside the run), ACTOR_TP (2), ACTOR_PP (2), SERVER1_TP (1; 2 needs attach mode to size the sync group from /server_info), BASE_PORT (31400), RESTART_AFTER_S (5), KILL (1: kill a server).
 # Every process it starts is stopped by pid (process group) on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/rehearsal}
-NUM_STEPS=${NUM_STEPS:-100}
+NUM_STEPS=${NUM_STEPS:-300}
 SERVER1_TP=${SERVER1_TP:-1}
 BASE_PORT=${BASE_PORT:-31400}
-RESTART_AFTER_S=${RESTART_AFTER_S:-5}
+RESTART_AFTER_S=${RESTART_AFTER_S:-2}
 KILL=${KILL:-1}
 PY=${PY:-.venv/bin/python}
 SGL_PY=${SGL_PY:-.venv-sglang/bin/python}
