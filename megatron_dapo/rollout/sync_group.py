@@ -25,10 +25,10 @@ def init_weight_sync_group(
         raise ValueError(f"weight sync group needs the trainer plus >= 1 server rank, got "
             f"world_size={world_size}")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        dist.rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
+    rank = 0
+    # This process hosts the store itself. Not dist.rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+    # it would only connect as a client to a store nobody hosts at this port, and wait for ever.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
     # The same prefix SGLang puts on its side, so both ends meet under the same keys.
     store = dist.PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# A CPU rehearsal of the 32B multi-node launcher's code path (examples/run_qwen2.5_32b_multinode.sh): attach
+# mode (--sglang-server-urls) to two real CPU SGLang servers started here (server 1 at SGLang TP 2),
+# --weight-sync-mode distributed over gloo, the DAPO flags of examples/common_dapo_args.sh, and the actor at
+# TP 2 x PP 2 x DP 2 (8 gloo ranks) on a tiny Qwen2 (hidden 32, 4 heads / 2 kv heads, 2 layers). After
+# step 1 is logged, server 0's process group gets kill -9; this script, playing the cluster's supervisor,
+# restarts it RESTART_AFTER_S seconds later (attach mode waits for it, --sglang-server-wait-s). At the end it
+# checks: NUM_STEPS steps logged, the loss and the return counted (rollout/servers_lost,
+# rollout/server_returns, sync/servers_recovered), rollout-vs-actor mismatch small. Exit 0 = all held.
+#
+# usage: examples/rehearse_multinode.sh [RUN_DIR]     (needs .venv and .venv-sglang: `make sglang-env`)
+# Env: NUM_STEPS (300: a tiny step takes <1 s and a restarted CPU server 60+ s to come back; the return must land
+# inside the run), ACTOR_TP (2), ACTOR_PP (2), SERVER1_TP (1; 2 needs attach mode to size the sync group from /server_info), BASE_PORT (31400), RESTART_AFTER_S (5), KILL (1: kill a server).
+# Every process it starts is stopped by pid (process group) on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN_DIR=${1:-runs/rehearsal}
+NUM_STEPS=${NUM_STEPS:-300}
+SERVER1_TP=${SERVER1_TP:-1}
+BASE_PORT=${BASE_PORT:-31400}
+RESTART_AFTER_S=${RESTART_AFTER_S:-2}
+KILL=${KILL:-1}
+PY=${PY:-.venv/bin/python}
+SGL_PY=${SGL_PY:-.venv-sglang/bin/python}
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+[[ -x "$SGL_PY" ]] || { echo "no $SGL_PY: run \`make sglang-env\`" >&2; exit 2; }
+T0=$(date +%s)
+rm -rf "$RUN_DIR"
+mkdir -p "$RUN_DIR"
+
+PIDS=()  # process-group leaders (setsid): servers, the kill watcher, torchrun
+cleanup() {
+    for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+    sleep 1
+    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+echo "== tiny Qwen2 (hidden 32, 4 heads / 2 kv heads, 2 layers) in $RUN_DIR/base"
+"$PY" tools/make_tiny_base.py --out "$RUN_DIR/base" --sft-steps 20 --num-train 300 --num-eval 16 \
+    --hidden-size 32 --ffn-hidden-size 64 --num-heads 4 --num-kv-heads 2 --num-layers 2 --sft-batch-size 16 \
+    >"$RUN_DIR/make_tiny_base.log" 2>&1
+MODEL="$RUN_DIR/base/model"
+
+# The CPU form of examples/launch_sglang_servers.sh's command (megatron_dapo/rollout/sglang_server.py,
+# shared/notes/sglang-on-cpu.md), bound to 127.0.0.1. SGLang's CPU backend runs TP 2 with one core per rank.
+start_server() {  # i tp -> starts server i on BASE_PORT + i, records its pid in $RUN_DIR/sglang-i.pid
+    local i=$1 tp=$2 bind=()
+    [[ "$tp" == 2 ]] && bind=(env "SGLANG_CPU_OMP_THREADS_BIND=0|1")
+    SGLANG_USE_CPU_ENGINE=1 setsid "${bind[@]}" "$SGL_PY" -m sglang.launch_server --model-path "$MODEL" \
+        --host 127.0.0.1 --port $((BASE_PORT + i)) --tp-size "$tp" --skip-tokenizer-init --device cpu \
+        --attention-backend torch_native --disable-cuda-graph --max-total-tokens 8192 --mem-fraction-static 0.1 \
+        --dtype float32 >>"$RUN_DIR/sglang-$i.log" 2>&1 &
+    echo $! >"$RUN_DIR/sglang-$i.pid"
+    PIDS+=($!)
+}
+wait_healthy() {  # url timeout_s
+    local deadline=$(($(date +%s) + $2))
+    until curl -sf "$1/health" >/dev/null 2>&1; do
+        (($(date +%s) < deadline)) || { echo "$1 not healthy after $2 s" >&2; return 1; }
+        sleep 1
+    done
+}
+echo "== SGLang servers: 0 at TP 1, 1 at TP $SERVER1_TP"
+start_server 0 1
+start_server 1 "$SERVER1_TP"
+URLS=("http://127.0.0.1:$BASE_PORT" "http://127.0.0.1:$((BASE_PORT + 1))")
+for u in "${URLS[@]}"; do wait_healthy "$u" 300; done
+echo "   healthy after $(($(date +%s) - T0)) s"
+
+# The supervisor: kill -9 server 0 once step 1 is logged (step 2 is then under way), restart it a few seconds on.
+if [[ "$KILL" == 1 ]]; then
+    setsid bash -c '
+        until [[ -f "$0/metrics.jsonl" ]] && grep -q "\"step\": 1[,}]" "$0/metrics.jsonl"; do sleep 0.5; done
+        pid=$(cat "$0/sglang-0.pid"); kill -KILL -- "-$pid"
+        echo "$(date +%s.%N) killed server 0 (pid $pid)" >>"$0/supervisor.log"
+        sleep "$1"; echo restart >"$0/restart-0"' "$RUN_DIR" "$RESTART_AFTER_S" &
+    PIDS+=($!)
+fi
+
+source examples/common_dapo_args.sh
+# The launcher's arrays at tiny scale: same flags, sizes that fit hidden 32 / 128 positions / 2 cores.
+MODEL_ARGS=(--hf-checkpoint "$MODEL")
+PARALLEL_ARGS=(--tensor-model-parallel-size "${ACTOR_TP:-2}" --pipeline-model-parallel-size "${ACTOR_PP:-2}" --use-distributed-optimizer
+               ${EXTRA_PARALLEL_ARGS:-})
+ROLLOUT_ARGS=(
+    --rollout-engine sglang --sglang-server-urls "${URLS[@]}" --sglang-max-concurrency 64 --sglang-server-wait-s 300
+    --weight-sync-mode distributed --weight-sync-master-addr 127.0.0.1 --weight-sync-master-port $((BASE_PORT + 50))
+    --rollout-batch-size 4 --n-samples-per-prompt 4 --over-sample-factor 1.3
+    --rollout-temperature 1.0 --max-response-length 40 --max-prompt-length 16
+)
+# The tiny model answers no sum right (every group all wrong, nothing for dynamic sampling to keep): the
+# rehearsal rewards the response length's parity instead (tests/rewards.py), so groups differ and weights move.
+DAPO_ARGS+=(--overlong-buffer-length 8 --reward-fn tests.rewards:length_parity --on-gen-exhausted partial)
+DATA_ARGS=(--prompt-data "$RUN_DIR/base/train.jsonl")
+OPTIM_ARGS+=(--lr 1e-4 --lr-warmup-steps 1)
+BATCH_ARGS=(--global-batch-size 16 --max-tokens-per-micro-batch 256 ${EXTRA_BATCH_ARGS:-}
+            --num-steps "$NUM_STEPS")
+RUN_ARGS=(--log-dir "$RUN_DIR" --no-wandb --no-progress --seed 7)
+
+echo "== torchrun: 8 ranks (TP ${ACTOR_TP:-2} x PP ${ACTOR_PP:-2}), $NUM_STEPS steps"
+setsid "$PY" -m torch.distributed.run --nproc_per_node 8 --master_addr 127.0.0.1 --master_port $((BASE_PORT + 60)) \
+    -m megatron_dapo.train "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" \
+    "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" >"$RUN_DIR/train.log" 2>&1 &
+TRAIN=$!
+PIDS+=($TRAIN)
+if [[ "$KILL" == 1 ]]; then
+    # The restart runs from this shell, so that cleanup knows the new pid.
+    while kill -0 "$TRAIN" 2>/dev/null && [[ ! -f "$RUN_DIR/restart-0" ]]; do sleep 0.5; done
+    if [[ -f "$RUN_DIR/restart-0" ]]; then
+        echo "== supervisor: $(cat "$RUN_DIR/supervisor.log"); restarting it"
+        start_server 0 1
+    fi
+fi
+rc=0
+wait "$TRAIN" || rc=$?
+WALL=$(($(date +%s) - T0))
+if [[ $rc != 0 ]]; then
+    tail -n 40 "$RUN_DIR/train.log" >&2
+    echo "rehearsal FAILED: torchrun exit $rc after $WALL s (logs in $RUN_DIR)" >&2
+    exit 1
+fi
+"$PY" - "$RUN_DIR/metrics.jsonl" "$NUM_STEPS" "$KILL" "$WALL" <<'PY'
+import json
+import sys
+
+records = [json.loads(line) for line in open(sys.argv[1])]
+num_steps, kill, wall = int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+for r in records:
+    print(f"step {r['step']}: sync {r['time/sync_s']:.2f} s, rollout {r['time/rollout_s']:.1f} s, "
+          f"train {r['time/train_s']:.1f} s, mismatch {r['mismatch/logprob_abs_diff_mean']:.2e}, "
+          f"servers_lost {r['rollout/servers_lost']:.0f}, returns {r['rollout/server_returns']:.0f}, "
+          f"recovered {r['sync/servers_recovered']:.0f}, retried {r['rollout/retried_requests']:.0f}")
+total = {k: sum(r[k] for r in records) for k in ("rollout/servers_lost", "rollout/server_returns",
+                                                 "sync/servers_recovered")}
+errors = []
+if [r["step"] for r in records] != list(range(1, num_steps + 1)):
+    errors.append(f"steps logged {[r['step'] for r in records]}, expected 1..{num_steps}")
+if kill and not (total["rollout/servers_lost"] >= 1 and total["rollout/server_returns"] >= 1
+                 and total["sync/servers_recovered"] >= 1):
+    errors.append(f"the killed server's loss and return are not in the metrics: {total}")
+worst = max(r["mismatch/logprob_abs_diff_mean"] for r in records)
+if worst > 1e-3:
+    errors.append(f"rollout-vs-actor log-prob mismatch {worst:.2e} > 1e-3: a server serves stale weights")
+print(f"rehearsal wall time {wall} s; recovery totals {total}; worst mismatch {worst:.2e}")
+if errors:
+    sys.exit("rehearsal FAILED: " + "; ".join(errors))
+print("rehearsal OK")
+PY

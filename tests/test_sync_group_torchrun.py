@@ -1,0 +1,61 @@
+"""The trainer's side of the weight-sync group under torchrun: rank 0 must host the TCP store itself.
+
+torchrun sets TORCHELASTIC_USE_AGENT_STORE=True, under which dist.rendezvous on rank 0 only connects as a client
+to the agent's store; at the sync port nobody hosts one and the first weight sync of a torchrun-launched trainer
+waited for ever (found by examples/rehearse_multinode.sh). The peer here joins the way SGLang 0.5.23's
+init_custom_process_group does (tcp:// rendezvous, store prefixed by the group name) and must receive the
+broadcast tensors.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from megatron_dapo.rollout.sync_group import broadcast_tensors, init_weight_sync_group
+from tests.torchrun import REPO, subprocess_env
+
+PEER = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+    port, name = int(sys.argv[1]), sys.argv[2]
+    store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timedelta(seconds=60)))
+    store = dist.PrefixStore(name, store)
+    group, _ = _new_process_group_helper(world, rank, [], dist.Backend("gloo"), store, group_name=name,
+                                         timeout=timedelta(seconds=60))
+    _world.pg_group_ranks[group] = {i: i for i in range(world)}
+    t = torch.zeros(3)
+    dist.broadcast(t, src=0, group=group)
+    print(t.tolist())
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets in every rank
+    port, name = _free_port(), "megatron_dapo_weight_sync_test_agent_store"
+    env = {k: v for k, v in subprocess_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        group = init_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2,
+                                       group_name=name, backend="gloo", timeout_s=60)
+        broadcast_tensors(group, [torch.tensor([1.0, 2.0, 3.0])])
+        out, err = peer.communicate(timeout=60)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+    assert peer.returncode == 0, err[-2000:]
+    assert out.strip() == "[1.0, 2.0, 3.0]"
+    torch.distributed.destroy_process_group(group)
