@@ -118,3 +118,29 @@ def test_bad_targets_raise():
         token_logprob_entropy(x, t[:4])
     with pytest.raises(ValueError, match="integer token ids"):
         token_logprob_entropy(x, t.float())
+
+
+def test_a_vocab_slice_of_padding_only_contributes_nothing():
+    """Two TP-style vocab slices, the second holding only padded ids (filled with finfo.min / 2, as
+    actor/logprob.mask_padded_vocab does): combined log-prob and entropy equal the softmax over the real
+    columns, with finite gradients (a tiny vocab at TP2 gave nan entropy and grads before)."""
+    from megatron_dapo.ops.stats import finalize, local_targets, rescale_to
+    from megatron_dapo.ops.torch_kernels import local_stats
+
+    torch.manual_seed(0)
+    real, local = 80, 128  # vocab 80 padded to 256 at TP2: rank 1's slice is all padding
+    x = torch.randn(5, 2 * local, requires_grad=True)
+    targets = torch.randint(0, real, (5,))
+    masked = x.masked_fill(torch.arange(2 * local) >= real, torch.finfo(torch.float32).min / 2)
+    parts = [local_stats(masked[:, r * local:(r + 1) * local], local_targets(targets, r * local, local),
+                         compute_entropy=True, chunk_size=None) for r in range(2)]
+    top = torch.maximum(parts[0].max, parts[1].max)
+    moved = [rescale_to(p, top) for p in parts]
+    _, logp, entropy = finalize(type(moved[0])(max=top, sumexp=moved[0].sumexp + moved[1].sumexp,
+                                               ent_acc=moved[0].ent_acc + moved[1].ent_acc,
+                                               target_logit=moved[0].target_logit + moved[1].target_logit))
+    ref = x[:, :real].log_softmax(-1)
+    torch.testing.assert_close(logp, ref.gather(1, targets[:, None])[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1), atol=1e-5, rtol=0)
+    (logp.sum() + entropy.sum()).backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, real:] == 0).all()

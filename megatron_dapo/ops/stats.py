@@ -69,6 +69,10 @@ def rescale_to(stats: RowStats, new_max: Tensor) -> RowStats:
     sumexp = stats.sumexp * scale
     ent_acc = None
     if stats.ent_acc is not None:
+        # A slice whose max sits far below M (e.g. a TP shard of padded vocab only, filled with finfo.min / 2)
+        # has scale == 0 while shift * s overflows to -inf: 0 * inf = nan in the value and in its gradient.
+        # e^d d -> 0 as d -> -inf, so such a slice contributes 0; the shift is zeroed before it is multiplied.
+        shift = torch.where(scale > 0, shift, torch.zeros_like(shift))
         # Rows with s == 0 contribute nothing; the where avoids (-inf) * 0 when the slice was empty.
         moved = scale * (stats.ent_acc + shift * stats.sumexp)
         ent_acc = torch.where(stats.sumexp > 0, moved, torch.zeros_like(moved))
