@@ -10,11 +10,9 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from tests.dist.actor_common import (
-    hf_to_full_mcore,
+    load_hf_state_dict,
     make_samples,
-    mcore_shards_for_rank,
     merge_rank_shards,
     tiny_hf_model,
 )
@@ -32,9 +30,7 @@ def _single_process(data: dict) -> dict:
     layout = init_parallel(seed=data["seed"])
     try:
         actor = MegatronActor(arch, data["config"], layout)
-        full = hf_to_full_mcore(data["hf_state_dict"], arch)
-        actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
-                                                padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+        load_hf_state_dict(actor, data["hf_state_dict"])
         logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
         metrics = [actor.train_step(data["samples"]) for _ in range(STEPS)]
         weights = merge_rank_shards({(0, 0): actor.state_dict_for_export()}, arch, tp=1, pp=1)

@@ -11,10 +11,14 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.parallel import ParallelLayout, validate_layout
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.plan import stage_tensors, virtual_stage
-from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import (
+    load_hf_state_dict,
+    make_samples,
+    tiny_hf_model,
+)
 from tests.torchrun import REPO, run_torchrun
 
 STEPS = 2
@@ -28,9 +32,7 @@ def _single_process(data: dict) -> dict:
     layout = init_parallel(seed=data["seed"])
     try:
         actor = MegatronActor(arch, data["config"], layout)
-        full = hf_to_full_mcore(data["hf_state_dict"], arch)
-        actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
-                                                padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
+        load_hf_state_dict(actor, data["hf_state_dict"])
         logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
         metrics = [actor.train_step(data["samples"]) for _ in range(STEPS)]
         exported = {name: t.clone() for name, t in iter_hf_weights(actor.chunks, arch)}

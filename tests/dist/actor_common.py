@@ -175,8 +175,13 @@ def single_process_world(hf_seed: int):
 
 def load_hf_weights(actor, hf) -> None:
     """Copy `hf`'s weights into a single-process (TP1, PP1) actor through this module's own mapping."""
+    load_hf_state_dict(actor, hf.state_dict())
+
+
+def load_hf_state_dict(actor, state_dict: dict[str, torch.Tensor]) -> None:
+    """load_hf_weights from an HF state dict (what torchrun workers receive instead of the model)."""
     from megatron_dapo.parallel import padded_vocab_size
 
-    full = hf_to_full_mcore(hf.state_dict(), actor.arch)
+    full = hf_to_full_mcore(state_dict, actor.arch)
     actor.load_shards(mcore_shards_for_rank(full, actor.arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
                                             padded_vocab=padded_vocab_size(actor.arch.vocab_size, 1)))
