@@ -18,6 +18,10 @@ production scale a 20480-token response, ~14 min at ~25 tokens/s per sequence on
 SGLang server). Completion order waits for it too whenever the cut falls among the truncated groups;
 in the simulation the step time is 1.03 vs 1.01 max-length responses at keep rate 0.9. Groups that
 finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 at keep rate 0.9).
+
+With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
+carried to the next step and submitted there first (megatron_dapo/partial_rollout.py). Every response token's
+fate is counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
 """
 
 from __future__ import annotations
