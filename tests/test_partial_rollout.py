@@ -254,3 +254,30 @@ def test_checkpoint_state_round_trips(partial_run):
     assert from_state(None, Prompt) == []
     with pytest.raises(ValueError, match="layout version"):
         from_state({"version": 99, "groups": []}, Prompt)
+
+
+def test_simulated_engine_partial_progress_and_the_bench_shape():
+    """tests/sim_engine.py with partial_progress (what tools/bench_partial_rollout.py runs at 32B shape): the
+    token accounting closes and every carried prefix comes back as the start of a kept or re-carried response."""
+    from tests import sim_engine as sim
+
+    engine = sim.LengthLatencyEngine(keep_rate=0.8, truncate_prob=0.05, seed=2, partial_progress=True, group_size=4)
+    config = CollectConfig(n_samples_per_prompt=4, sampling=SamplingParams(max_new_tokens=32),
+                           dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=8),
+                           overlong=OverlongConfig(max_response_length=32, buffer_length=8), over_sample_factor=1.5,
+                           seed=3, partial_rollout=True)
+    next_prompts, carried, prefixes = sim.cycling(sim.prompts(1000)), [], 0
+    for step in range(1, 6):
+        result = collect_batch(engine, next_prompts, sim.decode, sim.reward, config, step=step, carried=carried)
+        m = result.metrics
+        assert m["rollout/resumed_tokens"] + m["rollout/generated_tokens"] == \
+            m["rollout/kept_tokens"] + m["rollout/filtered_tokens"] + m["rollout/carried_tokens"]
+        later = {g.prompt.index: g.samples for g in (*result.groups, *result.carried)}
+        for group in carried:
+            if group.prompt.index in later:
+                for old, new in zip(group.samples, later[group.prompt.index], strict=True):
+                    assert new.response_ids[:len(old.response_ids)] == old.response_ids
+                    prefixes += old.finish_reason == "abort" and len(old.response_ids) > 0
+        carried = result.carried
+        engine.update_weights([], version=step)
+    assert prefixes > 0
