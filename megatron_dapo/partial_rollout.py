@@ -50,11 +50,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+
+if TYPE_CHECKING:  # collect imports this module
+    from megatron_dapo.collect import Prompt
 
 STATE_VERSION = 1
 """Layout version of `state()` (checked by `from_state`)."""
@@ -65,8 +68,7 @@ class CarriedGroup:
     """A group cut at the end of a step: G samples by index, finished ones ('stop' / 'length') kept as they are,
     'abort' ones holding the response prefix to continue from (possibly empty)."""
 
-    prompt: Any
-    """collect.Prompt (prompt_ids, ground_truth, index)."""
+    prompt: Prompt
     samples: list[Sample]
     seed: int | None
     """Sampling seed of the group's first request (None in an unseeded run): continuations draw from it."""
@@ -74,7 +76,7 @@ class CarriedGroup:
     """Step that first submitted the group."""
 
     def __post_init__(self) -> None:
-        if [s.index for s in self.samples] != list(range(len(self.samples))):
+        if not self.samples or [s.index for s in self.samples] != list(range(len(self.samples))):
             raise ValueError(f"carried group of prompt {self.prompt.index}: samples must be ordered by index "
                              f"0..{len(self.samples) - 1}, got {[s.index for s in self.samples]}")
 

@@ -237,7 +237,11 @@ def test_settle_and_request_validation():
         Sample(**base, response_ids=[3], logprobs=[0.0], token_versions=[0, 1])
     with pytest.raises(ValueError, match="--partial-rollout"):
         collect_batch(None, lambda k: [], _decode, length_parity, _config(partial=False, dynamic=True), step=1,
-                      carried=[CarriedGroup(prompt=_prompts(1)[0], samples=[], seed=None, first_step=1)])
+                      carried=[CarriedGroup(prompt=_prompts(1)[0], samples=[Sample(**base, response_ids=[3],
+                                                                                     logprobs=[0.0])],
+                                            seed=None, first_step=1)])
+    with pytest.raises(ValueError, match="ordered by index"):
+        CarriedGroup(prompt=_prompts(1)[0], samples=[], seed=None, first_step=1)
 
 
 def test_checkpoint_state_round_trips(partial_run):
