@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--over-sample-factor", type=float, default=1.0,
                    help="prompts asked per generation round = factor x groups still needed / keep rate "
                         "measured so far in the step (1 in the first round)")
+    g.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=False,
+                   help="groups still generating (or finished behind the cut) when a step's batch is full keep "
+                        "their responses so far and resume first at the next step, instead of being thrown away; "
+                        "prefix tokens come from older weights (pair with --use-tis); megatron_dapo/partial_rollout.py")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout)")

@@ -18,6 +18,10 @@ production scale a 20480-token response, ~14 min at ~25 tokens/s per sequence on
 SGLang server). Completion order waits for it too whenever the cut falls among the truncated groups;
 in the simulation the step time is 1.03 vs 1.01 max-length responses at keep rate 0.9. Groups that
 finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 at keep rate 0.9).
+
+With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
+carried to the next step and submitted there first (megatron_dapo/partial_rollout.py). Every response token's
+fate is counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.algorithm import BatchFiller, DynamicSamplingConfig, OverlongConfig, overlong_penalty
+from megatron_dapo.partial_rollout import CarriedGroup, continuation_request, extend, settle, staleness_metrics
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 
@@ -71,6 +76,9 @@ class CollectConfig:
     seed: int | None = None
     """Base of the per-request sampling seeds (--seed): with it, a step's rollouts depend only on the
     weights, the step and the prompts, so a resumed run regenerates exactly what it lost."""
+    partial_rollout: bool = False
+    """Carry the groups cut when the batch is full to the next step instead of dropping them
+    (--partial-rollout; megatron_dapo/partial_rollout.py)."""
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
@@ -92,7 +100,11 @@ class CollectResult:
     groups: list[ScoredGroup]
     metrics: dict[str, float] = field(default_factory=dict)
     requested: list[int] = field(default_factory=list)
-    """Dataset indices of every prompt sent to the engine this step, in order (kept or not)."""
+    """Dataset indices of every new prompt sent to the engine this step, in order (kept or not)."""
+    carried: list[CarriedGroup] = field(default_factory=list)
+    """--partial-rollout: the groups cut at the end of this step, in submission order, for the next step."""
+    resumed: list[int] = field(default_factory=list)
+    """Dataset indices of the carried groups this step resumed (drawn at an earlier step)."""
 
 
 def request_seed(base: int, request_id: str) -> int:
@@ -111,6 +123,104 @@ def score_group(prompt: Prompt, samples: Sequence[Sample], decode: Callable[[lis
     return ScoredGroup(prompt=prompt, samples=list(samples), accs=accs, rewards=rewards)
 
 
+@dataclass
+class _Slot:
+    """One group of a round, in submission order: a fresh prompt (one request of n = G) or a carried group
+    (one continuation request per unfinished sample)."""
+
+    prompt: Prompt
+    samples: list[Sample | None]
+    """By sample index: None while the fresh request runs; a carried sample's prefix until it comes back."""
+    seed: int | None
+    first_step: int
+    waiting: int = 0
+    """Requests of this slot still in flight."""
+
+    def done(self) -> list[Sample]:
+        return [s for s in self.samples if s is not None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.done())
+
+
+@dataclass
+class _Tally:
+    """Response tokens by fate over one step: resumed + generated == kept + filtered + carried + discarded."""
+
+    resumed: int = 0
+    generated: int = 0
+    kept: int = 0
+    filtered: int = 0
+    carried: int = 0
+    discarded: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"rollout/{k}_tokens": float(v) for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class _Step:
+    """One step's decisions: groups are offered to the filler in submission order; what is cut when the batch
+    fills is carried (--partial-rollout) or dropped."""
+
+    config: CollectConfig
+    score: Callable[[_Slot], ScoredGroup]
+    filler: BatchFiller[ScoredGroup]
+    decided: list[ScoredGroup] = field(default_factory=list)
+    carried: list[CarriedGroup] = field(default_factory=list)
+    tally: _Tally = field(default_factory=_Tally)
+    aborted: int = 0
+    slots: list[_Slot] = field(default_factory=list)
+    """The current round's groups, in submission order."""
+    finished: dict[int, _Slot | None] = field(default_factory=dict)
+    """Position -> slot with every sample back (None: aborted), not yet decided."""
+    next_position: int = 0
+
+    def new_round(self) -> None:
+        self.slots, self.finished, self.next_position = [], {}, 0
+
+    def cut(self, slot: _Slot, *, surplus: bool) -> None:
+        """A group the batch has no place for: carried to the next step, or generated and never trained on."""
+        if self.config.partial_rollout:
+            samples = [settle(s, self.config.sampling) for s in slot.done()]
+            self.carried.append(CarriedGroup(prompt=slot.prompt, samples=samples, seed=slot.seed,
+                                             first_step=slot.first_step))
+            self.tally.carried += slot.tokens
+            return
+        if surplus:
+            self.filler.note_surplus()
+        self.tally.discarded += slot.tokens
+
+    def complete(self, position: int) -> None:
+        """Slot `position` has every sample back: decide what is decidable, in submission order."""
+        slot = self.slots[position]
+        if any(s.finish_reason == "abort" for s in slot.done()):
+            self.aborted += 1  # ours after the cut, or the engine's: a hole in the submission order
+            self.cut(slot, surplus=False)
+            if not self.filler.full:
+                self.finished[position] = None
+            return
+        if self.filler.full:  # finished behind the cut
+            self.cut(slot, surplus=True)
+            return
+        self.finished[position] = slot
+        while self.next_position in self.finished and not self.filler.full:
+            ready = self.finished.pop(self.next_position)
+            self.next_position += 1
+            if ready is not None:
+                group = self.score(ready)
+                self.decided.append(group)
+                if self.filler.offer(group, group.accs):
+                    self.tally.kept += ready.tokens
+                else:
+                    self.tally.filtered += ready.tokens
+        if self.filler.full:  # the cut: what finished early behind it is surplus (or carried)
+            for later in filter(None, self.finished.values()):
+                self.cut(later, surplus=True)
+            self.finished.clear()
+
+
 def collect_batch(
     engine: RolloutEngine,
     next_prompts: Callable[[int], list[Prompt]],
@@ -119,6 +229,7 @@ def collect_batch(
     config: CollectConfig,
     *,
     step: int,
+    carried: Sequence[CarriedGroup] = (),
 ) -> CollectResult:
     """Generate rounds until `rollout_batch_size` informative groups are kept (or the budget ends).
 
@@ -126,56 +237,83 @@ def collect_batch(
     their prompts were submitted, so the kept groups are the first informative ones of the prompt order
     whatever the engine's timing. Returns the kept groups in that order; rollout metrics are over every
     decided group (kept or dropped, an unbiased sample of the policy's responses), dynamic-sampling
-    metrics count rounds and requested / generated / kept groups.
+    metrics count rounds and requested / generated / kept groups, `rollout/*_tokens` where every response
+    token went.
+
+    With config.partial_rollout, `carried` (the previous step's CollectResult.carried) are submitted first,
+    ahead of the first round's new prompts, and the groups cut at the end of this step come back in
+    CollectResult.carried instead of being thrown away (megatron_dapo/partial_rollout.py).
     """
-    filler: BatchFiller[ScoredGroup] = BatchFiller(config.dynamic_sampling)
-    decided: list[ScoredGroup] = []
-    aborted = 0
+    if carried and not config.partial_rollout:
+        raise ValueError("carried groups given to collect_batch without --partial-rollout")
+    state = _Step(config=config, filler=BatchFiller(config.dynamic_sampling),
+                  score=lambda slot: score_group(slot.prompt, slot.done(), decode, reward_fn, config.overlong))
+    filler = state.filler
+    state.tally.resumed = sum(g.tokens for g in carried)
     requested: list[int] = []
+    to_resume = list(carried)
     t0 = time.perf_counter()
     while not filler.full and filler.start_round():
         want = filler.round_size(config.over_sample_factor)
         tag = f"s{step}-r{filler.stats.rounds}"
-        prompts = {f"{tag}-{i}-p{p.index}": p for i, p in enumerate(next_prompts(want))}
-        requested += [p.index for p in prompts.values()]
-        filler.stats.requested_groups += len(prompts)
-        position = {rid: i for i, rid in enumerate(prompts)}
-        requests = [RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
-                                   sampling=seeded(config.sampling, config.seed, rid), request_id=rid)
-                    for rid, p in prompts.items()]
-        finished: dict[int, ScoredGroup | None] = {}  # position -> group (None: aborted), not yet decided
-        next_position = received = 0
-        for samples in engine.stream(requests):
-            rid = samples[0].request_id
-            received += 1
-            if any(s.finish_reason == "abort" for s in samples):
-                aborted += 1  # ours after the cut, or the engine's: a hole in the submission order
-                group = None
-            elif filler.full:
-                filler.note_surplus()  # finished after the cut: generated, not trained on
-                continue
-            else:
-                group = score_group(prompts[rid], samples, decode, reward_fn, config.overlong)
-            if filler.full:
-                continue
-            finished[position[rid]] = group
-            while next_position in finished and not filler.full:
-                group = finished.pop(next_position)
-                next_position += 1
-                if group is not None:
-                    decided.append(group)
-                    filler.offer(group, group.accs)
-            if filler.full:  # the cut: what finished early behind it is surplus, the rest is aborted
-                for _ in filter(None, finished.values()):
-                    filler.note_surplus()
-                finished.clear()
-                if received < len(requests):
-                    engine.abort()  # the aborted groups still come out of the stream, counted above
+        state.new_round()
+        requests: list[RolloutRequest] = []
+        slot_of: dict[str, int] = {}
+        for j, group in enumerate(to_resume):  # first round only: the previous step's cut groups go first
+            slot = _Slot(prompt=group.prompt, samples=list(group.samples), seed=group.seed,
+                         first_step=group.first_step)
+            for i in group.unfinished:
+                req = continuation_request(group.prompt.prompt_ids, group.samples[i], config.sampling, group.seed,
+                                           f"{tag}-c{j}-p{group.prompt.index}-s{i}")
+                requests.append(req)
+                slot_of[req.request_id] = len(state.slots)
+                slot.waiting += 1
+            state.slots.append(slot)
+        to_resume = []
+        for position, slot in enumerate(state.slots):
+            if slot.waiting == 0:  # finished behind the previous step's cut: decided without generating
+                state.complete(position)
+        if filler.full:  # those alone filled the batch: the unfinished carried groups wait a step more
+            for slot in state.slots:
+                if slot.waiting:
+                    state.cut(slot, surplus=False)
+            break
+        fresh = next_prompts(max(0, want - len(state.slots)))
+        requested += [p.index for p in fresh]
+        filler.stats.requested_groups += len(fresh)
+        for i, p in enumerate(fresh):
+            rid = f"{tag}-{i}-p{p.index}"
+            sampling = seeded(config.sampling, config.seed, rid)
+            requests.append(RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
+                                           sampling=sampling, request_id=rid))
+            slot_of[rid] = len(state.slots)
+            state.slots.append(_Slot(prompt=p, samples=[None] * config.n_samples_per_prompt, seed=sampling.seed,
+                                     first_step=step, waiting=1))
+        cut_sent = False
+        for received, samples in enumerate(engine.stream(requests), start=1):
+            position = slot_of[samples[0].request_id]
+            slot = state.slots[position]
+            state.tally.generated += sum(len(s.response_ids) for s in samples)
+            for s in samples:
+                slot.samples[s.index] = extend(slot.samples[s.index], s, slot.prompt.prompt_ids)
+            slot.waiting -= 1
+            if slot.waiting == 0:
+                state.complete(position)
+            if filler.full and not cut_sent and received < len(requests):
+                engine.abort()  # the aborted requests still come out of the stream
+                cut_sent = True
     metrics = filler.stats.as_metrics()
-    metrics.update(_rollout_metrics(decided, config.sampling.max_new_tokens))
-    metrics["rollout/aborted_groups"] = float(aborted)
+    metrics.update(_rollout_metrics(state.decided, config.sampling.max_new_tokens))
+    metrics["rollout/aborted_groups"] = float(state.aborted)
+    metrics.update(state.tally.as_metrics())
+    batch = filler.batch()
+    if config.partial_rollout:
+        metrics.update(staleness_metrics([s for g in batch for s in g.samples], engine.weight_version))
+        metrics["rollout/carried_groups"] = float(len(state.carried))
+        metrics["rollout/resumed_groups"] = float(len(carried))
     metrics["time/rollout_s"] = time.perf_counter() - t0
-    return CollectResult(groups=filler.batch(), metrics=metrics, requested=requested)
+    return CollectResult(groups=batch, metrics=metrics, requested=requested, carried=state.carried,
+                         resumed=[g.prompt.index for g in carried])
 
 
 def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> SamplingParams:

@@ -63,7 +63,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
                          top_p=args.rollout_top_p, top_k=args.rollout_top_k, stop_token_ids=eos_ids)
     collect = CollectConfig(
         n_samples_per_prompt=args.n_samples_per_prompt, sampling=sampling,
-        over_sample_factor=args.over_sample_factor, seed=args.seed,
+        over_sample_factor=args.over_sample_factor, seed=args.seed, partial_rollout=args.partial_rollout,
         dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=args.rollout_batch_size,
                                                enabled=args.dynamic_sampling,
                                                max_num_gen_batches=args.max_num_gen_batches,
@@ -358,12 +358,14 @@ def train(args: argparse.Namespace) -> None:
                             async_save=args.async_save) if args.save else None
 
     def save(step: int) -> None:
-        from megatron_dapo import comm
+        from megatron_dapo import comm, partial_rollout
 
-        state = sampler.state_dict()
+        state = {"sampler": sampler.state_dict()}
+        if args.partial_rollout:  # the groups the next step resumes (rank 0's; 12 B per carried token)
+            state["carried"] = partial_rollout.state(trainer.carried)
         if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
             state = comm.broadcast_object(state, 0, group=trainer.wait_group)
-        saver.save(step, actor, extra={"sampler": state})
+        saver.save(step, actor, extra=state)
 
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
@@ -426,6 +428,7 @@ def make_logger(args: argparse.Namespace):
 
 def resume(args: argparse.Namespace, trainer, sampler) -> None:
     """With --load and a checkpoint in it: actor state, rank 0's sampler, the step; the engine gets the weights."""
+    from megatron_dapo import partial_rollout
     from megatron_dapo.checkpoint import load_checkpoint
 
     if not args.load:
@@ -436,6 +439,11 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
     rank0 = dist.get_rank() == 0
     if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
         sampler.load_state_dict(extra["sampler"])
+        if args.partial_rollout:  # a checkpoint written without --partial-rollout carries nothing
+            trainer.carried = partial_rollout.from_state(extra.get("carried"), Prompt)
+        elif (extra.get("carried") or {}).get("groups"):
+            print(f"[megatron-dapo] warning: the checkpoint carries {len(extra['carried']['groups'])} partial-rollout "
+                  f"groups; without --partial-rollout they are dropped", file=sys.stderr)
     trainer.step = int(extra["step"])
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:

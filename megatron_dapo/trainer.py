@@ -36,6 +36,7 @@ from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, 
 from megatron_dapo.dataplane import DataPlane, pack, unpack
 from megatron_dapo.evaluation import evaluate
 from megatron_dapo.metrics_log import MetricsLogger
+from megatron_dapo.partial_rollout import CarriedGroup
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.weights.export import iter_hf_weights
@@ -96,6 +97,9 @@ class Trainer:
     save_fn: Callable[[int], None] | None = None
     step: int = 0
     """Last completed step (set by a resume)."""
+    carried: list[CarriedGroup] = field(default_factory=list)
+    """Rank 0, --partial-rollout: groups cut at the end of the last step, resumed first by the next one (in the
+    checkpoint: train.py's save)."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
 
@@ -164,10 +168,13 @@ class Trainer:
     def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Rank 0 collects the step's kept groups."""
         result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
-                               step=step)
+                               step=step, carried=self.carried)
+        self.carried = result.carried
         if self.logger is not None:  # which prompts each step saw: audit trail and resume check
-            self.logger.log_record("prompts", {"step": step, "requested": result.requested,
-                                               "kept": [g.prompt.index for g in result.groups]})
+            record = {"step": step, "requested": result.requested, "kept": [g.prompt.index for g in result.groups]}
+            if self.collect.partial_rollout:
+                record |= {"resumed": result.resumed, "carried": [g.prompt.index for g in result.carried]}
+            self.logger.log_record("prompts", record)
         return result.groups, result.metrics
 
     def build_samples(self, groups: list[ScoredGroup]) -> tuple[list[list[list[Rollout]]], dict[str, float]]:

@@ -5,6 +5,7 @@ skipped otherwise. Reference for log-probs: a teacher-forced HF forward of the s
 import dataclasses
 
 import pytest
+import torch
 
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerConfig
@@ -57,6 +58,43 @@ def test_abort_loses_nothing(served):
             engine.abort()
     assert sorted(g[0].request_id for g in seen) == sorted(r.request_id for r in reqs)
     assert all(len(g) == 2 for g in seen)
+
+
+def test_aborted_prefix_is_continued(served):
+    """Partial rollout on a real server: /abort_request returns each running sample's partial output_ids with
+    their log-probs (finish 'abort'); prompt + prefix resubmitted (partial_rollout.continuation_request)
+    generates the remaining budget, and prefix + continuation has the weights' log-probs at every token.
+    Greedy, so every token must be the argmax of the teacher-forced logits (one uninterrupted greedy run)."""
+    from megatron_dapo.partial_rollout import continuation_request, extend, settle
+
+    engine, model = served
+    sp = SamplingParams(max_new_tokens=48, temperature=0.0, stop_token_ids=(1,))
+    short = RolloutRequest(prompt_ids=[9, 9], n=1, request_id="short",
+                           sampling=dataclasses.replace(sp, max_new_tokens=4))
+    longs = [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=2, sampling=sp, request_id=f"p{i}") for i in range(6)]
+    cut = []
+    for group in engine.stream([short, *longs]):
+        if group[0].request_id == "short":
+            engine.abort()
+        else:
+            cut += [settle(s, sp) for s in group]
+    partial = [s for s in cut if s.finish_reason == "abort" and s.response_ids]
+    assert partial, [(s.finish_reason, len(s.response_ids)) for s in cut]
+    assert max_logprob_error(model, partial) < 1e-4  # the prefix's log-probs came back with it
+    prompts = {r.request_id: r.prompt_ids for r in longs}
+    todo = [s for s in cut if s.finish_reason == "abort"]
+    reqs = [continuation_request(prompts[s.request_id], s, sp, None, f"{s.request_id}-c{s.index}") for s in todo]
+    merged = [extend(s, cont, prompts[s.request_id]) for s, (cont,) in zip(todo, engine.generate(reqs))]
+    for s, prefix in zip(merged, todo):
+        assert s.response_ids[:len(prefix.response_ids)] == prefix.response_ids
+        assert s.finish_reason in ("stop", "length") and len(s.response_ids) <= sp.max_new_tokens
+        assert s.finish_reason == "stop" or len(s.response_ids) == sp.max_new_tokens
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            lp = model(ids).logits[0].log_softmax(-1)[len(s.prompt_ids) - 1: -1]
+        chosen = lp.gather(1, torch.tensor(s.response_ids).unsqueeze(1)).squeeze(1)
+        assert (lp.max(-1).values - chosen).max() < 1e-4  # greedy all along
+    assert max_logprob_error(model, merged) < 1e-4
 
 
 def test_server_info_reports_deterministic_inference(served):

@@ -29,11 +29,11 @@ COMPARED = ("rollout/reward", "rollout/accuracy", "rollout/response_len_mean", "
 pytestmark = pytest.mark.slow
 
 
-def train_cmd(base: Path, run: Path, *extra: str) -> list[str]:
+def train_cmd(base: Path, run: Path, *extra: str, steps: int = NUM_STEPS) -> list[str]:
     # A barely trained model gets every answer wrong: no dynamic sampling, and a length-parity reward
     # (tests/rewards.py) so rewards differ inside each group and every step changes the weights.
     return [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(base / "model"),
-            "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(NUM_STEPS),
+            "--prompt-data", str(base / "train.jsonl"), "--num-steps", str(steps),
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD,
             "--max-response-length", "12", "--overlong-buffer-length", "10", "--lr", "1e-3",
             "--global-batch-size", "8", "--lr-warmup-steps", "4",  # a resume at step 2 continues mid-warm-up
@@ -107,3 +107,54 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after resume")
     assert any(not torch.equal(a, c) for a, c in zip(ref_model.parameters(), base.parameters())), "no update"
+
+
+PARTIAL_STEPS = 6
+PARTIAL_FLAGS = ("--partial-rollout", "--use-tis", "--over-sample-factor", "4", "--n-samples-per-prompt", "2",
+                 "--dynamic-sampling", "--save-interval", "1")
+"""Later flags win: G = 2 with dynamic sampling drops about half the groups (both responses of the same
+parity), and 4x over-sampling submits 4 decode batches of the embedded engine (rollout batch x G rows each):
+the batch fills while later groups are still generating, so the cut carries real prefixes (steps 3-5 of this
+seeded run carry 24-66 tokens; step 2 carries only unstarted groups, hence the kill after step 3's save)."""
+
+
+def _kill_after_save(cmd: list[str], run: Path, step: int) -> int:
+    proc = subprocess.Popen(cmd, cwd=REPO, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while latest_step(run / "ckpt") < step and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return latest_step(run / "ckpt")
+
+
+def test_sigkill_resume_is_exact_with_partial_rollout(tiny_base, tmp_path):
+    """--partial-rollout: the groups cut at the checkpointed step are in the checkpoint; the resumed run resumes
+    the same prefixes with the same seeds, so every later step matches the uninterrupted run."""
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    cmd = lambda where, *extra: train_cmd(tiny_base, where, "--no-wandb", *PARTIAL_FLAGS, *extra,
+                                          steps=PARTIAL_STEPS)
+    subprocess.run(cmd(ref), cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=600)
+    ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
+    ref_prompts = read_jsonl(ref / "log" / "prompts.jsonl")
+    resumed_from = _kill_after_save(cmd(run), run, 3)
+    assert 3 <= resumed_from < PARTIAL_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
+    out = subprocess.run(cmd(run, "--load", str(run / "ckpt")), cwd=REPO, env=train_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = read_jsonl(run / "log" / "metrics.jsonl")
+    prompts = read_jsonl(run / "log" / "prompts.jsonl")
+    # the resumed step picks up the groups cut at the checkpointed step, prefixes included
+    first = resumed_from + 1
+    assert prompts[first]["resumed"] == ref_prompts[resumed_from]["carried"] != []
+    assert metrics[first]["rollout/resumed_tokens"] == ref_metrics[resumed_from]["rollout/carried_tokens"] > 0
+    compared = (*COMPARED, "rollout/generated_tokens", "rollout/carried_tokens", "rollout/resumed_tokens",
+                "rollout/max_staleness", "mismatch/tis_weight_mean", "mismatch/logprob_abs_diff_max")
+    for step in range(first, PARTIAL_STEPS + 1):
+        for key in ("requested", "resumed", "carried", "kept"):
+            assert prompts[step][key] == ref_prompts[step][key], (step, key)
+        for key in compared:
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7), (step, key)
+    # the carried prefixes came from the previous weights: TIS sees a real mismatch on them
+    assert any(ref_metrics[s]["rollout/max_staleness"] >= 1 for s in ref_metrics)
+    assert any(ref_metrics[s]["mismatch/logprob_abs_diff_max"] > 1e-4 for s in ref_metrics)

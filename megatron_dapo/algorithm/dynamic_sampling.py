@@ -111,7 +111,9 @@ class BatchFiller(Generic[G]):
     prompts, `offer(group, accs)` for every finished group in the order the prompts were submitted (so
     the kept set does not depend on which groups generate fastest), stop generating once `full`; then
     `batch()`. Groups offered after the batch is full are counted as surplus and not trained on (they
-    came from the same policy, but keeping them for the next step would make that step off-policy).
+    came from the same policy, but keeping them for the next step would make that step off-policy);
+    --partial-rollout keeps them for the next step instead (collect.py, partial_rollout.py), off-policy by
+    one version, which --use-tis corrects.
     """
 
     config: DynamicSamplingConfig

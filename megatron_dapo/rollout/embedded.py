@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
-from megatron_dapo.rollout.sampling import row_seed, sample_tokens
+from megatron_dapo.rollout.sampling import row_seed, sample_tokens, skip_draws
 from megatron_dapo.rollout.types import FinishReason, RolloutRequest, Sample
 from megatron_dapo.rollout.weights_load import load_named_tensors
 
@@ -167,12 +167,14 @@ class EmbeddedEngine(RolloutEngine):
     def _rows(self, req: RolloutRequest) -> list[_Row]:
         base = req.sampling.seed
         rows = []
-        for i in range(req.n):
+        for i in range(req.first_index, req.first_index + req.n):
             if base is not None:
                 seed = row_seed(base, i)
             else:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
             gen = torch.Generator(device=self.device).manual_seed(seed)
+            if not req.sampling.greedy:  # a continuation goes on with the draws after its prefix's
+                skip_draws(gen, self.model.get_output_embeddings().out_features, req.resumed_tokens)
             rows.append(_Row(req, i, gen, self.eos_ids | frozenset(req.sampling.stop_token_ids)))
         return rows
 

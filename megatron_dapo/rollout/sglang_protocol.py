@@ -19,10 +19,14 @@ def sample_rid(request_id: str, index: int) -> str:
 
 
 def generate_payload(req: RolloutRequest, index: int) -> dict[str, Any]:
-    """Body of POST /generate for sample `index` of `req`: token ids in, raw token log-probs out."""
+    """Body of POST /generate for sample `index` (0..n-1) of `req`: token ids in, raw token log-probs out.
+
+    The seed is that of group sample req.first_index + index. SGLang draws its seeded noise from (seed,
+    absolute position), so a partial-rollout continuation (prompt + prefix as input_ids, the same seed) draws
+    what the uninterrupted sample would have; req.resumed_tokens needs no field here."""
     params = req.sampling.to_sglang()
     if req.sampling.seed is not None:
-        params["sampling_seed"] = row_seed(req.sampling.seed, index)
+        params["sampling_seed"] = row_seed(req.sampling.seed, req.first_index + index)
     return {
         "rid": sample_rid(req.request_id, index),
         "input_ids": list(req.prompt_ids),
@@ -74,7 +78,7 @@ def parse_generate_response(body: dict[str, Any]) -> ParsedOutput:
 def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_version: int) -> Sample:
     return Sample(
         request_id=req.request_id,
-        index=index,
+        index=req.first_index + index,
         prompt_ids=list(req.prompt_ids),
         response_ids=out.response_ids,
         logprobs=out.logprobs,
@@ -86,6 +90,6 @@ def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_versi
 def aborted_sample(req: RolloutRequest, index: int, version: int) -> Sample:
     """A sample that was never generated (aborted before it was sent)."""
     return Sample(
-        request_id=req.request_id, index=index, prompt_ids=list(req.prompt_ids), response_ids=[],
+        request_id=req.request_id, index=req.first_index + index, prompt_ids=list(req.prompt_ids), response_ids=[],
         logprobs=[], finish_reason="abort", weight_version=version,
     )

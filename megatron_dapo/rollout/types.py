@@ -82,6 +82,16 @@ class RolloutRequest:
     """Unique among requests in flight: the handle for abort and for matching results to prompts."""
     metadata: dict[str, Any] = field(default_factory=dict)
     """Carried through untouched (ground truth, data index, ...); engines never read it."""
+    first_index: int = 0
+    """Index of the first sample: the samples are first_index .. first_index + n - 1, and sample i draws
+    from the stream seeded by (seed, i). A partial-rollout continuation of sample i of a group is a request
+    with n = 1 and first_index = i, so it keeps the sample's own random stream."""
+    resumed_tokens: int = 0
+    """Partial rollout: the last `resumed_tokens` ids of prompt_ids are this sample's response prefix,
+    generated before an abort. The sample's random stream continues after that many tokens, so with
+    unchanged weights prefix + continuation is what one uninterrupted generation draws (SGLang keys its
+    seeded noise by (seed, absolute position) and needs nothing more; the embedded engine skips the
+    draws). 0 = a fresh request; > 0 needs n == 1."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -97,6 +107,16 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.request_id must be a non-empty str, got {self.request_id!r}")
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"RolloutRequest.sampling must be SamplingParams, got {type(self.sampling)}")
+        if not isinstance(self.first_index, int) or self.first_index < 0:
+            raise ValueError(f"RolloutRequest {self.request_id!r}: first_index must be an int >= 0, got "
+                             f"{self.first_index!r}")
+        if not isinstance(self.resumed_tokens, int) or not 0 <= self.resumed_tokens < len(self.prompt_ids):
+            raise ValueError(f"RolloutRequest {self.request_id!r}: resumed_tokens must be an int in [0, "
+                             f"{len(self.prompt_ids)}) (a response prefix inside prompt_ids), got "
+                             f"{self.resumed_tokens!r}")
+        if self.resumed_tokens and self.n != 1:
+            raise ValueError(f"RolloutRequest {self.request_id!r}: a continuation (resumed_tokens > 0) is one "
+                             f"sample's prefix, so n must be 1, got {self.n}")
 
 
 @dataclass(kw_only=True)
@@ -111,7 +131,7 @@ class Sample:
 
     request_id: str
     index: int
-    """Which of the request's n samples this is (0..n-1)."""
+    """Which sample of the group this is (request.first_index .. first_index + n - 1; 0..n-1 normally)."""
     prompt_ids: list[int]
     response_ids: list[int]
     logprobs: list[float]
@@ -120,6 +140,10 @@ class Sample:
     overlong shaping looks at); 'abort': cut by abort(), response possibly partial or empty."""
     weight_version: int
     """engine.weight_version when this sample's first token was generated."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version that generated it; empty = every token came from
+    `weight_version`. Set when tokens come from several versions (a partial-rollout prefix continued after a
+    weight update); read it through `versions()`."""
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -132,7 +156,16 @@ class Sample:
                 f"Sample {self.request_id!r}[{self.index}]: finish_reason must be one of {FINISH_REASONS}, "
                 f"got {self.finish_reason!r}"
             )
+        if self.token_versions and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"Sample {self.request_id!r}[{self.index}]: {len(self.token_versions)} token_versions for "
+                f"{len(self.response_ids)} response tokens"
+            )
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def versions(self) -> list[int]:
+        """The weight version of each response token (len == len(response_ids))."""
+        return list(self.token_versions) if self.token_versions else [self.weight_version] * len(self.response_ids)

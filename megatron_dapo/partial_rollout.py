@@ -1,0 +1,187 @@
+"""Partial rollout (--partial-rollout): groups cut when a step's batch is full resume at the next step.
+
+Without it, dynamic sampling (collect.py) aborts the requests still in flight once the batch is full and
+throws away what they generated, together with the groups that finished behind the cut. With it, every
+such group is *carried*: its finished samples are kept as they are, each unfinished sample keeps its
+response prefix (token ids, the rollout log-probs, the weight version of every token), and the next step
+submits the carried groups first, before any new prompt, each unfinished sample as a continuation request
+(prompt + prefix as input ids, max_new_tokens minus the prefix length, RolloutRequest.resumed_tokens). The
+final Sample is prefix + continuation with per-token versions (`Sample.token_versions`). Nothing
+generated is dropped: tokens generated = kept + filtered + carried (collect.py's `rollout/*_tokens`).
+
+Sampler and keep rate: a carried group's prompt was drawn at the step that first submitted it and is never
+drawn again; carried groups fill the first round's request (round 1 asks the sampler for
+round_size - carried prompts, none when the carried groups alone reach round_size). Once decided they count
+in the step's keep rate like any group. Overlong shaping and the overlong filter see the full response
+(prefix + continuation), and the continuation stops at the same max_new_tokens as one generation would.
+
+The loss: the actor recomputes the old log-probs of every token (Trainer.train -> compute_log_probs), so
+the PPO ratio is against the policy that trains; the prefix's *rollout* log-probs come from an older
+policy, which is the rollout-vs-actor mismatch that --use-tis / --mis-mode correct (algorithm/mismatch.py).
+`rollout/max_staleness` (current version minus the oldest token version among the kept groups) and
+`rollout/stale_token_frac` say how far off-policy the batch is. A group is carried again when it is still
+cut at the next step (only when the carried groups ahead of it fill the batch), so staleness is usually 1.
+
+Reproducibility: a continuation keeps its sample's random stream (same seed, same sample index;
+RolloutRequest.first_index / resumed_tokens), and the carried groups are in the checkpoint (`state()`), so
+a resumed run regenerates exactly what the uninterrupted one did. With the embedded engine the cut itself is
+deterministic: decisions are in submission order, and the engine stops every unfinished row at the decode
+step during which the batch filled, so which tokens each prefix holds depends only on the seeds and weights.
+On SGLang the abort point is timing-dependent: how many tokens each in-flight sample has when
+/abort_request reaches the scheduler (and which queued samples had started) changes from run to run, so the
+prefixes, and everything after them, are not reproducible across runs; given a checkpoint, a resumed run
+continues the carried prefixes with the same seeds (SGLang keys seeded noise by seed and absolute position, so
+a continuation draws the noise the uninterrupted sample would have), bit-exact only under deterministic
+inference, and its own later cuts are timing-dependent again.
+
+Cost at the production setting (Qwen2.5-32B, B = 512 groups of G = 16, 20,480-token responses,
+--over-sample-factor 1.3, keep rate 0.9; tools/bench_partial_rollout.py, simulated, 12 steps): ~97 groups and
+16.5e6 response tokens carried per step (17% of the tokens generated in a step; 18% of the kept tokens come
+from the previous weights, staleness 1). Without partial rollout the same steps discard 16.0e6 tokens each, so
+generation per step drops from 111e6 to 95e6 tokens (-15%). The carried state is 12 bytes per token (int32
+ids, fp32 log-probs, int32 versions): ~200 MB in the checkpoint's common state, written by rank 0 and
+broadcast to every rank twice per save (ours in train.py, megatron's common-state consistency check), a few
+seconds per save (each rank receives ~200 MB twice over gloo). On rank 0 the carried Samples are Python lists
+(~16.5e6 x 3 values, ~1.5 GB of host RAM; the kept batch itself is 5x that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+
+if TYPE_CHECKING:  # collect imports this module
+    from megatron_dapo.collect import Prompt
+
+STATE_VERSION = 1
+"""Layout version of `state()` (checked by `from_state`)."""
+
+
+@dataclass(kw_only=True)
+class CarriedGroup:
+    """A group cut at the end of a step: G samples by index, finished ones ('stop' / 'length') kept as they are,
+    'abort' ones holding the response prefix to continue from (possibly empty)."""
+
+    prompt: Prompt
+    samples: list[Sample]
+    seed: int | None
+    """Sampling seed of the group's first request (None in an unseeded run): continuations draw from it."""
+    first_step: int
+    """Step that first submitted the group."""
+
+    def __post_init__(self) -> None:
+        if not self.samples or [s.index for s in self.samples] != list(range(len(self.samples))):
+            raise ValueError(f"carried group of prompt {self.prompt.index}: samples must be ordered by index "
+                             f"0..{len(self.samples) - 1}, got {[s.index for s in self.samples]}")
+
+    @property
+    def tokens(self) -> int:
+        """Response tokens already generated (finished samples and prefixes)."""
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def unfinished(self) -> list[int]:
+        return [s.index for s in self.samples if s.finish_reason == "abort"]
+
+
+def settle(sample: Sample, sampling: SamplingParams) -> Sample:
+    """An aborted sample whose prefix already ends the response, relabelled as finished: SGLang applies an
+    abort on the decode pass after which it lands, so that pass's token can be a stop token or the
+    max_new_tokens-th one. Any other sample is returned unchanged."""
+    if sample.finish_reason != "abort" or not sample.response_ids:
+        return sample
+    if sample.response_ids[-1] in sampling.stop_token_ids:
+        return dataclasses.replace(sample, finish_reason="stop")
+    if len(sample.response_ids) >= sampling.max_new_tokens:
+        return dataclasses.replace(sample, finish_reason="length")
+    return sample
+
+
+def continuation_request(prompt_ids: Sequence[int], prefix: Sample, sampling: SamplingParams, seed: int | None,
+                         request_id: str) -> RolloutRequest:
+    """The request that continues sample `prefix.index` of a group from its response prefix: input ids
+    prompt + prefix, the remaining token budget, the sample's own seed and random-stream position."""
+    k = len(prefix.response_ids)
+    if k >= sampling.max_new_tokens:
+        raise ValueError(f"sample {prefix.index} of {request_id!r} already holds {k} tokens of the "
+                         f"{sampling.max_new_tokens} allowed (--max-response-length): nothing to continue")
+    return RolloutRequest(
+        prompt_ids=list(prompt_ids) + list(prefix.response_ids), n=1, request_id=request_id,
+        sampling=dataclasses.replace(sampling, seed=seed, max_new_tokens=sampling.max_new_tokens - k),
+        first_index=prefix.index, resumed_tokens=k,
+    )
+
+
+def extend(prefix: Sample | None, continuation: Sample, prompt_ids: Sequence[int]) -> Sample:
+    """prefix + continuation as one sample of `prompt_ids` (the original prompt), with per-token versions.
+
+    `prefix` None (or empty): the continuation is the whole response, returned with its own fields."""
+    if prefix is None or not prefix.response_ids:
+        return dataclasses.replace(continuation, prompt_ids=list(prompt_ids))
+    if prefix.index != continuation.index:
+        raise ValueError(f"continuation of sample {continuation.index} offered to sample {prefix.index}")
+    return Sample(
+        request_id=prefix.request_id, index=prefix.index, prompt_ids=list(prompt_ids),
+        response_ids=list(prefix.response_ids) + list(continuation.response_ids),
+        logprobs=list(prefix.logprobs) + list(continuation.logprobs),
+        finish_reason=continuation.finish_reason, weight_version=prefix.weight_version,
+        token_versions=prefix.versions() + continuation.versions(),
+    )
+
+
+def staleness_metrics(samples: Sequence[Sample], current_version: int) -> dict[str, float]:
+    """rollout/max_staleness (current_version minus the oldest token version) and rollout/stale_token_frac
+    (share of tokens generated by an older version) over `samples` (the kept groups' responses)."""
+    versions = [v for s in samples for v in s.versions()]
+    if not versions:
+        return {"rollout/max_staleness": 0.0, "rollout/stale_token_frac": 0.0}
+    return {"rollout/max_staleness": float(current_version - min(versions)),
+            "rollout/stale_token_frac": sum(v < current_version for v in versions) / len(versions)}
+
+
+# ---- checkpoint state: plain types and tensors, no pickled classes ---------------------------------------
+
+def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
+    """The carried groups as the checkpoint's `extra["carried"]`: 12 bytes per token (int32 ids, fp32 log-probs,
+    int32 versions); the rollout log-probs are fp32 values (the engines' and the trainer's precision)."""
+    return {"version": STATE_VERSION, "groups": [{
+        "prompt_ids": torch.tensor(g.prompt.prompt_ids, dtype=torch.int32),
+        "ground_truth": g.prompt.ground_truth, "index": g.prompt.index, "seed": g.seed,
+        "first_step": g.first_step,
+        "samples": [{"response_ids": torch.tensor(s.response_ids, dtype=torch.int32),
+                     "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
+                     "versions": torch.tensor(s.versions(), dtype=torch.int32),
+                     "finish_reason": s.finish_reason, "weight_version": s.weight_version,
+                     "request_id": s.request_id} for s in g.samples],
+    } for g in groups]}
+
+
+def from_state(data: dict[str, Any] | None, prompt_type: type) -> list[CarriedGroup]:
+    """Inverse of `state` (None: a checkpoint written without --partial-rollout, nothing carried).
+    `prompt_type` is collect.Prompt."""
+    if data is None:
+        return []
+    if data.get("version") != STATE_VERSION:
+        raise ValueError(f"checkpoint's carried groups have layout version {data.get('version')!r}, this code "
+                         f"reads {STATE_VERSION}")
+    groups = []
+    for g in data["groups"]:
+        prompt_ids = [int(t) for t in g["prompt_ids"].tolist()]
+        prompt = prompt_type(prompt_ids=prompt_ids, ground_truth=g["ground_truth"], index=int(g["index"]))
+        samples = []
+        for i, s in enumerate(g["samples"]):
+            versions = [int(v) for v in s["versions"].tolist()]
+            uniform = all(v == s["weight_version"] for v in versions)
+            samples.append(Sample(request_id=s["request_id"], index=i, prompt_ids=prompt_ids,
+                                  response_ids=[int(t) for t in s["response_ids"].tolist()],
+                                  logprobs=[float(x) for x in s["logprobs"].tolist()],
+                                  finish_reason=s["finish_reason"], weight_version=int(s["weight_version"]),
+                                  token_versions=[] if uniform else versions))
+        groups.append(CarriedGroup(prompt=prompt, samples=samples, seed=g["seed"], first_step=int(g["first_step"])))
+    return groups
