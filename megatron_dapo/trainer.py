@@ -5,7 +5,8 @@ the prompt sampler; it collects each step's batch, computes advantages, loss mas
 and sends each data-parallel rank only its rows as tensors (megatron_dapo/dataplane.py); the other ranks
 wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog. Each DP rank then
 trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
-through `weights.export.iter_hf_weights` (a collective every rank iterates). Every collective here
+through `weights.export.iter_hf_weights` (a collective every rank iterates), or, in distributed mode at
+PP > 1, from each pipeline stage's source rank at once (rollout/stage_sync.py). Every collective here
 goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
 """
 

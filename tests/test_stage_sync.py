@@ -110,6 +110,8 @@ def test_servers_end_with_the_whole_model_export_and_the_hf_weights(pushed):
 def test_each_stage_arrives_over_its_own_group_from_its_source(pushed):
     data, hf, states, ranks = pushed
     layers = hf.config.num_hidden_layers
+    for state in states:  # the stage groups are the only groups anyone made with the servers
+        assert len(state.group_inits) == 2 * len(LAYOUTS)
     for version in range(1, len(LAYOUTS) + 1):
         port = data["ports"][version - 1]
         for state in states:

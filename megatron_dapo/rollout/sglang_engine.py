@@ -6,7 +6,9 @@ on another server; the dead server is restarted (when this engine launched it) a
 takes work again, so no prompt is lost. Weight updates go in flat buckets through one of three paths:
 - "tensor": /update_weights_from_tensor, buckets passed by handle: CUDA IPC on GPU (servers that see the
   trainer's GPU, i.e. colocated), shared memory on CPU (megatron_dapo/rollout/tensor_ipc.py);
-- "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL);
+- "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL); at
+  PP > 1 each pipeline stage's source rank broadcasts its own stage over a group of its own
+  (update_weights_by_stage, megatron_dapo/rollout/stage_sync.py);
 - "disk": safetensors shards + /update_weights_from_disk (fallback; any topology with a shared disk).
 The tensor and distributed paths are wrapped in /begin_weight_update ... /end_weight_update, which
 SGLang 0.5.23 requires.
