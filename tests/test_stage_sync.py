@@ -238,7 +238,7 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
     hf = tiny_hf_model(seed=4, num_hidden_layers=4)
     sync_base, server_base = free_ports(2)
     urls = [f"http://127.0.0.1:{server_base + k}" for k in range(2)]
-    procs = [_fake_process(server_base + k, "--receive-delay", "0.05") for k in range(2)]
+    procs = [_fake_process(server_base + k, "--receive-delay", "0.02") for k in range(2)]
     stop = threading.Event()
 
     def chaos():  # kill server 1 at its first bucket; restart it once rank 0 has closed the update
@@ -258,7 +258,7 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
                 time.sleep(0.1)
         watcher.start()
         data = {"arch": vars(Qwen2Arch.from_hf(hf.config)), "layouts": ["tp1pp2"], "urls": urls, "kill": True,
-                "hf_state_dict": {k: v.clone() for k, v in hf.state_dict().items()}, "bucket_bytes": 16 << 10,
+                "hf_state_dict": {k: v.clone() for k, v in hf.state_dict().items()}, "bucket_bytes": 32 << 10,
                 "ports": [sync_base]}
         torch.save(data, tmp_path / "in.pt")
         run_torchrun(WORKER, tmp_path / "in.pt", tmp_path, nproc=2, timeout=600)
