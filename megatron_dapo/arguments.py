@@ -188,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "distributed otherwise")
     g.add_argument("--weight-sync-bucket-mb", type=int, default=512, help="flattened bucket size")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
-                   help="address of global rank 0 as the servers see it (distributed mode)")
+                   help="address of global rank 0 as the servers see it (distributed mode); at PP > 1 the other "
+                        "stages' source ranks use MEGATRON_DAPO_WEIGHT_SYNC_ADDR set on their node, else this "
+                        "address on rank 0's host, else their hostname's address (rollout/stage_sync.py)")
     g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
     g = p.add_argument_group("DAPO")

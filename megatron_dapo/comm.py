@@ -108,3 +108,17 @@ def gloo_group(ranks: list[int] | None = None, *, timeout: timedelta) -> Process
 
     Collective: every rank of the world must call it with the same arguments, in the same order."""
     return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+
+
+def send_object(obj, dst: int, group: ProcessGroup = None) -> None:
+    """Pickle `obj` and send it to global rank `dst` over `group` (two sends: size, bytes). Small control state."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group)
+    send(payload, dst, group)
+
+
+def recv_object(src: int, group: ProcessGroup = None):
+    """The object `send_object` sent from global rank `src` over `group`."""
+    size = recv(torch.zeros(1, dtype=torch.int64), src, group)
+    payload = recv(torch.empty(int(size), dtype=torch.uint8), src, group)
+    return pickle.loads(payload.numpy().tobytes())

@@ -5,7 +5,8 @@ the prompt sampler; it collects each step's batch, computes advantages, loss mas
 and sends each data-parallel rank only its rows as tensors (megatron_dapo/dataplane.py); the other ranks
 wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog. Each DP rank then
 trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
-through `weights.export.iter_hf_weights` (a collective every rank iterates). Every collective here
+through `weights.export.iter_hf_weights` (a collective every rank iterates), or, in distributed mode at
+PP > 1, from each pipeline stage's source rank at once (rollout/stage_sync.py). Every collective here
 goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
 """
 
@@ -38,6 +39,7 @@ from megatron_dapo.evaluation import evaluate
 from megatron_dapo.metrics_log import MetricsLogger
 from megatron_dapo.partial_rollout import CarriedGroup
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.stage_sync import StageSync
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.weights.export import iter_hf_weights
 
@@ -102,6 +104,7 @@ class Trainer:
     checkpoint: train.py's save)."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
+    _stage_sync: StageSync | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -110,6 +113,8 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes the groups
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
                                     timeout=timedelta(hours=self.config.rollout_timeout_h))
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage sends its own weights
+                self._stage_sync = StageSync(self.wait_group)
 
     @property
     def wait_group(self):
@@ -233,8 +238,14 @@ class Trainer:
         return metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the updated policy to the engine as full HF tensors (collective over all ranks)."""
+        """Push the updated policy to the engine as full HF tensors (collective over all ranks). Distributed mode
+        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py)."""
         t0 = time.perf_counter()
+        if self._stage_sync is not None:
+            staged = self._stage_sync.sync(self.actor.chunks, self.actor.arch, self.engine, version)
+            if staged is not None:
+                metrics = staged | (self.engine.take_metrics() if self.engine is not None else {})
+                return metrics | {"time/sync_s": time.perf_counter() - t0}
         named = iter_hf_weights(self.actor.chunks, self.actor.arch)
         metrics: dict[str, float] = {}
         if self.engine is not None:

@@ -6,7 +6,9 @@ on another server; the dead server is restarted (when this engine launched it) a
 takes work again, so no prompt is lost. Weight updates go in flat buckets through one of three paths:
 - "tensor": /update_weights_from_tensor, buckets passed by handle: CUDA IPC on GPU (servers that see the
   trainer's GPU, i.e. colocated), shared memory on CPU (megatron_dapo/rollout/tensor_ipc.py);
-- "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL);
+- "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL); at
+  PP > 1 each pipeline stage's source rank broadcasts its own stage over a group of its own
+  (update_weights_by_stage, megatron_dapo/rollout/stage_sync.py);
 - "disk": safetensors shards + /update_weights_from_disk (fallback; any topology with a shared disk).
 The tensor and distributed paths are wrapped in /begin_weight_update ... /end_weight_update, which
 SGLang 0.5.23 requires.
@@ -48,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,6 +168,8 @@ class SGLangEngine(RolloutEngine):
         self._sync_members: list[int] = []
         self._sync_name = ""
         self._sync_dirty = False
+        self._losses = 0  # servers lost so far: a loss since the last per-stage update rebuilds the stage groups
+        self._stage_groups: tuple[list[int], int, int] | None = None  # (members, losses seen, tag) of those groups
         self._stale: set[int] = set()  # dead, restarting or re-syncing servers: they take no requests
         self._recovering: dict[int, asyncio.Future] = {}
         self._fatal: BaseException | None = None
@@ -410,6 +414,7 @@ class SGLangEngine(RolloutEngine):
         if task is None or task.done():
             if server in self._sync_members:  # the broadcast group lost a member: rebuild it before using it
                 self._sync_dirty = True
+            self._losses += 1
             self._stale.add(server)
             self._count("rollout/servers_lost")
             self._recovering[server] = asyncio.ensure_future(self._recover(server))
@@ -517,6 +522,56 @@ class SGLangEngine(RolloutEngine):
                 lost = push(targets, kept, version)
                 for _ in kept:  # every server was lost mid-way: still take (and keep) the whole version
                     pass
+            self._version = version
+            self._sync_report(version, time.perf_counter() - start, len(targets) - len(lost))
+        if lost:
+            self._call(self._start_recoveries(lost), self.client.control_timeout_s)
+        self._raise_fatal()
+
+    def update_weights_by_stage(self, version: int, push_stages: Callable[..., Any], *, stages: int) -> None:
+        """Distributed mode at PP > 1: every pipeline stage's source rank sends its own stage over a group of its
+        own (megatron_dapo/rollout/stage_sync.py); this engine (global rank 0) decides the targets (the serving
+        servers), opens and closes their update session around `push_stages`, keeps the whole version it gets
+        back as the host copy, and, as update_weights does, re-pushes that copy to the survivors after a broken
+        push and recovers the lost servers from it.
+
+        `push_stages(urls, tps, tag, first_port)` runs the stages' pushes to the servers `urls` (TP sizes `tps`)
+        and returns a stage_sync.StagesOutcome; `tag` changes whenever the stage groups must be rebuilt (new
+        targets, a server lost since, a broken push), stage s's group then using port first_port + s."""
+        self._check_open()
+        if self.client.update_mode != "distributed":
+            raise RuntimeError(f"update_weights_by_stage needs --weight-sync-mode distributed, not "
+                               f"{self.client.update_mode!r}")
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"update_weights_by_stage: version must be an int >= 0, got {version!r}")
+        with self._weights_lock:
+            start, lost = time.perf_counter(), set()
+            targets = self._serving()
+            live = self._send(targets, "/begin_weight_update", {}, lost) if targets else []
+            members, seen, tag = self._stage_groups or ([], -1, 0)
+            if members != live or seen != self._losses:
+                tag = next(_SYNC_GROUP_IDS)
+                self._sync_generation += stages  # stage s's group gets port base + generation + s
+            first_port = self.client.sync_master_port + self._sync_generation - stages
+            try:
+                outcome = push_stages([self.urls[i] for i in live], [self.tps[i] for i in live], tag, first_port)
+            except BaseException:
+                self._stage_groups = None
+                with contextlib.suppress(Exception):
+                    self._send(live, "/end_weight_update", {}, set())
+                raise
+            lost |= {live[k] for k in outcome.lost}
+            self._stage_groups = None if outcome.broken else (live, self._losses, tag)
+            live = self._send([i for i in live if i not in lost], "/end_weight_update", {}, lost)
+            self._kept, self._sync_bytes = outcome.kept, outcome.nbytes
+            if outcome.broken:  # survivors may hold a partial version: the whole kept copy over rank 0's group
+                lost |= {i for i in live if not self._answers(i)}
+                survivors = [i for i in live if i not in lost]
+                if survivors:
+                    copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in self._kept)
+                    lost |= self._push_distributed(survivors, copies, version)
+            else:
+                self._flush(live)
             self._version = version
             self._sync_report(version, time.perf_counter() - start, len(targets) - len(lost))
         if lost:

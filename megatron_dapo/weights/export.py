@@ -6,6 +6,12 @@ merges them with the mapping table; then, when PP > 1, the tensor is broadcast o
 its stage. So every rank (each TP and PP rank of every DP replica) yields the same full HF model,
 stage 0's tensors first. A consumer that sends from one rank only (e.g. global rank 0 to SGLang) just
 drops the other ranks' tensors. Peak extra memory is one full parameter (plus its TP shards).
+
+`iter_stage_hf_weights` is the per-stage half used by distributed weight sync at PP > 1
+(megatron_dapo/rollout/stage_sync.py): only this stage's tensors, TP-gathered over the stage's TP group, no
+PP broadcast. Only the ranks of data-parallel replica 0 iterate it (one TP group per stage); the stage's
+(DP 0, TP 0) rank sends what it yields. At 32B (65 GB bf16, TP8 x PP2) each stage source yields ~32.5 GB,
+where `iter_hf_weights` moves 65 GB to every one of the 128 ranks (32.5 GB of it over PP).
 """
 
 from __future__ import annotations
@@ -111,3 +117,26 @@ def iter_hf_weights(
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 dist.broadcast(tensor, src=src, group=group)
                 yield name, tensor
+
+
+def iter_stage_hf_weights(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: Qwen2Arch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) of this pipeline stage's parameters only (TP-gathered; no PP traffic).
+
+    A collective over the tensor-parallel group: every TP rank of the stage must iterate it to the end, in
+    step. Same names, order and values as the stage's part of `iter_hf_weights`; the stages together yield
+    the whole model (a tied embedding once, from stage 0)."""
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    yield from _stage_tensors(_local_params(chunks, arch), arch)
+
+
+def is_stage_source() -> bool:
+    """Whether this rank sends its stage in per-stage weight sync: data-parallel (with CP) rank 0, TP rank 0."""
+    return (parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def gathers_stage() -> bool:
+    """Whether this rank takes part in its stage's TP gather for per-stage weight sync (DP/CP replica 0)."""
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0

@@ -5,7 +5,9 @@ response token k of a prompt is fake_token(prompt, seed, k), its log-prob fake_l
 updates are stored and reported at /stats. /server_info reports tp_size and dp_size (serve(tp_size=...)); the
 distributed path is real: /init_weights_update_group makes one gloo member per fake TP rank join the trainer's
 group as rank_offset + tp_rank (as SGLang, recorded in /stats "group_inits"), and /update_weights_from_distributed
-receives the flattened bucket on every one of them. Bound to 127.0.0.1 and self-stopping after --lifetime seconds.
+receives the flattened bucket on every one of them (one collective request at a time per server, as SGLang's
+scheduler; /stats "received" says which group brought which tensors). Bound to 127.0.0.1 and self-stopping after
+--lifetime seconds.
 Run as a script (it accepts --api-key and ignores sglang.launch_server's other flags) or in a thread via
 serve(); kill() makes a threaded one die like a real server (in-flight requests get their connection dropped,
 new ones are refused) and serve(port=...) brings one back on the same port with fresh state.
@@ -54,6 +56,10 @@ class FakeState:
         self.version = "default"
         self.calls: dict[str, int] = {}
         self.rids: list[str] = []
+        self.received: list[tuple[str, list[str], str]] = []  # (group, tensor names, version) of each bucket
+        # SGLang's scheduler runs one request at a time: a group init or a receive blocks the server's others
+        self.collective = threading.Lock()
+        self.receive_delay_s = 0.0  # a slow receive (a bucket taking time to load), --receive-delay
 
 
 def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
@@ -127,7 +133,8 @@ def _init_group(state: FakeState, body: dict) -> tuple[int, dict]:
         prefix = dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store))
         return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", prefix), rank, world, timeout=timeout)
 
-    groups = _on_ranks(state, join)
+    with state.collective:
+        groups = _on_ranks(state, join)
     errors = [g for g in groups if g is None or isinstance(g, Exception)]  # None: still waiting at the timeout
     if errors:
         return 200, {"success": False, "message": f"group {name} did not form: {errors[0]!r}"}
@@ -152,7 +159,9 @@ def _receive(state: FakeState, body: dict) -> tuple[int, dict]:
         groups[tp_rank].broadcast([flat.view(torch.uint8)], dist.BroadcastOptions()).wait()
         return flat
 
-    flats = _on_ranks(state, recv)
+    with state.collective:
+        flats = _on_ranks(state, recv)
+        time.sleep(state.receive_delay_s)
     bad = [f for f in flats if f is None or isinstance(f, Exception)]
     if bad:
         return 200, {"success": False, "message": f"broadcast not received: {bad[0]!r}"}
@@ -160,6 +169,8 @@ def _receive(state: FakeState, body: dict) -> tuple[int, dict]:
     _load_tensors(state, [(n, flats[0][o:o + c].view(s))
                           for n, o, c, s in zip(body["names"], offsets, numels, body["shapes"])])
     state.version = body.get("weight_version") or state.version
+    with state.lock:
+        state.received.append((body["group_name"], list(body["names"]), state.version))
     return 200, {"success": True, "message": "ok"}
 
 
@@ -224,7 +235,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
             return 200, {"calls": dict(state.calls), "rids": list(state.rids), "version": state.version,
                          "weights": state.weights, "aborted": sorted(state.aborted),
                          "authorizations": list(state.authorizations), "group_inits": list(state.group_inits),
-                         "tensor_payloads": list(state.tensor_payloads)}
+                         "tensor_payloads": list(state.tensor_payloads),
+                    "received": list(state.received)}
     return 404, {"error": f"no route {path}"}
 
 
@@ -297,10 +309,13 @@ def main() -> None:
     parser.add_argument("--lifetime", type=float, default=float(os.environ.get("FAKE_SGLANG_LIFETIME", 120)))
     parser.add_argument("--startup-delay", type=float, default=0.2)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--receive-delay", type=float, default=0.0)
     args, _ = parser.parse_known_args()
     time.sleep(args.startup_delay)  # a real server is not healthy at once either
     threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
-    make_server(args.port, FakeState(api_key=args.api_key)).serve_forever()
+    state = FakeState(api_key=args.api_key)
+    state.receive_delay_s = args.receive_delay
+    make_server(args.port, state).serve_forever()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,485 @@
+"""Distributed weight sync from every pipeline stage at once (--weight-sync-mode distributed, PP > 1).
+
+The (DP 0, TP 0) rank of each pipeline stage is that stage's *source*. It TP-gathers only its own stage's
+tensors (weights/export.py `iter_stage_hf_weights`, with the stage's other TP ranks of DP replica 0; no PP
+broadcast), packs them in buckets and broadcasts each bucket to the servers over a weight-sync group of its
+own: rank 0 = that source (host of the group's TCP store), then every target server's TP ranks
+(server_setup.sync_group_layout), named `megatron_dapo_stage_sync_<tag>_pp<stage>`, master port
+first_port + stage. Ranks of DP replicas > 0 do nothing; nobody holds the whole model on the device.
+
+Global rank 0 (stage 0's source and the engine owner) still decides the targets (serving servers), opens and
+closes their update session (/begin_weight_update, /end_weight_update), flushes and sets the version
+(SGLangEngine.update_weights_by_stage). The sources learn the plan (targets, TP sizes, group tag and ports) from
+rank 0 over the trainer's gloo wait group, and each posts its own HTTP calls with a small client (StageClient).
+
+One bucket at a time on the servers (TicketLock). An SGLang 0.5.23 server runs one request at a time on its
+scheduler, and /init_weights_update_group and /update_weights_from_distributed block in a collective of one
+group until the group's source and every member join (model_runner weight_updater: init_custom_process_group,
+then torch.distributed.broadcast of the flat bucket). Two servers that took two stages' requests in opposite
+orders would each wait in a collective the other one has not entered (NCCL's ring or tree broadcast, and
+gloo's, need every member): a deadlock. So every request that enters a server collective (group init,
+bucket broadcast, group teardown) is posted and broadcast under a FIFO ticket lock on the torch.distributed
+store, and its replies are awaited before the lock is released (slime serialises its per-stage broadcasts
+the same way). What runs in parallel across stages is everything else: TP gather, HF conversion, bucket
+packing and the device-to-host copy of the host copy, while another stage's bucket is on the wire.
+
+The host copy for re-syncing a lost server stays whole on rank 0: after its push each source s > 0 sends its
+stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.comm), so
+SGLangEngine's recovery (re-sync of one server, re-push to the survivors after a broken push) is unchanged.
+
+Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets):
+- before: all 128 ranks received 32.5 GB each over PP (the other stage; 4.2 TB of PP traffic per sync), every
+  TP rank gathered 65 GB, and rank 0 alone pushed 65 GB to the servers;
+- now: the 2 stage sources each push 32.5 GB (~65 buckets) over their own group of 1 + 64 ranks; the only PP
+  traffic is stage 1's host copy to rank 0, 32.5 GB once (~1.5-3 s at 10-25 GB/s, after the push); only the
+  16 ranks of DP replica 0 gather (32.5 GB each); the other 112 ranks move nothing.
+- host memory: rank 0 keeps 65 GB (the whole version, as before); stage 1's source holds its 32.5 GB host copy
+  until it has sent it to rank 0.
+- waits: a source waits for the lock at most (PP - 1) bucket pushes (~0.2-0.5 s each at 10-25 GB/s); the
+  stage's TP peers wait in the TP all-gather for their source meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import comm
+from megatron_dapo.rollout.buckets import Bucket, TensorMeta, iter_buckets
+from megatron_dapo.rollout.server_setup import sync_group_layout
+
+SYNC_ADDR_ENV = "MEGATRON_DAPO_WEIGHT_SYNC_ADDR"
+"""Set on the node of a stage source s > 0: the address the servers reach that node at (its group's master
+address). Unset: rank 0's --weight-sync-master-addr on rank 0's own host, else the address of the hostname."""
+
+
+class ServerLost(RuntimeError):
+    """A server stopped answering (connection refused / reset, or a 5xx) during a stage's push."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncPlan:
+    """What rank 0 tells every rank before a per-stage push (pickled over the gloo wait group, ~1 KB)."""
+
+    version: int
+    urls: tuple[str, ...]
+    """The target servers, in order; outcomes name them by index."""
+    tps: tuple[int, ...]
+    """Each target's TP size (its ranks in every stage's group)."""
+    tag: int
+    """Group generation: a new tag makes every source build a new group."""
+    first_port: int
+    """Stage s's group master port is first_port + s."""
+    master_address: str
+    """Rank 0's --weight-sync-master-addr (stage 0's master address)."""
+    rank0_host: str
+    backend: str
+    bucket_bytes: int
+    api_key: str | None
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if len(self.urls) != len(self.tps):
+            raise ValueError(f"SyncPlan: {len(self.urls)} urls but {len(self.tps)} TP sizes")
+        if self.bucket_bytes < 1 or self.timeout_s <= 0:
+            raise ValueError("SyncPlan: bucket_bytes (--weight-sync-bucket-mb) and timeout_s must be > 0")
+
+    def group_name(self, stage: int) -> str:
+        return f"megatron_dapo_stage_sync_{self.tag}_pp{stage}"
+
+    def port(self, stage: int) -> int:
+        return self.first_port + stage
+
+
+@dataclass
+class StageOutcome:
+    """One source's push: servers lost (indices into SyncPlan.urls), whether its group broke, its host copy."""
+
+    stage: int
+    lost: set[int] = field(default_factory=set)
+    broken: bool = False
+    kept: list[Bucket] = field(default_factory=list)
+    nbytes: int = 0
+    """Bytes this source broadcast to the servers (each bucket once over its group)."""
+    seconds: float = 0.0
+    error: str | None = None
+    """An unexpected failure (a refusal by a server, a bad address): rank 0 raises it after the push."""
+
+
+@dataclass
+class StagesOutcome:
+    """All stages' pushes merged on rank 0, for SGLangEngine.update_weights_by_stage."""
+
+    lost: set[int]
+    broken: bool
+    kept: list[Bucket]
+    """The whole version (stage 0's buckets first), the engine's host copy."""
+    nbytes: int
+    stage_seconds: list[float]
+
+
+def merge_outcomes(outcomes: list[StageOutcome]) -> StagesOutcome:
+    """Stage order; raises RuntimeError naming the stage when a source failed unexpectedly."""
+    for o in outcomes:
+        if o.error is not None:
+            raise RuntimeError(f"weight sync: the source of pipeline stage {o.stage} failed: {o.error}")
+    return StagesOutcome(lost=set().union(*(o.lost for o in outcomes)), broken=any(o.broken for o in outcomes),
+                         kept=[b for o in outcomes for b in o.kept], nbytes=sum(o.nbytes for o in outcomes),
+                         stage_seconds=[o.seconds for o in outcomes])
+
+
+def stage_master_address(stage: int, plan: SyncPlan, *, env: dict[str, str] | None = None,
+                         hostname: Callable[[], str] = socket.gethostname,
+                         resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+    """The master address of stage `stage`'s group: the address of that stage's source as the servers see it.
+
+    Stage 0 (global rank 0): --weight-sync-master-addr. Stage s > 0: MEGATRON_DAPO_WEIGHT_SYNC_ADDR if set on
+    that rank; else, on rank 0's host, --weight-sync-master-addr too; else the address the hostname resolves to,
+    which must not be a loopback address (the servers could not reach it)."""
+    env = os.environ if env is None else env
+    if stage == 0:
+        return plan.master_address
+    given = env.get(SYNC_ADDR_ENV, "").strip()
+    host = hostname()
+    if given:
+        try:
+            resolve(given)
+        except OSError as e:
+            raise ValueError(f"{SYNC_ADDR_ENV}={given!r} on {host} (source of pipeline stage {stage}) does not "
+                             f"resolve: {e}") from e
+        return given
+    if host == plan.rank0_host:
+        return plan.master_address
+    try:
+        addr = resolve(host)
+    except OSError as e:
+        raise ValueError(f"the source of pipeline stage {stage} runs on {host}, which does not resolve ({e}): "
+                         f"set {SYNC_ADDR_ENV} on that node to the address the SGLang servers reach it at") from e
+    if ipaddress.ip_address(addr).is_loopback:
+        raise ValueError(f"the source of pipeline stage {stage} runs on {host}, which resolves to the loopback "
+                         f"address {addr}: the SGLang servers cannot join its weight-sync group there; set "
+                         f"{SYNC_ADDR_ENV} on that node to the address they reach it at")
+    return addr
+
+
+class TicketLock:
+    """A FIFO lock of the stage sources on a torch.distributed store: one server collective at a time.
+
+    acquire: ticket = add(counter, 1) - 1, then wait for the key `turn<ticket>` that the holder of the previous
+    ticket sets on release. One store round trip each way (~0.1 ms) per bucket."""
+
+    def __init__(self, store: dist.Store, prefix: str = "megatron_dapo/stage_sync_lock", timeout_s: float = 600.0):
+        self.store, self.prefix, self.timeout = store, prefix, timedelta(seconds=timeout_s)
+        self.waited_s = 0.0
+        """Seconds spent waiting for the lock since this object was made."""
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        ticket = self.store.add(f"{self.prefix}/ticket", 1) - 1
+        if ticket > 0:
+            t0 = time.perf_counter()
+            key = f"{self.prefix}/turn{ticket}"
+            self.store.wait([key], self.timeout)
+            self.store.delete_key(key)
+            self.waited_s += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.store.set(f"{self.prefix}/turn{ticket + 1}", "1")
+
+
+class StageClient:
+    """The HTTP calls of one stage source: its posts to the target servers (API key, timeouts, errors as in
+    SGLangEngine._post), concurrent over the servers on a small thread pool."""
+
+    def __init__(self, urls: Iterable[str], *, api_key: str | None, timeout_s: float):
+        self.urls = list(urls)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=timeout_s)
+        self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="stage-sync-http")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def post(self, server: int, path: str, body: dict) -> Any:
+        url = self.urls[server]
+        try:
+            resp = self._http.post(f"{url}{path}", json=body)
+        except httpx.TransportError as e:
+            raise ServerLost(f"{url}{path}: {type(e).__name__}: {e}") from e
+        if resp.status_code >= 500:
+            raise ServerLost(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code in (401, 403):
+            raise RuntimeError(f"SGLang {url}{path} refused the call ({resp.status_code}): the server needs the "
+                               f"API key it was started with (--sglang-api-key / SGLANG_API_KEY)")
+        if resp.status_code != 200:
+            raise RuntimeError(f"SGLang {url}{path} answered {resp.status_code}: {resp.text[:500]}")
+        reply = resp.json() if resp.content else None
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise RuntimeError(f"SGLang {url}{path} failed: {reply.get('message')}")
+        return reply
+
+    def submit(self, servers: Iterable[int], path: str, body: Callable[[int], dict] | dict) -> dict[int, Future]:
+        """Posts to each server on the pool (bodies per server when `body` is a function); their futures."""
+        return {i: self._pool.submit(self.post, i, path, body(i) if callable(body) else body) for i in servers}
+
+    def alive(self, server: int) -> bool:
+        try:
+            return self._http.get(f"{self.urls[server]}/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def _settle(futures: dict[int, Future], out: StageOutcome, timeout_s: float) -> None:
+    """Waits for every reply; a lost server goes to `out.lost` and breaks the push. A refusal or a reply that
+    never came is raised, unless the group broke meanwhile: a survivor's receive then fails or hangs with it
+    (it is then counted lost, and recovered), and rank 0 re-pushes the whole version to the survivors."""
+    failures: list[tuple[int, BaseException]] = []
+    for i, f in futures.items():
+        try:
+            f.result(timeout_s)
+        except ServerLost:
+            out.lost.add(i)
+        except (RuntimeError, TimeoutError) as e:
+            failures.append((i, e))
+    out.broken = out.broken or bool(out.lost)
+    for i, e in failures:
+        if not out.broken:
+            raise e
+        if isinstance(e, TimeoutError):
+            out.lost.add(i)
+
+
+class StageSender:
+    """One stage source's weight-sync group with the servers, kept across updates while the plan's tag stays."""
+
+    def __init__(self, stage: int):
+        self.stage = stage
+        self.group: dist.ProcessGroup | None = None
+        self.name: str | None = None
+        self.members: list[str] = []
+
+    def push(self, plan: SyncPlan, named: Iterable[tuple[str, torch.Tensor]], lock: TicketLock) -> StageOutcome:
+        """Buckets this stage's tensors, broadcasts each to the plan's servers, keeps a host copy of each.
+
+        Consumes `named` to the end whatever happens (the stage's TP peers iterate the same collective). Once a
+        stage's push breaks (a server lost), it says so on the store and the other stages stop sending too: their
+        broadcasts would wait on the dead member, and rank 0 re-pushes the whole version to the survivors."""
+        t0 = time.perf_counter()
+        out = StageOutcome(stage=self.stage)
+        client = StageClient(plan.urls, api_key=plan.api_key, timeout_s=plan.timeout_s)
+        broken_key = f"megatron_dapo/stage_sync_broken/{plan.tag}/{plan.version}"
+        try:
+            for bucket in iter_buckets(named, plan.bucket_bytes):
+                out.kept.append(Bucket(flat=bucket.flat.detach().to("cpu", copy=True), metas=bucket.metas))
+                if out.broken or out.error is not None or not plan.urls:
+                    continue  # keep draining (and keeping) the version
+                try:
+                    with lock.held():
+                        if lock.store.check([broken_key]):  # another stage's push broke: rank 0 re-pushes it all
+                            out.broken = True
+                            continue
+                        self._ensure_group(plan, client, out)
+                        if not out.broken:
+                            self._send_bucket(plan, client, bucket, out)
+                        if out.broken:
+                            lock.store.set(broken_key, "1")
+                except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+                    out.error = f"{type(e).__name__}: {e}"
+            if out.broken:
+                out.lost |= {i for i in range(len(plan.urls)) if not client.alive(i)}
+                with lock.held():
+                    self.drop(client, [i for i in range(len(plan.urls)) if i not in out.lost])
+        finally:
+            client.close()
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _ensure_group(self, plan: SyncPlan, client: StageClient, out: StageOutcome) -> None:
+        name = plan.group_name(self.stage)
+        if self.name == name:
+            return
+        from megatron_dapo.rollout.sync_group import init_weight_sync_group
+
+        self.drop(client, [i for i, u in enumerate(plan.urls) if u in self.members])
+        world, offsets = sync_group_layout(plan.tps)
+        address, port = stage_master_address(self.stage, plan), plan.port(self.stage)
+        futures = client.submit(range(len(plan.urls)), "/init_weights_update_group", lambda k: {
+            "master_address": address, "master_port": port, "rank_offset": offsets[k], "world_size": world,
+            "group_name": name, "backend": plan.backend})
+        try:
+            group = init_weight_sync_group(master_address=address, master_port=port, world_size=world,
+                                           group_name=name, backend=plan.backend, timeout_s=plan.timeout_s)
+        except RuntimeError:  # a server never joined (the rendezvous timed out)
+            out.broken = True
+            _settle(futures, out, plan.timeout_s)
+            return
+        self.group, self.name, self.members = group, name, list(plan.urls)
+        _settle(futures, out, plan.timeout_s)
+
+    def _send_bucket(self, plan: SyncPlan, client: StageClient, bucket: Bucket, out: StageOutcome) -> None:
+        from megatron_dapo.rollout.sync_group import broadcast_tensors
+
+        body = {"names": [m.name for m in bucket.metas],
+                "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
+                "shapes": [list(m.shape) for m in bucket.metas], "group_name": self.name,
+                "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(plan.version)}
+        # The servers block in their receive until the source broadcasts: post first, then send.
+        futures = client.submit(range(len(plan.urls)), "/update_weights_from_distributed", body)
+        flat = bucket.flat.contiguous()
+        if plan.backend == "nccl":
+            flat = flat.cuda()
+        try:
+            broadcast_tensors(self.group, [flat.view(torch.uint8)])
+            out.nbytes += flat.numel() * flat.element_size()
+        except RuntimeError:  # a member died mid-broadcast
+            out.broken = True
+        _settle(futures, out, plan.timeout_s)
+
+    def drop(self, client: StageClient, alive: list[int], timeout_s: float = 60.0) -> None:
+        """Forgets this source's group here and on the given servers (a restarted server answers 400: ignored)."""
+        if self.group is None:
+            return
+        group, name, self.group, self.name, self.members = self.group, self.name, None, None, []
+        with contextlib.suppress(Exception):  # a group with a dead member may not tear down cleanly
+            dist.destroy_process_group(group)
+        for f in client.submit(alive, "/destroy_weights_update_group", {"group_name": name}).values():
+            with contextlib.suppress(Exception):
+                f.result(timeout_s)
+
+
+def stage_capable(engine: Any) -> bool:
+    """Whether rank 0's engine takes per-stage pushes: SGLang servers in --weight-sync-mode distributed."""
+    client = getattr(engine, "client", None)
+    return hasattr(engine, "update_weights_by_stage") and getattr(client, "update_mode", None) == "distributed"
+
+
+@dataclass
+class RankStats:
+    """What this rank moved in its last per-stage sync (for tools/bench_weight_sync.py and the tests)."""
+
+    to_servers: int = 0
+    pp_sent: int = 0
+    pp_received: int = 0
+    seconds: float = 0.0
+
+
+class StageSync:
+    """Per-stage weight sync of one trainer process; made on every rank (collectively) when PP > 1.
+
+    `sync` is called by every rank at the same point; rank 0 first says which path this update takes."""
+
+    def __init__(self, wait_group: dist.ProcessGroup, *, lock_timeout_s: float = 3600.0):
+        from megatron.core import parallel_state
+
+        from megatron_dapo.weights.export import gathers_stage, is_stage_source
+
+        self.rank = dist.get_rank()
+        self.wait_group = wait_group
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.source, self.gathers = is_stage_source(), gathers_stage()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
+        if self.rank == 0 and not (self.source and self.stage == 0):
+            raise RuntimeError("per-stage weight sync expects global rank 0 at DP 0, TP 0, PP stage 0")
+        if self.source and self.pp_ranks[0] != 0:
+            raise RuntimeError(f"stage source {self.rank}: its pipeline group {self.pp_ranks} does not start at "
+                               f"global rank 0, which collects the host copy")
+        self.sender = StageSender(self.stage) if self.source else None
+        self.lock = TicketLock(dist.distributed_c10d._get_default_store(), timeout_s=lock_timeout_s)
+        self.stats = RankStats()
+
+    def sync(self, chunks, arch, engine, version: int) -> dict[str, float] | None:
+        """Runs one per-stage update on every rank; None when rank 0 chose the whole-model path (another mode,
+        or the embedded engine): the caller then iterates iter_hf_weights as before. Rank 0 returns the
+        per-stage seconds (sync/stage<s>_s); the others {}."""
+        from megatron_dapo.weights.export import iter_stage_hf_weights
+
+        self.stats = RankStats()
+        t0 = time.perf_counter()
+        if self.rank != 0:
+            kind, payload = comm.broadcast_object(None, 0, self.wait_group)
+            if kind == "full":
+                return None
+            if kind == "abort":
+                raise RuntimeError(f"global rank 0 failed before the weight sync: {payload}")
+            if self.source:
+                outcome = self.sender.push(payload, iter_stage_hf_weights(chunks, arch), self.lock)
+                self.stats.to_servers = outcome.nbytes
+                self._send_outcome(outcome)
+            elif self.gathers:
+                for _ in iter_stage_hf_weights(chunks, arch):  # the source's TP peers: in step with its gather
+                    pass
+            self.stats.seconds = time.perf_counter() - t0
+            return {}
+        if not stage_capable(engine):
+            comm.broadcast_object(("full", None), 0, self.wait_group)
+            return None
+        announced = False
+        seconds: list[float] = []
+
+        def push_stages(urls: list[str], tps: list[int], tag: int, first_port: int) -> StagesOutcome:
+            nonlocal announced
+            c = engine.client
+            plan = SyncPlan(version=version, urls=tuple(urls), tps=tuple(tps), tag=tag, first_port=first_port,
+                            master_address=c.sync_master_address, rank0_host=socket.gethostname(),
+                            backend=c.sync_backend, bucket_bytes=c.bucket_bytes, api_key=c.api_key or _engine_key(
+                                engine), timeout_s=c.control_timeout_s)
+            comm.broadcast_object(("stage", plan), 0, self.wait_group)
+            announced = True
+            mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock)
+            self.stats.to_servers = mine.nbytes
+            merged = merge_outcomes([mine] + [self._recv_outcome(s) for s in range(1, self.pp)])
+            seconds[:] = merged.stage_seconds
+            return merged
+
+        try:
+            engine.update_weights_by_stage(version, push_stages, stages=self.pp)
+        except BaseException as e:
+            if not announced:
+                comm.broadcast_object(("abort", f"{type(e).__name__}: {e}"), 0, self.wait_group)
+            raise
+        self.stats.seconds = time.perf_counter() - t0
+        return {f"sync/stage{s}_s": v for s, v in enumerate(seconds)}
+
+    def _send_outcome(self, outcome: StageOutcome) -> None:
+        """Source s > 0 -> rank 0 over the pipeline group: the outcome, then its host copy bucket by bucket."""
+        kept, outcome.kept = outcome.kept, []
+        comm.send_object((outcome, [b.metas for b in kept]), 0, self.pp_group)
+        for b in kept:
+            comm.send(b.flat, 0, self.pp_group)
+            self.stats.pp_sent += b.nbytes
+
+    def _recv_outcome(self, stage: int) -> StageOutcome:
+        src = self.pp_ranks[stage]
+        outcome, metas = comm.recv_object(src, self.pp_group)
+        for bucket_metas in metas:
+            flat = torch.empty(sum(m.numel for m in bucket_metas), dtype=_bucket_dtype(bucket_metas))
+            comm.recv(flat, src, self.pp_group)
+            outcome.kept.append(Bucket(flat=flat, metas=bucket_metas))
+            self.stats.pp_received += flat.numel() * flat.element_size()
+        return outcome
+
+
+def _bucket_dtype(metas: list[TensorMeta]) -> torch.dtype:
+    return metas[0].dtype
+
+
+def _engine_key(engine: Any) -> str | None:
+    """The API key a launched engine's servers were started with (ServerConfig.api_key), else None."""
+    group = getattr(engine, "group", None)
+    return getattr(getattr(group, "config", None), "api_key", None)
