@@ -144,6 +144,24 @@ def _die_with_parent(prctl, parent_pid: int) -> None:
         os._exit(114)
 
 
+TORCHRUN_ENV_PREFIXES = ("TORCHELASTIC_",)
+TORCHRUN_ENV = frozenset({
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING",
+})
+"""What torchrun puts in its workers' environment. A server launched from a torchrun rank must not inherit it:
+SGLang's own torch.distributed init then joins the trainer's store (TORCHELASTIC_USE_AGENT_STORE, MASTER_PORT,
+RANK) and hangs at "Init parallel begin"."""
+
+
+def server_env(parent: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a launched server or router: `parent` without torchrun's worker variables, plus
+    `extra` (which wins)."""
+    kept = {k: v for k, v in parent.items() if k not in TORCHRUN_ENV and not k.startswith(TORCHRUN_ENV_PREFIXES)}
+    return kept | extra
+
+
 class ServerProcess:
     """One child process (server or router) with its log file; started in a new session so that
     `stop` ends its whole process tree (SGLang forks scheduler / detokenizer children)."""
@@ -159,7 +177,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True,
+                                     env=server_env(dict(os.environ), self.env), start_new_session=True,
                                      preexec_fn=lambda: _die_with_parent(prctl, parent))
         log.close()
 
