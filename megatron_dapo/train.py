@@ -82,10 +82,17 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
         eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
-        off_policy=OffPolicyConfig(use_tis=args.use_tis, tis_cap=args.tis_cap, mis_mode=args.mis_mode,
+        async_rollout=args.async_rollout,
+        off_policy=OffPolicyConfig(use_tis=use_tis(args), tis_cap=args.tis_cap, mis_mode=args.mis_mode,
                                    mis_threshold=args.mis_threshold),
     )
     return actor, collect, trainer
+
+
+def use_tis(args: argparse.Namespace) -> bool:
+    """--use-tis / --no-use-tis as given; unset: on exactly when --async-rollout 1 (the batch was generated
+    by the weights one update behind the actor, the gap TIS corrects)."""
+    return args.use_tis if args.use_tis is not None else args.async_rollout > 0
 
 
 def _sampling(flags: str, **params) -> SamplingParams:
@@ -166,8 +173,13 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
 
     kind = args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
     if kind == "embedded":
-        return make_engine("embedded", args.hf_checkpoint, tokenizer=tokenizer, seed=args.seed,
-                           max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+        kwargs = dict(tokenizer=tokenizer, seed=args.seed,
+                      max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+        if args.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
+            from megatron_dapo.rollout.process_engine import ProcessEngine
+
+            return ProcessEngine(args.hf_checkpoint, **kwargs)
+        return make_engine("embedded", args.hf_checkpoint, **kwargs)
     from megatron_dapo.rollout import server_setup
     from megatron_dapo.rollout.sglang_engine import ClientConfig
     from megatron_dapo.rollout.sglang_server import ServerConfig
@@ -363,7 +375,7 @@ def train(args: argparse.Namespace) -> None:
         state = sampler.state_dict()
         if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
             state = comm.broadcast_object(state, 0, group=trainer.wait_group)
-        saver.save(step, actor, extra={"sampler": state})
+        saver.save(step, actor, extra={"sampler": state, **trainer.checkpoint_state()})  # + rank 0's batch ahead
 
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
@@ -437,6 +449,7 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
     if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
         sampler.load_state_dict(extra["sampler"])
     trainer.step = int(extra["step"])
+    trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:
         print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
