@@ -17,15 +17,15 @@ batch finishes before the weights are synchronised), so a batch never mixes vers
 staleness <= --async-rollout from the engine version recorded when the batch's generation started and
 ended (they must agree); `async/staleness` logs it. Only 0 and 1 are accepted: deeper queues buy no more
 overlap with one rollout engine busy on one batch at a time, and cost a checkpointed batch each.
-Partial rollout (--partial-rollout) carries prefixes of older versions on top; its `rollout/max_staleness`
-counts per token.
+Partial rollout carries prefixes of older versions on top; its own staleness metrics count per token.
 
 What it buys at the production setting (Qwen2.5-32B DAPO, 512 groups x 16 responses of up to 20k
-tokens; figures from the colocation issue: ~57 min per step with generation and training on separate
-64 + 64 GPUs, ~40 min colocated on 128): split pools idle in turn, step time = gen + train (+ push).
-With --async-rollout 1 a step costs max(gen, train) + push: with generation ~35-40 min and training
-~17-20 min of the 57, about 38-40 min per step, i.e. the colocated figure without sharing GPUs, ~1.4x;
-tools/bench_async.py measures the same on the CPU demo. Memory: rank 0 holds one extra batch (host
+tokens; the colocation issue's paper figures: ~57 min per step with generation and training on separate
+64 + 64 GPUs, ~40 min colocated on 128): split pools idle in turn, a step costs gen + train (+ push).
+With --async-rollout 1 it costs max(gen, train) + push. The issue gives only the 57-min total; any split
+puts max(gen, train) between 28.5 min (equal halves) and 57 min, and with DAPO's long responses generation
+is the larger share: at gen 40 + train 17, ~40 min per step (~1.4x), the colocated figure without sharing
+GPUs. tools/bench_async.py measures the same on the CPU demo. Memory: rank 0 holds one extra batch (host
 lists; ~8 B per token: 8192 x 20480 x 8 B = 1.3 GB at worst).
 
 Exact resume: after step k the checkpoint holds weights k, but batch k+1 came from weights k-1, which

@@ -7,6 +7,8 @@ wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog.
 trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
 through `weights.export.iter_hf_weights` (a collective every rank iterates). Every collective here
 goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
+With --async-rollout 1 rank 0 generates the next step's batch on a background thread while this step
+trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/async_rollout.py).
 """
 
 from __future__ import annotations
