@@ -167,18 +167,23 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     actor.optimizer.reload_model_params()
 
 
+def rollout_engine_kind(args: argparse.Namespace) -> str:
+    """--rollout-engine, default sglang when CUDA is available, else embedded."""
+    return args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
+
+
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
     """The engine of global rank 0: embedded on CPU, else SGLang servers (launched or attached)."""
     from megatron_dapo.rollout import make_engine
 
-    kind = args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
+    kind = rollout_engine_kind(args)
     if kind == "embedded":
         kwargs = dict(tokenizer=tokenizer, seed=args.seed,
                       max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
         if args.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
             from megatron_dapo.rollout.process_engine import ProcessEngine
 
-            return ProcessEngine(args.hf_checkpoint, **kwargs)
+            return ProcessEngine(args.hf_checkpoint, **(kwargs | {"tokenizer": args.tokenizer or args.hf_checkpoint}))
         return make_engine("embedded", args.hf_checkpoint, **kwargs)
     from megatron_dapo.rollout import server_setup
     from megatron_dapo.rollout.sglang_engine import ClientConfig
@@ -337,6 +342,11 @@ def train(args: argparse.Namespace) -> None:
     except UserError as err:
         err.echo = rank0  # every rank reaches the same verdict; one prints it
         raise
+    engine = None
+    if rank0 and args.async_rollout and rollout_engine_kind(args) == "embedded":
+        # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and builds
+        # the actor; it loads the tokenizer itself
+        engine = make_rollout_engine(args, None)
     inputs, verdict = None, None
     if rank0:  # only rank 0 reads the prompt files
         try:
@@ -360,7 +370,8 @@ def train(args: argparse.Namespace) -> None:
     init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
     actor = build_actor(args, inputs.arch, actor_cfg, layout, init_ckpt)
     sampler = ResumableSampler(max(len(train_prompts), 1), seed=args.seed)
-    engine = make_rollout_engine(args, tokenizer) if rank0 else None
+    if rank0 and engine is None:
+        engine = make_rollout_engine(args, tokenizer)
     logger = make_logger(args) if rank0 else None
 
     def next_prompts(k: int) -> list[Prompt]:

@@ -5,7 +5,10 @@ DAPO, held-out avg@4 every --eval-interval steps) and the same seed; they run on
 has the machine to itself. Printed per run: wall time (process start to exit), steps, held-out avg@4 at the
 end, the first step (and the training time up to it) where avg@4 >= --target, and the rank-0 time split
 (generation, training, time training waited for its batch, generation overlapped with training); then the
-sync / async wall-time ratio.
+sync / async wall-time ratio. Two more lines read a loaded machine: the CPU seconds each run used (the
+overlap changes when work runs, not how much), and each run's loop time had every step's generation and
+training fully overlapped (sum of step time - min(gen, train)): for the synchronous run, what
+--async-rollout 1 would give with a free core for each.
 
 On CPU the async run puts the embedded engine in its own process (megatron_dapo/rollout/process_engine.py),
 so generation and training need a core each: with fewer free cores than that the overlap cannot show.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -63,7 +67,7 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarise(run: Path, wall_s: float, target: float) -> dict[str, float]:
+def summarise(run: Path, wall_s: float, cpu_s: float, target: float) -> dict[str, float]:
     records = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
     steps = sorted(s for s in records if s > 0)
     evals = [(s, records[s]["eval/avg@4"]) for s in sorted(records) if "eval/avg@4" in records[s]]
@@ -77,13 +81,22 @@ def summarise(run: Path, wall_s: float, target: float) -> dict[str, float]:
     def total(key: str) -> float:
         return sum(records[s].get(key, 0.0) for s in steps)
 
-    return {"wall_s": wall_s, "steps": float(len(steps)), "avg@4_first": evals[0][1] if evals else float("nan"),
+    overlapped = sum(records[s].get("time/step_s", 0.0) - min(records[s].get("time/rollout_s", 0.0),
+                                                              records[s].get("time/train_s", 0.0)) for s in steps)
+    return {"wall_s": wall_s, "cpu_s": cpu_s, "overlapped_loop_s": overlapped,
+            "steps": float(len(steps)), "avg@4_first": evals[0][1] if evals else float("nan"),
             "avg@4_end": evals[-1][1] if evals else float("nan"),
             "reached_step": float(reached) if reached is not None else float("nan"),
             "loop_s_to_target": reached_s if reached_s is not None else float("nan"), "loop_s": loop_s,
             "rollout_s": total("time/rollout_s"), "train_s": total("time/train_s"),
             "rollout_wait_s": total("time/rollout_wait_s"), "overlap_s": total("time/overlap_s"),
             "push_wait_s": total("time/push_wait_s"), "eval_s": total("time/eval_s")}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of the finished child processes (and theirs) so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -104,20 +117,22 @@ def main() -> None:
     for name, extra in (("sync", ["--async-rollout", "0"]), ("async", ["--async-rollout", "1"])):
         run = out / name
         print(f"== {name}: {args.steps} steps -> {run}", flush=True)
-        t0 = time.perf_counter()
+        t0, used = time.perf_counter(), _children_cpu_s()
         subprocess.run([sys.executable, "-m", "megatron_dapo.train", *demo_flags(base, run, args.steps,
                                                                                args.eval_interval, args.lr), *extra],
                        cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
-        results[name] = summarise(run, time.perf_counter() - t0, args.target)
+        results[name] = summarise(run, time.perf_counter() - t0, _children_cpu_s() - used, args.target)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
-    rows = [("wall time (s)", "wall_s", "{:.0f}"), ("steps", "steps", "{:.0f}"),
+    rows = [("wall time (s)", "wall_s", "{:.0f}"), ("CPU time, all processes (s)", "cpu_s", "{:.0f}"),
+            ("steps", "steps", "{:.0f}"),
             ("held-out avg@4, first eval", "avg@4_first", "{:.3f}"), ("held-out avg@4, end", "avg@4_end", "{:.3f}"),
             (f"first step with avg@4 >= {args.target}", "reached_step", "{:.0f}"),
             ("  loop time to it (s)", "loop_s_to_target", "{:.0f}"), ("loop time, all steps (s)", "loop_s", "{:.0f}"),
             ("  generation (s)", "rollout_s", "{:.0f}"), ("  training (s)", "train_s", "{:.0f}"),
             ("  training waited for its batch (s)", "rollout_wait_s", "{:.0f}"),
             ("  generation overlapped with training (s)", "overlap_s", "{:.0f}"),
-            ("  push waited for generation (s)", "push_wait_s", "{:.0f}"), ("  evaluation (s)", "eval_s", "{:.0f}")]
+            ("  push waited for generation (s)", "push_wait_s", "{:.0f}"), ("  evaluation (s)", "eval_s", "{:.0f}"),
+            ("loop time with gen || train, from own steps (s)", "overlapped_loop_s", "{:.0f}")]
     print(f"\n{'':44}{'sync':>10}{'async':>10}")
     for label, key, fmt in rows:
         print(f"{label:44}{fmt.format(results['sync'][key]):>10}{fmt.format(results['async'][key]):>10}")

@@ -59,6 +59,9 @@ class ProcessEngineError(RuntimeError):
 class ProcessEngine(RolloutEngine):
     """EmbeddedEngine(*args, **kwargs) in a spawned child process; the same samples for the same seeds.
 
+    `tokenizer` may be a directory (the child loads it). The child boots in the background: the first call
+    waits for it, so start the engine early and do other work meanwhile.
+
     `start_timeout_s`: how long the child may take to import torch and build the model.
     """
 
@@ -80,14 +83,22 @@ class ProcessEngine(RolloutEngine):
         self._buffer: torch.Tensor | None = None
         self._bucket_bytes = bucket_bytes
         self._stop_timeout_s = stop_timeout_s
-        if not self._conn.poll(start_timeout_s):
+        self._start_timeout_s = start_timeout_s
+        self._ready = False  # the child boots (imports torch, builds the model) while the caller goes on
+
+    def _wait_ready(self) -> None:
+        """Block until the child reported that its engine is built (the first call waits for it)."""
+        if self._ready:
+            return
+        if not self._conn.poll(self._start_timeout_s):
             self._kill()
             raise ProcessEngineError(f"the embedded rollout process (pid {self._proc.pid}) did not start within "
-                                     f"{start_timeout_s:.0f} s")
+                                     f"{self._start_timeout_s:.0f} s")
         kind, value = self._recv()
         if kind != "reply":
             self._kill()
             raise ProcessEngineError(f"the embedded rollout process failed to start:\n{value}")
+        self._ready = True
 
     @property
     def pid(self) -> int:
@@ -108,6 +119,7 @@ class ProcessEngine(RolloutEngine):
         """Send one message and wait for its reply; stream messages read meanwhile go to the inbox."""
         self._check_open()
         with self._lock:
+            self._wait_ready()
             self._conn.send((op, payload))
             while True:
                 kind, value = self._recv()
@@ -274,6 +286,10 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
     try:
         from megatron_dapo.rollout.embedded import EmbeddedEngine
 
+        if isinstance(kwargs.get("tokenizer"), str):  # a directory: loaded here, not pickled across
+            from transformers import AutoTokenizer
+
+            kwargs = kwargs | {"tokenizer": AutoTokenizer.from_pretrained(kwargs["tokenizer"])}
         engine = EmbeddedEngine(*args, **kwargs)
     except BaseException:
         send("reply_error", traceback.format_exc())
