@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups still generating (or finished behind the cut) when a step's batch is full keep "
                         "their responses so far and resume first at the next step, instead of being thrown away; "
                         "prefix tokens come from older weights (pair with --use-tis); megatron_dapo/partial_rollout.py")
+    g.add_argument("--async-rollout", type=int, choices=[0, 1], default=0,
+                   help="one-step-off-policy: 1 = global rank 0 generates step k+1's batch (engine on the weights "
+                        "before step k) while every rank trains step k; the weight push after step k waits for "
+                        "that batch. Turns --use-tis on unless --no-use-tis is given. On CPU the embedded engine "
+                        "runs in its own process. 0 = synchronous (megatron_dapo/async_rollout.py)")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout)")
@@ -216,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("off-policy correction",
                              "rollout (SGLang) vs actor log-probs, r = pi_old / pi_rollout per token; "
                              "see megatron_dapo/algorithm/mismatch.py")
-    g.add_argument("--use-tis", action="store_true",
-                   help="truncated importance sampling: multiply each token's loss by min(r, --tis-cap)")
+    g.add_argument("--use-tis", action=argparse.BooleanOptionalAction, default=None,
+                   help="truncated importance sampling: multiply each token's loss by min(r, --tis-cap); "
+                        "default: on with --async-rollout 1, off otherwise")
     g.add_argument("--tis-cap", type=float, default=2.0, help="C of TIS, >= 1")
     g.add_argument("--mis-mode", choices=MIS_MODES, default=None,
                    help="masked importance sampling: drop tokens (token) or whole responses (sequence: geometric "

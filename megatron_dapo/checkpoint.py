@@ -54,6 +54,15 @@ from megatron_dapo import checkpoint_manifest, checkpoint_procs
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+RANK0_EXTRA = ("async_batch",)
+"""Keys of `extra` that only global rank 0 holds (the --async-rollout batch: up to ~0.7 GB at 32B): rank 0's copy is
+written, and they are left out of megatron's cross-rank common-state check, which would broadcast them to every rank."""
+
+
+def _without_rank0_extra(common: dict[str, Any]) -> dict[str, Any]:
+    """The common state megatron compares across ranks: `common` without the RANK0_EXTRA keys (not modified)."""
+    extra = {k: v for k, v in common.get("extra", {}).items() if k not in RANK0_EXTRA}
+    return {**common, "extra": extra}
 
 
 def _rank_world() -> tuple[int, int]:
@@ -149,7 +158,8 @@ class CheckpointSaver:
         state["scheduler"] = actor.scheduler.state_dict()
         state["extra"] = {"step": step, **extra}
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self.strategy,
-                                          async_sharded_save=self.async_save, content_metadata=OPTIM_METADATA)
+                                          async_sharded_save=self.async_save, content_metadata=OPTIM_METADATA,
+                                          preprocess_common_before_consistancy_check=_without_rank0_extra)
         if request is None:
             self._finish(tmp, final)
         else:

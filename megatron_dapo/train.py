@@ -82,10 +82,17 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
         eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
-        off_policy=OffPolicyConfig(use_tis=args.use_tis, tis_cap=args.tis_cap, mis_mode=args.mis_mode,
+        async_rollout=args.async_rollout,
+        off_policy=OffPolicyConfig(use_tis=use_tis(args), tis_cap=args.tis_cap, mis_mode=args.mis_mode,
                                    mis_threshold=args.mis_threshold),
     )
     return actor, collect, trainer
+
+
+def use_tis(args: argparse.Namespace) -> bool:
+    """--use-tis / --no-use-tis as given; unset: on exactly when --async-rollout 1 (the batch was generated
+    by the weights one update behind the actor, the gap TIS corrects)."""
+    return args.use_tis if args.use_tis is not None else args.async_rollout > 0
 
 
 def _sampling(flags: str, **params) -> SamplingParams:
@@ -160,14 +167,24 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     actor.optimizer.reload_model_params()
 
 
+def rollout_engine_kind(args: argparse.Namespace) -> str:
+    """--rollout-engine, default sglang when CUDA is available, else embedded."""
+    return args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
+
+
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
     """The engine of global rank 0: embedded on CPU, else SGLang servers (launched or attached)."""
     from megatron_dapo.rollout import make_engine
 
-    kind = args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
+    kind = rollout_engine_kind(args)
     if kind == "embedded":
-        return make_engine("embedded", args.hf_checkpoint, tokenizer=tokenizer, seed=args.seed,
-                           max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+        kwargs = dict(tokenizer=tokenizer, seed=args.seed,
+                      max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+        if args.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
+            from megatron_dapo.rollout.process_engine import ProcessEngine
+
+            return ProcessEngine(args.hf_checkpoint, **(kwargs | {"tokenizer": args.tokenizer or args.hf_checkpoint}))
+        return make_engine("embedded", args.hf_checkpoint, **kwargs)
     from megatron_dapo.rollout import server_setup
     from megatron_dapo.rollout.sglang_engine import ClientConfig
     from megatron_dapo.rollout.sglang_server import ServerConfig
@@ -325,6 +342,11 @@ def train(args: argparse.Namespace) -> None:
     except UserError as err:
         err.echo = rank0  # every rank reaches the same verdict; one prints it
         raise
+    engine = None
+    if rank0 and args.async_rollout and rollout_engine_kind(args) == "embedded":
+        # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and builds
+        # the actor; it loads the tokenizer itself
+        engine = make_rollout_engine(args, None)
     inputs, verdict = None, None
     if rank0:  # only rank 0 reads the prompt files
         try:
@@ -348,7 +370,8 @@ def train(args: argparse.Namespace) -> None:
     init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
     actor = build_actor(args, inputs.arch, actor_cfg, layout, init_ckpt)
     sampler = ResumableSampler(max(len(train_prompts), 1), seed=args.seed)
-    engine = make_rollout_engine(args, tokenizer) if rank0 else None
+    if rank0 and engine is None:
+        engine = make_rollout_engine(args, tokenizer)
     logger = make_logger(args) if rank0 else None
 
     def next_prompts(k: int) -> list[Prompt]:
@@ -365,7 +388,7 @@ def train(args: argparse.Namespace) -> None:
             state["carried"] = partial_rollout.state(trainer.carried)
         if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
             state = comm.broadcast_object(state, 0, group=trainer.wait_group)
-        saver.save(step, actor, extra=state)
+        saver.save(step, actor, extra=state | trainer.checkpoint_state())  # + rank 0's batch ahead (--async-rollout)
 
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
@@ -445,6 +468,7 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
             print(f"[megatron-dapo] warning: the checkpoint carries {len(extra['carried']['groups'])} partial-rollout "
                   f"groups; without --partial-rollout they are dropped", file=sys.stderr)
     trainer.step = int(extra["step"])
+    trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:
         print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")

@@ -8,6 +8,8 @@ trains on its share, Megatron reduces gradients, and the new weights flow back t
 through `weights.export.iter_hf_weights` (a collective every rank iterates), or, in distributed mode at
 PP > 1, from each pipeline stage's source rank at once (rollout/stage_sync.py). Every collective here
 goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
+With --async-rollout 1 rank 0 generates the next step's batch on a background thread while this step
+trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/async_rollout.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +36,7 @@ from megatron_dapo.algorithm.mismatch import (
     off_policy_correction,
     reduce_mismatch,
 )
+from megatron_dapo.async_rollout import AheadBatch, batch_from_state, batch_state, check_depth, check_staleness
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.dataplane import DataPlane, pack, unpack
 from megatron_dapo.evaluation import evaluate
@@ -71,6 +75,8 @@ class TrainerConfig:
     """Rollout-vs-actor correction (--use-tis, --tis-cap, --mis-mode, --mis-threshold)."""
     rollout_timeout_h: float = 12.0
     """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
+    async_rollout: int = 0
+    """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/async_rollout.py)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -81,6 +87,7 @@ class TrainerConfig:
             raise ValueError("--global-batch-size, --eval-interval and --save-interval must be >= 0")
         if self.eval_interval and self.eval_sampling is None:
             raise ValueError("eval_interval > 0 needs eval_sampling")
+        check_depth(self.async_rollout)
 
 
 @dataclass
@@ -105,6 +112,8 @@ class Trainer:
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
     _stage_sync: StageSync | None = field(init=False, default=None)
+    _ahead: AheadBatch | None = field(init=False, default=None)
+    """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint)."""
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -131,6 +140,7 @@ class Trainer:
             metrics, shares = self.rank0_batch(step)               # rank 0: rollout, advantages, DP split
             samples = self.distribute(shares)                      # my DP share (others wait here, gloo)
             metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
+            metrics |= self.finish_ahead()                         # async: the push waits for batch step+1
             metrics |= self.sync_weights(step)                     # actor -> rollout engine
             if cfg.eval_interval and step % cfg.eval_interval == 0:
                 metrics |= self.evaluate()                         # avg@k on held-out prompts
@@ -153,7 +163,7 @@ class Trainer:
         if not self._is_rank0:
             return {}, None
         try:
-            groups, metrics = self.rollout(step)                       # generate -> reward -> filter
+            groups, metrics = self.next_batch(step)                    # generate -> reward -> filter
             shares, group_metrics = self.build_samples(groups)        # advantages, masks, DP partition
         except BaseException:
             if self._plane is not None:
@@ -169,6 +179,63 @@ class Trainer:
             return shares[0]
         packed = [pack(share) for share in shares] if shares is not None else None
         return unpack(self._plane.exchange(packed), Rollout)
+
+    def next_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Rank 0: the step's kept groups and rollout metrics, with `time/rollout_wait_s` (how long training
+        waited for them) and `async/staleness` (see megatron_dapo/async_rollout.py).
+
+        Synchronous: generated now. --async-rollout 1: the batch generated during the previous step (at step 1 or
+        after a resume without one: generated now), and batch step+1 starts on a background thread, on the
+        weights the engine holds now, before this returns."""
+        depth, job = self.config.async_rollout, self._ahead
+        if job is None and depth == 0:
+            t0 = time.perf_counter()
+            groups, metrics = self.rollout(step)
+            return groups, metrics | {"time/rollout_wait_s": time.perf_counter() - t0, "async/staleness": 0.0}
+        if job is None:
+            job = AheadBatch.start(step, self.rollout, lambda: self.engine.weight_version)
+        if job.step != step:
+            raise RuntimeError(f"the batch generated ahead is for step {job.step}, the trainer is at step {step}")
+        t0 = time.perf_counter()
+        self._ahead = None
+        groups, metrics = job.result()
+        waited = time.perf_counter() - t0
+        staleness = check_staleness(job, train_step=step, depth=depth)
+        if depth and step < self.config.num_steps:
+            self._ahead = AheadBatch.start(step + 1, self.rollout, lambda: self.engine.weight_version)
+        return groups, metrics | {"time/rollout_wait_s": waited, "async/staleness": float(staleness)}
+
+    def finish_ahead(self) -> dict[str, float]:
+        """Rank 0, --async-rollout 1: wait until the batch generated during this step's training is complete, so
+        the weight push that follows never overlaps generation. `time/push_wait_s`: how long the trained weights
+        waited for it; `time/overlap_s`: generation time that ran while this step trained. A failed batch raises
+        at the next step's rollout (rank0_batch), where the other ranks are told."""
+        job = self._ahead
+        if job is None:
+            return {}
+        trained = time.perf_counter()
+        waited = job.wait()
+        return {"time/push_wait_s": waited, "time/overlap_s": max(0.0, min(job.finished, trained) - job.started)}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Rank 0's share of the checkpoint's extra state: the batch generated ahead (`async_batch`), if any.
+
+        After step k the checkpoint holds weights k; batch k+1 came from weights k-1, so it is saved itself."""
+        job = self._ahead
+        if job is None or not job.done or job.failed:
+            return {}
+        return {"async_batch": batch_state(job)}
+
+    def restore_state(self, extra: dict[str, Any]) -> None:
+        """Rank 0, after a resume to `self.step`: take back the batch generated ahead, if the checkpoint has one."""
+        data = extra.get("async_batch")
+        if data is None or not self._is_rank0:
+            return
+        job = batch_from_state(data)
+        if job.step != self.step + 1:
+            raise ValueError(f"the checkpoint of step {self.step} holds a batch for step {job.step}, expected "
+                             f"{self.step + 1}")
+        self._ahead = job
 
     def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Rank 0 collects the step's kept groups."""
