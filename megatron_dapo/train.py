@@ -176,14 +176,14 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     cuda = torch.cuda.is_available()
     seeded = args.seed is not None  # the rollouts carry per-request sampling seeds
     server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=args.sglang_gpus,
-                                                                     colocate=args.sglang_colocate)
+                                                                     colocate=args.colocate)
     trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
                    if cuda else None)
     api_key = args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
-                                                  colocate=args.sglang_colocate, trainer_gpu=trainer_gpu,
+                                                  colocate=args.colocate, trainer_gpu=trainer_gpu,
                                                   server_gpus=None if attach else args.sglang_gpus),
         bucket_bytes=args.weight_sync_bucket_mb << 20,
         sync_backend="nccl" if cuda else "gloo",
