@@ -69,3 +69,31 @@ def test_colocated_run_equals_separate_server_run(tmp_path):
               f"s), to generation {m['colocate/to_generation_s']:.3f} s (offload {m['colocate/offload_s']:.4f} s) "
               f"+ push {m['sync/seconds']:.3f} s; offloaded {m['offloaded_bytes']} B; RSS {m['rss_gib_training']:.3f}"
               f" GiB training, {m['rss_gib_generation']:.3f} GiB generation")
+
+
+def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
+    """`python -m megatron_dapo.train --colocate` with a launched CPU server: every step switches phases (the
+    metrics say how long) and the server serves the pushed weights (rollout-vs-actor log-prob mismatch at fp32
+    noise on steps 2 and 3; a stale server would differ by an update)."""
+    import json
+
+    from tests.conftest import train_env
+    from tests.rewards import PARITY_REWARD
+    from tests.sglang.real_server import SGLANG_PY
+
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
+           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
+           "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
+           "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
+           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port()), "--colocate",
+           "--max-prompt-length", "16"]
+    out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["mismatch/logprob_abs_diff_mean"] < 1e-4, r
+        assert r["colocate/to_training_s"] > 0 and r["colocate/to_generation_s"] > 0
+        assert r["colocate/actor_offloaded_gib"] > 0 and r["sync/gbytes"] > 0
+    assert records[1]["train/pg_loss"] != records[0]["train/pg_loss"]
