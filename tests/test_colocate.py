@@ -139,3 +139,64 @@ def test_sglang_colocate_is_a_deprecated_alias():
     args = build_parser().parse_args(base + ["--colocate", "--rollout-num-gpus-per-engine", "4"])
     assert args.colocate and args.sglang_tp_size == 4
     assert build_parser().parse_args(base).colocate is False
+
+
+def test_engine_release_resume_and_push_against_the_fake_server(world):
+    """SGLangEngine's release/resume and ColocatedPusher at world size 1 against tests/sglang/fake_server.py
+    (no SGLang needed): generation is refused while released, the push needs the weights resumed and lands
+    whole (begin, buckets, end, flush), and the engine's samples carry the pushed version."""
+    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+    from tests.sglang.fake_server import serve
+
+    server, state = serve()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(control_timeout_s=30))
+    pusher = ColocatedPusher(make_engine_groups([url], 1), bucket_bytes=64)
+    named = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3) * 2), ("c", torch.full((20,), 3.0))]
+    req = [RolloutRequest(prompt_ids=[1, 2], n=1, sampling=SamplingParams(max_new_tokens=2), request_id="r")]
+    try:
+        switch = PhaseSwitcher(offloader=_FakeOffloader([]), engine=engine)
+        switch.start()
+        switch.to_training()
+        assert state.released == {"weights", "kv_cache", "cuda_graph"}
+        with pytest.raises(RuntimeError, match="memory released"):
+            engine.generate(req)
+        with pytest.raises(RuntimeError, match="weights released"):
+            pusher.push(named, version=1)
+        assert not state.in_update  # the refused push still closed its update session
+        metrics = switch.to_generation(lambda: pusher.push(named, version=3))
+        engine.set_weight_version(3)
+        assert state.released == set() and metrics["sync/gbytes"] == pytest.approx(32 * 4 / 1e9)
+        assert state.weights == {"a": list(range(6)), "b": [[2.0] * 3] * 2, "c": [3.0] * 20}
+        assert state.version == "3" and state.tensor_payloads == [1, 1]  # two buckets (64 B cap)
+        (sample,) = engine.generate(req)[0]
+        assert sample.weight_version == 3
+        assert state.memory_calls[-2:] == [("resume", ["weights"]), ("resume", ["cuda_graph", "kv_cache"])]
+    finally:
+        engine.shutdown()
+        server.shutdown()
+
+
+def test_memory_server_args_for_launched_cuda_servers():
+    """Launched CUDA servers get --mem-fraction-static (given, or the planner's with --colocate) and, colocated,
+    --enable-memory-saver; CPU servers nothing."""
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.train import memory_server_args
+    from tests.test_planner import REPO
+
+    base = ["--hf-checkpoint", str(REPO / "examples/models/qwen2.5-32B"), "--prompt-data", "x", "--num-steps", "1",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+            "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "block",
+            "--recompute-num-layers", "16", "--max-tokens-per-micro-batch", "24576", "--pack-sequences",
+            "--fused-linear-logprob", "--world-size", "128", "--rollout-num-gpus-per-engine", "4"]
+    parse = build_parser().parse_args
+    assert memory_server_args(parse(base + ["--colocate"]), cuda=True) == \
+        ("--mem-fraction-static", "0.77", "--enable-memory-saver")
+    assert memory_server_args(parse(base + ["--colocate", "--mem-fraction-static", "0.7"]), cuda=True) == \
+        ("--mem-fraction-static", "0.7", "--enable-memory-saver")
+    assert memory_server_args(parse(base + ["--mem-fraction-static", "0.8"]), cuda=True) == \
+        ("--mem-fraction-static", "0.8")
+    assert memory_server_args(parse(base), cuda=True) == ()
+    assert memory_server_args(parse(base + ["--colocate"]), cuda=False) == ()
