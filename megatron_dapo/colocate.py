@@ -45,9 +45,9 @@ def check_colocate_flags(*, colocate: bool, world_size: int, gpus_per_node: int 
 
     Engine e runs on the GPUs of global ranks e x g ... (e + 1) x g - 1 (g = --rollout-num-gpus-per-engine):
     one engine never spans two nodes, every actor rank is on exactly one engine's GPU."""
-    if "--mem-fraction-static" in extra_args:
-        raise ValueError("--mem-fraction-static is given in --sglang-extra-args too: use the --mem-fraction-static "
-                         "flag only (the planner validates it)")
+    if "--mem-fraction-static" in extra_args and (colocate or mem_fraction_static is not None):
+        raise ValueError("--mem-fraction-static is given in --sglang-extra-args: use the --mem-fraction-static "
+                         "flag instead (with --colocate the planner computes or validates it)")
     if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mem_fraction_static}")
     if not colocate:

@@ -126,6 +126,8 @@ def test_colocate_flag_errors_name_the_flag(change, flag):
 def test_colocate_flags_that_work():
     check_colocate_flags(**{**BASE, "server_urls": [f"http://n{i}:30000" for i in range(4)]})
     check_colocate_flags(**{**BASE, "world_size": 8, "gpus_per_node": None, "num_servers": 2})
+    # separate GPUs: SGLang's own option through --sglang-extra-args stays allowed
+    check_colocate_flags(**{**BASE, "colocate": False, "extra_args": ("--mem-fraction-static", "0.5")})
     assert [engine_of_rank(r, 4) for r in (0, 3, 4, 15)] == [(0, 0), (0, 3), (1, 0), (3, 3)]
 
 

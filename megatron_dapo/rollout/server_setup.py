@@ -32,8 +32,8 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
     if cuda and not colocate:
         raise ValueError(
             "launching SGLang servers on CUDA needs --sglang-gpus (their own GPUs, apart from the actor's, e.g. "
-            "--sglang-gpus 4,5,6,7) or --colocate (share the actor's GPUs; cap the servers' memory with "
-            "--sglang-extra-args). Attach to running servers with --sglang-server-urls instead"
+            "--sglang-gpus 4,5,6,7) or --colocate (share the actor's GPUs; the planner sets their "
+            "--mem-fraction-static). Attach to running servers with --sglang-server-urls instead"
         )
     return {}
 
