@@ -402,6 +402,8 @@ def train(args: argparse.Namespace) -> None:
         trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.wait_group)
     try:
         if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
+            if trainer.phases is not None:  # --colocate: push with the actor offloaded
+                trainer.phases.start()
             trainer.sync_weights(0)
         else:
             resume(args, trainer, sampler)
@@ -484,6 +486,8 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
     if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
         sampler.load_state_dict(extra["sampler"])
     trainer.step = int(extra["step"])
+    if trainer.phases is not None:  # --colocate: push with the actor offloaded, not next to the full engine
+        trainer.phases.start()
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:
         print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")

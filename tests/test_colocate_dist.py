@@ -87,11 +87,21 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
            "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
            "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port()), "--colocate",
-           "--max-prompt-length", "16"]
+           "--max-prompt-length", "16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
+    # a resume: the checkpoint (saved with the optimizer state onloaded around the save) is pushed to a fresh
+    # server with the actor offloaded, and step 4's rollouts come from the resumed weights
+    cmd[cmd.index("--num-steps") + 1] = "4"
+    cmd[cmd.index("--sglang-base-port") + 1] = str(free_port())
+    cmd[cmd.index("--log-dir") + 1] = str(tmp_path / "log2")
+    out = subprocess.run(cmd + ["--load", str(tmp_path / "ckpt")], cwd=REPO, env=train_env(), capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (resumed,) = [json.loads(line) for line in (tmp_path / "log2" / "metrics.jsonl").read_text().splitlines()]
+    assert resumed["step"] == 4 and resumed["mismatch/logprob_abs_diff_mean"] < 1e-4, resumed
     for r in records:
         assert r["mismatch/logprob_abs_diff_mean"] < 1e-4, r
         assert r["colocate/to_training_s"] > 0 and r["colocate/to_generation_s"] > 0
