@@ -15,11 +15,12 @@ bytes again after onload, so training continues bit-exactly (tests/test_colocate
 copied: train_step zeroes them first anyway (zero_grad_buffer).
 
 Cost at the production setting (Qwen2.5-32B, 16 x 8 GPUs, TP8 x PP2, DP 8, bf16, distributed optimizer):
-per GPU the actor holds ~2.1 B parameters of its stage: 8.2 GiB fp32 grads freed (no copy), 12 B/param /
-DP 8 = 3.1 GiB of fp32 Adam state and main params copied each way over PCIe (~25 GB/s pinned: ~0.15 s per
-switch, every GPU of a node at once sharing the host links: ~1 s); the bf16 weights (4.1 GiB) stay. SGLang's
-release/resume of 16 GiB (TP4 shard) + KV cache are allocator calls (torch_memory_saver), well under 1 s;
-the weight push is then local to each GPU (megatron_dapo/rollout/colocated_push.py).
+per GPU the actor holds ~2.05 B parameters of its stage (the --dry-run plan): 7.6 GiB of fp32 grads freed (no
+copy), 12 B/param / DP 8 = 2.9 GiB of fp32 Adam state and main params copied each way over PCIe (~25 GB/s
+pinned: ~0.12 s per switch; the 8 GPUs of a node share the host links: up to ~1 s); the bf16 weights (3.8 GiB)
+stay. SGLang's release/resume of its 15.3 GiB TP4 weight shard and 46 GiB KV cache are allocator calls
+(torch_memory_saver), well under 1 s; the weight push is then local to each GPU
+(megatron_dapo/rollout/colocated_push.py).
 """
 
 from __future__ import annotations

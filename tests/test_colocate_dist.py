@@ -17,6 +17,7 @@ import dataclasses
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_dapo.models.hf_config import Qwen2Arch
@@ -25,7 +26,7 @@ from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.sglang.real_server import MARKS, cpu_server_config
 from tests.torchrun import REPO, free_port, subprocess_env
 
-pytestmark = MARKS
+pytestmark = [*MARKS, pytest.mark.slow]
 
 
 def test_colocated_run_equals_separate_server_run(tmp_path):
