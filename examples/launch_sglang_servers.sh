@@ -6,7 +6,8 @@
 # trainer sends it with --sglang-api-key (or the same SGLANG_API_KEY). SGLANG_ALLOW_NO_API_KEY=1 overrides the
 # refusal on a trusted network. Prints the URLs to pass as SGLANG_URLS. Servers log to
 # ${SGLANG_RUN_DIR:-runs}/sglang-<port>.log; stop them with `kill $(cat runs/sglang-*.pid)` (their process
-# groups end with them).
+# groups end with them). SGLANG_EXTRA_ARGS: more sglang.launch_server flags (the colocated launcher's
+# --mem-fraction-static and --enable-memory-saver).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HF_CKPT=${1:?HF checkpoint directory}
@@ -31,11 +32,12 @@ case "$HOST" in
         ;;
 esac
 [[ -n "${SGLANG_API_KEY:-}" ]] && KEY_ARGS=(--api-key "$SGLANG_API_KEY")
+read -r -a EXTRA_ARGS <<<"${SGLANG_EXTRA_ARGS:-}"
 mkdir -p "$RUN_DIR"
 for ((i = 0; i < NUM; i++)); do
     port=$((BASE_PORT + i))
     setsid python -m sglang.launch_server --model-path "$HF_CKPT" --host "$HOST" --port "$port" \
-        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init "${KEY_ARGS[@]}" \
+        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init "${KEY_ARGS[@]}" "${EXTRA_ARGS[@]}" \
         >"$RUN_DIR/sglang-$port.log" 2>&1 &
     echo $! >"$RUN_DIR/sglang-$port.pid"
     echo "http://$(hostname):$port"

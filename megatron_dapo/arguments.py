@@ -18,6 +18,22 @@ LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-squ
 """--lr-decay-style choices (megatron-core's OptimizerParamScheduler names), checked by ActorConfig too."""
 
 
+class DeprecatedAlias(argparse.Action):
+    """A store_true flag kept under an old name: sets `dest` and warns once, naming the new flag."""
+
+    def __init__(self, option_strings, dest, target: str, **kwargs):
+        self.target = target
+        kwargs.setdefault("default", False)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import warnings
+
+        warnings.warn(f"{option_string} is deprecated: use {self.target} (the same setting)", FutureWarning,
+                      stacklevel=2)
+        setattr(namespace, self.dest, True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m megatron_dapo.train",
@@ -157,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout)")
     g.add_argument("--sglang-num-servers", type=int, default=1)
-    g.add_argument("--sglang-tp-size", type=int, default=1, help="tensor parallel size of each SGLang server")
+    g.add_argument("--sglang-tp-size", "--rollout-num-gpus-per-engine", dest="sglang_tp_size", type=int, default=1,
+                   help="tensor parallel size (= GPUs) of each SGLang server; --rollout-num-gpus-per-engine is the "
+                        "same flag under slime's name")
     g.add_argument("--sglang-base-port", type=int, default=30000)
     g.add_argument("--sglang-host", default="127.0.0.1")
     g.add_argument("--sglang-extra-args", default="", help="extra flags passed to sglang.launch_server")
@@ -166,10 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "from `make sglang-env`)")
     g.add_argument("--sglang-gpus", default=None,
                    help="CUDA_VISIBLE_DEVICES of the launched servers, e.g. 4,5,6,7 (apart from the "
-                        "actor's GPUs); on CUDA, launched servers need this or --sglang-colocate")
-    g.add_argument("--sglang-colocate", action="store_true",
-                   help="launch the SGLang servers on the actor's own GPUs (server i from GPU i x --sglang-tp-size); "
-                        "cap their memory with SGLang's mem-fraction-static option through --sglang-extra-args")
+                        "actor's GPUs); on CUDA, launched servers need this or --colocate")
+    g.add_argument("--colocate", action="store_true",
+                   help="hybrid mode: the SGLang engines run on the actor's own GPUs (engine i on GPUs i x "
+                        "--rollout-num-gpus-per-engine ...) and the two take turns every step: SGLang releases its "
+                        "weights and KV cache for training, the actor offloads grads and optimizer state for "
+                        "generation (megatron_dapo/colocate.py); --dry-run plans both phases")
+    g.add_argument("--sglang-colocate", action=DeprecatedAlias, dest="colocate", nargs=0, target="--colocate",
+                   help="deprecated alias of --colocate (warns)")
+    g.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="SGLang's static pool (weights + KV cache) as a fraction of GPU memory, given to launched "
+                        "servers; default with --colocate: computed by the --dry-run planner so that the "
+                        "generation phase fits --gpu-memory-gib, else SGLang's own default")
     g.add_argument("--sglang-deterministic-inference", action=argparse.BooleanOptionalAction, default=True,
                    help="launch the CUDA servers of a seeded run in SGLang's deterministic inference mode, "
                         "without which SGLang ignores the per-request seeds (costs decoding speed); attached "
@@ -189,9 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
                    help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
                         "separate GPUs (NCCL group with the servers); disk: safetensors + "
-                        "update_weights_from_disk. Default: tensor for --sglang-colocate and on CPU, "
+                        "update_weights_from_disk. Default: tensor for --colocate and on CPU, "
                         "distributed otherwise")
-    g.add_argument("--weight-sync-bucket-mb", type=int, default=512, help="flattened bucket size")
+    g.add_argument("--weight-sync-bucket-mb", type=int, default=512,
+                   help="flattened bucket size, in every --weight-sync-mode and with --colocate (slime's update "
+                        "weight buffer size)")
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
                    help="address of global rank 0 as the servers see it (distributed mode); at PP > 1 the other "
                         "stages' source ranks use MEGATRON_DAPO_WEIGHT_SYNC_ADDR set on their node, else this "

@@ -29,6 +29,18 @@ that + 1 chunk-micro-batches (capped by M v); on stage 0 that is L (1 + (p - 1) 
 Korthikanti et al. 2022 section 4.2.3's interleaved factor. Embedding / head extras stay per micro-batch.
 Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuilds one unit (n layers of one
 micro-batch) during its backward; selective recompute drops the core-attention internals.
+
+Colocated (--colocate): every GPU holds an actor rank and a shard of an SGLang engine of
+--rollout-num-gpus-per-engine GPUs, in two phases per step (megatron_dapo/colocate.py):
+  - training: the actor's plan above, plus what SGLang keeps after /release_memory_occupation of its
+    weights, KV cache and CUDA graphs (its CUDA context and allocator slack: SGLANG_RELEASED_GIB, assumed);
+  - generation: the actor's leftovers after it offloaded grads and optimizer state (its bf16 weights, the
+    source of the next weight push, and its CUDA context), SGLang's static pool (weights + KV cache =
+    --mem-fraction-static x GPU memory) and its runtime outside that pool (SGLANG_RUNTIME_GIB, assumed).
+SGLang 0.5.23 sizes its KV pool as (free memory at start) x mem_fraction_static - its weights
+(mem_cache/kv_cache_configurator._profile_available_bytes); free <= GPU memory, so frac x GPU memory bounds it.
+The computed --mem-fraction-static is the largest (in 0.01 steps) that keeps the generation phase under
+(1 - HEADROOM) x --gpu-memory-gib.
 """
 
 from __future__ import annotations
@@ -47,6 +59,12 @@ FRAMEWORK_OVERHEAD_GIB = 2.0
 """Assumed, not modelled: CUDA context (~0.5 GiB), NCCL buffers, cuBLAS/TE workspaces, allocator slack."""
 HEADROOM = 0.10
 """Launchers keep the planned peak under (1 - HEADROOM) x --gpu-memory-gib."""
+SGLANG_RUNTIME_GIB = 4.0
+"""Assumed, not modelled: a colocated SGLang process's memory outside its static pool while generating
+(CUDA context, CUDA graphs, decode activations, sampling buffers)."""
+SGLANG_RELEASED_GIB = 2.0
+"""Assumed: what a colocated SGLang process keeps after releasing weights, KV cache and CUDA graphs (CUDA
+context ~0.5 GiB, NCCL buffers, allocator slack); slime reports 3-5 GB for Megatron's side in the other phase."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +232,19 @@ class PlanInputs:
     """Micro-batches per step per DP rank; None = at least pp (1F1B's steady state)."""
     gpu_memory_gib: float = 80.0
     sglang_gib: float = 0.0
-    """SGLang's share of the GPU when colocated (colocation does not exist yet: 0)."""
+    """What SGLang holds during the training phase: 0 on separate GPUs, SGLANG_RELEASED_GIB colocated."""
+    colocate: bool = False
+    """--colocate: the actor and an SGLang engine shard share every GPU (two phases; see the module doc)."""
+    rollout_gpus_per_engine: int = 1
+    """--rollout-num-gpus-per-engine: GPUs (= SGLang TP ranks) of one engine."""
+    mem_fraction_static: float | None = None
+    """--mem-fraction-static given by the user (validated), or None (computed from the plan)."""
+
+    def __post_init__(self) -> None:
+        if self.rollout_gpus_per_engine < 1:
+            raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.rollout_gpus_per_engine}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
 
 
 @dataclass(frozen=True)
@@ -280,7 +310,7 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
                 arch, layout, tokens=tokens, bytes_per_element=spec.bytes_per_element,
                 fused_logprob=inputs.fused_logprob, fused_linear=inputs.fused_linear_logprob) if last else 0.0,
             "pipeline p2p buffers": p2p,
-            "SGLang (not colocated)" if inputs.sglang_gib == 0 else "SGLang (colocated)": inputs.sglang_gib * GIB,
+            "SGLang (colocated, released)" if inputs.colocate else "SGLang (not colocated)": inputs.sglang_gib * GIB,
             "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB,
         }
         plans.append(StagePlan(stage, in_flight, lines))
@@ -289,6 +319,87 @@ def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
 
 def peak_gib(plans: list[StagePlan]) -> float:
     return max(p.total for p in plans) / GIB
+
+
+# ---- colocated: the SGLang share and the generation phase -----------------------------------------------
+def sglang_weight_bytes(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
+    """Bytes of one SGLang TP rank's weights (bf16): the TP shard of every layer plus the vocab-padded
+    embedding and head (32B at TP8: 8.2 GB)."""
+    return stage_parameters(arch, ParallelLayout(tp=gpus_per_engine), 0) * bytes_per_element
+
+
+def kv_bytes_per_token(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
+    """KV-cache bytes one token takes on one SGLang TP rank: K and V of every layer for its kv heads (SGLang
+    replicates kv heads when TP > kv heads). 32B (8 kv heads x 128) at TP8: 2 x 64 x 1 x 128 x 2 = 32 KiB."""
+    heads = max(1, arch.num_kv_heads // gpus_per_engine)
+    return 2 * arch.num_layers * heads * arch.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class SGLangShare:
+    """What a colocated SGLang engine takes of each GPU, by phase, and the --mem-fraction-static behind it."""
+
+    mem_fraction_static: float
+    computed: bool
+    """True when derived from the plan, False when given with --mem-fraction-static (validated)."""
+    weights: float
+    """Bytes of this GPU's weight shard."""
+    kv_cache: float
+    """Bytes of this GPU's KV pool: frac x GPU memory - weights."""
+    kv_tokens: int
+    """Tokens the engine's KV pool holds (every rank holds its heads' share of each token)."""
+    actor_generation: dict[str, float]
+    """The actor's resident bytes while generating, on its fullest pipeline stage (actor_generation_lines)."""
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.kv_cache
+
+
+def actor_generation_lines(plan: StagePlan) -> dict[str, float]:
+    """The actor's resident bytes during generation: its weights (the source of the next weight push) and
+    CUDA context; grads and optimizer state are offloaded to host and activations freed."""
+    weights = next(v for k, v in plan.lines.items() if k.startswith("weights"))
+    return {"actor weights (resident)": weights,
+            "actor CUDA context, NCCL (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
+
+
+def sglang_share(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
+                 ) -> SGLangShare:
+    """The SGLang share of each GPU for --colocate: --mem-fraction-static computed as the largest multiple of
+    0.01 that keeps (actor leftovers + frac x GPU + SGLANG_RUNTIME_GIB) under (1 - HEADROOM) x GPU memory, or
+    the given one. Raises ValueError (naming the flag) when the pool cannot hold the weights and one
+    --max-prompt-length + --max-response-length sequence."""
+    gpu = inputs.gpu_memory_gib * GIB
+    actor = max((actor_generation_lines(p) for p in plans), key=lambda d: sum(d.values()))
+    weights = sglang_weight_bytes(arch, inputs.rollout_gpus_per_engine, bytes_per_element)
+    computed = inputs.mem_fraction_static is None
+    if computed:
+        room = (1 - HEADROOM) * gpu - sum(actor.values()) - SGLANG_RUNTIME_GIB * GIB
+        frac = int(room / gpu * 100) / 100
+    else:
+        frac = inputs.mem_fraction_static
+    kv = frac * gpu - weights
+    per_token = kv_bytes_per_token(arch, inputs.rollout_gpus_per_engine, bytes_per_element)
+    tokens = int(kv // per_token) if kv > 0 else 0
+    if tokens < inputs.max_seq_len:
+        need = (weights + inputs.max_seq_len * per_token) / gpu
+        what = "computed" if computed else "given"
+        raise ValueError(
+            f"--mem-fraction-static {frac:.2f} ({what}) leaves SGLang {max(kv, 0) / GIB:.2f} GiB of KV cache per GPU "
+            f"({tokens} tokens) next to {weights / GIB:.2f} GiB of weights at --rollout-num-gpus-per-engine "
+            f"{inputs.rollout_gpus_per_engine}: one {inputs.max_seq_len}-token sequence needs a fraction >= "
+            f"{need:.3f}; raise --rollout-num-gpus-per-engine or --gpu-memory-gib, or shrink the actor")
+    return SGLangShare(mem_fraction_static=frac, computed=computed, weights=weights, kv_cache=kv,
+                       kv_tokens=tokens, actor_generation=actor)
+
+
+def generation_lines(share: SGLangShare) -> dict[str, float]:
+    """Component -> bytes of one GPU while generating (colocated)."""
+    return {**share.actor_generation,
+            "SGLang weights (TP shard)": share.weights,
+            f"SGLang KV cache ({share.kv_tokens:,} tokens)": share.kv_cache,
+            "SGLang runtime: CUDA graphs, activations (assumed)": SGLANG_RUNTIME_GIB * GIB}
 
 
 # ---- --dry-run ---------------------------------------------------------------------------------------
@@ -312,7 +423,10 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Qwen2Arch, ParallelLayout,
     inputs = PlanInputs(tokens_per_micro_batch=tokens, max_seq_len=max_len, params_dtype=params_dtype,
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         fused_logprob=args.use_fused_logprob, gpu_memory_gib=args.gpu_memory_gib,
-                        packed=args.pack_sequences, fused_linear_logprob=args.fused_linear_logprob)
+                        packed=args.pack_sequences, fused_linear_logprob=args.fused_linear_logprob,
+                        colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
+                        mem_fraction_static=args.mem_fraction_static,
+                        sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0)
     spec = ActivationSpec.for_qwen2(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
                                     "bfloat16" else 4)
     return arch, layout, inputs, spec
@@ -373,7 +487,39 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     lines.append(f"last-stage logits per micro-batch: {full / GIB:.2f} GiB as [tokens x V/tp] logits, "
                  f"{head / GIB:.2f} GiB with --fused-linear-logprob (saves {(full - head) / GIB:.2f} GiB; "
                  f"{'on' if inputs.fused_linear_logprob else 'off'})")
+    if inputs.colocate:
+        lines += colocated_lines(arch, plans, inputs, spec)
     return lines
+
+
+def colocated_lines(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, spec: ActivationSpec
+                    ) -> list[str]:
+    """The generation phase and the SGLang share (the table above is the training phase)."""
+    share = sglang_share(arch, plans, inputs, spec.bytes_per_element)
+    gen = generation_lines(share)
+    gpu = inputs.gpu_memory_gib
+    lines = ["phase: training = the table above (SGLang released its weights, KV cache and CUDA graphs)",
+             f"phase: generation (actor's grads and optimizer state offloaded to host){'GiB per GPU':>14}"]
+    for key, value in gen.items():
+        lines.append(f"{key:<48}{value / GIB:>10.2f}")
+    lines.append(f"{'total':<48}{sum(gen.values()) / GIB:>10.2f}")
+    lines.append(
+        f"SGLang share: --mem-fraction-static {share.mem_fraction_static:.2f} "
+        f"({'computed from this plan' if share.computed else 'given'}) = {share.static / GIB:.2f} GiB of "
+        f"{gpu:g}: weights {share.weights / GIB:.2f} + KV cache {share.kv_cache / GIB:.2f} GiB "
+        f"({share.kv_tokens:,} tokens per engine of {inputs.rollout_gpus_per_engine} GPUs)")
+    return lines
+
+
+def phase_peaks_gib(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+                    ) -> dict[str, float]:
+    """{'training': GiB, 'generation': GiB} of the fullest GPU (generation only with --colocate)."""
+    plans = plan_stages(arch, layout, inputs, spec)
+    out = {"training": peak_gib(plans)}
+    if inputs.colocate:
+        out["generation"] = sum(generation_lines(sglang_share(arch, plans, inputs, spec.bytes_per_element))
+                                .values()) / GIB
+    return out
 
 
 def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -382,13 +528,16 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         arch, layout, inputs, spec = plan_from_args(args)
         lines = format_plan(arch, layout, inputs, spec)
-        peak = peak_gib(plan_stages(arch, layout, inputs, spec))
+        phases = phase_peaks_gib(arch, layout, inputs, spec)
+        peak = max(phases.values())
     except (ValueError, FileNotFoundError) as exc:
         print(f"plan: error: {exc}", file=out)
         return 2
     for line in lines:
         print(line, file=out)
     fits = peak <= inputs.gpu_memory_gib
+    if inputs.colocate:
+        print("phases: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in phases.items()), file=out)
     if fits:
         print(f"headroom: {(1 - peak / inputs.gpu_memory_gib) * 100:.1f}% of --gpu-memory-gib", file=out)
     else:

@@ -172,6 +172,23 @@ def rollout_engine_kind(args: argparse.Namespace) -> str:
     return args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
 
 
+def memory_server_args(args: argparse.Namespace, *, cuda: bool) -> tuple[str, ...]:
+    """SGLang flags for the memory of launched CUDA servers: --mem-fraction-static (given, or with --colocate the
+    planner's, megatron_dapo/planner.py) and, colocated, --enable-memory-saver (without it
+    release_memory_occupation frees nothing). CPU servers size their KV cache by tokens (sglang_server.py)."""
+    if not cuda:
+        return ()
+    frac = args.mem_fraction_static
+    if frac is None and args.colocate:
+        from megatron_dapo.planner import plan_from_args, plan_stages, sglang_share
+
+        arch, layout, inputs, spec = plan_from_args(args)
+        frac = sglang_share(arch, plan_stages(arch, layout, inputs, spec), inputs,
+                            spec.bytes_per_element).mem_fraction_static
+    out = ("--mem-fraction-static", f"{frac:g}") if frac is not None else ()
+    return out + (("--enable-memory-saver",) if args.colocate else ())
+
+
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
     """The engine of global rank 0: embedded on CPU, else SGLang servers (launched or attached)."""
     from megatron_dapo.rollout import make_engine
@@ -193,14 +210,14 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     cuda = torch.cuda.is_available()
     seeded = args.seed is not None  # the rollouts carry per-request sampling seeds
     server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=args.sglang_gpus,
-                                                                     colocate=args.sglang_colocate)
+                                                                     colocate=args.colocate)
     trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
                    if cuda else None)
     api_key = args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
-                                                  colocate=args.sglang_colocate, trainer_gpu=trainer_gpu,
+                                                  colocate=args.colocate, trainer_gpu=trainer_gpu,
                                                   server_gpus=None if attach else args.sglang_gpus),
         bucket_bytes=args.weight_sync_bucket_mb << 20,
         sync_backend="nccl" if cuda else "gloo",
@@ -219,7 +236,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     python = args.sglang_python or sys.executable
     if not cuda and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
         python = ".venv-sglang/bin/python"  # the CPU SGLang environment of `make sglang-env`
-    extra_args = tuple(args.sglang_extra_args.split())
+    extra_args = tuple(args.sglang_extra_args.split()) + memory_server_args(args, cuda=cuda)
     deterministic, note = server_setup.deterministic_server_args(
         seeded=seeded, wanted=args.sglang_deterministic_inference, device="cuda" if cuda else "cpu",
         extra_args=extra_args)
@@ -269,6 +286,18 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
                             pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
     check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
                            global_batch_size=args.global_batch_size, dp=dp)
+    from megatron_dapo.colocate import check_colocate_flags
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        check_colocate_flags(colocate=args.colocate, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                             gpus_per_node=int(local) if local else None, gpus_per_engine=args.sglang_tp_size,
+                             num_servers=args.sglang_num_servers, server_urls=args.sglang_server_urls,
+                             sglang_gpus=args.sglang_gpus, weight_sync_mode=args.weight_sync_mode,
+                             rollout_engine=args.rollout_engine, extra_args=args.sglang_extra_args.split(),
+                             mem_fraction_static=args.mem_fraction_static, async_rollout=args.async_rollout)
+    except ValueError as err:
+        raise UserError(str(err)) from err
     return reward_fn
 
 
@@ -394,8 +423,12 @@ def train(args: argparse.Namespace) -> None:
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
+    if args.colocate:
+        trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.wait_group)
     try:
         if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
+            if trainer.phases is not None:  # --colocate: push with the actor offloaded
+                trainer.phases.start()
             trainer.sync_weights(0)
         else:
             resume(args, trainer, sampler)
@@ -419,6 +452,22 @@ def train(args: argparse.Namespace) -> None:
 
             comm.barrier()
             dist.destroy_process_group()
+
+
+def make_colocated(args: argparse.Namespace, actor, engine, wait_group):
+    """--colocate: this rank's PhaseSwitcher and ColocatedPusher (a collective: every rank makes every engine's
+    group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port)."""
+    from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher
+    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+
+    urls = args.sglang_server_urls or [f"http://{args.sglang_host}:{args.sglang_base_port + i}"
+                                       for i in range(args.sglang_num_servers)]
+    groups = make_engine_groups(urls, args.sglang_tp_size)
+    pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
+                             api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None)
+    barrier = (lambda: dist.barrier(group=wait_group)) if wait_group is not None else None
+    return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
+                         barrier=barrier), pusher
 
 
 def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, init_ckpt: str | None):
@@ -469,6 +518,8 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
                   f"groups; without --partial-rollout they are dropped", file=sys.stderr)
     trainer.step = int(extra["step"])
     trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
+    if trainer.phases is not None:  # --colocate: push with the actor offloaded, not next to the full engine
+        trainer.phases.start()
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:
         print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")

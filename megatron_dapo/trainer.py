@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,10 @@ from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.stage_sync import StageSync
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.weights.export import iter_hf_weights
+
+if TYPE_CHECKING:
+    from megatron_dapo.colocate import PhaseSwitcher
+    from megatron_dapo.rollout.colocated_push import ColocatedPusher
 
 
 @dataclass
@@ -109,6 +113,10 @@ class Trainer:
     carried: list[CarriedGroup] = field(default_factory=list)
     """Rank 0, --partial-rollout: groups cut at the end of the last step, resumed first by the next one (in the
     checkpoint: train.py's save)."""
+    phases: PhaseSwitcher | None = None
+    """--colocate: the PhaseSwitcher (megatron_dapo/colocate.py) of this rank; None on separate GPUs."""
+    pusher: ColocatedPusher | None = None
+    """--colocate: this rank's ColocatedPusher (rollout/colocated_push.py), which replaces rank 0's push."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
     _stage_sync: StageSync | None = field(init=False, default=None)
@@ -133,15 +141,22 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
+        if self.phases is not None and self.phases.phase == "training":
+            self.phases.start()                                    # colocated: the engines generate first
         if cfg.eval_interval and self.step == 0:
             self.log(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             metrics, shares = self.rank0_batch(step)               # rank 0: rollout, advantages, DP split
             samples = self.distribute(shares)                      # my DP share (others wait here, gloo)
+            if self.phases is not None:
+                metrics |= self.phases.to_training()               # SGLang releases, the actor onloads
             metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
             metrics |= self.finish_ahead()                         # async: the push waits for batch step+1
-            metrics |= self.sync_weights(step)                     # actor -> rollout engine
+            if self.phases is not None:                            # offload, resume SGLang, push
+                metrics |= self.phases.to_generation(lambda v=step: self.sync_weights(v))
+            else:
+                metrics |= self.sync_weights(step)                 # actor -> rollout engine
             if cfg.eval_interval and step % cfg.eval_interval == 0:
                 metrics |= self.evaluate()                         # avg@k on held-out prompts
             self.step = step
@@ -315,7 +330,12 @@ class Trainer:
                 return metrics | {"time/sync_s": time.perf_counter() - t0}
         named = iter_hf_weights(self.actor.chunks, self.actor.arch)
         metrics: dict[str, float] = {}
-        if self.engine is not None:
+        if self.pusher is not None:  # colocated: every rank hands its bucket to the engine on its GPU
+            metrics = self.pusher.push(named, version=version)
+            if self.engine is not None:
+                self.engine.set_weight_version(version)
+                metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it
+        elif self.engine is not None:
             self.engine.update_weights(named, version=version)
             metrics = self.engine.take_metrics()  # this step's server recoveries (rollout and sync)
         else:
@@ -337,8 +357,14 @@ class Trainer:
         return metrics
 
     def save(self, step: int) -> None:
-        if self.save_fn is not None:
-            self.save_fn(step)
+        if self.save_fn is None:
+            return
+        offloaded = self.phases is not None and self.phases.offloader.offloaded
+        if offloaded:  # colocated: the optimizer state is on the host between steps; the checkpoint needs it
+            self.phases.offloader.onload()
+        self.save_fn(step)
+        if offloaded:
+            self.phases.offloader.offload()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:

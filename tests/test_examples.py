@@ -92,9 +92,9 @@ def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, e
     args = build_parser().parse_args(train_args)
     attach = bool(args.sglang_server_urls)
     if not attach:
-        launched_server_gpus(cuda=True, sglang_gpus=args.sglang_gpus, colocate=args.sglang_colocate)
+        launched_server_gpus(cuda=True, sglang_gpus=args.sglang_gpus, colocate=args.colocate)
     rank0_gpu = physical_gpu(0, seen.get("CUDA_VISIBLE_DEVICES"))
     mode = weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=True,
-                            colocate=args.sglang_colocate, trainer_gpu=rank0_gpu,
+                            colocate=args.colocate, trainer_gpu=rank0_gpu,
                             server_gpus=None if attach else args.sglang_gpus)
     assert mode == "distributed"  # the servers run on GPUs of their own in both launchers

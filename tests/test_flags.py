@@ -27,6 +27,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 
 EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang_server.py": {"--mem-fraction-static"},  # sglang.launch_server's own
+    "megatron_dapo/rollout/sglang_engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
+    "megatron_dapo/train.py": {"--enable-memory-saver"},  # passed to launched colocated servers
 }
 """file (relative to the repo) -> flags of another program that the file names on purpose."""
 CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/")

@@ -64,6 +64,11 @@ def test_dry_run_reports_every_part_with_numbers(dry_run):
     if not any(r["recompute"] == "full" for r in scale["rows"]):
         assert any("recompute is not available in this build" in n for n in scale["notes"])
 
+    colocate = parts["colocate"]
+    assert colocate["weights_max_abs_diff_vs_no_offload"] == 0.0  # CPU: offload/onload is bit-exact
+    assert [r["step"] for r in colocate["rows"]] == [1, 2]
+    assert all(r["offloaded_gib"] > 0 and _number(r["to_generation_s"]) for r in colocate["rows"])
+
     md = (out / "gpu_smoke.md").read_text()
     for part in gpu_smoke.PARTS:
         assert f"## {part}: ok" in md

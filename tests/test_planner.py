@@ -249,3 +249,63 @@ def test_interleaved_activations_match_korthikanti_factor():
     for a, b in zip(plain, vpp):
         assert {k: x for k, x in a.lines.items() if "activation" not in k} == \
             {k: x for k, x in b.lines.items() if "activation" not in k}
+
+
+# ---- --colocate ------------------------------------------------------------------------------------------
+
+COLOCATED = ("examples/run_qwen2.5_32b_colocated.sh",
+             {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "LAUNCH_ENGINES": "0",
+              "SGLANG_URLS": " ".join(f"http://n{i // 2}:{30000 + i % 2}" for i in range(32))}, "qwen2.5-32B")
+
+
+def test_colocated_launcher_fits_80gb_in_both_phases(tmp_path):
+    """16 x 8 GPUs, each an actor rank and an SGLang shard: training (actor + released SGLang) and generation
+    (actor leftovers + SGLang weights, KV cache, runtime) both under 90% of 80 GB; the launcher's
+    --mem-fraction-static is the one the planner computes."""
+    args = _launcher_train_args(tmp_path, *COLOCATED)
+    assert args[args.index("--world-size") + 1] == "128"
+    rc, lines = _dry_run(args)
+    assert rc == 0, "\n".join(lines)
+    phases = dict(p.split(" ")[:2] for p in lines[-3].removeprefix("phases: ").removesuffix(" GiB").split(" GiB, "))
+    assert set(phases) == {"training", "generation"}, lines[-3]
+    assert all(float(v) <= (1 - planner.HEADROOM) * 80 for v in phases.values()), "\n".join(lines)
+    assert any(line.startswith("SGLang (colocated, released)") for line in lines)
+    given = args[args.index("--mem-fraction-static") + 1]
+    i = args.index("--mem-fraction-static")
+    rc, computed = _dry_run(args[:i] + args[i + 2:])
+    share = next(line for line in computed if line.startswith("SGLang share:"))
+    assert share.startswith(f"SGLang share: --mem-fraction-static {given} (computed"), share
+    assert next(line for line in lines if line.startswith("SGLang share:")).endswith("per engine of 4 GPUs)")
+
+
+def test_colocated_share_by_hand():
+    """The SGLang share written out: weights = the TP4 shard's parameters x 2 B, KV = frac x 80 GiB - weights,
+    tokens = KV / (2 x 64 layers x 2 kv heads x 128 x 2 B); frac = floor((72 - actor leftovers - 4) / 80)."""
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True, recompute_granularity="full", recompute_method="uniform",
+                            recompute_num_layers=1)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
+                                rollout_gpus_per_engine=4, sglang_gib=planner.SGLANG_RELEASED_GIB)
+    plans = planner.plan_stages(arch, layout, inputs, spec)
+    share = planner.sglang_share(arch, plans, inputs)
+    h, f, v = arch.hidden_size, arch.intermediate_size, 152064
+    per_layer = (h * (5120 + 2048) + (5120 + 2048) + 5120 * h + 3 * h * f) // 4 + 2 * h
+    weights = 2 * (64 * per_layer + 2 * v * h // 4 + h)
+    assert share.weights == weights
+    actor = 2 * planner.stage_parameters(arch, layout, 0) + 2 * planner.GIB  # bf16 weights + context
+    frac = int((0.9 * 80 * planner.GIB - actor - 4 * planner.GIB) / (80 * planner.GIB) * 100) / 100
+    assert share.mem_fraction_static == frac and share.computed
+    assert share.kv_tokens == int((frac * 80 * planner.GIB - weights) // (2 * 64 * 2 * 128 * 2))
+
+
+def test_colocated_fraction_too_small_names_the_flag():
+    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True)
+    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
+                                rollout_gpus_per_engine=4, mem_fraction_static=0.2)
+    with pytest.raises(ValueError, match="--mem-fraction-static 0.20 .given.*--rollout-num-gpus-per-engine"):
+        planner.sglang_share(arch, planner.plan_stages(arch, layout, inputs, spec), inputs)
+    with pytest.raises(ValueError, match="--mem-fraction-static must be in"):
+        planner.PlanInputs(tokens_per_micro_batch=1, max_seq_len=1, mem_fraction_static=1.0)

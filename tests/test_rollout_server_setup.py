@@ -25,7 +25,7 @@ BASE = ["--hf-checkpoint", "/models/fake", "--prompt-data", "p.jsonl", "--num-st
 
 
 def test_launched_servers_on_cuda_need_their_gpus_or_an_explicit_colocate():
-    with pytest.raises(ValueError, match="--sglang-gpus .*--sglang-colocate"):
+    with pytest.raises(ValueError, match="--sglang-gpus .*--colocate"):
         launched_server_gpus(cuda=True, sglang_gpus=None, colocate=False)
     assert launched_server_gpus(cuda=True, sglang_gpus="4,5,6,7", colocate=False) == \
         {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
@@ -120,10 +120,11 @@ def test_make_rollout_engine_on_cuda(on_cuda, capsys):
     assert kw["client"].update_mode == "distributed" and kw["client"].sync_backend == "nccl"
     assert DETERMINISTIC_FLAG in capsys.readouterr().out
 
-    make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-colocate",
+    make_rollout_engine(build_parser().parse_args(BASE + ["--colocate", "--mem-fraction-static", "0.7",
                                                           "--no-sglang-deterministic-inference"]), None)
     (_, server), kw = on_cuda[-1]
     assert server.env == {} and DETERMINISTIC_FLAG not in server.extra_args
+    assert server.extra_args[-3:] == ("--mem-fraction-static", "0.7", "--enable-memory-saver")
     assert kw["client"].update_mode == "tensor"
     assert "not reproducible" in capsys.readouterr().out
 

@@ -6,6 +6,7 @@ and OUT/gpu_smoke.md.
     python tools/gpu_smoke.py trainer --out runs/gpu_smoke     # 3 demo DAPO steps on CUDA/NCCL vs the CPU run
     python tools/gpu_smoke.py kernels --out runs/gpu_smoke     # log-prob/entropy kernels at V=152064 vs fp64
     python tools/gpu_smoke.py scale --out runs/gpu_smoke       # ~1.5B Qwen2: memory, tokens/s, MFU
+    python tools/gpu_smoke.py colocate --out runs/gpu_smoke    # ~1.5B actor's phase switch: resident memory
     python tools/gpu_smoke.py report --out runs/gpu_smoke
 
 --dry runs the same plumbing with tiny sizes on CPU (gloo, the torch kernel backend): the test of this
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-PARTS = ("hf_logits", "trainer", "kernels", "scale")
+PARTS = ("hf_logits", "trainer", "kernels", "scale", "colocate")
 # bf16 dense tensor-core peak per GPU (FLOP/s), by a substring of torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
 QWEN2_5_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -430,6 +431,103 @@ def part_scale(dry: bool, out: Path) -> dict:
             "parameters": arch.num_parameters(), "peak_flops": peak, "notes": notes, "rows": rows}
 
 
+class _BlockEngine:
+    """Stands in for a colocated SGLang engine on this machine (SGLang's CUDA build is not carried to it):
+    release frees, resume re-allocates, a block of `nbytes` on the GPU, the size the engine's weights and KV
+    cache would take. It measures the allocator's side of the switch, not SGLang's own release."""
+
+    def __init__(self, nbytes: int, device) -> None:
+        import torch
+
+        self.nbytes, self.device = nbytes, device
+        self.block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def release_memory_occupation(self, tags) -> None:
+        import torch
+
+        if "weights" in tags:
+            self.block = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def resume_memory_occupation(self, tags) -> None:
+        import torch
+
+        if "weights" in tags:
+            self.block = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+
+def part_colocate(dry: bool, out: Path) -> dict:
+    """--colocate's phase switch with the ~1.5B actor (bf16) and a stand-in SGLang block of twice the weights
+    (weights + as much KV cache): memory allocated by the actor in each phase, seconds per switch, and whether
+    training after an offload/onload equals training without one (a second actor, same steps)."""
+    import torch
+
+    from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
+    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.train import build_configs
+
+    size = SIZES[dry]
+    cuda = torch.cuda.is_available()
+    model_dir = out / "colocate_model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(size["scale"]))
+    arch = Qwen2Arch.from_hf(model_dir)
+    args = build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
+                                      "--num-steps", "1", "--lr", "1e-5", "--params-dtype",
+                                      "bfloat16" if cuda else "float32",
+                                      "--max-tokens-per-micro-batch", str(size["budgets"][0])])
+    layout = _init_layout(args)
+    actor_cfg, _, _ = build_configs(args)
+    gen = torch.Generator().manual_seed(5)
+    length = size["row_len"]
+    batches = [[TrainSample(tokens=torch.randint(0, arch.vocab_size, (length,), generator=gen).tolist(),
+                            prompt_len=length // 4, advantage=1.0 if i % 2 else -1.0)
+                for i in range(size["budgets"][0] // length)] for _ in range(2)]
+    rows, notes = [], ["SGLang is a stand-in block here (its CUDA build is not on this machine): the actor's side "
+                       "and the allocator are measured, not SGLang's own release"]
+    try:
+        ref = MegatronActor(arch, actor_cfg, layout)
+        actor = MegatronActor(arch, actor_cfg, layout)
+        actor.load_shards({k: v.to(actor_cfg.torch_params_dtype) for k, v in ref.state_dict_for_export().items()},
+                          reload=True)
+        for i, batch in enumerate(batches, start=1):
+            ref.train_step(batch, rollout_step=i)
+        weights_bytes = sum(p.numel() * p.element_size() for c in actor.chunks for p in c.parameters())
+        device = next(actor.chunks[0].parameters()).device
+        engine = _BlockEngine(2 * weights_bytes, device)
+        switch = PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine)
+        switch.start()  # the run begins generating: the actor offloads first
+        for i, batch in enumerate(batches, start=1):
+            m = switch.to_training()
+            actor.train_step(batch, rollout_step=i)
+            if cuda:
+                torch.cuda.synchronize()
+            training = device_resident_bytes() / 2**30
+            g = switch.to_generation()
+            generation = device_resident_bytes() / 2**30
+            rows.append({"step": i, "to_training_s": m["colocate/to_training_s"],
+                         "to_generation_s": g["colocate/to_generation_s"],
+                         "offloaded_gib": g["colocate/actor_offloaded_gib"],
+                         "resident_gib_training (actor)": training,
+                         "resident_gib_generation (actor + stand-in)": generation,
+                         "stand_in_gib": engine.nbytes / 2**30})
+        switch.to_training()
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(
+            [p for c in actor.chunks for p in c.parameters()], [p for c in ref.chunks for p in c.parameters()]))
+        result = {"status": "ok" if diff == 0.0 or cuda else "fail", "weights_max_abs_diff_vs_no_offload": diff,
+                  "memory": "torch.cuda.memory_allocated" if cuda else "process RSS (CPU)"}
+        if cuda and diff != 0.0:
+            notes.append("not bit-exact on this GPU: nondeterministic kernels differ between the two actors too")
+    except Exception as e:
+        result = {"status": "fail", "error": f"{type(e).__name__}: {e}"}
+    destroy_parallel(keep_process_group=True)
+    return {**result, **_device_info(), "layers": _layer_impl(), "parameters": arch.num_parameters(),
+            "notes": notes, "rows": rows}
+
+
 # ---- report -----------------------------------------------------------------------------------------------
 
 def _fmt(v) -> str:
@@ -499,8 +597,10 @@ def main(argv: list[str] | None = None) -> int:
         result = part_trainer(a.dry, a.out)
     elif a.part == "kernels":
         result = part_kernels(a.dry)
-    else:
+    elif a.part == "scale":
         result = part_scale(a.dry, a.out)
+    else:
+        result = part_colocate(a.dry, a.out)
     result["seconds"] = time.perf_counter() - t0
     _write(a.out, a.part, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs")}, default=str))

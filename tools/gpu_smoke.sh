@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The first check on a GPU machine, in one command (under 8 minutes on one H200):
+# The first check on a GPU machine, in one command (under 9 minutes on one H200):
 #   1. hf_logits  a tiny Qwen2 loaded from HF weights into the Megatron model vs transformers' logits (CUDA)
 #   2. trainer    the embedded demo's DAPO loop, 3 steps on CUDA with NCCL (world size 1), vs the same seed on CPU
 #   3. kernels    the Triton log-prob/entropy kernels at V=152064 (bf16, fp32) vs fp64; time and peak memory
 #                 against the naive log_softmax + gather
 #   4. scale      a random ~1.5B Qwen2 (Qwen2.5-1.5B shapes), 3 steps at 8k and 16k tokens per micro-batch,
 #                 with and without recompute: max memory allocated, tokens/s, MFU
+#   5. colocate   --colocate's phase switch with that actor next to a stand-in SGLang block: memory resident per
+#                 phase, seconds per switch, training after offload/onload vs without
 # Each part runs in its own process under its own time limit, so one failing part keeps the others' figures.
 # Results: $OUT/gpu_smoke.json and $OUT/gpu_smoke.md (OUT defaults to runs/gpu_smoke); logs: $OUT/<part>.log.
 #
@@ -24,11 +26,11 @@ PARTS=()
 for arg in "$@"; do
     case "$arg" in
         --dry) DRY=(--dry) ;;
-        hf_logits|trainer|kernels|scale) PARTS+=("$arg") ;;
-        *) echo "usage: bash tools/gpu_smoke.sh [--dry] [hf_logits|trainer|kernels|scale ...]" >&2; exit 2 ;;
+        hf_logits|trainer|kernels|scale|colocate) PARTS+=("$arg") ;;
+        *) echo "usage: bash tools/gpu_smoke.sh [--dry] [hf_logits|trainer|kernels|scale|colocate ...]" >&2; exit 2 ;;
     esac
 done
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(hf_logits trainer kernels scale)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(hf_logits trainer kernels scale colocate)
 OUT_DIR=${OUT:-runs/gpu_smoke}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
@@ -64,9 +66,9 @@ if [ -n "$missing" ]; then
 fi
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
 
-# Per-part limits (s): the sum stays under 8 minutes with room for start-up and the report.
-declare -A LIMIT=([hf_logits]=60 [trainer]=150 [kernels]=90 [scale]=150)
-[ ${#DRY[@]} -gt 0 ] && LIMIT=([hf_logits]=300 [trainer]=300 [kernels]=300 [scale]=300)
+# Per-part limits (s): the sum stays under 9 minutes with room for start-up and the report.
+declare -A LIMIT=([hf_logits]=60 [trainer]=150 [kernels]=90 [scale]=150 [colocate]=60)
+[ ${#DRY[@]} -gt 0 ] && LIMIT=([hf_logits]=300 [trainer]=300 [kernels]=300 [scale]=300 [colocate]=300)
 for part in "${PARTS[@]}"; do
     rm -f "$OUT_DIR/$part.json" "$OUT_DIR/$part.rc"
     echo "== $part (limit ${LIMIT[$part]} s)"

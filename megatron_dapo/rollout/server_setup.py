@@ -17,13 +17,13 @@ def _gpu_list(spec: str) -> list[str]:
 
 
 def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool) -> dict[str, str]:
-    """Environment of launched servers: CUDA_VISIBLE_DEVICES=--sglang-gpus, or nothing with --sglang-colocate.
+    """Environment of launched servers: CUDA_VISIBLE_DEVICES=--sglang-gpus, or nothing with --colocate.
 
     On CUDA one of the two is required: without either, server i would start at GPU i x --sglang-tp-size of
     the actor's own devices (SGLang's base GPU id) and take the memory the actor needs.
     """
     if sglang_gpus is not None and colocate:
-        raise ValueError("--sglang-gpus and --sglang-colocate exclude each other: give the servers their own "
+        raise ValueError("--sglang-gpus and --colocate exclude each other: give the servers their own "
                          "GPUs or share the actor's, not both")
     if sglang_gpus is not None:
         if not _gpu_list(sglang_gpus):
@@ -32,8 +32,8 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
     if cuda and not colocate:
         raise ValueError(
             "launching SGLang servers on CUDA needs --sglang-gpus (their own GPUs, apart from the actor's, e.g. "
-            "--sglang-gpus 4,5,6,7) or --sglang-colocate (share the actor's GPUs; cap the servers' memory with "
-            "--sglang-extra-args). Attach to running servers with --sglang-server-urls instead"
+            "--sglang-gpus 4,5,6,7) or --colocate (share the actor's GPUs; the planner sets their "
+            "--mem-fraction-static). Attach to running servers with --sglang-server-urls instead"
         )
     return {}
 
@@ -63,7 +63,7 @@ def weight_sync_mode(*, requested: str | None, attach: bool, cuda: bool, colocat
         raise ValueError(
             f"--weight-sync-mode tensor hands the servers CUDA IPC handles of global rank 0's GPU {trainer_gpu}, "
             f"which servers on --sglang-gpus {server_gpus} cannot open: use --weight-sync-mode distributed "
-            f"(NCCL) or disk, or run the servers on the actor's GPUs with --sglang-colocate"
+            f"(NCCL) or disk, or run the servers on the actor's GPUs with --colocate"
         )
     return requested
 

@@ -344,6 +344,45 @@ class SGLangEngine(RolloutEngine):
     def resume(self) -> None:
         self._control_serving("/continue_generation", {})
 
+    def release_memory_occupation(self, tags: Sequence[str]) -> None:
+        """Colocated mode (megatron_dapo/colocate.py): every serving server frees the GPU memory of `tags`
+        ('weights', 'kv_cache', 'cuda_graph'; servers launched with --enable-memory-saver). SGLang requires an
+        idle server: a release that reaches a busy one kills its scheduler (an assertion, measured on CPU), so
+        each server is first asked /flush_cache until it answers 200, which it does only when idle. On CPU
+        SGLang 0.5.23 answers 200 and keeps its weights: nothing is freed there."""
+        self._wait_idle()
+        self._control_serving("/release_memory_occupation", {"tags": list(tags)})
+
+    def _wait_idle(self, poll_s: float = 0.05) -> None:
+        """Returns once every serving server answered /flush_cache with 200 (SGLang: no running or waiting
+        request); at most ClientConfig.control_timeout_s."""
+        async def go():
+            deadline = time.monotonic() + self.client.control_timeout_s
+            for i in self._serving():
+                while True:
+                    resp = await self._http.post(f"{self.urls[i]}/flush_cache", timeout=self.client.control_timeout_s)
+                    if resp.status_code == 200:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"SGLang {self.urls[i]} stayed busy for {self.client.control_timeout_s:.0f} "
+                                           f"s before a memory release ({resp.status_code}: {resp.text[:200]})")
+                    await asyncio.sleep(poll_s)
+
+        self._call(go(), self.client.control_timeout_s + 30)
+
+    def resume_memory_occupation(self, tags: Sequence[str]) -> None:
+        """Re-allocates what release_memory_occupation freed; resumed weights hold garbage until a push."""
+        self._control_serving("/resume_memory_occupation", {"tags": list(tags)})
+
+    def set_weight_version(self, version: int) -> None:
+        """Colocated mode: the weights were pushed by every rank (rollout/colocated_push.py), not through
+        update_weights; samples from now on carry `version`. This engine keeps no copy of them, so a server
+        lost afterwards cannot be re-synced from here (_resync refuses instead of serving old weights)."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"set_weight_version: version must be an int >= 0, got {version!r}")
+        self._version = version
+        self._pushed_elsewhere = True
+
     def _control_serving(self, path: str, body: dict) -> None:
         """`path` on every serving server; one that turns out dead goes to recovery (it comes back unpaused,
         with no requests, and takes work only once re-synced)."""
@@ -486,6 +525,10 @@ class SGLangEngine(RolloutEngine):
         worker thread; waits for an update in progress, so it always pushes the newest version."""
         with self._weights_lock:
             version, mode = self._version, self.client.update_mode
+            if version > 0 and getattr(self, "_pushed_elsewhere", False):
+                raise RuntimeError(f"{self.urls[server]} was lost in colocated mode at weight version {version}: "
+                                   f"its weights came from the actor ranks on its GPUs, not from here; "
+                                   f"restart the run from its last checkpoint (--load)")
             if version > 0 and mode == "disk":
                 reply = self._call(self._post(self.urls[server], "/update_weights_from_disk", {
                     "model_path": self._disk_weights, "weight_version": str(version)}), self.client.control_timeout_s)

@@ -60,12 +60,16 @@ class FakeState:
         # SGLang's scheduler runs one request at a time: a group init or a receive blocks the server's others
         self.collective = threading.Lock()
         self.receive_delay_s = 0.0  # a slow receive (a bucket taking time to load), --receive-delay
+        self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
+        self.memory_calls: list[tuple[str, list[str]]] = []
 
 
 def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
     rid, prompt, params = body["rid"], body["input_ids"], body["sampling_params"]
     if not body.get("return_logprob") or not isinstance(prompt, list):
         return 400, {"error": "expected input_ids and return_logprob"}
+    if state.released & {"weights", "kv_cache"}:
+        return 400, {"error": f"memory released ({sorted(state.released)}): /resume_memory_occupation first"}
     with state.lock:
         state.rids.append(rid)
     seed = params.get("sampling_seed", 0)
@@ -209,9 +213,17 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     if path == "/end_weight_update":
         state.in_update = False
         return 200, {"success": True, "message": ""}
+    if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        tags = set(body.get("tags") or ("weights", "kv_cache", "cuda_graph"))
+        with state.lock:
+            state.memory_calls.append((path.strip("/").split("_")[0], sorted(tags)))
+            state.released = state.released | tags if path.startswith("/release") else state.released - tags
+        return 200, {}
     if path == "/update_weights_from_tensor":
         if not state.in_update:  # as SGLang 0.5.23
             return 400, {"success": False, "message": "call /begin_weight_update first"}
+        if "weights" in state.released:  # on a GPU the weights' memory is gone until resumed
+            return 400, {"success": False, "message": "weights released: /resume_memory_occupation first"}
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401 - tensor reductions
@@ -219,6 +231,11 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         payloads = body["serialized_named_tensors"]
         state.tensor_payloads.append(len(payloads))  # one per TP rank, as SGLang expects
         named = ForkingPickler.loads(base64.b64decode(payloads[0]))
+        for other in payloads[1:]:  # one per TP rank: colocated pushes send each rank's own copy
+            theirs = ForkingPickler.loads(base64.b64decode(other))
+            if [n for n, _ in theirs] != [n for n, _ in named] or \
+                    any(not a.equal(b) for (_, a), (_, b) in zip(named, theirs)):
+                return 400, {"success": False, "message": "the TP ranks' payloads differ"}
         _load_tensors(state, named)
         state.version = body.get("weight_version") or state.version
         return 200, {"success": True, "message": "ok"}
@@ -236,7 +253,7 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
                          "weights": state.weights, "aborted": sorted(state.aborted),
                          "authorizations": list(state.authorizations), "group_inits": list(state.group_inits),
                          "tensor_payloads": list(state.tensor_payloads),
-                    "received": list(state.received)}
+                    "received": list(state.received), "memory_calls": list(state.memory_calls)}
     return 404, {"error": f"no route {path}"}
 
 

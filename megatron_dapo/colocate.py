@@ -1,0 +1,283 @@
+"""Colocated (hybrid) mode, --colocate: the actor and SGLang take turns on the same GPUs every step.
+
+    generation --(to_training)--> training --(to_generation)--> generation ...
+  to_training:   SGLang /release_memory_occupation (weights, KV cache, CUDA graphs); the actor onloads its
+                 optimizer state (host -> device) and re-allocates its grad buffers (zeroed).
+  to_generation: the actor offloads optimizer state to host and frees its grad buffers, empties the CUDA
+                 cache; SGLang /resume_memory_occupation of its weights, the new weights are pushed, then
+                 its KV cache and CUDA graphs are resumed (the order of slime and verl: the push needs the
+                 weight memory back, the KV pool would otherwise sit next to the push buffers).
+
+Offload moves whole tensor storages (`untyped_storage().resize_(0)` after a copy to pinned host memory; back
+with resize_ and a copy), as megatron-core's DDP.offload_grad_buffers does for grads: every view (param.
+main_grad into the DDP grad buffer, the optimizer's state tensors) stays the same Python object and sees the
+bytes again after onload, so training continues bit-exactly (tests/test_colocate.py). Grad buffers are not
+copied: train_step zeroes them first anyway (zero_grad_buffer).
+
+Cost at the production setting (Qwen2.5-32B, 16 x 8 GPUs, TP8 x PP2, DP 8, bf16, distributed optimizer):
+per GPU the actor holds ~2.05 B parameters of its stage (the --dry-run plan): 7.6 GiB of fp32 grads freed (no
+copy), 12 B/param / DP 8 = 2.9 GiB of fp32 Adam state and main params copied each way over PCIe (~25 GB/s
+pinned: ~0.12 s per switch; the 8 GPUs of a node share the host links: up to ~1 s); the bf16 weights (3.8 GiB)
+stay. SGLang's release/resume of its 15.3 GiB TP4 weight shard and 46 GiB KV cache are allocator calls
+(torch_memory_saver), well under 1 s; the weight push is then local to each GPU
+(megatron_dapo/rollout/colocated_push.py).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang 0.5.23's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*)."""
+
+
+# ---- flags ---------------------------------------------------------------------------------------------
+def check_colocate_flags(*, colocate: bool, world_size: int, gpus_per_node: int | None, gpus_per_engine: int,
+                         num_servers: int, server_urls: Sequence[str] | None, sglang_gpus: str | None,
+                         weight_sync_mode: str | None, rollout_engine: str | None, extra_args: Sequence[str],
+                         mem_fraction_static: float | None, async_rollout: int = 0) -> None:
+    """Raise ValueError (naming the flags) for a --colocate combination that cannot work.
+
+    Engine e runs on the GPUs of global ranks e x g ... (e + 1) x g - 1 (g = --rollout-num-gpus-per-engine):
+    one engine never spans two nodes, every actor rank is on exactly one engine's GPU."""
+    if "--mem-fraction-static" in extra_args and (colocate or mem_fraction_static is not None):
+        raise ValueError("--mem-fraction-static is given in --sglang-extra-args: use the --mem-fraction-static "
+                         "flag instead (with --colocate the planner computes or validates it)")
+    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mem_fraction_static}")
+    if not colocate:
+        return
+    if async_rollout:
+        raise ValueError("--colocate and --async-rollout 1 exclude each other: a colocated engine releases its GPU "
+                         "memory while the actor trains, so it cannot generate the next batch meanwhile")
+    if rollout_engine == "embedded":
+        raise ValueError("--colocate needs --rollout-engine sglang (the embedded engine always shares the actor's "
+                         "process)")
+    if sglang_gpus is not None:
+        raise ValueError("--colocate and --sglang-gpus exclude each other: colocated engines use the actor's GPUs")
+    if weight_sync_mode not in (None, "tensor"):
+        raise ValueError(f"--colocate pushes weights by handle on each GPU: --weight-sync-mode must be tensor "
+                         f"(or unset), got {weight_sync_mode}")
+    if gpus_per_engine < 1 or world_size % gpus_per_engine:
+        raise ValueError(f"--rollout-num-gpus-per-engine {gpus_per_engine} must divide the {world_size} actor "
+                         f"GPUs under --colocate")
+    if gpus_per_node is not None and gpus_per_node % gpus_per_engine:
+        raise ValueError(f"--rollout-num-gpus-per-engine {gpus_per_engine} must divide the {gpus_per_node} GPUs "
+                         f"per node under --colocate (an engine cannot span nodes)")
+    engines = world_size // gpus_per_engine
+    if server_urls:
+        if len(server_urls) != engines:
+            raise ValueError(f"--colocate with --sglang-server-urls: {world_size} GPUs / "
+                             f"--rollout-num-gpus-per-engine {gpus_per_engine} = {engines} engines, but "
+                             f"{len(server_urls)} URLs were given (one per engine, in global rank order)")
+    elif num_servers * gpus_per_engine != world_size:
+        raise ValueError(f"--colocate launches --sglang-num-servers {num_servers} engines of "
+                         f"--rollout-num-gpus-per-engine {gpus_per_engine} GPUs from global rank 0, which must "
+                         f"cover the {world_size} actor GPUs; across nodes start them with the launcher "
+                         f"(examples/run_qwen2.5_32b_colocated.sh) and pass --sglang-server-urls")
+
+
+def engine_of_rank(rank: int, gpus_per_engine: int) -> tuple[int, int]:
+    """(engine index, SGLang TP rank within it) of the GPU that global rank `rank` runs on."""
+    return rank // gpus_per_engine, rank % gpus_per_engine
+
+
+# ---- the actor's side ------------------------------------------------------------------------------------
+def process_rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc/self/statm; else the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _leaf_optimizers(optimizer) -> list:
+    """The megatron optimizers under a ChainedOptimizer (or the one given)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    return [o for c in chained for o in _leaf_optimizers(c)] if chained is not None else [optimizer]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class _Held:
+    tensor: torch.Tensor
+    """One tensor on the storage (the storage is what moves; every view follows)."""
+    nbytes: int
+    host: torch.Tensor | None = None
+    """The bytes while offloaded (None for grad buffers: they are zeroed on onload)."""
+
+
+@dataclass
+class ActorOffloader:
+    """Offloads a megatron-core actor's DDP grad buffers and optimizer state between the training phases.
+
+    `chunks`: the DDP-wrapped model chunks; `optimizer`: megatron's (chained) optimizer. Model parameters
+    (and the DDP param buffers they view) never move: they are the source of the weight push."""
+
+    chunks: Sequence[torch.nn.Module]
+    optimizer: object
+    offloaded: bool = field(default=False, init=False)
+    _grads: list[_Held] = field(default_factory=list, init=False)
+    _state: list[_Held] = field(default_factory=list, init=False)
+
+    def _collect(self) -> None:
+        model = {_storage_key(p) for c in self.chunks for p in c.parameters()}
+        for c in self.chunks:
+            for buf in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", []):
+                if buf.param_data is not None:
+                    model.add(_storage_key(buf.param_data))
+        seen: set[int] = set()
+        self._grads = []
+        for c in self.chunks:
+            for buf in getattr(c, "buffers", []) + getattr(c, "expert_parallel_buffers", []):
+                key = _storage_key(buf.grad_data)
+                if key not in seen:
+                    seen.add(key)
+                    self._grads.append(_Held(buf.grad_data, buf.grad_data.untyped_storage().nbytes()))
+        self._state = []
+        for opt in _leaf_optimizers(self.optimizer):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            tensors = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tensors += [p for g in inner.param_groups for p in g["params"]]  # fp32 main params (bf16 runs)
+            for t in tensors:
+                key = _storage_key(t)
+                if key in model or key in seen or t.untyped_storage().nbytes() == 0:
+                    continue
+                seen.add(key)
+                self._state.append(_Held(t, t.untyped_storage().nbytes()))
+
+    def offload(self) -> dict[str, float]:
+        """Frees the grad buffers and moves optimizer state to (pinned, on CUDA) host memory; empties the CUDA
+        cache. Returns colocate/offload_s and the bytes moved (colocate/actor_offloaded_gib)."""
+        if self.offloaded:
+            raise RuntimeError("ActorOffloader.offload: already offloaded (call onload first)")
+        t0 = time.perf_counter()
+        self._collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for h in self._state:
+            storage = h.tensor.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(storage)
+            pin = whole.is_cuda
+            h.host = torch.empty(h.nbytes, dtype=torch.uint8, pin_memory=pin)
+            h.host.copy_(whole)
+            del whole
+            storage.resize_(0)
+        for h in self._grads:
+            h.tensor.untyped_storage().resize_(0)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.offloaded = True
+        return {"colocate/offload_s": time.perf_counter() - t0,
+                "colocate/actor_offloaded_gib": (self.state_bytes + self.grad_bytes) / 2**30}
+
+    def onload(self) -> dict[str, float]:
+        """Re-allocates the grad buffers (zeroed) and copies optimizer state back to where it was."""
+        if not self.offloaded:
+            raise RuntimeError("ActorOffloader.onload: nothing offloaded")
+        t0 = time.perf_counter()
+        for h in self._grads:
+            h.tensor.untyped_storage().resize_(h.nbytes)
+            torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(h.tensor.untyped_storage()).zero_()
+        for h in self._state:
+            storage = h.tensor.untyped_storage()
+            storage.resize_(h.nbytes)
+            torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(storage).copy_(h.host)
+            h.host = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.offloaded = False
+        return {"colocate/onload_s": time.perf_counter() - t0}
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(h.nbytes for h in self._state)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(h.nbytes for h in self._grads)
+
+
+# ---- the phases ------------------------------------------------------------------------------------------
+def device_resident_bytes() -> int:
+    """What this process holds now: CUDA memory allocated on its device, else (CPU) its RSS."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated()
+    return process_rss_bytes()
+
+
+@dataclass
+class PhaseSwitcher:
+    """Runs the two phase switches of a colocated step and reports their metrics.
+
+    `engine`: the SGLang side (SGLangEngine: release_memory_occupation / resume_memory_occupation), on the
+    rank that owns it (global rank 0), None elsewhere; `offloader`: this rank's ActorOffloader; `barrier`:
+    a collective over every rank (the engines must be released before any rank onloads, and resumed only
+    after every rank offloaded), None in a world of one."""
+
+    offloader: ActorOffloader
+    engine: object | None = None
+    barrier: Callable[[], None] | None = None
+    phase: str = "training"
+
+    def _sync(self) -> None:
+        if self.barrier is not None:
+            self.barrier()
+
+    def to_training(self) -> dict[str, float]:
+        """SGLang releases weights, KV cache and CUDA graphs; then the actor onloads."""
+        if self.phase != "generation":
+            raise RuntimeError(f"PhaseSwitcher.to_training from phase {self.phase!r}")
+        t0 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.release_memory_occupation(RELEASE_TAGS)
+        self._sync()
+        metrics = self.offloader.onload()
+        self._sync()
+        self.phase = "training"
+        return metrics | {"colocate/to_training_s": time.perf_counter() - t0,
+                          "colocate/actor_resident_gib_training": device_resident_bytes() / 2**30}
+
+    def to_generation(self, push: Callable[[], dict[str, float]] | None = None) -> dict[str, float]:
+        """The actor offloads; SGLang resumes its weights, `push()` (a collective on every rank) sends the new
+        ones, then SGLang resumes its KV cache and CUDA graphs. Returns the metrics, `push()`'s included."""
+        if self.phase != "training":
+            raise RuntimeError(f"PhaseSwitcher.to_generation from phase {self.phase!r}")
+        t0 = time.perf_counter()
+        metrics = self.offloader.offload()
+        resident = device_resident_bytes()
+        self._sync()
+        if self.engine is not None:
+            self.engine.resume_memory_occupation(("weights",))
+        self._sync()
+        t_push = time.perf_counter()
+        if push is not None:
+            metrics |= push()
+        push_s = time.perf_counter() - t_push
+        if self.engine is not None:
+            self.engine.resume_memory_occupation(tuple(t for t in RELEASE_TAGS if t != "weights"))
+        self._sync()
+        self.phase = "generation"
+        return metrics | {"colocate/to_generation_s": time.perf_counter() - t0 - push_s,
+                          "colocate/actor_resident_gib_generation": resident / 2**30}
+
+    def start(self) -> dict[str, float]:
+        """At start-up the actor holds everything and the engines have their initial weights: offload only."""
+        metrics = self.offloader.offload()
+        self._sync()
+        self.phase = "generation"
+        return metrics
+

@@ -1,0 +1,205 @@
+"""Colocated mode (megatron_dapo/colocate.py): the actor's offload/onload is exact, the phase switch talks to
+SGLang in the right order, the flag combinations fail with errors naming the flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.actor import ActorConfig, MegatronActor
+from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, check_colocate_flags, engine_of_rank
+from tests.dist.actor_common import load_hf_weights, make_samples, single_process_world
+
+
+@pytest.fixture(scope="module")
+def world():
+    yield from single_process_world(hf_seed=7)
+
+
+def _actor(world, **overrides) -> MegatronActor:
+    layout, hf, arch = world
+    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "max_tokens_per_micro_batch": 64, **overrides}), layout)
+    load_hf_weights(actor, hf)
+    return actor
+
+
+def _state(actor: MegatronActor) -> dict[str, torch.Tensor]:
+    out = {f"p.{n}": p.detach().clone() for c in actor.chunks for n, p in c.named_parameters()}
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        inner = opt.optimizer
+        for i, st in enumerate(inner.state.values()):
+            for k, v in st.items():
+                out[f"s.{i}.{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+    return out
+
+
+def test_offload_then_onload_continues_training_bit_exactly(world):
+    """Two optimizer steps with an offload/onload between them == two steps never offloaded, bit for bit
+    (weights and Adam state), and while offloaded the grad buffer and Adam state hold no memory."""
+    s1, s2 = make_samples(6, seed=11), make_samples(6, seed=12)
+    ref = _actor(world)
+    ref.train_step(s1, rollout_step=1)
+    ref_metrics = ref.train_step(s2, rollout_step=2)
+
+    actor = _actor(world)
+    actor.train_step(s1, rollout_step=1)
+    off = ActorOffloader(actor.chunks, actor.optimizer)
+    before = _state(actor)
+    metrics = off.offload()
+    assert off.grad_bytes > 0 and off.state_bytes > 0
+    params = sum(p.numel() for c in actor.chunks for p in c.parameters())
+    assert off.state_bytes >= 2 * 4 * params  # exp_avg + exp_avg_sq in fp32 (+ step scalars)
+    assert metrics["colocate/actor_offloaded_gib"] == pytest.approx((off.grad_bytes + off.state_bytes) / 2**30)
+    assert all(h.tensor.untyped_storage().nbytes() == 0 for h in off._state + off._grads)
+    assert all(p.untyped_storage().nbytes() > 0 for c in actor.chunks for p in c.parameters())  # weights stay
+    off.onload()
+    after = _state(actor)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    metrics = actor.train_step(s2, rollout_step=2)
+    assert metrics["pg_loss"] == ref_metrics["pg_loss"] and metrics["grad_norm"] == ref_metrics["grad_norm"]
+    got, want = _state(actor), _state(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+class _Recorder:
+    def __init__(self, log):
+        self.log = log
+
+    def release_memory_occupation(self, tags):
+        self.log.append(("release", tuple(tags)))
+
+    def resume_memory_occupation(self, tags):
+        self.log.append(("resume", tuple(tags)))
+
+
+class _FakeOffloader:
+    def __init__(self, log):
+        self.log = log
+
+    def offload(self):
+        self.log.append("offload")
+        return {"colocate/offload_s": 0.0}
+
+    def onload(self):
+        self.log.append("onload")
+        return {"colocate/onload_s": 0.0}
+
+
+def test_phase_switch_order():
+    """release before onload; offload, resume weights, push, then resume KV cache and CUDA graphs."""
+    log: list = []
+    sw = PhaseSwitcher(offloader=_FakeOffloader(log), engine=_Recorder(log), barrier=lambda: log.append("|"))
+    sw.start()
+    m = sw.to_training()
+    assert "colocate/to_training_s" in m
+    m = sw.to_generation(lambda: log.append("push") or {"sync/seconds": 1.0})
+    assert m["sync/seconds"] == 1.0 and "colocate/to_generation_s" in m
+    assert log == ["offload", "|", ("release", ("weights", "kv_cache", "cuda_graph")), "|", "onload", "|",
+                   "offload", "|", ("resume", ("weights",)), "|", "push", ("resume", ("kv_cache", "cuda_graph")),
+                   "|"]
+    with pytest.raises(RuntimeError, match="from phase 'generation'"):
+        sw.to_generation()
+
+
+BASE = dict(colocate=True, world_size=16, gpus_per_node=8, gpus_per_engine=4, num_servers=1, server_urls=None,
+            sglang_gpus=None, weight_sync_mode=None, rollout_engine="sglang", extra_args=(), mem_fraction_static=None)
+
+
+@pytest.mark.parametrize("change,flag", [
+    (dict(sglang_gpus="4,5"), "--sglang-gpus"),
+    (dict(weight_sync_mode="distributed"), "--weight-sync-mode"),
+    (dict(rollout_engine="embedded"), "--rollout-engine"),
+    (dict(gpus_per_engine=3, world_size=12, gpus_per_node=8, server_urls=["u"] * 4), "--rollout-num-gpus-per-engine"),
+    (dict(gpus_per_engine=16), "--rollout-num-gpus-per-engine"),
+    (dict(server_urls=["http://a:1"] * 3), "--sglang-server-urls"),
+    (dict(num_servers=2), "--sglang-num-servers"),
+    (dict(extra_args=("--mem-fraction-static", "0.5")), "--sglang-extra-args"),
+    (dict(mem_fraction_static=1.2), "--mem-fraction-static"),
+    (dict(async_rollout=1), "--async-rollout"),
+])
+def test_colocate_flag_errors_name_the_flag(change, flag):
+    with pytest.raises(ValueError, match=flag):
+        check_colocate_flags(**{**BASE, **change})
+
+
+def test_colocate_flags_that_work():
+    check_colocate_flags(**{**BASE, "server_urls": [f"http://n{i}:30000" for i in range(4)]})
+    check_colocate_flags(**{**BASE, "world_size": 8, "gpus_per_node": None, "num_servers": 2})
+    # separate GPUs: SGLang's own option through --sglang-extra-args stays allowed
+    check_colocate_flags(**{**BASE, "colocate": False, "extra_args": ("--mem-fraction-static", "0.5")})
+    assert [engine_of_rank(r, 4) for r in (0, 3, 4, 15)] == [(0, 0), (0, 3), (1, 0), (3, 3)]
+
+
+def test_sglang_colocate_is_a_deprecated_alias():
+    from megatron_dapo.arguments import build_parser
+
+    base = ["--hf-checkpoint", "x", "--prompt-data", "y", "--num-steps", "1"]
+    with pytest.warns(FutureWarning, match="--colocate"):
+        args = build_parser().parse_args(base + ["--sglang-colocate"])
+    assert args.colocate is True
+    args = build_parser().parse_args(base + ["--colocate", "--rollout-num-gpus-per-engine", "4"])
+    assert args.colocate and args.sglang_tp_size == 4
+    assert build_parser().parse_args(base).colocate is False
+
+
+def test_engine_release_resume_and_push_against_the_fake_server(world):
+    """SGLangEngine's release/resume and ColocatedPusher at world size 1 against tests/sglang/fake_server.py
+    (no SGLang needed): generation is refused while released, the push needs the weights resumed and lands
+    whole (begin, buckets, end, flush), and the engine's samples carry the pushed version."""
+    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+    from tests.sglang.fake_server import serve
+
+    server, state = serve()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(control_timeout_s=30))
+    pusher = ColocatedPusher(make_engine_groups([url], 1), bucket_bytes=64)
+    named = [("a", torch.arange(6.0)), ("b", torch.ones(2, 3) * 2), ("c", torch.full((20,), 3.0))]
+    req = [RolloutRequest(prompt_ids=[1, 2], n=1, sampling=SamplingParams(max_new_tokens=2), request_id="r")]
+    try:
+        switch = PhaseSwitcher(offloader=_FakeOffloader([]), engine=engine)
+        switch.start()
+        switch.to_training()
+        assert state.released == {"weights", "kv_cache", "cuda_graph"}
+        with pytest.raises(RuntimeError, match="memory released"):
+            engine.generate(req)
+        with pytest.raises(RuntimeError, match="weights released"):
+            pusher.push(named, version=1)
+        assert not state.in_update  # the refused push still closed its update session
+        metrics = switch.to_generation(lambda: pusher.push(named, version=3))
+        engine.set_weight_version(3)
+        assert state.released == set() and metrics["sync/gbytes"] == pytest.approx(32 * 4 / 1e9)
+        assert state.weights == {"a": list(range(6)), "b": [[2.0] * 3] * 2, "c": [3.0] * 20}
+        assert state.version == "3" and state.tensor_payloads == [1, 1]  # two buckets (64 B cap)
+        (sample,) = engine.generate(req)[0]
+        assert sample.weight_version == 3
+        assert state.memory_calls[-2:] == [("resume", ["weights"]), ("resume", ["cuda_graph", "kv_cache"])]
+    finally:
+        engine.shutdown()
+        server.shutdown()
+
+
+def test_memory_server_args_for_launched_cuda_servers():
+    """Launched CUDA servers get --mem-fraction-static (given, or the planner's with --colocate) and, colocated,
+    --enable-memory-saver; CPU servers nothing."""
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.train import memory_server_args
+    from tests.test_planner import REPO
+
+    base = ["--hf-checkpoint", str(REPO / "examples/models/qwen2.5-32B"), "--prompt-data", "x", "--num-steps", "1",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+            "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "block",
+            "--recompute-num-layers", "16", "--max-tokens-per-micro-batch", "24576", "--pack-sequences",
+            "--fused-linear-logprob", "--world-size", "128", "--rollout-num-gpus-per-engine", "4"]
+    parse = build_parser().parse_args
+    assert memory_server_args(parse(base + ["--colocate"]), cuda=True) == \
+        ("--mem-fraction-static", "0.77", "--enable-memory-saver")
+    assert memory_server_args(parse(base + ["--colocate", "--mem-fraction-static", "0.7"]), cuda=True) == \
+        ("--mem-fraction-static", "0.7", "--enable-memory-saver")
+    assert memory_server_args(parse(base + ["--mem-fraction-static", "0.8"]), cuda=True) == \
+        ("--mem-fraction-static", "0.8")
+    assert memory_server_args(parse(base), cuda=True) == ()
+    assert memory_server_args(parse(base + ["--colocate"]), cuda=False) == ()
