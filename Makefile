@@ -23,7 +23,7 @@ venv: $(VENV)/.installed
 
 sglang-env: $(if $(SKIP_SGLANG),,$(if $(filter requirements-cpu.txt,$(REQS)),.venv-sglang/.installed))
 
-# The multi-node rehearsal (~9 min on 2 cores) runs only with REHEARSAL=1.
+# The multi-node rehearsal (~7 min on 2 cores) runs only with REHEARSAL=1.
 test: $(VENV)/.installed sglang-env
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(if $(REHEARSAL),,-m "not rehearsal") $(PYTEST_ARGS)
 

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # A CPU rehearsal of the 32B multi-node launcher's code path (examples/run_qwen2.5_32b_multinode.sh): attach
-# mode (--sglang-server-urls) to two real CPU SGLang servers started here (server 1 at SGLang TP 2),
-# --weight-sync-mode distributed over gloo, the DAPO flags of examples/common_dapo_args.sh, and the actor at
-# TP 2 x PP 2 x DP 2 (8 gloo ranks) on a tiny Qwen2 (hidden 32, 4 heads / 2 kv heads, 2 layers). After
-# step 1 is logged, server 0's process group gets kill -9; this script, playing the cluster's supervisor,
-# restarts it RESTART_AFTER_S seconds later (attach mode waits for it, --sglang-server-wait-s). At the end it
-# checks: NUM_STEPS steps logged, the loss and the return counted (rollout/servers_lost,
-# rollout/server_returns, sync/servers_recovered), rollout-vs-actor mismatch small. Exit 0 = all held.
+# mode (--sglang-server-urls) to two real CPU SGLang servers started here (server 1 at SGLang TP 2) behind an
+# sglang-router (--sglang-router-url), --weight-sync-mode distributed over gloo, the DAPO flags of
+# examples/common_dapo_args.sh, and the actor at TP 2 x PP 2 x DP 2 (8 gloo ranks) on a tiny Qwen2 (hidden 32,
+# 4 heads / 2 kv heads, 2 layers). Once step 1 is logged, server 0's process group gets kill -9 and this script,
+# playing the cluster's supervisor, restarts it at once. A restarted CPU server takes 60+ s to answer while a
+# tiny step takes seconds (at 32B: 1-3 min against a 20-45 min step), so the step that sees the kill holds its
+# scoring until the server answers again (tests/rewards.py:length_parity_held); the engine finds it restarted
+# before that step's weight update, leaves it out of the update's group and re-syncs it. At the end it checks: NUM_STEPS steps logged, the loss, the return and the
+# re-sync counted (rollout/servers_lost, rollout/server_returns, sync/servers_recovered), rollout-vs-actor
+# mismatch small in every step, no NaN, and the two servers give the same log-probs for one sequence (the
+# restarted one holds the current weights).
 #
 # usage: examples/rehearse_multinode.sh [RUN_DIR]     (needs .venv and .venv-sglang: `make sglang-env`)
-# Env: NUM_STEPS (300: a tiny step takes <1 s and a restarted CPU server 60+ s to come back; the return must land
-# inside the run), ACTOR_TP (2), ACTOR_PP (2), SERVER1_TP (1; 2 needs attach mode to size the sync group from /server_info), BASE_PORT (31400), RESTART_AFTER_S (5), KILL (1: kill a server).
-# Every process it starts is stopped by pid (process group) on exit.
+# Env: NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), SERVER1_TP (2), ROUTER (1), BASE_PORT (31400), KILL (1: kill a
+# server), TINY_BASE (a tiny base made by an earlier run, reused instead of made again).
+# Every process it starts is stopped by pid (process group) on exit; their pids are in $RUN_DIR/pids.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/rehearsal}
-NUM_STEPS=${NUM_STEPS:-300}
-SERVER1_TP=${SERVER1_TP:-1}
+NUM_STEPS=${NUM_STEPS:-3}
+SERVER1_TP=${SERVER1_TP:-2}
+ROUTER=${ROUTER:-1}
 BASE_PORT=${BASE_PORT:-31400}
-RESTART_AFTER_S=${RESTART_AFTER_S:-2}
 KILL=${KILL:-1}
 PY=${PY:-.venv/bin/python}
 SGL_PY=${SGL_PY:-.venv-sglang/bin/python}
@@ -28,7 +32,8 @@ T0=$(date +%s)
 rm -rf "$RUN_DIR"
 mkdir -p "$RUN_DIR"
 
-PIDS=()  # process-group leaders (setsid): servers, the kill watcher, torchrun
+PIDS=()  # process-group leaders (setsid): servers, router, the supervisor, torchrun; also in $RUN_DIR/pids
+track() { PIDS+=("$1"); echo "$1" >>"$RUN_DIR/pids"; }
 cleanup() {
     for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
     sleep 1
@@ -36,14 +41,17 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== tiny Qwen2 (hidden 32, 4 heads / 2 kv heads, 2 layers) in $RUN_DIR/base"
-"$PY" tools/make_tiny_base.py --out "$RUN_DIR/base" --sft-steps 20 --num-train 300 --num-eval 16 \
-    --hidden-size 32 --ffn-hidden-size 64 --num-heads 4 --num-kv-heads 2 --num-layers 2 --sft-batch-size 16 \
-    >"$RUN_DIR/make_tiny_base.log" 2>&1
-MODEL="$RUN_DIR/base/model"
+BASE=${TINY_BASE:-$RUN_DIR/base}
+if [[ -z "${TINY_BASE:-}" ]]; then
+    echo "== tiny Qwen2 (hidden 32, 4 heads / 2 kv heads, 2 layers) in $BASE"
+    "$PY" tools/make_tiny_base.py --out "$BASE" --sft-steps 20 --num-train 300 --num-eval 16 \
+        --hidden-size 32 --ffn-hidden-size 64 --num-heads 4 --num-kv-heads 2 --num-layers 2 --sft-batch-size 16 \
+        >"$RUN_DIR/make_tiny_base.log" 2>&1
+fi
+MODEL="$BASE/model"
 
 # The CPU form of examples/launch_sglang_servers.sh's command (megatron_dapo/rollout/sglang_server.py,
-# shared/notes/sglang-on-cpu.md), bound to 127.0.0.1. SGLang's CPU backend runs TP 2 with one core per rank.
+# shared/notes/sglang-on-cpu.md), bound to 127.0.0.1. At TP 2 SGLang's CPU backend binds one core per rank.
 start_server() {  # i tp -> starts server i on BASE_PORT + i, records its pid in $RUN_DIR/sglang-i.pid
     local i=$1 tp=$2 bind=()
     [[ "$tp" == 2 ]] && bind=(env "SGLANG_CPU_OMP_THREADS_BIND=0|1")
@@ -52,7 +60,7 @@ start_server() {  # i tp -> starts server i on BASE_PORT + i, records its pid in
         --attention-backend torch_native --disable-cuda-graph --max-total-tokens 8192 --mem-fraction-static 0.1 \
         --dtype float32 >>"$RUN_DIR/sglang-$i.log" 2>&1 &
     echo $! >"$RUN_DIR/sglang-$i.pid"
-    PIDS+=($!)
+    track $!
 }
 wait_healthy() {  # url timeout_s
     local deadline=$(($(date +%s) + $2))
@@ -67,15 +75,31 @@ start_server 1 "$SERVER1_TP"
 URLS=("http://127.0.0.1:$BASE_PORT" "http://127.0.0.1:$((BASE_PORT + 1))")
 for u in "${URLS[@]}"; do wait_healthy "$u" 300; done
 echo "   healthy after $(($(date +%s) - T0)) s"
+ROUTER_ARGS=()
+if [[ "$ROUTER" == 1 ]]; then  # as a cluster runs it in front of the rollout nodes' servers
+    ROUTER_URL="http://127.0.0.1:$((BASE_PORT + 2))"
+    setsid "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $((BASE_PORT + 2)) \
+        --policy round_robin --worker-urls "${URLS[@]}" >"$RUN_DIR/router.log" 2>&1 &
+    track $!
+    wait_healthy "$ROUTER_URL" 120
+    ROUTER_ARGS=(--sglang-router-url "$ROUTER_URL")
+    echo "== router at $ROUTER_URL, healthy after $(($(date +%s) - T0)) s"
+fi
 
-# The supervisor: kill -9 server 0 once step 1 is logged (step 2 is then under way), restart it a few seconds on.
+# The supervisor: kill -9 server 0 once step 1 is logged, have it restarted at once (by this shell, below), and
+# mark it "back" once it answers /health: length_parity_held holds the scoring in between. The trainer finds it
+# restarted (its weight version) at the next update and re-syncs it; the log line of that is recorded too.
+export REHEARSAL_HOLD_DIR="$RUN_DIR"
 if [[ "$KILL" == 1 ]]; then
     setsid bash -c '
         until [[ -f "$0/metrics.jsonl" ]] && grep -q "\"step\": 1[,}]" "$0/metrics.jsonl"; do sleep 0.5; done
         pid=$(cat "$0/sglang-0.pid"); kill -KILL -- "-$pid"
-        echo "$(date +%s.%N) killed server 0 (pid $pid)" >>"$0/supervisor.log"
-        sleep "$1"; echo restart >"$0/restart-0"' "$RUN_DIR" "$RESTART_AFTER_S" &
-    PIDS+=($!)
+        echo "$(date +%s.%N) killed server 0 (pid $pid)" >>"$0/supervisor.log"; touch "$0/killed"
+        until curl -sf "$1/health" >/dev/null 2>&1; do sleep 0.5; done
+        echo "$(date +%s.%N) server 0 back" >>"$0/supervisor.log"; touch "$0/back"
+        until grep -q "lost: back after .* re-synced to weight version" "$0/train.log" 2>/dev/null; do sleep 0.5; done
+        echo "$(date +%s.%N) server 0 re-synced" >>"$0/supervisor.log"' "$RUN_DIR" "${URLS[0]}" &
+    track $!
 fi
 
 source examples/common_dapo_args.sh
@@ -84,15 +108,16 @@ MODEL_ARGS=(--hf-checkpoint "$MODEL")
 PARALLEL_ARGS=(--tensor-model-parallel-size "${ACTOR_TP:-2}" --pipeline-model-parallel-size "${ACTOR_PP:-2}" --use-distributed-optimizer
                ${EXTRA_PARALLEL_ARGS:-})
 ROLLOUT_ARGS=(
-    --rollout-engine sglang --sglang-server-urls "${URLS[@]}" --sglang-max-concurrency 64 --sglang-server-wait-s 300
+    --rollout-engine sglang --sglang-server-urls "${URLS[@]}" "${ROUTER_ARGS[@]}" --sglang-max-concurrency 64
+    --sglang-server-wait-s 300
     --weight-sync-mode distributed --weight-sync-master-addr 127.0.0.1 --weight-sync-master-port $((BASE_PORT + 50))
     --rollout-batch-size 4 --n-samples-per-prompt 4 --over-sample-factor 1.3
     --rollout-temperature 1.0 --max-response-length 40 --max-prompt-length 16
 )
 # The tiny model answers no sum right (every group all wrong, nothing for dynamic sampling to keep): the
 # rehearsal rewards the response length's parity instead (tests/rewards.py), so groups differ and weights move.
-DAPO_ARGS+=(--overlong-buffer-length 8 --reward-fn tests.rewards:length_parity --on-gen-exhausted partial)
-DATA_ARGS=(--prompt-data "$RUN_DIR/base/train.jsonl")
+DAPO_ARGS+=(--overlong-buffer-length 8 --reward-fn tests.rewards:length_parity_held --on-gen-exhausted partial)
+DATA_ARGS=(--prompt-data "$BASE/train.jsonl")
 OPTIM_ARGS+=(--lr 1e-4 --lr-warmup-steps 1)
 BATCH_ARGS=(--global-batch-size 16 --max-tokens-per-micro-batch 256 ${EXTRA_BATCH_ARGS:-}
             --num-steps "$NUM_STEPS")
@@ -103,11 +128,11 @@ setsid "$PY" -m torch.distributed.run --nproc_per_node 8 --master_addr 127.0.0.1
     -m megatron_dapo.train "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" \
     "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" >"$RUN_DIR/train.log" 2>&1 &
 TRAIN=$!
-PIDS+=($TRAIN)
+track $TRAIN
 if [[ "$KILL" == 1 ]]; then
     # The restart runs from this shell, so that cleanup knows the new pid.
-    while kill -0 "$TRAIN" 2>/dev/null && [[ ! -f "$RUN_DIR/restart-0" ]]; do sleep 0.5; done
-    if [[ -f "$RUN_DIR/restart-0" ]]; then
+    while kill -0 "$TRAIN" 2>/dev/null && [[ ! -f "$RUN_DIR/killed" ]]; do sleep 0.5; done
+    if [[ -f "$RUN_DIR/killed" ]]; then
         echo "== supervisor: $(cat "$RUN_DIR/supervisor.log"); restarting it"
         start_server 0 1
     fi
@@ -120,12 +145,17 @@ if [[ $rc != 0 ]]; then
     echo "rehearsal FAILED: torchrun exit $rc after $WALL s (logs in $RUN_DIR)" >&2
     exit 1
 fi
-"$PY" - "$RUN_DIR/metrics.jsonl" "$NUM_STEPS" "$KILL" "$WALL" <<'PY'
+"$PY" - "$RUN_DIR/metrics.jsonl" "$NUM_STEPS" "$KILL" "$WALL" "$MODEL" "${URLS[@]}" <<'PY'
 import json
+import math
 import sys
 
+import httpx
+import torch
+from transformers import AutoModelForCausalLM
+
 records = [json.loads(line) for line in open(sys.argv[1])]
-num_steps, kill, wall = int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
+num_steps, kill, wall, model_dir, urls = int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]), sys.argv[5], sys.argv[6:]
 for r in records:
     print(f"step {r['step']}: sync {r['time/sync_s']:.2f} s, rollout {r['time/rollout_s']:.1f} s, "
           f"train {r['time/train_s']:.1f} s, mismatch {r['mismatch/logprob_abs_diff_mean']:.2e}, "
@@ -142,6 +172,25 @@ if kill and not (total["rollout/servers_lost"] >= 1 and total["rollout/server_re
 worst = max(r["mismatch/logprob_abs_diff_mean"] for r in records)
 if worst > 1e-3:
     errors.append(f"rollout-vs-actor log-prob mismatch {worst:.2e} > 1e-3: a server serves stale weights")
+nan = [(r["step"], k) for r in records for k, v in r.items() if isinstance(v, float) and math.isnan(v)]
+if nan:
+    errors.append(f"NaN in the metrics: {nan[:5]}")
+# The same 24 token ids scored by each server (the last weights pushed) and by the base checkpoint (HF): the
+# restarted server must agree with the other one, and both must have moved away from the base.
+ids = [(7 * i + 3) % 80 for i in range(24)]
+body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True, "logprob_start_len": 0}
+served = [torch.tensor([lp for lp, _, _ in httpx.post(f"{u}/generate", json=body, timeout=60).json()
+                        ["meta_info"]["input_token_logprobs"][1:]]) for u in urls]
+with torch.no_grad():
+    logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
+        torch.tensor([ids])).logits[0, :-1].double()
+base = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].float()
+between, moved = (served[0] - served[1]).abs().max().item(), (served[1] - base).abs().max().item()
+print(f"log-probs of one sequence: server 0 vs server 1 max |diff| {between:.2e}, vs the base checkpoint "
+      f"{moved:.2e}")
+if not between < 1e-4 or not moved > 10 * max(between, 1e-6):
+    errors.append(f"servers disagree ({between:.2e}) or did not move from the base ({moved:.2e})")
 print(f"rehearsal wall time {wall} s; recovery totals {total}; worst mismatch {worst:.2e}")
 if errors:
     sys.exit("rehearsal FAILED: " + "; ".join(errors))

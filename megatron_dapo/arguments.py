@@ -202,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "servers are asked through /server_info and a warning is printed when it is off")
     g.add_argument("--sglang-server-urls", nargs="+", default=None,
                    help="attach to running SGLang servers instead of launching them (multi-node rollouts)")
+    g.add_argument("--sglang-router-url", default=None,
+                   help="attach mode: an sglang-router already running in front of the --sglang-server-urls "
+                        "servers; generation goes through it while every server serves, weight sync, aborts "
+                        "and retries go to each server directly")
     g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
     g.add_argument("--sglang-api-key", default=None,
                    help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "

@@ -207,6 +207,9 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout.sglang_server import ServerConfig
 
     attach = bool(args.sglang_server_urls)
+    if args.sglang_router_url and not attach:
+        raise ValueError("--sglang-router-url is for attach mode: give the servers behind it with "
+                         "--sglang-server-urls (launched servers get their own router)")
     cuda = torch.cuda.is_available()
     seeded = args.seed is not None  # the rollouts carry per-request sampling seeds
     server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=args.sglang_gpus,
@@ -232,7 +235,8 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                 args.sglang_server_urls, seeded=seeded,
                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None):
             print(line)
-        return make_engine("sglang", client=client, server_urls=args.sglang_server_urls)
+        return make_engine("sglang", client=client, server_urls=args.sglang_server_urls,
+                           router_url=args.sglang_router_url)
     python = args.sglang_python or sys.executable
     if not cuda and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
         python = ".venv-sglang/bin/python"  # the CPU SGLang environment of `make sglang-env`

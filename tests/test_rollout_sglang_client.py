@@ -152,6 +152,30 @@ def test_weight_update_buckets_reach_server(fakes, mode, tmp_path):
     engine.shutdown()
 
 
+def test_attach_mode_generates_through_the_router_and_syncs_each_server(fakes, tmp_path):
+    """--sglang-router-url: first tries of /generate go to the router (a fake server standing in for it), weight
+    updates to each attached server, never to the router."""
+    router, router_state = serve()
+    try:
+        urls = [_url(s) for s, _ in fakes]
+        engine = SGLangEngine(server_urls=urls, router_url=_url(router) + "/",
+                              client=ClientConfig(update_mode="disk", disk_dir=str(tmp_path), max_retries=2,
+                                                  server_wait_s=30))
+        groups = engine.generate(_reqs(4, n=2))
+        assert sum(len(g) for g in groups) == 8
+        assert len(router_state.rids) == 8 and [len(st.rids) for _, st in fakes] == [0, 0]
+        engine.update_weights(iter([("lm_head.weight", torch.randn(5))]), version=2)
+        assert "/update_weights_from_disk" not in router_state.calls
+        assert [st.calls["/update_weights_from_disk"] for _, st in fakes] == [1, 1]
+        assert engine.generate(_reqs(1, n=1))[0][0].weight_version == 2
+        engine.shutdown()
+    finally:
+        router.shutdown()
+        router.server_close()
+    with pytest.raises(ValueError, match="sglang-router-url.*attach mode"):
+        SGLangEngine(ServerConfig(model_path="m"), router_url="http://127.0.0.1:1")
+
+
 def test_pause_resume_reach_every_server(fakes):
     engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes])
     engine.pause()

@@ -52,7 +52,7 @@ def _attach(servers, mode):
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers]
     return SGLangEngine(server_urls=urls, client=ClientConfig(
         update_mode=mode, bucket_bytes=1024, sync_backend="gloo", sync_master_port=_free_port(),
-        control_timeout_s=60))
+        control_timeout_s=60, server_wait_s=30))
 
 
 def test_mixed_tp_distributed_group_forms_with_disjoint_ranks_and_reports_metrics(mixed, capsys):
@@ -110,3 +110,39 @@ def test_attaching_a_dp_server_names_it():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_restarted_unseen_is_left_out_of_the_group_and_resynced(mixed):
+    """Server 0 restarts between two updates with no request failing on this engine (as when a router retried
+    its requests elsewhere): it is found by its /model_info weight version before the next update, which goes
+    to server 1 over a group without it (a group with it would wait on ranks that never join), and it is then
+    re-synced with that update's weights."""
+    import time
+
+    from tests.sglang.fake_server import kill
+
+    engine = _attach(mixed, "distributed")
+    back = None
+    try:
+        engine.update_weights(iter(_named()), version=3)
+        engine.take_metrics()
+        port0 = mixed[0][0].server_address[1]
+        kill(*mixed[0])
+        back = serve(port=port0, tp_size=1)
+        newer = [(n, t + 1) for n, t in _named()]
+        engine.update_weights(iter(newer), version=4)
+        assert mixed[1][1].version == "4"
+        deadline, recovered, lost = time.monotonic() + 30, 0.0, 0.0
+        while time.monotonic() < deadline and not recovered:
+            metrics = engine.take_metrics()
+            recovered += metrics["sync/servers_recovered"]
+            lost += metrics["rollout/servers_lost"]
+            time.sleep(0.1)
+        assert lost == 1 and recovered == 1
+        assert back[1].version == "4"
+        for name, t in newer:
+            torch.testing.assert_close(torch.tensor(back[1].weights[name]), t)
+    finally:
+        engine.shutdown()
+        if back is not None:
+            kill(*back)

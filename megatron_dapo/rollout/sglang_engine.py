@@ -140,10 +140,14 @@ class SGLangEngine(RolloutEngine):
         *,
         client: ClientConfig | None = None,
         server_urls: Sequence[str] | None = None,
+        router_url: str | None = None,
     ) -> None:
         if (servers is None) == (server_urls is None):
             raise ValueError("SGLangEngine: give exactly one of ServerConfig (launch) or "
                 "server_urls (attach)")
+        if router_url is not None and server_urls is None:
+            raise ValueError("SGLangEngine: router_url (--sglang-router-url) is for attach mode; give the servers "
+                             "behind it as server_urls (--sglang-server-urls)")
         self.client = client or ClientConfig()
         self._closed = True  # until the client exists, shutdown() has nothing to do
         self.group = ServerGroup(servers) if servers is not None else None
@@ -156,7 +160,9 @@ class SGLangEngine(RolloutEngine):
             self.entry_url = self.group.router.url if self.group.router is not None else None
         else:
             self.urls = [u.rstrip("/") for u in server_urls]
-            self.entry_url = None
+            # A router the cluster runs in front of these servers: first tries of /generate go through it;
+            # weight sync, health, aborts and retries go to each server directly.
+            self.entry_url = router_url.rstrip("/") if router_url is not None else None
             self._tps = None  # read from the servers' /server_info at the first tensor / distributed push
         self._version = 0
         self._disk_weights: str | None = None
@@ -554,6 +560,9 @@ class SGLangEngine(RolloutEngine):
             raise ValueError(f"update_weights: version must be an int >= 0, got {version!r}")
         buckets = iter_buckets(named_tensors, self.client.bucket_bytes)
         mode = self.client.update_mode
+        unseen = self._call(self._lost_unseen(), self.client.control_timeout_s)
+        if unseen:
+            self._call(self._start_recoveries(unseen), self.client.control_timeout_s)
         with self._weights_lock:
             start, self._sync_bytes = time.perf_counter(), 0
             targets = self._serving()
@@ -587,6 +596,9 @@ class SGLangEngine(RolloutEngine):
                                f"{self.client.update_mode!r}")
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"update_weights_by_stage: version must be an int >= 0, got {version!r}")
+        unseen = self._call(self._lost_unseen(), self.client.control_timeout_s)  # restarted behind a router
+        if unseen:
+            self._call(self._start_recoveries(unseen), self.client.control_timeout_s)
         with self._weights_lock:
             start, lost = time.perf_counter(), set()
             targets = self._serving()
@@ -620,6 +632,28 @@ class SGLangEngine(RolloutEngine):
         if lost:
             self._call(self._start_recoveries(lost), self.client.control_timeout_s)
         self._raise_fatal()
+
+    async def _lost_unseen(self) -> list[int]:
+        """Serving servers that no longer hold the last pushed version: down now, or restarted without this
+        engine seeing a failure (a router retried their requests on another server, or none went to them).
+        A restarted server reports its launch weight_version at /model_info instead of the one pushed last,
+        and is not in the broadcast group: pushing to it would hang the group's collective. One GET per
+        server before each update (16 at 32B: milliseconds)."""
+        if self._version == 0:
+            return []
+
+        async def lost(i: int) -> bool:
+            try:
+                resp = await self._http.get(f"{self.urls[i]}/model_info", timeout=10)
+            except httpx.HTTPError:
+                return True
+            if resp.status_code != 200:
+                return resp.status_code >= 500
+            return str(resp.json().get("weight_version")) != str(self._version)
+
+        serving = self._serving()
+        flags = await asyncio.gather(*(lost(i) for i in serving))
+        return [i for i, f in zip(serving, flags) if f]
 
     @property
     def tps(self) -> list[int]:

@@ -197,6 +197,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         return 200, {}
     if path == "/flush_cache":
         return 200, {}
+    if path == "/model_info":
+        return 200, {"weight_version": state.version}
     if path == "/server_info":
         return 200, {"tp_size": state.tp_size, "dp_size": state.dp_size}
     if path == "/init_weights_update_group":
