@@ -5,6 +5,13 @@ state is ignored) alike: every HF tensor is a set of row ranges of a stored (TP=
 (`hf_row_segments`), copied file to file at their offsets in the HF shards (headers first), several
 row blocks at once, in the kernel where a range lies in one stored chunk. Memory: none for
 kernel copies, else --threads blocks of at most --chunk-mb.
+
+Cost at Qwen2.5-32B (65.5 GB bf16): converter output goes entirely through copy_file_range (RSS
+growth ~0, vs the goal's bound of one 975 MB layer plus 64 MiB of write buffers). A training
+checkpoint at TP8 too for its column-parallel tensors (qkv per query group, fc1, vocab), but a row
+block of a row-parallel one (o_proj, fc2: stored split by columns) or one straddling two ranks' rows
+is assembled in memory from the chunks: at most --threads x --chunk-mb = 64 MiB resident. The time
+is a byte copy of 65.5 GB times the ratio `tools/bench_convert.py` measures.
 """
 
 from __future__ import annotations
