@@ -14,9 +14,9 @@ a release checkpoint is what it starts from at iteration 0 with a fresh optimize
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
 leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
 list of chunks (global offset, shape, a function producing its bytes): the writer asks for a chunk only
-when a writer thread reaches it, so memory holds a few chunks, not the model. Training checkpoints
-(`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the model keys
-and ignore optimizer state.
+when a writer thread reaches it, so memory holds one chunk per writer thread, not the model. Training
+checkpoints (`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the
+model keys and ignore optimizer state.
 """
 
 from __future__ import annotations
