@@ -18,7 +18,7 @@ fsync of every output file, so both pay for the disk write. Within a pair the or
 by round. The machine is shared, so the bench prints the load average, min and median of each step,
 and the median of the per-round ratios conversion / copy (a slow round slows both of its pair).
 
-RSS: a sampler thread in the child reads /proc/self/status every 2 ms; growth = peak VmRSS minus
+RSS: the bench reads the child's /proc/<pid>/status every 2 ms; growth = peak VmRSS minus
 VmRSS before the step (mapped file pages count: a memory-mapped chunk is resident while mapped).
 Bound (the goal): one decoder layer plus the writer's buffers (--threads chunks of --chunk-mb).
 """
@@ -32,6 +32,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -57,7 +59,7 @@ BASE = dict(
 # Imports happen before the clock and the RSS reference. {prepare} (drop inputs from the page cache)
 # runs before the clock too; {finish} (fsync of the outputs) inside it.
 CHILD = """
-import glob, os, resource, shutil, threading, time
+import os, resource, shutil, sys, time
 import torch
 import torch.distributed.checkpoint
 from checkpoint_convert.cli import main
@@ -65,25 +67,12 @@ from checkpoint_convert.cli import main
 def files(d):
     return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
 
-def status():
-    with open("/proc/self/status") as f:
-        return {{k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in f)
-                if k in ("VmRSS", "RssAnon", "RssFile")}}
-
 for p in files({src!r}) if {cold} else []:
     fd = os.open(p, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-peak, done = [status()], threading.Event()
-def sample():
-    while not done.is_set():
-        s = status()
-        if s["VmRSS"] > peak[0]["VmRSS"]:
-            peak[0] = s
-        time.sleep(0.002)
-rss0 = status()
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
+print("READY", flush=True)
+sys.stdin.readline()  # the parent has read the RSS before the step
 cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 {body}
@@ -93,9 +82,8 @@ for p in files({out!r}) if {fsync} else []:
     os.close(fd)
 seconds = time.perf_counter() - t
 cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-done.set(); thread.join()
-cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
-print("RESULT", seconds, cpu, *(peak[0][k] - rss0[k] for k in ("VmRSS", "RssAnon", "RssFile")))
+print("RESULT", seconds, cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime, flush=True)
+sys.stdin.readline()  # exit only once the parent stopped sampling
 """
 COPY = """os.makedirs({out!r})
 for p in files({src!r}):
@@ -137,18 +125,53 @@ def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
     return writer.total_bytes
 
 
+def _status(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in f)
+                if k in ("VmRSS", "RssAnon", "RssFile")}
+
+
 def run_child(body: str, src: str, out: str, *, cold: bool, fsync: bool) -> tuple[float, float, int, int, int]:
     """(seconds, CPU seconds, RSS growth, RssAnon growth, RssFile growth at the peak) of `body` in a fresh
-    process, reading `src` and writing `out` (removed first)."""
+    process, reading `src` and writing `out` (removed first). RSS is sampled from this process every 2 ms
+    (/proc/<pid>/status), so the measured process runs no sampler of its own."""
     shutil.rmtree(out, ignore_errors=True)
     os.sync()  # start from no dirty pages: writeback of an earlier step must not be billed to this one
     code = CHILD.format(body=body.format(src=src, out=out), src=src, out=out, cold=cold, fsync=fsync)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"bench step failed:\n{proc.stderr[-3000:]}")
-    fields = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT")).split()[1:]
-    return float(fields[0]), float(fields[1]), int(fields[2]), int(fields[3]), int(fields[4])
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"bench step failed before starting:\n{proc.communicate()[1][-3000:]}")
+        before = peak = _status(proc.pid)
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                now = _status(proc.pid)
+                if now["VmRSS"] > peak["VmRSS"]:
+                    peak = now
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        stop.set()
+        sampler.join()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode or not line.startswith("RESULT"):
+        raise RuntimeError(f"bench step failed:\n{err[-3000:]}")
+    seconds, cpu = map(float, line.split()[1:])
+    return seconds, cpu, *(peak[k] - before[k] for k in ("VmRSS", "RssAnon", "RssFile"))
 
 
 def load_average() -> str:
