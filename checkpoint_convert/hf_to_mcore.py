@@ -1,9 +1,15 @@
 """HF Qwen2 safetensors -> a megatron-core dist checkpoint (torch_dist) that `--load` opens at any TP/PP.
 
 No model is built: each tensor goes through the mapping table to its dist-checkpoint key and global
-shape, as chunks (HF row ranges, copied straight into place; the QKV interleave is one chunk per layer)
-that writer threads read from the HF files only when they write them. `--tp`/`--pp` only validate
+shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV interleave is three ranges
+per query group), memory-mapped by a writer thread only when it writes them. `--tp`/`--pp` only validate
 that the model splits over that layout and set the padded vocab; megatron-core reshards at load.
+
+Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
+1.56 GB each): resident memory is --threads mapped chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB),
+not a layer (the goal's bound, one layer plus the write buffers, is 1.04 GB); each byte is copied
+once, page cache to page cache, so the time is a byte copy's (65.5 GB at the disk's write speed:
+~66 s at 1 GB/s) times the ratio `tools/bench_convert.py` measures.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from megatron_dapo.weights.dist_ckpt import (
     write_tracker,
 )
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets
-from megatron_dapo.weights.layout import global_shape, hf_row_starts, hf_shapes, hf_to_mcore_tensor
+from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 
@@ -57,9 +63,9 @@ class HfToMcoreConfig:
     dry_run: bool = False
     """--dry-run: print the Megatron args and tensor shapes; read only config.json, write nothing."""
     threads: int = 4
-    """--threads: parallel writer threads (one .distcp file each)."""
+    """--threads: parallel writer threads (one .distcp file each; each holds one chunk at a time)."""
     chunk_mb: int = 16
-    """--chunk-mb: largest stored chunk; bigger tensors are split along rows (bounds memory per thread)."""
+    """--chunk-mb: largest stored chunk; bigger row ranges are split (resident memory <= threads x chunk)."""
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.hf_path):
@@ -75,22 +81,26 @@ class HfToMcoreConfig:
 
 
 def _row_chunks(
-    reader: HFCheckpointReader, name: str, rows: int, prefix: tuple[int, ...], row0: int,
-    row_bytes: int, chunk_bytes: int, dtype: torch.dtype,
+    reader: HFCheckpointReader, name: str, seg: RowSegment, prefix: tuple[int, ...], row_bytes: int,
+    chunk_bytes: int, dtype: torch.dtype,
 ) -> list[Chunk]:
-    """HF tensor `name` ([rows, ...]) as chunks of at most chunk_bytes, placed at global row row0."""
-    step = max(1, chunk_bytes // max(1, row_bytes))
-    shape = reader.specs[name].shape
-    out = []
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
+    """HF rows seg.hf_lo:seg.hf_hi of `name` as chunks of at most chunk_bytes, placed at global row seg.row.
 
-        def produce(start: int = start, stop: int = stop) -> torch.Tensor:
-            t = reader.map_rows(name, start, stop).to(dtype)  # no copy unless --dtype casts
+    Each chunk's data is a memory-mapped view of its HF bytes (no copy unless --dtype casts), made when a
+    writer thread reaches it and unmapped once written.
+    """
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    trailing = reader.specs[name].shape[1:]
+    out = []
+    for lo in range(seg.hf_lo, seg.hf_hi, step):
+        hi = min(seg.hf_hi, lo + step)
+
+        def produce(lo: int = lo, hi: int = hi) -> torch.Tensor:
+            t = reader.map_rows(name, lo, hi).to(dtype)
             return t.view(*(1,) * len(prefix), *t.shape)
 
-        out.append(Chunk((*prefix, row0 + start, *(0,) * (len(shape) - 1)),
-                         (*(1,) * len(prefix), stop - start, *shape[1:]), produce))
+        offset = (*prefix, seg.row + lo - seg.hf_lo, *(0,) * len(trailing))
+        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce))
     return out
 
 
@@ -98,27 +108,24 @@ def _entry_tensor(
     reader: HFCheckpointReader, entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int,
     dtype: torch.dtype, chunk_bytes: int,
 ) -> LazyTensor:
-    """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks."""
+    """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks.
+
+    Every kind is a permutation of HF row blocks (`hf_row_segments`; qkv: three per query group), so
+    each chunk is one HF byte range: nothing is concatenated or interleaved in memory.
+    """
     shape = global_shape(entry, arch, padded_vocab)
     lazy = LazyTensor(shape, dtype)
     layers: list[int | None] = list(range(arch.num_layers)) if entry.stage == "layer" else [None]
-    starts = hf_row_starts(entry, arch)
+    segments = hf_row_segments(entry, arch)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    row_bytes = [itemsize * torch.Size(s[1:]).numel() for s in hf_shapes(entry, arch)]
     for layer in layers:
         prefix = () if layer is None else (layer,)
         names = hf_names(entry, layer=layer, tied=False)
-        if starts is None:  # qkv: rows interleave per query group, one chunk per layer
-
-            def produce(names: tuple[str, ...] = names) -> torch.Tensor:
-                hf = [reader.map_rows(n, 0, reader.specs[n].shape[0]).to(dtype) for n in names]
-                (fused,) = hf_to_mcore_tensor(entry.kind, hf, arch, 1)
-                return fused.view(1, *fused.shape)
-
-            lazy.chunks.append(Chunk((layer, *(0,) * (len(shape) - 1)), (1, *shape[1:]), produce))
-            continue
-        for name, row0, hf_shape in zip(names, starts, hf_shapes(entry, arch)):
-            row_bytes = itemsize * (hf_shape[1] if len(hf_shape) > 1 else 1)
-            lazy.chunks += _row_chunks(reader, name, hf_shape[0], prefix, row0, row_bytes, chunk_bytes, dtype)
+        for seg in segments:
+            lazy.chunks += _row_chunks(
+                reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype
+            )
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
             pad = (padded_vocab - arch.vocab_size, *shape[1:])
             # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load.

@@ -1,10 +1,17 @@
 """A megatron-core dist checkpoint (torch_dist) -> HF safetensors shards + index + config + tokenizer files.
 
 Reads converter output and this project's training checkpoints (`<save>/step_N/`, any TP/PP; optimizer
-state is ignored) alike: per mapping-table entry and layer, the chunks overlapping that layer are
-memory-mapped from the `.distcp` files, merged into the TP=1 tensor and split into HF tensors by the
-table's layout function, then written at their offsets in the HF shards (headers first), several
-row blocks at once. Memory: --threads blocks of at most --chunk-mb.
+state is ignored) alike: every HF tensor is a set of row ranges of a stored (TP=1) tensor
+(`hf_row_segments`), copied file to file at their offsets in the HF shards (headers first), several
+row blocks at once, in the kernel where a range lies in one stored chunk. Memory: none for
+kernel copies, else --threads blocks of at most --chunk-mb.
+
+Cost at Qwen2.5-32B (65.5 GB bf16): converter output goes entirely through copy_file_range (RSS
+growth ~0, vs the goal's bound of one 975 MB layer plus 64 MiB of write buffers). A training
+checkpoint at TP8 too for its column-parallel tensors (qkv per query group, fc1, vocab), but a row
+block of a row-parallel one (o_proj, fc2: stored split by columns) or one straddling two ranks' rows
+is assembled in memory from the chunks: at most --threads x --chunk-mb = 64 MiB resident. The time
+is a byte copy of 65.5 GB times the ratio `tools/bench_convert.py` measures.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from megatron_dapo.weights.ckpt_config import (
 )
 from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
-from megatron_dapo.weights.layout import hf_row_starts, hf_shapes, merge_tp_shards
+from megatron_dapo.weights.layout import hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 from megatron_dapo.weights.safetensors_io import CheckpointError
@@ -107,25 +114,35 @@ def _model_dtype(reader: DistCheckpointReader, arch: Qwen2Arch) -> torch.dtype:
     return dtypes.pop()
 
 
-Job = tuple[MappingEntry, "int | None", "tuple[int, int, int] | None"]
+@dataclass(frozen=True)
+class Job:
+    """HF rows lo:hi of HF tensor `hf_index` of `entry` at `layer` = rows row:row + hi - lo of the stored tensor."""
+
+    entry: MappingEntry
+    layer: int | None
+    hf_index: int
+    lo: int
+    hi: int
+    row: int
 
 
 def _jobs(reader: DistCheckpointReader, arch: Qwen2Arch, chunk_bytes: int) -> list[Job]:
-    """(entry, layer, part) in HF file order; part = (HF tensor index, first row, end row) of a row block
-    of at most chunk_bytes, or None for a whole qkv layer (its rows interleave per query group)."""
+    """Row blocks of at most chunk_bytes in HF file order, each inside one `hf_row_segments` range (so one
+    byte range of a stored chunk in converter output; qkv gives three ranges per query group)."""
     jobs: list[Job] = []
     for stage in ("first", "layer", "last"):
         entries = [e for e in QWEN2_MAPPING if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
         layers: list[int | None] = list(range(arch.num_layers)) if stage == "layer" else [None]
         for layer in layers:
             for e in entries:
-                if hf_row_starts(e, arch) is None:
-                    jobs.append((e, layer, None))
-                    continue
-                itemsize = torch.empty((), dtype=reader.dtype(dist_key(e))).element_size()
-                for i, shape in enumerate(hf_shapes(e, arch)):
-                    step = max(1, chunk_bytes // (itemsize * torch.Size(shape[1:]).numel()))
-                    jobs += [(e, layer, (i, a, min(shape[0], a + step))) for a in range(0, shape[0], step)]
+                itemsize = reader.dtype(dist_key(e)).itemsize
+                shapes = hf_shapes(e, arch)
+                for seg in sorted(hf_row_segments(e, arch), key=lambda s: (s.hf_index, s.hf_lo)):
+                    step = max(1, chunk_bytes // (itemsize * torch.Size(shapes[seg.hf_index][1:]).numel()))
+                    jobs += [
+                        Job(e, layer, seg.hf_index, lo, min(seg.hf_hi, lo + step), seg.row + lo - seg.hf_lo)
+                        for lo in range(seg.hf_lo, seg.hf_hi, step)
+                    ]
     return jobs
 
 
@@ -133,26 +150,25 @@ def write_hf_tensors(
     reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int,
     chunk_bytes: int,
 ) -> None:
-    """Convert and write every tensor as row blocks, `threads` at a time (map the block, pwrite it).
+    """Convert and write every tensor as row blocks, `threads` at a time.
 
-    HF tensor i of an entry is rows starts[i]: of its stored (TP=1) tensor (`hf_row_starts`), so a
-    block is a byte range of the checkpoint copied to a byte range of the HF file: no copy in memory
-    except qkv (de-interleaved per layer) and a --dtype cast. Memory: `threads` blocks of at most
-    chunk_bytes, or a qkv layer (at Qwen2.5-32B: 4 x 16 MiB, or 73 MB).
+    Each block is one byte range of the checkpoint copied to one byte range of an HF file
+    (`hf_row_segments`; qkv is de-interleaved as three ranges per query group). Where the range lies in
+    one stored chunk and no --dtype cast is asked (converter output always; training checkpoints at
+    TP=1, and at any TP but for blocks that cross a TP shard boundary) the kernel copies it
+    (copy_file_range): no byte enters this process, RSS does not grow. Otherwise the block is mapped or
+    assembled from its chunks, cast, and pwritten: `threads` blocks of at most chunk_bytes in memory
+    (at Qwen2.5-32B, --threads 4 --chunk-mb 16: 64 MiB).
     """
 
     def run(job: Job) -> None:
-        entry, layer, part = job
-        names = hf_names(entry, layer=layer, tied=False)
-        if part is None:
-            full = reader.read(dist_key(entry), layer)
-            for name, tensor in zip(names, merge_tp_shards(entry.kind, [full], arch)):
-                writer.write(name, tensor.to(dtype))
-            return
-        i, lo, hi = part
-        start = hf_row_starts(entry, arch)[i]
-        block = reader.read(dist_key(entry), layer, rows=(start + lo, start + hi))
-        writer.write_rows(names[i], lo, block.to(dtype))
+        key, name = dist_key(job.entry), hf_names(job.entry, layer=job.layer, tied=False)[job.hf_index]
+        rows = (job.row, job.row + job.hi - job.lo)
+        src = reader.byte_range(key, job.layer, rows) if reader.dtype(key) == dtype else None
+        if src is not None:
+            writer.copy_rows(name, job.lo, job.hi - job.lo, *src)
+        else:
+            writer.write_rows(name, job.lo, reader.read(key, job.layer, rows).to(dtype))
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         window: deque[Future[None]] = deque()

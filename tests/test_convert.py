@@ -186,6 +186,101 @@ def test_row_chunks_of_any_size_round_trip(tmp_path: Path, h2m_bytes: int, m2h_b
     assert set(result) == set(original) and all(torch.equal(result[n], t) for n, t in original.items())
 
 
+def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each writer thread drops (unmaps) its chunk before producing the next: at most --threads HF-backed chunks
+    are alive at once (torch's own writer keeps one per tensor key per thread until its file is done). qkv is
+    stored as its HF row ranges, three per query group; the .distcp files are the same on every run."""
+    import threading
+    import weakref
+
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
+    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    real, lock, live, peak, produced = hf_format.HFCheckpointReader.map_rows, threading.Lock(), [0], [0], [0]
+
+    def release() -> None:
+        with lock:
+            live[0] -= 1
+
+    def tracked(self: hf_format.HFCheckpointReader, name: str, start: int, stop: int) -> torch.Tensor:
+        t = real(self, name, start, stop)
+        with lock:
+            live[0] += 1
+            produced[0] += 1
+            peak[0] = max(peak[0], live[0])
+        weakref.finalize(t, release)
+        return t
+
+    monkeypatch.setattr(hf_format.HFCheckpointReader, "map_rows", tracked)
+    for out in ("mc", "mc2"):
+        cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / out), threads=2)
+        cfg.chunk_bytes = 32 * 4 * 5  # 5 rows of hidden 32 (fp32): many chunks per thread
+        hf_to_mcore(cfg)
+    assert produced[0] > 200 and peak[0] <= 2 and live[0] == 0
+    with DistCheckpointReader(tmp_path / "mc") as reader:
+        qkv = reader.tensors["decoder.layers.self_attention.linear_qkv.weight"]
+        rows = sorted((c.offsets[1], c.sizes[1]) for c in qkv.chunks if c.offsets[0] == 0)
+    # 2 groups x (2 q heads x head_dim 8 = 16 rows in 5-row chunks, 8 k rows, 8 v rows)
+    group = [(0, 5), (5, 5), (10, 5), (15, 1), (16, 5), (21, 3), (24, 5), (29, 3)]
+    assert rows == group + [(32 + r, n) for r, n in group]
+    distcp = sorted(p.name for p in (tmp_path / "mc" / "release").glob("*.distcp"))
+    assert distcp == ["__0_0.distcp", "__0_1.distcp"]
+    for name in distcp:
+        assert (tmp_path / "mc" / "release" / name).read_bytes() == (tmp_path / "mc2" / "release" / name).read_bytes()
+
+
+def test_mcore_to_hf_copies_converter_output_in_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block of converter output is one byte range of one stored chunk: copied by copy_file_range, no
+    block is read into the process; a --dtype cast, and blocks across stored chunks, are read and pwritten."""
+    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.weights.safetensors_io import PositionalSafetensorsWriter
+
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    cfg_argv = ["--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2"]
+    convert("hf-to-mcore", *cfg_argv)
+    real = PositionalSafetensorsWriter.write_rows
+    written: list[str] = []
+
+    def counting(self: PositionalSafetensorsWriter, name: str, start: int, rows: torch.Tensor) -> None:
+        written.append(name)
+        real(self, name, start, rows)
+
+    monkeypatch.setattr(PositionalSafetensorsWriter, "write_rows", counting)
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    assert written == []
+    original = read_all(tmp_path / "hf")
+    back = read_all(tmp_path / "hf2")
+    assert set(back) == set(original) and all(torch.equal(back[n], t) for n, t in original.items())
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf3"), "--dtype", "fp16")
+    assert set(written) == set(original)
+    assert all(torch.equal(t, original[n].half()) for n, t in read_all(tmp_path / "hf3").items())
+    with DistCheckpointReader(tmp_path / "mc") as reader:
+        key = "decoder.layers.mlp.linear_fc1.weight"  # [gate; up] of layer 1: one stored chunk each
+        assert reader.byte_range(key, 1, (0, 48)) is not None and reader.byte_range(key, 1, (40, 56)) is None
+        fd, offset = reader.byte_range(key, 1, (50, 53))
+        assert os.pread(fd, 3 * 32 * 4, offset) == reader.read(key, 1, (50, 53)).numpy().tobytes()
+
+
+def test_byte_range_is_none_across_stored_chunks(tmp_path: Path) -> None:
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
+    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))
+    cfg.chunk_bytes = 32 * 4 * 10  # 10-row chunks
+    hf_to_mcore(cfg)
+    with DistCheckpointReader(tmp_path / "mc") as reader:
+        key = "decoder.layers.mlp.linear_fc1.weight"
+        assert reader.byte_range(key, 2, (8, 12)) is None  # rows 8-9 and 10-11 are in two chunks
+        fd, offset = reader.byte_range(key, 2, (12, 15))
+        assert os.pread(fd, 3 * 32 * 4, offset) == reader.read(key, 2, (12, 15)).numpy().tobytes()
+        assert torch.equal(reader.read(key, 2, (8, 12)), torch.cat([reader.read(key, 2, (8, 10)),
+                                                                    reader.read(key, 2, (10, 12))]))
+
+
 def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) -> None:
     model = make_tiny_hf(tmp_path / "hf", tied=False, max_shard_size="40KB")
     assert (tmp_path / "hf" / hf_format.INDEX_FILE).exists()  # the input is sharded too

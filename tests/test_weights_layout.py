@@ -15,7 +15,7 @@ from megatron_dapo.weights import (
     resolve_mcore_name,
     stage_tensors,
 )
-from megatron_dapo.weights.layout import mcore_shard_shape
+from megatron_dapo.weights.layout import hf_row_segments, hf_shapes, mcore_shard_shape
 
 ARCH = Qwen2Arch(
     vocab_size=300,
@@ -54,6 +54,31 @@ def test_qkv_interleave_matches_per_group_reference(tp: int, bias: bool) -> None
         assert torch.equal(shard, _qkv_reference(q, k, v, tp, r))
     back = merge_tp_shards("qkv", shards, ARCH)
     assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v]))
+
+
+@pytest.mark.parametrize("entry", [e for e in QWEN2_MAPPING if not e.tied_hf], ids=lambda e: e.mcore)
+def test_row_segments_rebuild_every_layout_bit_exact(entry) -> None:
+    """Copying the HF rows of each segment into place (what the converters do, file to file) gives the
+    TP=1 tensor of the reference `hf_to_mcore_tensor` bit for bit, and reading them back gives merge_tp_shards'."""
+    g = torch.Generator().manual_seed(1)
+    hf = [torch.randn(shape, generator=g).to(torch.bfloat16) for shape in hf_shapes(entry, ARCH)]
+    (reference,) = hf_to_mcore_tensor(entry.kind, hf, ARCH, 1)
+    segments = hf_row_segments(entry, ARCH)
+    built = torch.zeros_like(reference)  # vocab padding rows: covered by no segment, stay zero
+    for s in segments:
+        built[s.row : s.row + s.rows] = hf[s.hf_index][s.hf_lo : s.hf_hi]
+    assert torch.equal(built.view(torch.int16), reference.view(torch.int16))
+    if entry.kind == "qkv":
+        assert torch.equal(built, _qkv_reference(*hf, tp=1, rank=0))  # the per-group formula written out
+        assert len(segments) == 3 * ARCH.num_kv_heads
+    back = [torch.full_like(t, float("nan")) for t in hf]
+    for s in segments:
+        back[s.hf_index][s.hf_lo : s.hf_hi] = reference[s.row : s.row + s.rows]
+    for got, want, merged in zip(back, hf, merge_tp_shards(entry.kind, [reference], ARCH)):
+        assert torch.equal(got, want) and torch.equal(got, merged)  # every HF row covered exactly once
+    rows = sorted((s.row, s.row + s.rows) for s in segments)
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])) and rows[0][0] == 0  # no overlap, no gap
+    assert sum(s.rows for s in segments) == sum(shape[0] for shape in hf_shapes(entry, ARCH))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3])

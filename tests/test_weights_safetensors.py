@@ -90,6 +90,46 @@ def test_positional_writer_any_order_from_threads_equals_the_package_file(tmp_pa
         w.close()
 
 
+@pytest.mark.parametrize("kernel", ["copy_file_range", "short-then-EXDEV", "no-copy_file_range"])
+def test_copy_rows_from_another_file_equals_write_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: str
+) -> None:
+    """copy_rows copies row ranges file to file in the kernel; where the kernel refuses part way (EXDEV
+    after 7 bytes: not a row boundary) or has no copy_file_range, the rest goes through a mapped pwrite."""
+    import errno
+    import os
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(6, 5, generator=g).to(torch.bfloat16), torch.randn(9, generator=g)
+    (tmp_path / "src.bin").write_bytes(b"x" * 13 + a.view(torch.uint8).numpy().tobytes() + b.numpy().tobytes())
+    if kernel == "short-then-EXDEV":
+        real, calls = os.copy_file_range, []
+
+        def short(src: int, dst: int, count: int, offset_src: int, offset_dst: int) -> int:
+            calls.append(count)
+            if len(calls) % 2 == 0:
+                raise OSError(errno.EXDEV, "cross-device")
+            return real(src, dst, min(count, 7), offset_src, offset_dst)
+
+        monkeypatch.setattr(os, "copy_file_range", short)
+    elif kernel == "no-copy_file_range":
+        monkeypatch.delattr(os, "copy_file_range")
+    specs = [TensorSpec("a", torch.bfloat16, (6, 5)), TensorSpec("b", torch.float32, (9,))]
+    w = PositionalSafetensorsWriter(tmp_path / "out.safetensors", specs)
+    fd = os.open(tmp_path / "src.bin", os.O_RDONLY)
+    try:
+        w.copy_rows("a", 4, 2, fd, 13 + 4 * 10)  # rows 4:6 first, then 0:4: any order
+        w.copy_rows("a", 0, 4, fd, 13)
+        w.copy_rows("b", 0, 9, fd, 13 + a.numel() * 2)
+        with pytest.raises(ValueError, match=r"a declared \[6, 5\], got rows 5:7"):
+            w.copy_rows("a", 5, 2, fd, 13)
+    finally:
+        os.close(fd)
+    w.close()  # complete: copy_rows counted every row
+    write_safetensors(tmp_path / "ref.safetensors", {"a": a, "b": b}.items())
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
 def test_truncated_and_corrupt_files_give_clear_errors(tmp_path: Path) -> None:
     path = tmp_path / "t.safetensors"
     save_file({"w": torch.randn(64, 64)}, path)

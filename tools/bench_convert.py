@@ -1,13 +1,26 @@
 """Benchmark checkpoint_convert on a synthetic bf16 Qwen2 checkpoint: time vs a byte copy, peak RSS.
 
-    python tools/bench_convert.py --size-gb 2 [--tp 2 --pp 2] [--repeat 2] [--workdir /tmp/bench_convert]
+    python tools/bench_convert.py --size-gb 2 [--repeat 5] [--fsync] [--cold] [--threads 4] [--workdir DIR]
 
-Writes a random HF checkpoint of about --size-gb (streamed, never in memory), then runs, each in a
-fresh process: a plain copy of the shard files, hf-to-mcore (HF -> torch_dist), mcore-to-hf
-(torch_dist -> HF), and an import-only baseline. Each step runs --repeat times, interleaved, after an
-os.sync() so no step pays for the previous one's dirty pages; the best time counts. Prints wall time
-as a ratio to the copy (goal <= 1.4x) and the peak RSS growth during the step next to one decoder
-layer plus the writer's buffers (goal: growth within that bound, not near the checkpoint size).
+Writes a random HF checkpoint of about --size-gb (streamed, never in memory) and converts it once to
+torch_dist (the fixed input of mcore-to-hf). Then, --repeat rounds of two pairs, each step in a fresh
+process (imports before the clock):
+
+    byte copy of the HF files      vs  hf-to-mcore (HF files -> torch_dist)
+    byte copy of the torch_dist files  vs  mcore-to-hf (torch_dist files -> HF)
+
+Each conversion is compared with a kernel copy (sendfile, what `cp` and shutil.copyfile do) of its own
+input files, so both sides read and write the same number of bytes through the same page cache. Both
+get the same treatment: output directory removed and os.sync() before the step (no step pays for an
+earlier one's writeback); with --cold every input file is dropped from the page cache
+(posix_fadvise DONTNEED, our files only) so both read from disk; with --fsync the clock includes
+fsync of every output file, so both pay for the disk write. Within a pair the order alternates
+by round. The machine is shared, so the bench prints the load average, min and median of each step,
+and the median of the per-round ratios conversion / copy (a slow round slows both of its pair).
+
+RSS: the bench reads the child's /proc/<pid>/status every 2 ms; growth = peak VmRSS minus
+VmRSS before the step (mapped file pages count: a memory-mapped chunk is resident while mapped).
+Bound (the goal): one decoder layer plus the writer's buffers (--threads chunks of --chunk-mb).
 """
 
 from __future__ import annotations
@@ -16,8 +29,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 
@@ -40,37 +56,44 @@ BASE = dict(
     torch_dtype="bfloat16",
 )
 
-# Imports happen before the clock and the RSS reference; a sampler thread records the step's peak RSS
-# (ru_maxrss alone would be the import high-water mark, which hides the step).
+# Imports happen before the clock and the RSS reference. {prepare} (drop inputs from the page cache)
+# runs before the clock too; {finish} (fsync of the outputs) inside it.
 CHILD = """
-import glob, os, resource, shutil, threading, time
-import psutil, torch
+import os, resource, shutil, sys, time
+import torch
 import torch.distributed.checkpoint
 from checkpoint_convert.cli import main
-proc, peak, done = psutil.Process(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.002)
-rss0 = proc.memory_info().rss
-thread = threading.Thread(target=sample, daemon=True)
-thread.start()
+
+def files(d):
+    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+
+for p in files({src!r}) if {cold} else []:
+    fd = os.open(p, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+print("READY", flush=True)
+sys.stdin.readline()  # the parent has read the RSS before the step
+cpu0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 {body}
+for p in files({out!r}) if {fsync} else []:
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
 seconds = time.perf_counter() - t
-done.set(); thread.join()
-print("RESULT", seconds, max(peak[0], proc.memory_info().rss), rss0)
+cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+print("RESULT", seconds, cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime, flush=True)
+sys.stdin.readline()  # exit only once the parent stopped sampling
 """
-BODIES = {
-    "baseline (no-op)": "pass",
-    "byte copy of shards": "os.makedirs({copy!r})\n"
-    "for p in glob.glob({hf!r} + '/*.safetensors'):\n"
-    "    shutil.copyfile(p, os.path.join({copy!r}, os.path.basename(p)))",
-    "hf-to-mcore": "assert main(['hf-to-mcore', '--hf-path', {hf!r}, '--save', {mc!r}, '--tp', '{tp}', "
-    "'--pp', '{pp}', '--threads', '{threads}', '--chunk-mb', '{chunk_mb}']) == 0",
-    "mcore-to-hf": "assert main(['mcore-to-hf', '--load', {mc!r}, '--save', {hf2!r}, '--threads', '{threads}', "
-    "'--chunk-mb', '{chunk_mb}']) == 0",
-}
+COPY = """os.makedirs({out!r})
+for p in files({src!r}):
+    q = os.path.join({out!r}, os.path.relpath(p, {src!r}))
+    os.makedirs(os.path.dirname(q), exist_ok=True)
+    shutil.copyfile(p, q)"""
+H2M = ("assert main(['hf-to-mcore', '--hf-path', {src!r}, '--save', {out!r}, '--tp', '{tp}', '--pp', '{pp}', "
+       "'--threads', '{threads}', '--chunk-mb', '{chunk_mb}']) == 0")
+M2H = ("assert main(['mcore-to-hf', '--load', {src!r}, '--save', {out!r}, '--threads', '{threads}', "
+       "'--chunk-mb', '{chunk_mb}']) == 0")
 
 
 def layer_bytes(arch: Qwen2Arch) -> int:
@@ -102,70 +125,119 @@ def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
     return writer.total_bytes
 
 
-# The directory each step writes; removed before the step (deleting GBs with `discard` is slow too).
-OUTPUT = {"byte copy of shards": "copy", "hf-to-mcore": "mc", "mcore-to-hf": "hf2"}
+def _status(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in f)
+                if k in ("VmRSS", "RssAnon", "RssFile")}
 
 
-def run_child(body: str, output: str | None = None) -> tuple[float, int, int]:
-    """(seconds, peak RSS during the step, RSS before it) of `body` in a fresh process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if output is not None:
-        shutil.rmtree(output, ignore_errors=True)
+def run_child(body: str, src: str, out: str, *, cold: bool, fsync: bool) -> tuple[float, float, int, int, int]:
+    """(seconds, CPU seconds, RSS growth, RssAnon growth, RssFile growth at the peak) of `body` in a fresh
+    process, reading `src` and writing `out` (removed first). RSS is sampled from this process every 2 ms
+    (/proc/<pid>/status), so the measured process runs no sampler of its own."""
+    shutil.rmtree(out, ignore_errors=True)
     os.sync()  # start from no dirty pages: writeback of an earlier step must not be billed to this one
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD.format(body=body)], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    _, seconds, peak, before = next(line for line in out.splitlines() if line.startswith("RESULT")).split()
-    return float(seconds), int(peak), int(before)
+    code = CHILD.format(body=body.format(src=src, out=out), src=src, out=out, cold=cold, fsync=fsync)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"bench step failed before starting:\n{proc.communicate()[1][-3000:]}")
+        before = peak = _status(proc.pid)
+        stop = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not stop.is_set():
+                now = _status(proc.pid)
+                if now["VmRSS"] > peak["VmRSS"]:
+                    peak = now
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        stop.set()
+        sampler.join()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        _, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode or not line.startswith("RESULT"):
+        raise RuntimeError(f"bench step failed:\n{err[-3000:]}")
+    seconds, cpu = map(float, line.split()[1:])
+    return seconds, cpu, *(peak[k] - before[k] for k in ("VmRSS", "RssAnon", "RssFile"))
+
+
+def load_average() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=2.0, help="synthetic checkpoint size (default 2)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--shard-gb", type=float, default=0.5, help="HF input shard size (default 0.5)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per step, interleaved; best counts")
-    parser.add_argument("--threads", type=int, default=4, help="hf-to-mcore --threads (default 4)")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds; each runs both pairs (default 5)")
+    parser.add_argument("--threads", type=int, default=4, help="--threads of both conversions (default 4)")
     parser.add_argument("--chunk-mb", type=int, default=16, help="--chunk-mb of both conversions (default 16)")
-    parser.add_argument(
-        "--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)"
-    )
+    parser.add_argument("--fsync", action="store_true", help="time includes fsync of every output file (both)")
+    parser.add_argument("--cold", action="store_true", help="drop the input files from the page cache first (both)")
+    parser.add_argument("--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)")
     ns = parser.parse_args()
     shutil.rmtree(ns.workdir, ignore_errors=True)
-    paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "hf2", "copy")}
+    paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "mc_out", "hf_out", "copy")}
     config = synthetic_config(ns.size_gb, ns.pp)
     arch = Qwen2Arch.from_hf(config)
+    opts = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb)
+    io = dict(cold=ns.cold, fsync=ns.fsync)
     try:
         total = write_synthetic_hf(paths["hf"], config, int(ns.shard_gb * 1e9))
-        largest = arch.vocab_size * arch.hidden_size * 2
+        run_child(H2M.format(src="{src}", out="{out}", **opts), paths["hf"], paths["mc"], cold=False, fsync=False)
         layer = layer_bytes(arch)
-        print(
-            f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16; largest tensor "
-            f"{largest / 1e6:.0f} MB, one layer {layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp}"
-        )
-        runs: dict[str, list[tuple[float, int, int]]] = {name: [] for name in BODIES}
-        for _ in range(ns.repeat):
-            for name, body in BODIES.items():
-                fmt = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb, **paths)
-                out = paths[OUTPUT[name]] if name in OUTPUT else None
-                runs[name].append(run_child(body.format(**fmt), out))
-        results = {name: min(r, key=lambda x: x[0]) for name, r in runs.items()}
-        copy_s = results["byte copy of shards"][0]
-        print(f"{'step':<22}{'seconds':>9}{'x copy':>9}{'peak RSS MB':>13}{'peak - start MB':>17}  all runs (s)")
-        for name, (seconds, peak, before) in results.items():
-            ratio, extra = seconds / copy_s, (peak - before) / 1e6
-            every = " ".join(f"{r[0]:.2f}" for r in runs[name])
-            print(f"{name:<22}{seconds:>9.2f}{ratio:>9.2f}{peak / 1e6:>13.0f}{extra:>17.0f}  {every}")
-        grown = max(r[1] - r[2] for n, rs in runs.items() for r in rs if n in ("hf-to-mcore", "mcore-to-hf"))
-        # a writer thread holds its chunk and, while producing the next, the previous one
-        bound = layer + 2 * ns.threads * (ns.chunk_mb << 20)
-        print(
-            f"largest RSS growth of a conversion {grown / 1e6:.0f} MB; bound: one layer + write buffers "
-            f"(2 x {ns.threads} threads x {ns.chunk_mb} MiB) = {bound / 1e6:.0f} MB; checkpoint {total / 1e6:.0f} MB"
-        )
+        print(f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16, one layer "
+              f"{layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp} threads={ns.threads} chunk={ns.chunk_mb} MiB; "
+              f"{'cold' if ns.cold else 'warm'} page cache, {'with' if ns.fsync else 'no'} fsync; {ns.repeat} rounds")
+        print(f"load average before: {load_average()}")
+        pairs = {
+            "hf-to-mcore": (H2M.format(src="{src}", out="{out}", **opts), paths["hf"], paths["mc_out"]),
+            "mcore-to-hf": (M2H.format(src="{src}", out="{out}", **opts), paths["mc"], paths["hf_out"]),
+        }
+        runs: dict[str, list[tuple[float, float, int, int, int]]] = {}
+        for r in range(ns.repeat):
+            for name, (body, src, out) in pairs.items():
+                steps = [(f"copy for {name}", COPY, paths["copy"]), (name, body, out)]
+                for step, step_body, step_out in steps if r % 2 == 0 else steps[::-1]:
+                    runs.setdefault(step, []).append(run_child(step_body, src, step_out, **io))
+        print(f"load average after:  {load_average()}")
+        print(f"{'step':<26}{'min s':>8}{'median s':>10}{'cpu s':>8}{'RSS+ MB':>9}{'anon':>6}{'file':>6}  all runs (s)")
+        for step, rs in runs.items():
+            secs = [x[0] for x in rs]
+            top = max(rs, key=lambda x: x[2])
+            print(f"{step:<26}{min(secs):>8.2f}{statistics.median(secs):>10.2f}"
+                  f"{statistics.median(x[1] for x in rs):>8.2f}{top[2] / 1e6:>9.0f}{top[3] / 1e6:>6.0f}"
+                  f"{top[4] / 1e6:>6.0f}  " + " ".join(f"{s:.2f}" for s in secs))
+        buffers = ns.threads * (ns.chunk_mb << 20)
+        bound = layer + buffers
+        print(f"{'direction':<14}{'x copy (median of rounds)':>27}{'x copy (min/min)':>18}{'x copy (cpu)':>14}"
+              f"{'RSS growth MB':>15}{'bound MB':>10}")
+        for name in pairs:
+            conv, copy = runs[name], runs[f"copy for {name}"]
+            paired = statistics.median(a[0] / b[0] for a, b in zip(conv, copy))
+            mins = min(x[0] for x in conv) / min(x[0] for x in copy)
+            cpu = statistics.median(x[1] for x in conv) / max(1e-9, statistics.median(x[1] for x in copy))
+            grown = max(x[2] for x in conv)
+            print(f"{name:<14}{paired:>27.2f}{mins:>18.2f}{cpu:>14.2f}{grown / 1e6:>15.0f}{bound / 1e6:>10.0f}")
+        print(f"goal: <= 1.4x copy both ways; RSS growth <= one layer ({layer / 1e6:.0f} MB) + write buffers "
+              f"({ns.threads} threads x {ns.chunk_mb} MiB = {buffers / 1e6:.0f} MB) = {bound / 1e6:.0f} MB; "
+              f"checkpoint {total / 1e6:.0f} MB")
     finally:
         shutil.rmtree(ns.workdir, ignore_errors=True)
 

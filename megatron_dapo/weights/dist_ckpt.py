@@ -14,9 +14,9 @@ a release checkpoint is what it starts from at iteration 0 with a fresh optimize
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
 leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
 list of chunks (global offset, shape, a function producing its bytes): the writer asks for a chunk only
-when a writer thread reaches it, so memory holds a few chunks, not the model. Training checkpoints
-(`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the model keys
-and ignore optimizer state.
+when a writer thread reaches it, so memory holds one chunk per writer thread, not the model. Training
+checkpoints (`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the
+model keys and ignore optimizer state.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import os
 import pickle
 import threading
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,6 +151,92 @@ def _planner(cancelled: threading.Event):
     return _LazyPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
+def _assign_files(items: list[Any], files: int) -> list[list[Any]]:
+    """Write items -> `files` lists, in plan order, each tensor to the list with the fewest bytes so far.
+
+    Deterministic (the same checkpoint gives the same files) and balanced to within one chunk.
+    """
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    buckets: list[list[Any]] = [[] for _ in range(files)]
+    loads = [0] * files
+    for n, item in enumerate(items):
+        if item.type == WriteItemType.BYTE_IO:
+            buckets[n % files].append(item)
+            continue
+        i = loads.index(min(loads))
+        buckets[i].append(item)
+        loads[i] += torch.Size(item.tensor_data.chunk.sizes).numel() * item.tensor_data.properties.dtype.itemsize
+    return buckets
+
+
+def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
+    """A FileSystemWriter whose threads each hold one chunk at a time (torch's keeps chunks until a file ends).
+
+    torch's own write loop keeps every written tensor of a file referenced (`tensor_dict`, for its
+    safetensors format) and leaves each thread's freed buffers in its malloc arena; with memory-mapped
+    chunks that is up to one chunk per tensor key per thread resident. Here `threads` threads (the
+    calling one included) each write their own `.distcp` file, item by item, dropping every chunk
+    (unmapping it) before producing the next: at most `threads` chunks are resident at any time.
+    Each record is what torch's writer stores (a torch.save per chunk, its offset and length in `.metadata`).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    class _Writer(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            prefix = plan.storage_data.prefix
+            buckets = [b for b in _assign_files(list(plan.items), self.thread_count) if b]
+
+            failures: list[BaseException] = []  # in the order they happened: the first is the cause
+
+            def write_file(i: int, items: list[Any]) -> list[Any]:
+                name = f"{prefix}{i}{DEFAULT_SUFFIX}"
+                results = []
+                try:
+                    with open(os.path.join(iter_dir, name), "wb") as f:
+                        for item in items:
+                            data = planner.resolve_data(item)
+                            offset = f.tell()
+                            if item.type == WriteItemType.BYTE_IO:
+                                f.write(data.getbuffer())
+                            else:
+                                torch.save(data, f)
+                            del data  # unmap before the next chunk is produced
+                            length = f.tell() - offset
+                            results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
+                        if self.sync_files:
+                            f.flush()
+                            os.fsync(f.fileno())
+                except BaseException as e:
+                    failures.append(e)
+                    cancelled.set()  # the other threads stop at their next chunk
+                    raise
+                return results
+
+            pool = ThreadPoolExecutor(max_workers=max(1, len(buckets) - 1))
+            others = [pool.submit(write_file, i, b) for i, b in enumerate(buckets[1:], start=1)]
+            try:
+                results = write_file(0, buckets[0]) if buckets else []
+            except BaseException as e:
+                if failures[0] is e:  # this thread failed first (or got SIGTERM): unwind now, as torch's
+                    pool.shutdown(wait=False)  # writer does; the others stop at their next chunk
+                    raise
+                results = []  # cancelled by another thread's failure: wait for all, raise that one
+            futures.wait(others)
+            pool.shutdown()
+            if failures:
+                raise failures[0]
+            results += [r for future in others for r in future.result()]
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(results)
+            return done
+
+    return _Writer(iter_dir, thread_count=threads, sync_files=False)
+
+
 def write_dist_checkpoint(
     iter_dir: str | os.PathLike[str],
     tensors: dict[str, LazyTensor],
@@ -160,22 +248,22 @@ def write_dist_checkpoint(
     """Write one torch_dist iteration directory from a single process (no process group needed).
 
     `objects` maps ShardedObject unique keys to their serialized bytes. `threads` writer threads each
-    fill their own `.distcp` file, producing one chunk at a time (the previous one is released once
-    the next exists): peak memory is about 2 x `threads` chunks. At Qwen2.5-32B (64 GB bf16, 16 MiB
-    chunks, 4 threads) that is ~128 MiB plus a 73 MB qkv layer, and the time is the disk's write time
-    (bytes move page cache -> page cache once, as in a byte copy; no CRC32 is computed).
+    fill their own `.distcp` file, one chunk at a time (`_storage_writer`): resident memory is at most
+    `threads` chunks (memory-mapped HF bytes, no copy unless a dtype cast). At Qwen2.5-32B (65 GB
+    bf16, --chunk-mb 16, --threads 4) that is 64 MiB; the time is that of writing 65 GB (bytes move
+    page cache -> page cache once, as in a byte copy; no CRC32 is computed).
     """
     import torch.distributed.checkpoint as dcp
 
     iter_dir = os.fspath(iter_dir)
     os.makedirs(iter_dir, exist_ok=True)
     state: dict[str, Any] = {**tensors, **objects}
-    writer = dcp.FileSystemWriter(iter_dir, thread_count=threads, sync_files=False)
+    cancelled = threading.Event()
+    writer = _storage_writer(iter_dir, threads, cancelled)
     # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
     # computing it costs as much as writing the bytes.
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
-    cancelled = threading.Event()
     try:
         dcp.save(state, storage_writer=writer, planner=_planner(cancelled), no_dist=True)
     except dcp.api.CheckpointException as e:
@@ -267,6 +355,7 @@ class DistCheckpointReader:
         }
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
+        self._starts: dict[tuple[str, int], int | None] = {}
         self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
@@ -282,6 +371,24 @@ class DistCheckpointReader:
                 fd = self._fds[relative_path] = os.open(self.dir / relative_path, os.O_RDONLY)
             return fd
 
+    def _record_start(self, key: str, offsets: Offset, sizes: Shape) -> tuple[int, int | None]:
+        """(fd, file offset of the chunk's raw tensor bytes, or None when not a plain record: see `_map_chunk`)."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{key}: stored with transforms {info.transform_descriptors}, not supported")
+        fd = self._fd(info.relative_path)
+        where = (info.relative_path, info.offset)
+        with self._lock:
+            if where in self._starts:
+                return fd, self._starts[where]
+        nbytes = torch.Size(sizes).numel() * self.tensors[key].properties.dtype.itemsize
+        start = _zip_record_start(fd, info.offset, info.length, nbytes)
+        with self._lock:
+            self._starts[where] = start
+        return fd, start
+
     def _map_chunk(
         self, key: str, offsets: Offset, sizes: Shape, axis: int = 0, skip: int = 0, rows: int | None = None
     ) -> torch.Tensor:
@@ -293,39 +400,33 @@ class DistCheckpointReader:
         """
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{key}: stored with transforms {info.transform_descriptors}, not supported")
-        fd = self._fd(info.relative_path)
         dtype = self.tensors[key].properties.dtype
-        itemsize = torch.empty((), dtype=dtype).element_size()
         rows = sizes[axis] - skip if rows is None else rows
         shape = (*sizes[:axis], rows, *sizes[axis + 1 :])
-        start = _zip_record_start(fd, info.offset, info.length, torch.Size(sizes).numel() * itemsize)
+        fd, start = self._record_start(key, offsets, sizes)
         if start is not None:
-            return map_file_tensor(fd, start + skip * itemsize * torch.Size(sizes[axis + 1 :]).numel(), shape, dtype)
+            return map_file_tensor(fd, start + skip * dtype.itemsize * torch.Size(sizes[axis + 1 :]).numel(), shape,
+                                   dtype)
+        info = self.metadata.storage_data[MetadataIndex(key, torch.Size(offsets))]
         buf = bytearray(info.length)
         _pread_exact(fd, memoryview(buf), info.offset, self.dir / info.relative_path)
         whole = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True).reshape(sizes)
         return whole.narrow(axis, skip, rows)
 
-    def read(self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The global tensor `key`, or its `layer` slice (without the layer axis), or rows lo:hi of that.
-
-        Reads only the stored chunks overlapping the request; when one chunk holds it (converter output
-        always, training checkpoints at TP=1), the result is a memory-mapped view of just those bytes.
-        """
+    def _locate(self, key: str, layer: int | None, rows: tuple[int, int] | None) -> tuple[
+        list[tuple[int, int]], int, list[Any], Any
+    ]:
+        """(region per axis, the row axis, the stored chunks overlapping the region, the one chunk holding the
+        region as a contiguous byte range, or None)."""
         if key not in self.tensors:
             raise CheckpointError(f"{self.dir} has no tensor {key!r}")
         md = self.tensors[key]
-        shape = tuple(md.size)
-        region = [(0, n) for n in shape]
+        region = [(0, n) for n in md.size]
         if layer is not None:
             region[0] = (layer, layer + 1)
         row_axis = 1 if layer is not None else 0
         if rows is not None:
             region[row_axis] = rows
-        want = tuple(hi - lo for lo, hi in region)
         pieces = [
             c for c in md.chunks
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
@@ -337,12 +438,36 @@ class DistCheckpointReader:
             (i == row_axis) or (i < row_axis and n == 1) or (i > row_axis and (lo, hi) == (o, o + n))
             for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region))
         )
-        if contiguous:
-            c = inside[0]
+        return region, row_axis, pieces, inside[0] if contiguous else None
+
+    def byte_range(
+        self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None
+    ) -> tuple[int, int] | None:
+        """(fd, file offset) where the bytes of `read(key, layer, rows)` lie contiguously in one stored record,
+        or None (the request spans chunks, or the record is not a plain torch.save): lets a caller copy them
+        file to file in the kernel (os.copy_file_range), without mapping or reading them."""
+        region, row_axis, _, whole = self._locate(key, layer, rows)
+        if whole is None:
+            return None
+        fd, start = self._record_start(key, tuple(whole.offsets), tuple(whole.sizes))
+        if start is None:
+            return None
+        row_bytes = self.tensors[key].properties.dtype.itemsize * torch.Size(whole.sizes[row_axis + 1 :]).numel()
+        return fd, start + (region[row_axis][0] - whole.offsets[row_axis]) * row_bytes
+
+    def read(self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The global tensor `key`, or its `layer` slice (without the layer axis), or rows lo:hi of that.
+
+        Reads only the stored chunks overlapping the request; when one chunk holds it (converter output
+        always, training checkpoints at TP=1), the result is a memory-mapped view of just those bytes.
+        """
+        region, row_axis, pieces, whole = self._locate(key, layer, rows)
+        if whole is not None:
             lo, hi = region[row_axis]
+            c = whole
             out = self._map_chunk(key, tuple(c.offsets), tuple(c.sizes), row_axis, lo - c.offsets[row_axis], hi - lo)
         else:
-            out = torch.empty(want, dtype=md.properties.dtype)
+            out = torch.empty(tuple(hi - lo for lo, hi in region), dtype=self.tensors[key].properties.dtype)
             for c in pieces:
                 data = self._map_chunk(key, tuple(c.offsets), tuple(c.sizes))
                 spans = list(zip(c.offsets, c.sizes, region))

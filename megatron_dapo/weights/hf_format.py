@@ -184,6 +184,14 @@ class HFShardedWriter:
             raise ValueError(f"{self.dir}: {name} is not a planned tensor")
         f.write_rows(name, start, rows)
 
+    def copy_rows(self, name: str, start: int, rows: int, src_fd: int, src_offset: int) -> None:
+        """Write rows start:start+rows of tensor `name` from file `src_fd` at `src_offset`, in the kernel
+        (PositionalSafetensorsWriter.copy_rows; thread-safe; each row once)."""
+        f = self._where.get(name)
+        if f is None:
+            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
+        f.copy_rows(name, start, rows, src_fd, src_offset)
+
     def close(self) -> None:
         """Close every shard (each checks it is complete) and write the index when there are several."""
         for f in self._files:

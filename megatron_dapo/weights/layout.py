@@ -8,6 +8,7 @@ values, so a round trip is bit-exact) and keeps the dtype.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -65,20 +66,46 @@ def global_shape(entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int) -> Sha
     return (arch.num_layers, *shape) if entry.stage == "layer" else shape
 
 
-def hf_row_starts(entry: MappingEntry, arch: Qwen2Arch) -> list[int] | None:
-    """Where each HF tensor of `entry` starts on dim 0 of its global (TP=1) tensor, or None.
+@dataclass(frozen=True)
+class RowSegment:
+    """HF tensor `hf_index` rows hf_lo:hf_hi are rows row:row + (hf_hi - hf_lo) of the global (TP=1) tensor."""
 
-    Every kind but qkv stores its HF tensors stacked along dim 0 (fc1 = [gate; up], the vocab then
-    zero rows up to the padded size), so a converter can copy HF row ranges straight into place.
-    qkv interleaves rows per query group and returns None: build it with `hf_to_mcore_tensor`.
+    hf_index: int
+    hf_lo: int
+    hf_hi: int
+    row: int
+
+    @property
+    def rows(self) -> int:
+        return self.hf_hi - self.hf_lo
+
+
+def hf_row_segments(entry: MappingEntry, arch: Qwen2Arch) -> list[RowSegment]:
+    """Where every HF row of `entry` sits on dim 0 of its global (TP=1) tensor, in global row order.
+
+    Each kind is a permutation of contiguous HF row blocks: one block per HF tensor (fc1 = [gate; up],
+    the vocab then zero rows up to the padded size, which no segment covers), or, for qkv, three per
+    query group g: q rows of its heads_per_group heads, k rows of head g, v rows of head g. A converter
+    copies each block as one byte range (memory-mapped or in-kernel), never building a fused copy.
+    At Qwen2.5-32B a qkv weight layer (73 MB) is 8 groups x (6.25 MiB q + 1.25 MiB k + 1.25 MiB v).
     """
-    if entry.kind == "qkv":
-        return None
-    starts, row = [], 0
-    for shape in hf_shapes(entry, arch):
-        starts.append(row)
-        row += shape[0]
-    return starts
+    if entry.kind != "qkv":
+        segments, row = [], 0
+        for i, shape in enumerate(hf_shapes(entry, arch)):
+            segments.append(RowSegment(i, 0, shape[0], row))
+            row += shape[0]
+        return segments
+    d, q_rows = arch.head_dim, arch.heads_per_group * arch.head_dim
+    group_rows = q_rows + 2 * d
+    segments = []
+    for g in range(arch.num_kv_heads):
+        at = g * group_rows
+        segments += [
+            RowSegment(0, g * q_rows, (g + 1) * q_rows, at),
+            RowSegment(1, g * d, (g + 1) * d, at + q_rows),
+            RowSegment(2, g * d, (g + 1) * d, at + q_rows + d),
+        ]
+    return segments
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor:

@@ -211,6 +211,30 @@ class PositionalSafetensorsWriter:
         with self._lock:
             self._rows[name] = self._rows.get(name, 0) + len(rows)
 
+    def copy_rows(self, name: str, start: int, rows: int, src_fd: int, src_offset: int) -> None:
+        """Write rows start:start+rows of `name` from the same bytes at `src_offset` of file `src_fd`, in the
+        kernel (os.copy_file_range: page cache to page cache, nothing mapped or read into this process);
+        falls back to a memory-mapped pwrite where the kernel or file system cannot (thread-safe)."""
+        spec = self._spec(name)
+        n_rows = spec.shape[0] if spec.shape else 1
+        if not 0 <= start <= start + rows <= n_rows:
+            raise ValueError(f"{self.path}: {name} declared {list(spec.shape)}, got rows {start}:{start + rows}")
+        row_bytes = spec.nbytes // n_rows if n_rows else 0
+        offset, nbytes, done = self._at[name][1] + start * row_bytes, rows * row_bytes, 0
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src_fd, self._fd, nbytes - done, src_offset + done, offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"{self.path}: {name}: source ended {nbytes - done} bytes early")
+                done += n
+        except (AttributeError, OSError):  # no copy_file_range (not Linux), or EXDEV/EINVAL/ENOSYS/EOPNOTSUPP
+            shape = (rows - done // row_bytes, *spec.shape[1:]) if spec.shape else ()
+            self.write_rows(name, start + done // row_bytes, map_file_tensor(
+                src_fd, src_offset + done - done % row_bytes, shape, spec.dtype))
+            rows = done // row_bytes  # write_rows counted the rest
+        with self._lock:
+            self._rows[name] = self._rows.get(name, 0) + rows
+
     def _spec(self, name: str) -> TensorSpec:
         if name not in self._at:
             raise ValueError(f"{self.path}: {name} is not declared in its header")
