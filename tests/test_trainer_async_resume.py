@@ -94,3 +94,31 @@ def test_async_run_is_one_step_off_and_resumes_exactly_after_sigkill(tiny_base, 
     ref_model, resumed = Qwen2ForCausalLM.from_pretrained(ref / "hf"), Qwen2ForCausalLM.from_pretrained(run / "hf")
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after resume")
+
+
+def test_async_with_partial_rollout_resumes_exactly_after_sigkill(tiny_base, tmp_path):
+    """--async-rollout 1 and --partial-rollout together: the checkpoint after step k holds both the batch generated
+    ahead (step k+1) and the groups cut from it; a run killed after a save and resumed matches the uninterrupted
+    one on every later step, carried and resumed token counts included."""
+    from tests.test_trainer_e2e import PARTIAL_FLAGS, PARTIAL_STEPS, _kill_after_save
+
+    ref, run = tmp_path / "ref", tmp_path / "killed"
+    cmd = lambda where, *extra: train_cmd(tiny_base, where, *ASYNC, *PARTIAL_FLAGS, *extra,  # noqa: E731
+                                          steps=PARTIAL_STEPS)
+    subprocess.run(cmd(ref), cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=900)
+    ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
+    assert sorted(ref_metrics) == list(range(1, PARTIAL_STEPS + 1))
+    assert sum(m["rollout/carried_tokens"] for m in ref_metrics.values()) > 0, "nothing was carried over"
+    assert [ref_metrics[s]["async/staleness"] for s in ref_metrics] == [0.0] + [1.0] * (PARTIAL_STEPS - 1)
+
+    resumed_from = _kill_after_save(cmd(run), run, 3)
+    assert 3 <= resumed_from < PARTIAL_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
+    out = subprocess.run(cmd(run, "--load", str(run / "ckpt")), cwd=REPO, env=train_env(), capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = read_jsonl(run / "log" / "metrics.jsonl")
+    keys = (*COMPARED, "async/staleness", "rollout/carried_tokens", "rollout/resumed_tokens",
+            "rollout/generated_tokens", "mismatch/tis_weight_mean")
+    for step in range(resumed_from + 1, PARTIAL_STEPS + 1):
+        for key in keys:
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7), (step, key)

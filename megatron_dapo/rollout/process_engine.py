@@ -9,6 +9,10 @@ Protocol over one duplex multiprocessing pipe (pickled messages):
   ("weights", (buffer or None, [(name, offset, dtype, shape)])), ("version", int), ("shutdown",).
 - child -> parent: ("group", samples) per finished request, ("end",) when a stream is exhausted,
   ("stream_error", text); ("reply", value) / ("reply_error", text) for every other message, in order.
+- Streams are pulled, as a generator in this process would be: after each group the child's decode loop
+  waits for a ("next",) (no reply) that the parent sends when its consumer asks for the next group. So an
+  abort called between two groups lands at the same decode step as in-process, and a run that cuts its batch
+  (--partial-rollout) carries the same prefixes every time (a resumed run matches the uninterrupted one).
 In the child a reader thread takes every message: abort / pause / resume act at once (abort is called
 while the consumer iterates a stream, and the decode loop checks the abort set at every step); stream and
 weight loads queue for the child's main thread, so a weight load waits for the stream in flight (the
@@ -129,8 +133,11 @@ class ProcessEngine(RolloutEngine):
                     raise ProcessEngineError(f"embedded rollout process, {op}:\n{value}")
                 self._inbox.append((kind, value))
 
-    def _next_stream_message(self) -> tuple[str, Any]:
+    def _next_stream_message(self, pull: bool = True) -> tuple[str, Any]:
+        """The next stream message; `pull` first lets the child's decode loop go on past its last group."""
         with self._lock:
+            if pull:
+                self._conn.send(("next", None))
             if self._inbox:
                 return self._inbox.popleft()
             kind, value = self._recv()
@@ -161,10 +168,11 @@ class ProcessEngine(RolloutEngine):
         return self._drain([r.request_id for r in requests])
 
     def _drain(self, ids: list[str]) -> Iterator[list[Sample]]:
-        ended = False
+        ended, pull = False, False  # the child produces its first group unasked, each later one on a pull
         try:
             while True:
-                kind, value = self._next_stream_message()
+                kind, value = self._next_stream_message(pull)
+                pull = True
                 if kind == "end":
                     ended = True
                     return
@@ -176,7 +184,7 @@ class ProcessEngine(RolloutEngine):
             if not ended and not self._closed and self._proc.is_alive():
                 # The consumer stopped early: stop the rest and read up to the end, so the pipe is clean.
                 self._call("abort", ids)
-                while self._next_stream_message()[0] not in ("end", "stream_error"):
+                while self._next_stream_message(pull)[0] not in ("end", "stream_error"):
                     pass
             self._streaming = False
 
@@ -295,6 +303,7 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
         send("reply_error", traceback.format_exc())
         return
     work: queue.Queue = queue.Queue()
+    pulls = threading.Semaphore(0)  # ("next",) from the parent: the stream may go past its last group
 
     def reader() -> None:
         while True:
@@ -303,6 +312,9 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
             except (EOFError, OSError):
                 op, payload = "shutdown", None
             try:
+                if op == "next":
+                    pulls.release()
+                    continue
                 if op == "abort":
                     send("reply", engine.abort(payload))
                 elif op == "pause":
@@ -314,6 +326,7 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
             except BaseException:
                 send("reply_error", traceback.format_exc())
             if op == "shutdown":
+                pulls.release()  # a stream waiting for a pull ends (the engine is shut down next)
                 return
 
     threading.Thread(target=reader, name="pipe-reader", daemon=True).start()
@@ -335,6 +348,7 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
             try:
                 for group in groups:
                     send("group", group)
+                    pulls.acquire()  # as a generator in the parent's process: no decoding ahead of the consumer
                 send("end")
             except BaseException:
                 send("stream_error", traceback.format_exc())
