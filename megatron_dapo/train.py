@@ -461,6 +461,7 @@ def train(args: argparse.Namespace) -> None:
 def make_colocated(args: argparse.Namespace, actor, engine, wait_group):
     """--colocate: this rank's PhaseSwitcher and ColocatedPusher (a collective: every rank makes every engine's
     group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port)."""
+    from megatron_dapo import comm
     from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher
     from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
 
@@ -469,7 +470,7 @@ def make_colocated(args: argparse.Namespace, actor, engine, wait_group):
     groups = make_engine_groups(urls, args.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
                              api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None)
-    barrier = (lambda: dist.barrier(group=wait_group)) if wait_group is not None else None
+    barrier = (lambda: comm.barrier(group=wait_group)) if wait_group is not None else None
     return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
                          barrier=barrier), pusher
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -63,4 +64,9 @@ def test_rehearsal_survives_a_killed_server_and_keeps_the_servers_in_sync(tmp_pa
     assert "log-probs of one sequence: server 0 vs server 1" in out.stdout
     pids = [int(p) for p in (run_dir / "pids").read_text().split()]
     assert len(pids) >= 6  # 2 servers, the router, the supervisor, torchrun, the restarted server
+    # The script's cleanup SIGKILLs each process group as it exits; a killed SGLang process takes a moment to
+    # be torn down by the kernel and reaped.
+    deadline = time.monotonic() + 20
+    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert not [p for p in pids if _alive(p)]
