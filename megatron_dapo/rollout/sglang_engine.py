@@ -62,10 +62,12 @@ import torch
 from megatron_dapo.rollout.buckets import DEFAULT_BUCKET_BYTES, Bucket, iter_buckets
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.server_setup import server_info, sync_group_layout, sync_ranks
-from megatron_dapo.rollout.sglang_protocol import (
+from megatron_dapo.rollout.sglang_protocol import (  # ServerDied: re-exported, raised here
+    ServerDied,
     aborted_sample,
     generate_payload,
     parse_generate_response,
+    read_reply,
     sample_rid,
     to_sample,
 )
@@ -125,10 +127,6 @@ class ClientConfig:
             raise ValueError(f"recovery_attempts must be >= 1, got {self.recovery_attempts}")
         if self.api_key == "":
             raise ValueError("api_key is empty (--sglang-api-key / SGLANG_API_KEY): give a key or none")
-
-
-class ServerDied(RuntimeError):
-    """A server stopped answering (connection refused / reset, or a 5xx)."""
 
 
 class SGLangEngine(RolloutEngine):
@@ -210,14 +208,7 @@ class SGLangEngine(RolloutEngine):
                                          timeout=timeout or self.client.control_timeout_s)
         except httpx.TransportError as e:
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
-        if resp.status_code >= 500:
-            raise ServerDied(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        if resp.status_code in (401, 403):
-            raise RuntimeError(f"SGLang {url}{path} refused the call ({resp.status_code}): the server needs the "
-                f"API key it was started with (--sglang-api-key / SGLANG_API_KEY)")
-        if resp.status_code != 200:
-            raise RuntimeError(f"SGLang {url}{path} answered {resp.status_code}: {resp.text[:500]}")
-        return resp.json() if resp.content else None
+        return read_reply(resp, url, path)
 
     def _serving(self) -> list[int]:
         return [i for i in range(len(self.urls)) if i not in self._stale]

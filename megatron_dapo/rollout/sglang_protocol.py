@@ -9,8 +9,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from megatron_dapo.rollout.sampling import row_seed
 from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, Sample
+
+
+class ServerDied(RuntimeError):
+    """A server stopped answering (connection refused / reset, or a 5xx)."""
+
+
+def read_reply(resp: httpx.Response, url: str, path: str) -> Any:
+    """The JSON body of SGLang's answer to POST {url}{path} (None when empty). A 5xx raises ServerDied (the
+    caller recovers the server); a missing API key (401/403) or any other non-200 raises RuntimeError."""
+    if resp.status_code >= 500:
+        raise ServerDied(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
+    if resp.status_code in (401, 403):
+        raise RuntimeError(f"SGLang {url}{path} refused the call ({resp.status_code}): the server needs the "
+                           f"API key it was started with (--sglang-api-key / SGLANG_API_KEY)")
+    if resp.status_code != 200:
+        raise RuntimeError(f"SGLang {url}{path} answered {resp.status_code}: {resp.text[:500]}")
+    return resp.json() if resp.content else None
 
 
 def sample_rid(request_id: str, index: int) -> str:

@@ -59,14 +59,11 @@ import torch.distributed as dist
 from megatron_dapo import comm
 from megatron_dapo.rollout.buckets import Bucket, TensorMeta, iter_buckets
 from megatron_dapo.rollout.server_setup import sync_group_layout
+from megatron_dapo.rollout.sglang_protocol import ServerDied, read_reply
 
 SYNC_ADDR_ENV = "MEGATRON_DAPO_WEIGHT_SYNC_ADDR"
 """Set on the node of a stage source s > 0: the address the servers reach that node at (its group's master
 address). Unset: rank 0's --weight-sync-master-addr on rank 0's own host, else the address of the hostname."""
-
-
-class ServerLost(RuntimeError):
-    """A server stopped answering (connection refused / reset, or a 5xx) during a stage's push."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,15 +216,8 @@ class StageClient:
         try:
             resp = self._http.post(f"{url}{path}", json=body)
         except httpx.TransportError as e:
-            raise ServerLost(f"{url}{path}: {type(e).__name__}: {e}") from e
-        if resp.status_code >= 500:
-            raise ServerLost(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:300]}")
-        if resp.status_code in (401, 403):
-            raise RuntimeError(f"SGLang {url}{path} refused the call ({resp.status_code}): the server needs the "
-                               f"API key it was started with (--sglang-api-key / SGLANG_API_KEY)")
-        if resp.status_code != 200:
-            raise RuntimeError(f"SGLang {url}{path} answered {resp.status_code}: {resp.text[:500]}")
-        reply = resp.json() if resp.content else None
+            raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
+        reply = read_reply(resp, url, path)
         if isinstance(reply, dict) and reply.get("success") is False:
             raise RuntimeError(f"SGLang {url}{path} failed: {reply.get('message')}")
         return reply
@@ -251,7 +241,7 @@ def _settle(futures: dict[int, Future], out: StageOutcome, timeout_s: float) -> 
     for i, f in futures.items():
         try:
             f.result(timeout_s)
-        except ServerLost:
+        except ServerDied:
             out.lost.add(i)
         except (RuntimeError, TimeoutError) as e:
             failures.append((i, e))
