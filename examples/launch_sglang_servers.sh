@@ -37,7 +37,7 @@ mkdir -p "$RUN_DIR"
 for ((i = 0; i < NUM; i++)); do
     port=$((BASE_PORT + i))
     setsid python -m sglang.launch_server --model-path "$HF_CKPT" --host "$HOST" --port "$port" \
-        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init "${KEY_ARGS[@]}" "${EXTRA_ARGS[@]}" \
+        --tp-size "$TP" --base-gpu-id $((i * TP)) --skip-tokenizer-init --sleep-on-idle "${KEY_ARGS[@]}" "${EXTRA_ARGS[@]}" \
         >"$RUN_DIR/sglang-$port.log" 2>&1 &
     echo $! >"$RUN_DIR/sglang-$port.pid"
     echo "http://$(hostname):$port"

@@ -58,7 +58,7 @@ start_server() {  # i tp -> starts server i on BASE_PORT + i, records its pid in
     SGLANG_USE_CPU_ENGINE=1 setsid "${bind[@]}" "$SGL_PY" -m sglang.launch_server --model-path "$MODEL" \
         --host 127.0.0.1 --port $((BASE_PORT + i)) --tp-size "$tp" --skip-tokenizer-init --device cpu \
         --attention-backend torch_native --disable-cuda-graph --max-total-tokens 8192 --mem-fraction-static 0.1 \
-        --dtype float32 >>"$RUN_DIR/sglang-$i.log" 2>&1 &
+        --dtype float32 --sleep-on-idle >>"$RUN_DIR/sglang-$i.log" 2>&1 &
     echo $! >"$RUN_DIR/sglang-$i.pid"
     track $!
 }

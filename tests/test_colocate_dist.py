@@ -23,6 +23,7 @@ import torch
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.rollout.sglang_server import ServerGroup
 from tests.dist.actor_common import make_samples, tiny_hf_model
+from tests.ports import free_port_block
 from tests.sglang.real_server import MARKS, cpu_server_config
 from tests.torchrun import REPO, free_port, subprocess_env
 
@@ -87,7 +88,7 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
            "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
            "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
-           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port()), "--colocate",
+           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port_block(2)), "--colocate",
            "--max-prompt-length", "16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -96,7 +97,7 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
     # a resume: the checkpoint (saved with the optimizer state onloaded around the save) is pushed to a fresh
     # server with the actor offloaded, and step 4's rollouts come from the resumed weights
     cmd[cmd.index("--num-steps") + 1] = "4"
-    cmd[cmd.index("--sglang-base-port") + 1] = str(free_port())
+    cmd[cmd.index("--sglang-base-port") + 1] = str(free_port_block(2))
     cmd[cmd.index("--log-dir") + 1] = str(tmp_path / "log2")
     out = subprocess.run(cmd + ["--load", str(tmp_path / "ckpt")], cwd=REPO, env=train_env(), capture_output=True,
                          text=True, timeout=900)

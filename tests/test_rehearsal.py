@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, train_env
+from tests.ports import free_port_block
 
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 pytestmark = [
@@ -40,7 +41,9 @@ def _alive(pid: int) -> bool:
 
 def test_rehearsal_survives_a_killed_server_and_keeps_the_servers_in_sync(tmp_path, tiny_base):
     run_dir = tmp_path / "rehearsal"
-    env = train_env() | {"TINY_BASE": str(tiny_base), "NUM_STEPS": "3"}
+    # BASE_PORT .. +60: servers, router, weight-sync groups, torchrun store (tests/ports.py: off the ephemeral range)
+    base_port = free_port_block(64)
+    env = train_env() | {"TINY_BASE": str(tiny_base), "NUM_STEPS": "3", "BASE_PORT": str(base_port)}
     out = subprocess.run(["bash", "examples/rehearse_multinode.sh", str(run_dir)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -55,7 +58,7 @@ def test_rehearsal_survives_a_killed_server_and_keeps_the_servers_in_sync(tmp_pa
     supervisor = (run_dir / "supervisor.log").read_text()
     assert "killed server 0" in supervisor and "server 0 back" in supervisor
     log = (run_dir / "train.log").read_text()
-    assert "SGLang server http://127.0.0.1:31400 lost: back after" in log
+    assert f"SGLang server http://127.0.0.1:{base_port} lost: back after" in log
     for r in records:
         assert all(not (isinstance(v, float) and math.isnan(v)) for v in r.values()), r
         assert r["mismatch/logprob_abs_diff_mean"] < 1e-3, r

@@ -20,6 +20,7 @@ from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_protocol import generate_payload, parse_generate_response, sample_rid
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from tests.ports import free_port_block
 from tests.sglang.fake_server import fake_logprob, fake_token, kill, serve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_launch_restart_and_resync(tmp_path):
     """A launched server that dies is restarted, re-synced from the last disk weights, and its
     requests are retried: every group comes back complete."""
     wrapper = _fake_python(tmp_path)
-    cfg = ServerConfig(model_path=str(tmp_path), num_servers=1, base_port=_free_port(), device="cpu",
+    cfg = ServerConfig(model_path=str(tmp_path), num_servers=1, base_port=free_port_block(2), device="cpu",
                        python=str(wrapper), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
                        env={"FAKE_SGLANG_LIFETIME": "60"})
     engine = SGLangEngine(cfg, client=ClientConfig(update_mode="disk", disk_dir=str(tmp_path / "w")))
@@ -219,13 +220,22 @@ def _fake_python(tmp_path: Path) -> Path:
     return wrapper
 
 
-def _free_port() -> int:
+def test_taken_port_is_refused_before_any_server_starts(tmp_path):
+    """A port of the group already listened on: start() names it and --sglang-base-port, and launches nothing."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return port if port < 60000 else 30123
+    from megatron_dapo.rollout.sglang_server import ServerGroup
+
+    base = free_port_block(3)
+    cfg = ServerConfig(model_path="m", num_servers=2, base_port=base, device="cpu", python=str(_fake_python(tmp_path)),
+                       log_dir=str(tmp_path / "logs"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", base + 2))  # the router's port
+        taken.listen()
+        group = ServerGroup(cfg)
+        with pytest.raises(RuntimeError, match=rf"port {base + 2} .*sglang router.*--sglang-base-port {base} \+ 2"):
+            group.start()
+        assert all(s.proc is None for s in group.servers)
 
 
 def test_config_validation():
@@ -473,7 +483,7 @@ def test_launched_servers_die_when_the_trainer_is_sigkilled(tmp_path):
     """Both the servers started at launch (main thread) and one restarted later (launcher thread) die with a
     SIGKILLed trainer (PR_SET_PDEATHSIG): checked by pid."""
     wrapper = _fake_python(tmp_path)
-    script = TRAINER.format(repo=str(REPO), model=str(tmp_path), port=_free_port(), python=str(wrapper),
+    script = TRAINER.format(repo=str(REPO), model=str(tmp_path), port=free_port_block(3), python=str(wrapper),
                             logs=str(tmp_path / "logs"))
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:

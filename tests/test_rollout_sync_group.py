@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from megatron_dapo.rollout.server_setup import sync_group_layout, sync_ranks
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from tests.ports import free_port
 from tests.sglang.fake_server import serve
 
 
@@ -28,12 +27,6 @@ def test_server_ranks_come_from_server_info_and_dp_is_refused():
         sync_ranks("http://c:1", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def mixed():
     servers = [serve(tp_size=1), serve(tp_size=2)]
@@ -51,7 +44,7 @@ def _named():
 def _attach(servers, mode):
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers]
     return SGLangEngine(server_urls=urls, client=ClientConfig(
-        update_mode=mode, bucket_bytes=1024, sync_backend="gloo", sync_master_port=_free_port(),
+        update_mode=mode, bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(),
         control_timeout_s=60, server_wait_s=30))
 
 

@@ -9,7 +9,6 @@ send anything to the servers. The rest are unit tests of the plan, the lock and 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ from megatron_dapo.rollout.stage_sync import (
     stage_master_address,
 )
 from tests.dist.actor_common import tiny_hf_model
+from tests.ports import free_port_block
 from tests.sglang.fake_server import serve
 from tests.torchrun import REPO, run_torchrun, subprocess_env
 
@@ -41,25 +41,10 @@ ROLES = {  # global rank -> (stage, source) under megatron's tp-dp-pp rank order
 }
 
 
-def free_ports(n: int, lo: int = 32000, hi: int = 32999, stride: int = 8) -> list[int]:
-    """n port blocks of `stride` consecutive free ports in this branch's range (the stage groups use base + s)."""
-    out: list[int] = []
-    for base in range(lo, hi - stride, stride):
-        try:
-            socks = []
-            for p in range(base, base + stride):
-                s = socket.socket()
-                s.bind(("127.0.0.1", p))
-                socks.append(s)
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        out.append(base)
-        if len(out) == n:
-            return out
-    raise RuntimeError(f"no {n} free port blocks in {lo}-{hi}")
+def free_ports(n: int, stride: int = 8) -> list[int]:
+    """n blocks of `stride` consecutive free ports (the stage groups use base + s), from one free block."""
+    base = free_port_block(n * stride)
+    return [base + i * stride for i in range(n)]
 
 
 def stage_of(name: str, num_layers: int) -> int:

@@ -9,7 +9,6 @@ broadcast tensors.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +16,7 @@ import textwrap
 import torch
 
 from megatron_dapo.rollout.sync_group import broadcast_tensors, init_weight_sync_group
-from tests.torchrun import REPO, subprocess_env
+from tests.torchrun import REPO, free_port, subprocess_env
 
 PEER = textwrap.dedent("""
     import sys
@@ -36,15 +35,9 @@ PEER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets in every rank
-    port, name = _free_port(), "megatron_dapo_weight_sync_test_agent_store"
+    port, name = free_port(), "megatron_dapo_weight_sync_test_agent_store"
     env = {k: v for k, v in subprocess_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

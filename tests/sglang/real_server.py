@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout.sglang_server import ServerConfig
+from tests.ports import free_port, free_port_block  # noqa: F401  (free_port re-exported)
 
 SGLANG_PY = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"
 MARKS = [
@@ -28,15 +28,10 @@ def tiny_model(seed: int) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(Qwen2Config(**CFG)).eval()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_server_config(root: Path, **overrides) -> ServerConfig:
     """One fp32 CPU server of the model saved under root/model, logs in root/logs."""
-    fields = dict(model_path=str(root / "model"), base_port=min(free_port(), 60000), device="cpu",
+    ports = free_port_block(overrides.get("num_servers", 1) + 1)  # the servers and a router
+    fields = dict(model_path=str(root / "model"), base_port=ports, device="cpu",
                   python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
                   extra_args=("--dtype", "float32"), env={"OMP_NUM_THREADS": "1"})
     return ServerConfig(**{**fields, **overrides})
