@@ -86,11 +86,13 @@ def _row_chunks(
 ) -> list[Chunk]:
     """HF rows seg.hf_lo:seg.hf_hi of `name` as chunks of at most chunk_bytes, placed at global row seg.row.
 
-    Each chunk's data is a memory-mapped view of its HF bytes (no copy unless --dtype casts), made when a
-    writer thread reaches it and unmapped once written.
+    Without a --dtype cast each chunk's `source` is its HF byte range: the writer copies it file to file in
+    the kernel. With a cast, `produce` maps the HF rows and casts them when a writer thread reaches the
+    chunk (dropped once written).
     """
     step = max(1, chunk_bytes // max(1, row_bytes))
-    trailing = reader.specs[name].shape[1:]
+    spec = reader.specs[name]
+    trailing = spec.shape[1:]
     out = []
     for lo in range(seg.hf_lo, seg.hf_hi, step):
         hi = min(seg.hf_hi, lo + step)
@@ -99,8 +101,12 @@ def _row_chunks(
             t = reader.map_rows(name, lo, hi).to(dtype)
             return t.view(*(1,) * len(prefix), *t.shape)
 
+        def source(lo: int = lo, hi: int = hi) -> tuple[int, int]:
+            return reader.byte_range(name, lo, hi)
+
         offset = (*prefix, seg.row + lo - seg.hf_lo, *(0,) * len(trailing))
-        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce))
+        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce,
+                         source if spec.dtype == dtype else None))
     return out
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.weights.safetensors_io import CheckpointError, map_file_tensor
+from megatron_dapo.weights.safetensors_io import CheckpointError, copy_file_bytes, map_file_tensor
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = "release"
@@ -59,11 +59,17 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Chunk:
-    """One stored piece of a global tensor; `produce()` returns a contiguous tensor of `shape`."""
+    """One stored piece of a global tensor; `produce()` returns a contiguous tensor of `shape`.
+
+    `source()`, when given, returns (fd, file offset) where the chunk's raw bytes (its dtype, little-endian,
+    row-major) lie contiguously in a file this process holds open: the writer then copies them file to
+    file in the kernel and never calls `produce`.
+    """
 
     offset: Offset
     shape: Shape
     produce: Callable[[], torch.Tensor]
+    source: Callable[[], tuple[int, int]] | None = None
 
 
 @dataclass
@@ -100,10 +106,15 @@ class LazyTensor:
 
         return [ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in self.chunks]
 
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+    def chunk_at(self, index: Any) -> Chunk:
+        """The chunk a write item's MetadataIndex names (by its position, checked against its offset)."""
         chunk = self.chunks[index.index] if index.index is not None else None
         if chunk is None or tuple(chunk.offset) != tuple(index.offset):
             chunk = next(c for c in self.chunks if tuple(c.offset) == tuple(index.offset))
+        return chunk
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        chunk = self.chunk_at(index)
         tensor = chunk.produce()
         if tuple(tensor.shape) != chunk.shape or tensor.dtype != self.dtype:
             raise CheckpointError(
@@ -129,6 +140,68 @@ def serialized_object(value: Any) -> io.BytesIO:
     return buf
 
 
+class _SkipRecorder(io.BytesIO):
+    """Records where torch.save under skip_data leaves out a storage's bytes (a relative seek past them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skips: list[tuple[int, int]] = []
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_CUR:
+            self.skips.append((self.tell(), pos))
+        return super().seek(pos, whence)
+
+
+_TEMPLATES: dict[tuple[Shape, torch.dtype], tuple[bytes, bytes]] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def record_template(shape: Shape, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """(bytes before, bytes after the raw tensor bytes) of torch.save(contiguous tensor of `shape`, `dtype`) with
+    CRC32 records off, which is how `write_dist_checkpoint` (and torch's FileSystemWriter) stores a chunk.
+
+    torch.save of one tensor is a zip whose only data-dependent part is its storage record `data/0`; with
+    CRC32 off, the rest (data.pkl, the record's local header padded to torch's storage alignment, the
+    central directory, the serialization id) depends on shape and dtype alone. Made once per (shape,
+    dtype) by torch.save itself under torch.serialization.skip_data (which writes everything but the
+    storage bytes), so head + the tensor's bytes + tail is byte for byte what torch.save writes.
+    ~1 KB each; a checkpoint has a few dozen distinct chunk shapes.
+    """
+    if torch.serialization.get_crc32_options():
+        raise RuntimeError("record_template needs CRC32 records off (torch.serialization.set_crc32_options(False))")
+    key = (tuple(shape), dtype)
+    with _TEMPLATES_LOCK:
+        found = _TEMPLATES.get(key)
+    if found is None:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        buf = _SkipRecorder()
+        with torch.serialization.skip_data():
+            torch.save(torch.empty(shape, dtype=dtype), buf)  # never touched: no page of it becomes resident
+        if len(buf.skips) != 1 or buf.skips[0][1] != nbytes:
+            raise RuntimeError(f"torch.save under skip_data left out {buf.skips} (position, bytes), expected one "
+                               f"storage of {nbytes} bytes: this torch version's format is not supported")
+        raw, at = buf.getvalue(), buf.skips[0][0]
+        found = (raw[:at], raw[at + nbytes :])
+        with _TEMPLATES_LOCK:
+            _TEMPLATES[key] = found
+    return found
+
+
+def _copy_record(f: io.BufferedWriter, chunk: Chunk, dtype: torch.dtype, what: str) -> None:
+    """Append to `f` the record torch.save(chunk's tensor) writes (CRC32 off), the tensor bytes copied from
+    `chunk.source()` in the kernel (copy_file_bytes): the chunk's bytes never enter this process."""
+    fd, offset = chunk.source()
+    head, tail = record_template(chunk.shape, dtype)
+    f.write(head)
+    f.flush()
+    at = f.tell()
+    nbytes = torch.Size(chunk.shape).numel() * dtype.itemsize
+    copy_file_bytes(fd, offset, f.fileno(), at, nbytes, what=what)
+    f.seek(at + nbytes)
+    f.write(tail)
+
+
 def _planner(cancelled: threading.Event):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -144,6 +217,14 @@ def _planner(cancelled: threading.Event):
                 raise RuntimeError("checkpoint write cancelled")
             obj = self.state_dict[index.fqn]
             return obj.__get_tensor_shard__(index) if isinstance(obj, LazyTensor) else super().lookup_object(index)
+
+        def lookup_source(self, index: Any) -> tuple[Chunk, torch.dtype] | None:
+            """(chunk, dtype) when the chunk at `index` is copied from a file (`Chunk.source`), else None."""
+            if cancelled.is_set():
+                raise RuntimeError("checkpoint write cancelled")
+            obj = self.state_dict[index.fqn]
+            chunk = obj.chunk_at(index) if isinstance(obj, LazyTensor) else None
+            return (chunk, obj.dtype) if chunk is not None and chunk.source is not None else None
 
         def transform_object(self, write_item: Any, obj: Any) -> Any:
             return obj if isinstance(obj, io.BytesIO) else super().transform_object(write_item, obj)
@@ -195,16 +276,24 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
             def write_file(i: int, items: list[Any]) -> list[Any]:
                 name = f"{prefix}{i}{DEFAULT_SUFFIX}"
                 results = []
+                # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
+                # computing it costs as much as writing the bytes. torch's config is per thread: set it here.
+                crc = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
                 try:
                     with open(os.path.join(iter_dir, name), "wb") as f:
                         for item in items:
-                            data = planner.resolve_data(item)
                             offset = f.tell()
-                            if item.type == WriteItemType.BYTE_IO:
-                                f.write(data.getbuffer())
+                            copied = planner.lookup_source(item.index) if item.type != WriteItemType.BYTE_IO else None
+                            if copied is not None:
+                                _copy_record(f, *copied, what=f"{name}: {item.index.fqn} {list(item.index.offset)}")
                             else:
-                                torch.save(data, f)
-                            del data  # unmap before the next chunk is produced
+                                data = planner.resolve_data(item)
+                                if item.type == WriteItemType.BYTE_IO:
+                                    f.write(data.getbuffer())
+                                else:
+                                    torch.save(data, f)
+                                del data  # unmap before the next chunk is produced
                             length = f.tell() - offset
                             results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
                         if self.sync_files:
@@ -214,6 +303,8 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
                     failures.append(e)
                     cancelled.set()  # the other threads stop at their next chunk
                     raise
+                finally:
+                    torch.serialization.set_crc32_options(crc)
                 return results
 
             pool = ThreadPoolExecutor(max_workers=max(1, len(buckets) - 1))
@@ -260,10 +351,6 @@ def write_dist_checkpoint(
     state: dict[str, Any] = {**tensors, **objects}
     cancelled = threading.Event()
     writer = _storage_writer(iter_dir, threads, cancelled)
-    # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
-    # computing it costs as much as writing the bytes.
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
     try:
         dcp.save(state, storage_writer=writer, planner=_planner(cancelled), no_dist=True)
     except dcp.api.CheckpointException as e:
@@ -272,8 +359,6 @@ def write_dist_checkpoint(
     except BaseException:
         cancelled.set()
         raise
-    finally:
-        torch.serialization.set_crc32_options(crc)
     torch.save(common, os.path.join(iter_dir, COMMON_FILE))
     with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:
         json.dump(MEGATRON_CONFIG, f)  # last: megatron treats a directory without it as incomplete

@@ -113,6 +113,14 @@ class HFCheckpointReader:
             raise CheckpointError(f"{self.dir} has no tensor {name!r}")
         return f.map_rows(name, start, stop)
 
+    def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int]:
+        """(fd, file offset) where the raw bytes of rows start:stop of tensor `name` lie contiguously (thread-safe;
+        the fd stays open until `close`)."""
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.dir} has no tensor {name!r}")
+        return f.byte_range(name, start, stop)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
