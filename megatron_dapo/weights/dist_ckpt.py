@@ -140,17 +140,33 @@ def serialized_object(value: Any) -> io.BytesIO:
     return buf
 
 
-class _SkipRecorder(io.BytesIO):
-    """Records where torch.save under skip_data leaves out a storage's bytes (a relative seek past them)."""
+class _SkipRecorder:
+    """A sink for torch.save under skip_data: keeps the bytes written around each storage it leaves out (a
+    relative seek past them) without materialising the skipped bytes (a BytesIO would zero-fill them)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.skips: list[tuple[int, int]] = []
+        self.parts: list[bytearray] = [bytearray()]
+        self.skips: list[tuple[int, int]] = []  # (position, bytes) of each storage left out
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.parts[-1] += data
+        self.pos += len(data)
+        return len(data)
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_CUR:
-            self.skips.append((self.tell(), pos))
-        return super().seek(pos, whence)
+        if whence != io.SEEK_CUR:
+            raise io.UnsupportedOperation("torch.save under skip_data only seeks past a storage")
+        self.skips.append((self.pos, pos))
+        self.pos += pos
+        self.parts.append(bytearray())
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
 
 
 _TEMPLATES: dict[tuple[Shape, torch.dtype], tuple[bytes, bytes]] = {}
@@ -159,7 +175,8 @@ _TEMPLATES_LOCK = threading.Lock()
 
 def record_template(shape: Shape, dtype: torch.dtype) -> tuple[bytes, bytes]:
     """(bytes before, bytes after the raw tensor bytes) of torch.save(contiguous tensor of `shape`, `dtype`) with
-    CRC32 records off, which is how `write_dist_checkpoint` (and torch's FileSystemWriter) stores a chunk.
+    CRC32 records off, which is how `write_dist_checkpoint` stores a chunk (torch's FileSystemWriter too, but
+    with CRC32 on: then only the CRC fields and the serialization id differ).
 
     torch.save of one tensor is a zip whose only data-dependent part is its storage record `data/0`; with
     CRC32 off, the rest (data.pkl, the record's local header padded to torch's storage alignment, the
@@ -168,21 +185,23 @@ def record_template(shape: Shape, dtype: torch.dtype) -> tuple[bytes, bytes]:
     storage bytes), so head + the tensor's bytes + tail is byte for byte what torch.save writes.
     ~1 KB each; a checkpoint has a few dozen distinct chunk shapes.
     """
-    if torch.serialization.get_crc32_options():
-        raise RuntimeError("record_template needs CRC32 records off (torch.serialization.set_crc32_options(False))")
     key = (tuple(shape), dtype)
     with _TEMPLATES_LOCK:
         found = _TEMPLATES.get(key)
     if found is None:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         buf = _SkipRecorder()
-        with torch.serialization.skip_data():
-            torch.save(torch.empty(shape, dtype=dtype), buf)  # never touched: no page of it becomes resident
+        crc = torch.serialization.get_crc32_options()  # torch's config is per thread
+        torch.serialization.set_crc32_options(False)
+        try:
+            with torch.serialization.skip_data():
+                torch.save(torch.empty(shape, dtype=dtype), buf)  # never touched: no page of it becomes resident
+        finally:
+            torch.serialization.set_crc32_options(crc)
         if len(buf.skips) != 1 or buf.skips[0][1] != nbytes:
             raise RuntimeError(f"torch.save under skip_data left out {buf.skips} (position, bytes), expected one "
                                f"storage of {nbytes} bytes: this torch version's format is not supported")
-        raw, at = buf.getvalue(), buf.skips[0][0]
-        found = (raw[:at], raw[at + nbytes :])
+        found = (bytes(buf.parts[0]), bytes(buf.parts[1]))
         with _TEMPLATES_LOCK:
             _TEMPLATES[key] = found
     return found
@@ -441,6 +460,7 @@ class DistCheckpointReader:
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
         self._starts: dict[tuple[str, int], int | None] = {}
+        self._by_layer: dict[str, dict[int, list[Any]]] = {}
         self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
@@ -468,8 +488,13 @@ class DistCheckpointReader:
         with self._lock:
             if where in self._starts:
                 return fd, self._starts[where]
-        nbytes = torch.Size(sizes).numel() * self.tensors[key].properties.dtype.itemsize
-        start = _zip_record_start(fd, info.offset, info.length, nbytes)
+        dtype = self.tensors[key].properties.dtype
+        nbytes = torch.Size(sizes).numel() * dtype.itemsize
+        head, tail = record_template(tuple(sizes), dtype)  # converter output: one pread instead of a zip parse
+        if info.length == len(head) + nbytes + len(tail) and os.pread(fd, len(head), info.offset) == head:
+            start = info.offset + len(head)
+        else:  # e.g. a training checkpoint's records (CRC32 on)
+            start = _zip_record_start(fd, info.offset, info.length, nbytes)
         with self._lock:
             self._starts[where] = start
         return fd, start
@@ -513,7 +538,7 @@ class DistCheckpointReader:
         if rows is not None:
             region[row_axis] = rows
         pieces = [
-            c for c in md.chunks
+            c for c in (md.chunks if layer is None else self._layer_chunks(key).get(layer, []))
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
         ]
         inside = [
@@ -524,6 +549,19 @@ class DistCheckpointReader:
             for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region))
         )
         return region, row_axis, pieces, inside[0] if contiguous else None
+
+    def _layer_chunks(self, key: str) -> dict[int, list[Any]]:
+        """Stored chunks of `key` by the layers (dim 0) they cover: a layer's lookup scans its chunks only."""
+        with self._lock:
+            found = self._by_layer.get(key)
+        if found is None:
+            found = {}
+            for c in self.tensors[key].chunks:
+                for layer in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
+                    found.setdefault(layer, []).append(c)
+            with self._lock:
+                self._by_layer[key] = found
+        return found
 
     def byte_range(
         self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None
