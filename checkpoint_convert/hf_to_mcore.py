@@ -2,14 +2,17 @@
 
 No model is built: each tensor goes through the mapping table to its dist-checkpoint key and global
 shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV interleave is three ranges
-per query group), memory-mapped by a writer thread only when it writes them. `--tp`/`--pp` only validate
-that the model splits over that layout and set the padded vocab; megatron-core reshards at load.
+per query group). Without a --dtype cast a writer thread copies each range from the HF file into its
+`.distcp` record in the kernel (copy_file_range, inside the record torch.save would write); with a
+cast it memory-maps and casts the range only when it writes it. `--tp`/`--pp` only validate that the
+model splits over that layout and set the padded vocab; megatron-core reshards at load.
 
 Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
-1.56 GB each): resident memory is --threads mapped chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB),
-not a layer (the goal's bound, one layer plus the write buffers, is 1.04 GB); each byte is copied
-once, page cache to page cache, so the time is a byte copy's (65.5 GB at the disk's write speed:
-~66 s at 1 GB/s) times the ratio `tools/bench_convert.py` measures.
+1.56 GB each): no HF byte enters the process without a cast (RSS growth ~0); with one, --threads mapped
+chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB), not a layer (the goal's bound, one layer plus the
+write buffers, is 1.04 GB). Each byte is copied once, page cache to page cache, so the time is a byte
+copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio `tools/bench_convert.py`
+measures.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ class HfToMcoreConfig:
     threads: int = 4
     """--threads: parallel writer threads (one .distcp file each; each holds one chunk at a time)."""
     chunk_mb: int = 16
-    """--chunk-mb: largest stored chunk; bigger row ranges are split (resident memory <= threads x chunk)."""
+    """--chunk-mb: largest stored chunk; bigger row ranges are split (with --dtype: resident <= threads x chunk)."""
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.hf_path):

@@ -13,8 +13,10 @@ a release checkpoint is what it starts from at iteration 0 with a fresh optimize
 
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
 leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
-list of chunks (global offset, shape, a function producing its bytes): the writer asks for a chunk only
-when a writer thread reaches it, so memory holds one chunk per writer thread, not the model. Training
+list of chunks (global offset, shape, where its bytes lie in a file or a function producing them): a
+writer thread copies a chunk's bytes file to file in the kernel into the record torch.save would write
+(`record_template`), or produces it only when it reaches it, so memory holds at most one produced
+chunk per writer thread, not the model. Training
 checkpoints (`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the
 model keys and ignore optimizer state.
 """
@@ -276,9 +278,11 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
     torch's own write loop keeps every written tensor of a file referenced (`tensor_dict`, for its
     safetensors format) and leaves each thread's freed buffers in its malloc arena; with memory-mapped
     chunks that is up to one chunk per tensor key per thread resident. Here `threads` threads (the
-    calling one included) each write their own `.distcp` file, item by item, dropping every chunk
-    (unmapping it) before producing the next: at most `threads` chunks are resident at any time.
-    Each record is what torch's writer stores (a torch.save per chunk, its offset and length in `.metadata`).
+    calling one included) each write their own `.distcp` file, item by item. A chunk with a `source`
+    is written as its torch.save record template around its bytes copied in the kernel (`_copy_record`:
+    nothing resident); any other is produced, torch.save'd and dropped (unmapped) before the next: at
+    most `threads` chunks are resident at any time. Each record is what torch's writer stores (a
+    torch.save per chunk, CRC32 off; its offset and length in `.metadata`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
@@ -358,10 +362,12 @@ def write_dist_checkpoint(
     """Write one torch_dist iteration directory from a single process (no process group needed).
 
     `objects` maps ShardedObject unique keys to their serialized bytes. `threads` writer threads each
-    fill their own `.distcp` file, one chunk at a time (`_storage_writer`): resident memory is at most
-    `threads` chunks (memory-mapped HF bytes, no copy unless a dtype cast). At Qwen2.5-32B (65 GB
-    bf16, --chunk-mb 16, --threads 4) that is 64 MiB; the time is that of writing 65 GB (bytes move
-    page cache -> page cache once, as in a byte copy; no CRC32 is computed).
+    fill their own `.distcp` file, one chunk at a time (`_storage_writer`). Chunks with a `source` (HF
+    bytes, no dtype cast) are copied in the kernel: nothing resident, each byte moved once page cache
+    to page cache, as `cp` does. Produced chunks (a cast) hold at most `threads` chunks resident. At
+    Qwen2.5-32B (65.5 GB bf16, --chunk-mb 16, --threads 4: ~6.9k records) that is ~0 without a cast
+    and 64 MiB with one; the time is a byte copy of 65.5 GB plus ~1 KB of record framing per chunk
+    (no CRC32 is computed, in any writer thread).
     """
     import torch.distributed.checkpoint as dcp
 
