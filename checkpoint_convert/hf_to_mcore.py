@@ -32,6 +32,7 @@ from megatron_dapo.weights.ckpt_config import check_dtype, config_dtype, read_hf
 from megatron_dapo.weights.dist_ckpt import (
     FORMAT,
     ITERATION_DIR,
+    PAGE,
     Chunk,
     LazyTensor,
     serialized_object,
@@ -39,7 +40,7 @@ from megatron_dapo.weights.dist_ckpt import (
     write_dist_checkpoint,
     write_tracker,
 )
-from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets
+from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
@@ -85,13 +86,14 @@ class HfToMcoreConfig:
 
 def _row_chunks(
     reader: HFCheckpointReader, name: str, seg: RowSegment, prefix: tuple[int, ...], row_bytes: int,
-    chunk_bytes: int, dtype: torch.dtype,
+    chunk_bytes: int, dtype: torch.dtype, planned: dict[str, int] | None = None,
 ) -> list[Chunk]:
     """HF rows seg.hf_lo:seg.hf_hi of `name` as chunks of at most chunk_bytes, placed at global row seg.row.
 
     Without a --dtype cast each chunk's `source` is its HF byte range: the writer copies it file to file in
-    the kernel. With a cast, `produce` maps the HF rows and casts them when a writer thread reaches the
-    chunk (dropped once written).
+    the kernel, starting at the page offset the rows will have in mcore-to-hf's default output (`planned`:
+    HF file offsets of that layout), so that copy back is page-aligned. With a cast, `produce` maps the HF
+    rows and casts them when a writer thread reaches the chunk (dropped once written).
     """
     step = max(1, chunk_bytes // max(1, row_bytes))
     spec = reader.specs[name]
@@ -108,14 +110,15 @@ def _row_chunks(
             return reader.byte_range(name, lo, hi)
 
         offset = (*prefix, seg.row + lo - seg.hf_lo, *(0,) * len(trailing))
-        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce,
-                         source if spec.dtype == dtype else None))
+        copy = spec.dtype == dtype
+        page = (planned[name] + lo * row_bytes) % PAGE if copy and planned else None
+        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce, source if copy else None, page))
     return out
 
 
 def _entry_tensor(
     reader: HFCheckpointReader, entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int,
-    dtype: torch.dtype, chunk_bytes: int,
+    dtype: torch.dtype, chunk_bytes: int, planned: dict[str, int] | None = None,
 ) -> LazyTensor:
     """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks.
 
@@ -133,7 +136,7 @@ def _entry_tensor(
         names = hf_names(entry, layer=layer, tied=False)
         for seg in segments:
             lazy.chunks += _row_chunks(
-                reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype
+                reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype, planned
             )
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
             pad = (padded_vocab - arch.vocab_size, *shape[1:])
@@ -235,8 +238,9 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes
+        planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         tensors = {
-            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes)
+            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes, planned)
             for e in QWEN2_MAPPING
             if not (e.tied_hf and arch.tie_word_embeddings)
         }

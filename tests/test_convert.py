@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from checkpoint_convert.cli import main
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights import hf_format
+from megatron_dapo.weights.safetensors_io import SafetensorsFile
 from tests.dist.actor_common import hf_to_full_mcore
 from tests.torchrun import REPO, subprocess_env
 
@@ -241,7 +243,9 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
     into the process); with --dtype bf16 each chunk is mapped and cast. Either way each record is byte for byte
     what torch.save of its tensor writes (the format of torch's FileSystemWriter, CRC32 off in every writer
     thread), and torch's own DCP reader gets the HF tensors back exactly, through the QKV interleave (two query
-    groups, split into chunks of a few rows) and the padded vocab."""
+    groups, split into chunks of a few rows) and the padded vocab. A copied chunk's bytes start at the offset in
+    a page they have in mcore-to-hf's output (planned_offsets, checked against the file it writes), so the copy
+    back is page-aligned on both sides."""
     import io
     import zipfile
 
@@ -280,6 +284,11 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
         fc1 = torch.cat([full[f"decoder.layers.{i}.mlp.linear_fc1.{half}"] for half in ("gate", "up")])
         assert torch.equal(stored["decoder.layers.mlp.linear_fc1.weight"][i], fc1)
     metadata = dcp.FileSystemReader(str(release)).read_metadata()
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    with SafetensorsFile(tmp_path / "hf2" / "model.safetensors") as out:
+        planned = hf_format.planned_offsets(list(out.specs.values()))
+        assert planned == out._offsets  # where HFShardedWriter put every tensor
+    stored_at: dict[tuple, int] = {}  # (key, offset) -> file offset of the tensor bytes, from the zip itself
     records = 0
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -291,6 +300,10 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
                 f.seek(info.offset)
                 raw = f.read(info.length)
             tensor = torch.load(io.BytesIO(raw), weights_only=True)
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                at = z.getinfo("archive/data/0").header_offset
+            name_len, extra_len = struct.unpack("<HH", raw[at + 26 : at + 30])
+            stored_at[index.fqn, tuple(index.offset)] = info.offset + at + 30 + name_len + extra_len
             chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
             assert tensor.dtype == target and tensor.shape == chunk.sizes
             expected = io.BytesIO()
@@ -302,6 +315,11 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
     finally:
         torch.serialization.set_crc32_options(crc)
     assert records > 100
+    if dtype is None:  # fc1 of layer 2: gate rows then up rows, 5 rows a chunk, each at its HF page offset
+        fc1 = sorted((o[1], at) for (k, o), at in stored_at.items() if k.endswith("linear_fc1.weight") and o[0] == 2)
+        want = [planned[f"model.layers.2.mlp.{p}_proj.weight"] + r * 32 * 4 for p in ("gate", "up")
+                for r in range(0, 48, 5)]
+        assert [at % 4096 for _, at in fc1] == [w % 4096 for w in want]
 
 
 def test_mcore_to_hf_copies_converter_output_in_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
