@@ -2,14 +2,17 @@
 
 No model is built: each tensor goes through the mapping table to its dist-checkpoint key and global
 shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV interleave is three ranges
-per query group), memory-mapped by a writer thread only when it writes them. `--tp`/`--pp` only validate
-that the model splits over that layout and set the padded vocab; megatron-core reshards at load.
+per query group). Without a --dtype cast a writer thread copies each range from the HF file into its
+`.distcp` record in the kernel (copy_file_range, inside the record torch.save would write); with a
+cast it memory-maps and casts the range only when it writes it. `--tp`/`--pp` only validate that the
+model splits over that layout and set the padded vocab; megatron-core reshards at load.
 
 Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
-1.56 GB each): resident memory is --threads mapped chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB),
-not a layer (the goal's bound, one layer plus the write buffers, is 1.04 GB); each byte is copied
-once, page cache to page cache, so the time is a byte copy's (65.5 GB at the disk's write speed:
-~66 s at 1 GB/s) times the ratio `tools/bench_convert.py` measures.
+1.56 GB each): no HF byte enters the process without a cast (RSS growth ~0); with one, --threads mapped
+chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB), not a layer (the goal's bound, one layer plus the
+write buffers, is 1.04 GB). Each byte is copied once, page cache to page cache, so the time is a byte
+copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio `tools/bench_convert.py`
+measures.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from megatron_dapo.weights.ckpt_config import check_dtype, config_dtype, read_hf
 from megatron_dapo.weights.dist_ckpt import (
     FORMAT,
     ITERATION_DIR,
+    PAGE,
     Chunk,
     LazyTensor,
     serialized_object,
@@ -36,7 +40,7 @@ from megatron_dapo.weights.dist_ckpt import (
     write_dist_checkpoint,
     write_tracker,
 )
-from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets
+from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
@@ -65,7 +69,7 @@ class HfToMcoreConfig:
     threads: int = 4
     """--threads: parallel writer threads (one .distcp file each; each holds one chunk at a time)."""
     chunk_mb: int = 16
-    """--chunk-mb: largest stored chunk; bigger row ranges are split (resident memory <= threads x chunk)."""
+    """--chunk-mb: largest stored chunk; bigger row ranges are split (with --dtype: resident <= threads x chunk)."""
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.hf_path):
@@ -82,15 +86,18 @@ class HfToMcoreConfig:
 
 def _row_chunks(
     reader: HFCheckpointReader, name: str, seg: RowSegment, prefix: tuple[int, ...], row_bytes: int,
-    chunk_bytes: int, dtype: torch.dtype,
+    chunk_bytes: int, dtype: torch.dtype, planned: dict[str, int] | None = None,
 ) -> list[Chunk]:
     """HF rows seg.hf_lo:seg.hf_hi of `name` as chunks of at most chunk_bytes, placed at global row seg.row.
 
-    Each chunk's data is a memory-mapped view of its HF bytes (no copy unless --dtype casts), made when a
-    writer thread reaches it and unmapped once written.
+    Without a --dtype cast each chunk's `source` is its HF byte range: the writer copies it file to file in
+    the kernel, starting at the page offset the rows will have in mcore-to-hf's default output (`planned`:
+    HF file offsets of that layout), so that copy back is page-aligned. With a cast, `produce` maps the HF
+    rows and casts them when a writer thread reaches the chunk (dropped once written).
     """
     step = max(1, chunk_bytes // max(1, row_bytes))
-    trailing = reader.specs[name].shape[1:]
+    spec = reader.specs[name]
+    trailing = spec.shape[1:]
     out = []
     for lo in range(seg.hf_lo, seg.hf_hi, step):
         hi = min(seg.hf_hi, lo + step)
@@ -99,14 +106,19 @@ def _row_chunks(
             t = reader.map_rows(name, lo, hi).to(dtype)
             return t.view(*(1,) * len(prefix), *t.shape)
 
+        def source(lo: int = lo, hi: int = hi) -> tuple[int, int]:
+            return reader.byte_range(name, lo, hi)
+
         offset = (*prefix, seg.row + lo - seg.hf_lo, *(0,) * len(trailing))
-        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce))
+        copy = spec.dtype == dtype
+        page = (planned[name] + lo * row_bytes) % PAGE if copy and planned else None
+        out.append(Chunk(offset, (*(1,) * len(prefix), hi - lo, *trailing), produce, source if copy else None, page))
     return out
 
 
 def _entry_tensor(
     reader: HFCheckpointReader, entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int,
-    dtype: torch.dtype, chunk_bytes: int,
+    dtype: torch.dtype, chunk_bytes: int, planned: dict[str, int] | None = None,
 ) -> LazyTensor:
     """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks.
 
@@ -124,7 +136,7 @@ def _entry_tensor(
         names = hf_names(entry, layer=layer, tied=False)
         for seg in segments:
             lazy.chunks += _row_chunks(
-                reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype
+                reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype, planned
             )
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
             pad = (padded_vocab - arch.vocab_size, *shape[1:])
@@ -226,8 +238,9 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes
+        planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         tensors = {
-            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes)
+            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes, planned)
             for e in QWEN2_MAPPING
             if not (e.tied_hf and arch.tie_word_embeddings)
         }

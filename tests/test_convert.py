@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from checkpoint_convert.cli import main
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights import hf_format
+from megatron_dapo.weights.safetensors_io import SafetensorsFile
 from tests.dist.actor_common import hf_to_full_mcore
 from tests.torchrun import REPO, subprocess_env
 
@@ -189,9 +191,10 @@ def test_row_chunks_of_any_size_round_trip(tmp_path: Path, h2m_bytes: int, m2h_b
 def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each writer thread drops (unmaps) its chunk before producing the next: at most --threads HF-backed chunks
-    are alive at once (torch's own writer keeps one per tensor key per thread until its file is done). qkv is
-    stored as its HF row ranges, three per query group; the .distcp files are the same on every run."""
+    """With a --dtype cast (chunks mapped and cast in memory), each writer thread drops (unmaps) its chunk before
+    producing the next: at most --threads HF-backed chunks are alive at once (torch's own writer keeps one per
+    tensor key per thread until its file is done). qkv is stored as its HF row ranges, three per query group;
+    the .distcp files are the same on every run."""
     import threading
     import weakref
 
@@ -216,8 +219,8 @@ def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
 
     monkeypatch.setattr(hf_format.HFCheckpointReader, "map_rows", tracked)
     for out in ("mc", "mc2"):
-        cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / out), threads=2)
-        cfg.chunk_bytes = 32 * 4 * 5  # 5 rows of hidden 32 (fp32): many chunks per thread
+        cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / out), threads=2, dtype="bf16")
+        cfg.chunk_bytes = 32 * 2 * 5  # 5 rows of hidden 32 (bf16): many chunks per thread
         hf_to_mcore(cfg)
     assert produced[0] > 200 and peak[0] <= 2 and live[0] == 0
     with DistCheckpointReader(tmp_path / "mc") as reader:
@@ -230,6 +233,93 @@ def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
     assert distcp == ["__0_0.distcp", "__0_1.distcp"]
     for name in distcp:
         assert (tmp_path / "mc" / "release" / name).read_bytes() == (tmp_path / "mc2" / "release" / name).read_bytes()
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"], ids=["copy", "cast"])
+def test_copied_chunks_are_torch_save_records_equal_to_hf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str | None
+) -> None:
+    """Without --dtype every chunk's bytes go from the HF file to its record in the kernel (no HF row is mapped
+    into the process); with --dtype bf16 each chunk is mapped and cast. Either way each record is byte for byte
+    what torch.save of its tensor writes (the format of torch's FileSystemWriter, CRC32 off in every writer
+    thread), and torch's own DCP reader gets the HF tensors back exactly, through the QKV interleave (two query
+    groups, split into chunks of a few rows) and the padded vocab. A copied chunk's bytes start at the offset in
+    a page they have in mcore-to-hf's output (planned_offsets, checked against the file it writes), so the copy
+    back is page-aligned on both sides."""
+    import io
+    import zipfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
+
+    model = make_tiny_hf(tmp_path / "hf", tied=False)
+    counts = {"map_rows": 0, "byte_range": 0}
+    for method in counts:
+        real = getattr(hf_format.HFCheckpointReader, method)
+
+        def counting(self: hf_format.HFCheckpointReader, *a: int, real=real, method: str = method) -> object:
+            counts[method] += 1
+            return real(self, *a)
+
+        monkeypatch.setattr(hf_format.HFCheckpointReader, method, counting)
+    cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"), tp=2, threads=3, dtype=dtype)
+    cfg.chunk_bytes = 32 * 4 * 5  # 5 fp32 rows of hidden 32: q rows of a group in 4 chunks
+    hf_to_mcore(cfg)
+    route = "map_rows" if dtype else "byte_range"
+    assert counts[route] > 100 and counts["byte_range" if dtype else "map_rows"] == 0
+    target = torch.bfloat16 if dtype else torch.float32
+    release = tmp_path / "mc" / "release"
+    stored = dcp_tensors(release)
+    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    full = {k: v.to(target) for k, v in hf_to_full_mcore(model.state_dict(), arch).items()}
+    emb = stored["embedding.word_embeddings.weight"]
+    assert emb.dtype == target and emb.shape == (256, 32) and not emb[200:].any()
+    assert torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
+    assert torch.equal(stored["output_layer.weight"][:200], full["output_layer.weight"])
+    for i in range(4):
+        for kind in ("weight", "bias"):
+            key = f"self_attention.linear_qkv.{kind}"
+            assert torch.equal(stored[f"decoder.layers.{key}"][i], full[f"decoder.layers.{i}.{key}"]), (i, kind)
+        fc1 = torch.cat([full[f"decoder.layers.{i}.mlp.linear_fc1.{half}"] for half in ("gate", "up")])
+        assert torch.equal(stored["decoder.layers.mlp.linear_fc1.weight"][i], fc1)
+    metadata = dcp.FileSystemReader(str(release)).read_metadata()
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    with SafetensorsFile(tmp_path / "hf2" / "model.safetensors") as out:
+        planned = hf_format.planned_offsets(list(out.specs.values()))
+        assert planned == out._offsets  # where HFShardedWriter put every tensor
+    stored_at: dict[tuple, int] = {}  # (key, offset) -> file offset of the tensor bytes, from the zip itself
+    records = 0
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        for index, info in metadata.storage_data.items():
+            if not hasattr(metadata.state_dict_metadata[index.fqn], "chunks"):
+                continue  # a ShardedObject (layer _extra_state): megatron's BytesIO, not a tensor record
+            with open(release / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            tensor = torch.load(io.BytesIO(raw), weights_only=True)
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                at = z.getinfo("archive/data/0").header_offset
+            name_len, extra_len = struct.unpack("<HH", raw[at + 26 : at + 30])
+            stored_at[index.fqn, tuple(index.offset)] = info.offset + at + 30 + name_len + extra_len
+            chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+            assert tensor.dtype == target and tensor.shape == chunk.sizes
+            expected = io.BytesIO()
+            torch.save(tensor, expected)
+            assert raw == expected.getvalue(), index
+            with zipfile.ZipFile(io.BytesIO(raw)) as z:
+                assert [r.CRC for r in z.infolist()] == [0] * len(z.infolist())
+            records += 1
+    finally:
+        torch.serialization.set_crc32_options(crc)
+    assert records > 100
+    if dtype is None:  # fc1 of layer 2: gate rows then up rows, 5 rows a chunk, each at its HF page offset
+        fc1 = sorted((o[1], at) for (k, o), at in stored_at.items() if k.endswith("linear_fc1.weight") and o[0] == 2)
+        want = [planned[f"model.layers.2.mlp.{p}_proj.weight"] + r * 32 * 4 for p in ("gate", "up")
+                for r in range(0, 48, 5)]
+        assert [at % 4096 for _, at in fc1] == [w % 4096 for w in want]
 
 
 def test_mcore_to_hf_copies_converter_output_in_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,20 +514,41 @@ def test_missing_corrupt_and_mismatched_shards(tmp_path: Path, capsys: pytest.Ca
     assert not (tmp_path / "mc").exists()
 
 
-def test_failure_mid_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("route", ["copy", "cast"])
+def test_failure_mid_write_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], route: str
+) -> None:
+    """copy: the HF file is truncated under the running conversion, so the kernel copy of the 13th chunk finds
+    its source short (a real failure inside copy_file_bytes). cast (--dtype): reading the 13th chunk fails."""
     make_tiny_hf(tmp_path / "hf", tied=False)
-    real = hf_format.HFCheckpointReader.map_rows
+    argv = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--threads", "2"]
     calls = []
+    if route == "copy":
+        real_range = hf_format.HFCheckpointReader.byte_range
 
-    def failing(self: hf_format.HFCheckpointReader, name: str, start: int, stop: int) -> torch.Tensor:
-        calls.append(name)
-        if len(calls) > 12:
-            raise OSError("disk vanished")
-        return real(self, name, start, stop)
+        def truncating(self: hf_format.HFCheckpointReader, name: str, start: int, stop: int) -> tuple[int, int]:
+            fd, offset = real_range(self, name, start, stop)
+            calls.append(name)
+            if len(calls) == 13:
+                os.truncate(tmp_path / "hf" / "model.safetensors", offset)
+            return fd, offset
 
-    monkeypatch.setattr(hf_format.HFCheckpointReader, "map_rows", failing)
-    with pytest.raises(OSError, match="disk vanished"):
-        main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--threads", "2"])
+        monkeypatch.setattr(hf_format.HFCheckpointReader, "byte_range", truncating)
+        assert main(argv) == 1  # a CheckpointError: reported, exit status 1
+        assert "bytes early (truncated file?)" in capsys.readouterr().err
+    else:
+        real = hf_format.HFCheckpointReader.map_rows
+
+        def failing(self: hf_format.HFCheckpointReader, name: str, start: int, stop: int) -> torch.Tensor:
+            calls.append(name)
+            if len(calls) > 12:
+                raise OSError("disk vanished")
+            return real(self, name, start, stop)
+
+        monkeypatch.setattr(hf_format.HFCheckpointReader, "map_rows", failing)
+        with pytest.raises(OSError, match="disk vanished"):
+            main([*argv, "--dtype", "bf16"])
+    assert len(calls) >= 13
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # neither the output nor its temporary sibling
 
 
@@ -496,11 +607,10 @@ def test_geometry_checks_name_the_config_field() -> None:
 _KILLABLE = """
 import sys, time
 from megatron_dapo.weights import hf_format
-real = hf_format.HFCheckpointReader.map_rows
-def slow(self, *a):
+def slow(self, *a):  # where a writer thread gets a chunk's HF byte range, to copy it
     print("WRITING", flush=True)
     time.sleep(600)
-hf_format.HFCheckpointReader.map_rows = slow
+hf_format.HFCheckpointReader.byte_range = slow
 from checkpoint_convert.cli import main
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -13,8 +13,10 @@ a release checkpoint is what it starts from at iteration 0 with a fresh optimize
 
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
 leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
-list of chunks (global offset, shape, a function producing its bytes): the writer asks for a chunk only
-when a writer thread reaches it, so memory holds one chunk per writer thread, not the model. Training
+list of chunks (global offset, shape, where its bytes lie in a file or a function producing them): a
+writer thread copies a chunk's bytes file to file in the kernel into the record torch.save would write
+(`record_template`), or produces it only when it reaches it, so memory holds at most one produced
+chunk per writer thread, not the model. Training
 checkpoints (`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the
 model keys and ignore optimizer state.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.weights.safetensors_io import CheckpointError, map_file_tensor
+from megatron_dapo.weights.safetensors_io import CheckpointError, copy_file_bytes, map_file_tensor
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 ITERATION_DIR = "release"
@@ -59,11 +61,22 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Chunk:
-    """One stored piece of a global tensor; `produce()` returns a contiguous tensor of `shape`."""
+    """One stored piece of a global tensor; `produce()` returns a contiguous tensor of `shape`.
+
+    `source()`, when given, returns (fd, file offset) where the chunk's raw bytes (its dtype, little-endian,
+    row-major) lie contiguously in a file this process holds open: the writer then copies them file to
+    file in the kernel and never calls `produce`. `page_offset`, when given, is where in a 4 KiB page
+    the copied bytes should start: the writer leaves a gap of up to 4 KiB before the record so they do
+    (torch_dist readers read a record by its offset and length, so gaps between records are allowed).
+    A kernel copy between offsets that differ modulo the page size costs ~1.4x the CPU of an aligned
+    one (each destination page is assembled from two source pages).
+    """
 
     offset: Offset
     shape: Shape
     produce: Callable[[], torch.Tensor]
+    source: Callable[[], tuple[int, int]] | None = None
+    page_offset: int | None = None
 
 
 @dataclass
@@ -100,10 +113,15 @@ class LazyTensor:
 
         return [ChunkStorageMetadata(offsets=torch.Size(c.offset), sizes=torch.Size(c.shape)) for c in self.chunks]
 
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+    def chunk_at(self, index: Any) -> Chunk:
+        """The chunk a write item's MetadataIndex names (by its position, checked against its offset)."""
         chunk = self.chunks[index.index] if index.index is not None else None
         if chunk is None or tuple(chunk.offset) != tuple(index.offset):
             chunk = next(c for c in self.chunks if tuple(c.offset) == tuple(index.offset))
+        return chunk
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        chunk = self.chunk_at(index)
         tensor = chunk.produce()
         if tuple(tensor.shape) != chunk.shape or tensor.dtype != self.dtype:
             raise CheckpointError(
@@ -129,6 +147,96 @@ def serialized_object(value: Any) -> io.BytesIO:
     return buf
 
 
+class _SkipRecorder:
+    """A sink for torch.save under skip_data: keeps the bytes written around each storage it leaves out (a
+    relative seek past them) without materialising the skipped bytes (a BytesIO would zero-fill them)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytearray] = [bytearray()]
+        self.skips: list[tuple[int, int]] = []  # (position, bytes) of each storage left out
+        self.pos = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self.parts[-1] += data
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_CUR:
+            raise io.UnsupportedOperation("torch.save under skip_data only seeks past a storage")
+        self.skips.append((self.pos, pos))
+        self.pos += pos
+        self.parts.append(bytearray())
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+
+_TEMPLATES: dict[tuple[Shape, torch.dtype], tuple[bytes, bytes]] = {}
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def record_template(shape: Shape, dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """(bytes before, bytes after the raw tensor bytes) of torch.save(contiguous tensor of `shape`, `dtype`) with
+    CRC32 records off, which is how `write_dist_checkpoint` stores a chunk (torch's FileSystemWriter too, but
+    with CRC32 on: then only the CRC fields and the serialization id differ).
+
+    torch.save of one tensor is a zip whose only data-dependent part is its storage record `data/0`; with
+    CRC32 off, the rest (data.pkl, the record's local header padded to torch's storage alignment, the
+    central directory, the serialization id) depends on shape and dtype alone. Made once per (shape,
+    dtype) by torch.save itself under torch.serialization.skip_data (which writes everything but the
+    storage bytes), so head + the tensor's bytes + tail is byte for byte what torch.save writes.
+    ~1 KB each; a checkpoint has a few dozen distinct chunk shapes.
+    """
+    key = (tuple(shape), dtype)
+    with _TEMPLATES_LOCK:
+        found = _TEMPLATES.get(key)
+    if found is None:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        buf = _SkipRecorder()
+        crc = torch.serialization.get_crc32_options()  # torch's config is per thread
+        torch.serialization.set_crc32_options(False)
+        try:
+            with torch.serialization.skip_data():
+                torch.save(torch.empty(shape, dtype=dtype), buf)  # never touched: no page of it becomes resident
+        finally:
+            torch.serialization.set_crc32_options(crc)
+        if len(buf.skips) != 1 or buf.skips[0][1] != nbytes:
+            raise RuntimeError(f"torch.save under skip_data left out {buf.skips} (position, bytes), expected one "
+                               f"storage of {nbytes} bytes: this torch version's format is not supported")
+        found = (bytes(buf.parts[0]), bytes(buf.parts[1]))
+        with _TEMPLATES_LOCK:
+            _TEMPLATES[key] = found
+    return found
+
+
+PAGE = 4096
+
+
+def _copy_record(f: io.BufferedWriter, chunk: Chunk, dtype: torch.dtype, what: str) -> int:
+    """Append to `f` the record torch.save(chunk's tensor) writes (CRC32 off), the tensor bytes copied from
+    `chunk.source()` in the kernel (copy_file_bytes): the chunk's bytes never enter this process. With
+    `chunk.page_offset`, zero bytes before the record put the tensor bytes at that offset in a page.
+    Returns the record's file offset."""
+    fd, offset = chunk.source()
+    head, tail = record_template(chunk.shape, dtype)
+    if chunk.page_offset is not None:
+        f.write(bytes((chunk.page_offset - f.tell() - len(head)) % PAGE))
+    start = f.tell()
+    f.write(head)
+    f.flush()
+    at = f.tell()
+    nbytes = torch.Size(chunk.shape).numel() * dtype.itemsize
+    copy_file_bytes(fd, offset, f.fileno(), at, nbytes, what=what)
+    f.seek(at + nbytes)
+    f.write(tail)
+    return start
+
+
 def _planner(cancelled: threading.Event):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -144,6 +252,14 @@ def _planner(cancelled: threading.Event):
                 raise RuntimeError("checkpoint write cancelled")
             obj = self.state_dict[index.fqn]
             return obj.__get_tensor_shard__(index) if isinstance(obj, LazyTensor) else super().lookup_object(index)
+
+        def lookup_source(self, index: Any) -> tuple[Chunk, torch.dtype] | None:
+            """(chunk, dtype) when the chunk at `index` is copied from a file (`Chunk.source`), else None."""
+            if cancelled.is_set():
+                raise RuntimeError("checkpoint write cancelled")
+            obj = self.state_dict[index.fqn]
+            chunk = obj.chunk_at(index) if isinstance(obj, LazyTensor) else None
+            return (chunk, obj.dtype) if chunk is not None and chunk.source is not None else None
 
         def transform_object(self, write_item: Any, obj: Any) -> Any:
             return obj if isinstance(obj, io.BytesIO) else super().transform_object(write_item, obj)
@@ -176,9 +292,11 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
     torch's own write loop keeps every written tensor of a file referenced (`tensor_dict`, for its
     safetensors format) and leaves each thread's freed buffers in its malloc arena; with memory-mapped
     chunks that is up to one chunk per tensor key per thread resident. Here `threads` threads (the
-    calling one included) each write their own `.distcp` file, item by item, dropping every chunk
-    (unmapping it) before producing the next: at most `threads` chunks are resident at any time.
-    Each record is what torch's writer stores (a torch.save per chunk, its offset and length in `.metadata`).
+    calling one included) each write their own `.distcp` file, item by item. A chunk with a `source`
+    is written as its torch.save record template around its bytes copied in the kernel (`_copy_record`:
+    nothing resident); any other is produced, torch.save'd and dropped (unmapped) before the next: at
+    most `threads` chunks are resident at any time. Each record is what torch's writer stores (a
+    torch.save per chunk, CRC32 off; its offset and length in `.metadata`).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
@@ -195,16 +313,25 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
             def write_file(i: int, items: list[Any]) -> list[Any]:
                 name = f"{prefix}{i}{DEFAULT_SUFFIX}"
                 results = []
+                # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
+                # computing it costs as much as writing the bytes. torch's config is per thread: set it here.
+                crc = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
                 try:
                     with open(os.path.join(iter_dir, name), "wb") as f:
                         for item in items:
-                            data = planner.resolve_data(item)
                             offset = f.tell()
-                            if item.type == WriteItemType.BYTE_IO:
-                                f.write(data.getbuffer())
+                            copied = planner.lookup_source(item.index) if item.type != WriteItemType.BYTE_IO else None
+                            if copied is not None:
+                                offset = _copy_record(f, *copied, what=f"{name}: {item.index.fqn} "
+                                                      f"{list(item.index.offset)}")
                             else:
-                                torch.save(data, f)
-                            del data  # unmap before the next chunk is produced
+                                data = planner.resolve_data(item)
+                                if item.type == WriteItemType.BYTE_IO:
+                                    f.write(data.getbuffer())
+                                else:
+                                    torch.save(data, f)
+                                del data  # unmap before the next chunk is produced
                             length = f.tell() - offset
                             results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
                         if self.sync_files:
@@ -214,6 +341,8 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
                     failures.append(e)
                     cancelled.set()  # the other threads stop at their next chunk
                     raise
+                finally:
+                    torch.serialization.set_crc32_options(crc)
                 return results
 
             pool = ThreadPoolExecutor(max_workers=max(1, len(buckets) - 1))
@@ -248,10 +377,12 @@ def write_dist_checkpoint(
     """Write one torch_dist iteration directory from a single process (no process group needed).
 
     `objects` maps ShardedObject unique keys to their serialized bytes. `threads` writer threads each
-    fill their own `.distcp` file, one chunk at a time (`_storage_writer`): resident memory is at most
-    `threads` chunks (memory-mapped HF bytes, no copy unless a dtype cast). At Qwen2.5-32B (65 GB
-    bf16, --chunk-mb 16, --threads 4) that is 64 MiB; the time is that of writing 65 GB (bytes move
-    page cache -> page cache once, as in a byte copy; no CRC32 is computed).
+    fill their own `.distcp` file, one chunk at a time (`_storage_writer`). Chunks with a `source` (HF
+    bytes, no dtype cast) are copied in the kernel: nothing resident, each byte moved once page cache
+    to page cache, as `cp` does. Produced chunks (a cast) hold at most `threads` chunks resident. At
+    Qwen2.5-32B (65.5 GB bf16, --chunk-mb 16, --threads 4: ~6.9k records) that is ~0 without a cast
+    and 64 MiB with one; the time is a byte copy of 65.5 GB plus ~1 KB of record framing per chunk
+    (no CRC32 is computed, in any writer thread).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -260,10 +391,6 @@ def write_dist_checkpoint(
     state: dict[str, Any] = {**tensors, **objects}
     cancelled = threading.Event()
     writer = _storage_writer(iter_dir, threads, cancelled)
-    # No CRC32 per record: torch.load (how megatron-core reads torch_dist) does not check it, and
-    # computing it costs as much as writing the bytes.
-    crc = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
     try:
         dcp.save(state, storage_writer=writer, planner=_planner(cancelled), no_dist=True)
     except dcp.api.CheckpointException as e:
@@ -272,8 +399,6 @@ def write_dist_checkpoint(
     except BaseException:
         cancelled.set()
         raise
-    finally:
-        torch.serialization.set_crc32_options(crc)
     torch.save(common, os.path.join(iter_dir, COMMON_FILE))
     with open(os.path.join(iter_dir, METADATA_JSON), "w") as f:
         json.dump(MEGATRON_CONFIG, f)  # last: megatron treats a directory without it as incomplete
@@ -356,6 +481,7 @@ class DistCheckpointReader:
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
         self._starts: dict[tuple[str, int], int | None] = {}
+        self._by_layer: dict[str, dict[int, list[Any]]] = {}
         self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
@@ -383,8 +509,13 @@ class DistCheckpointReader:
         with self._lock:
             if where in self._starts:
                 return fd, self._starts[where]
-        nbytes = torch.Size(sizes).numel() * self.tensors[key].properties.dtype.itemsize
-        start = _zip_record_start(fd, info.offset, info.length, nbytes)
+        dtype = self.tensors[key].properties.dtype
+        nbytes = torch.Size(sizes).numel() * dtype.itemsize
+        head, tail = record_template(tuple(sizes), dtype)  # converter output: one pread instead of a zip parse
+        if info.length == len(head) + nbytes + len(tail) and os.pread(fd, len(head), info.offset) == head:
+            start = info.offset + len(head)
+        else:  # e.g. a training checkpoint's records (CRC32 on)
+            start = _zip_record_start(fd, info.offset, info.length, nbytes)
         with self._lock:
             self._starts[where] = start
         return fd, start
@@ -428,7 +559,7 @@ class DistCheckpointReader:
         if rows is not None:
             region[row_axis] = rows
         pieces = [
-            c for c in md.chunks
+            c for c in (md.chunks if layer is None else self._layer_chunks(key).get(layer, []))
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
         ]
         inside = [
@@ -439,6 +570,19 @@ class DistCheckpointReader:
             for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region))
         )
         return region, row_axis, pieces, inside[0] if contiguous else None
+
+    def _layer_chunks(self, key: str) -> dict[int, list[Any]]:
+        """Stored chunks of `key` by the layers (dim 0) they cover: a layer's lookup scans its chunks only."""
+        with self._lock:
+            found = self._by_layer.get(key)
+        if found is None:
+            found = {}
+            for c in self.tensors[key].chunks:
+                for layer in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
+                    found.setdefault(layer, []).append(c)
+            with self._lock:
+                self._by_layer[key] = found
+        return found
 
     def byte_range(
         self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None

@@ -19,6 +19,7 @@ from megatron_dapo.weights.safetensors_io import (
     PositionalSafetensorsWriter,
     SafetensorsFile,
     TensorSpec,
+    safetensors_header,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -113,6 +114,14 @@ class HFCheckpointReader:
             raise CheckpointError(f"{self.dir} has no tensor {name!r}")
         return f.map_rows(name, start, stop)
 
+    def byte_range(self, name: str, start: int, stop: int) -> tuple[int, int]:
+        """(fd, file offset) where the raw bytes of rows start:stop of tensor `name` lie contiguously (thread-safe;
+        the fd stays open until `close`)."""
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"{self.dir} has no tensor {name!r}")
+        return f.byte_range(name, start, stop)
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -139,6 +148,22 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_bytes: int) -> list[list[
     return shards
 
 
+def planned_offsets(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, int]:
+    """File offset of each tensor's data in its shard, as HFShardedWriter(specs, max_shard_bytes) lays them out.
+
+    hf-to-mcore places each stored chunk at the same offset modulo the page size as it will have in the
+    default mcore-to-hf output, so that copy is page-aligned on both sides (see dist_ckpt.Chunk.page_offset).
+    """
+    offsets: dict[str, int] = {}
+    for shard in plan_shards(specs, max_shard_bytes):
+        _, at = safetensors_header("", shard, metadata=_SHARD_METADATA)
+        offsets.update((spec.name, o) for spec, o in zip(shard, at))
+    return offsets
+
+
+_SHARD_METADATA = {"format": "pt"}
+
+
 class HFShardedWriter:
     """Write an HF checkpoint's tensors in any order, from several threads at once.
 
@@ -162,7 +187,7 @@ class HFShardedWriter:
         self._where: dict[str, PositionalSafetensorsWriter] = {}
         try:
             for name, shard in zip(self._names, self._shards):
-                f = PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata={"format": "pt"})
+                f = PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata=_SHARD_METADATA)
                 self._files.append(f)
                 self._where.update({spec.name: f for spec in shard})
         except BaseException:
