@@ -102,11 +102,13 @@ class ServerConfig:
             "--host", self.host, "--port", str(self.base_port + i), "--tp-size", str(self.tp_per_server),
             # Token ids in, token ids out: the trainer owns tokenization.
             "--skip-tokenizer-init",
-            # An idle scheduler otherwise polls its sockets in a busy loop: one host core at 100% per server
-            # (TP rank 0) while the actor trains, measured on CPU at 20 s of CPU per 20 s idle (TP 2: 27 s);
-            # with it, 1 s. In colocated mode at 32B that is the 8 cores per node the trainer's host side
-            # (data, optimizer offload copies) would otherwise share with 8 spinning schedulers. Requests
-            # wake it at once (a zmq poll on the same sockets).
+            # Otherwise an idle server spins: TP rank 0's scheduler polls its sockets in a busy loop and
+            # broadcasts each empty poll to the other TP ranks. Measured on CPU over 20 s idle: 20 CPU-s at
+            # TP 1, 27 at TP 2 (rank 0 a whole core, rank 1 about a third); with it, 1. At 32B colocated (two
+            # TP 4 engines per node) that is roughly 2 + 6 x 0.3 = 4 host cores per node taken from the
+            # trainer's host side (data, optimizer offload copies) for the whole training phase, and in split
+            # mode one core per engine on the rollout nodes. Requests wake it at once (a zmq poll on the same
+            # sockets).
             "--sleep-on-idle",
         ]
         if self.device == "cpu":
