@@ -19,7 +19,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "broadcast_object_list", "all_gather",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
                "isend", "irecv", "barrier", "monitored_barrier", "batch_isend_irecv"}
 ROUTED = ["megatron_dapo/trainer.py", "megatron_dapo/train.py", "megatron_dapo/collect.py",
-          "megatron_dapo/dataplane.py", "megatron_dapo/actor/actor.py"]
+          "megatron_dapo/dataplane.py", "megatron_dapo/actor/actor.py", "megatron_dapo/weights/export.py"]
 
 
 @pytest.mark.parametrize("path", ROUTED)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dapo import comm
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf_tensors
 from megatron_dapo.weights.load import unwrap
@@ -62,11 +63,7 @@ def _gather_tp(kind: str, param: torch.Tensor) -> list[torch.Tensor]:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or kind == "replicated":
         return [param.detach()]
-    shards = [torch.empty_like(param) for _ in range(tp)]
-    dist.all_gather(
-        shards, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group()
-    )
-    return shards
+    return comm.all_gather(param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
 
 
 def _stage_tensors(
@@ -100,23 +97,18 @@ def iter_hf_weights(
     device = next(p for c in chunks for p in c.parameters()).device
     for stage in range(pp):
         src = group_ranks[stage]
-        box = [_manifest(params, arch) if stage == my_stage else None]
-        dist.broadcast_object_list(box, src=src, group=group)
-        manifest: Manifest = box[0]
+        manifest: Manifest = comm.broadcast_object(_manifest(params, arch) if stage == my_stage else None, src,
+                                                   group)
         if stage == my_stage:
             produced = _stage_tensors(params, arch)
             for expected_name, _, _ in manifest:
                 name, tensor = next(produced)
                 if name != expected_name:
                     raise RuntimeError(f"export order broke: produced {name}, manifest says {expected_name}")
-                tensor = tensor.contiguous()
-                dist.broadcast(tensor, src=src, group=group)
-                yield name, tensor
+                yield name, comm.broadcast(tensor.contiguous(), src, group)
         else:
             for name, shape, dtype in manifest:
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(tensor, src=src, group=group)
-                yield name, tensor
+                yield name, comm.broadcast(torch.empty(shape, dtype=dtype, device=device), src, group)
 
 
 def iter_stage_hf_weights(
