@@ -53,8 +53,8 @@ def free_port_block(n: int = 1, host: str = "127.0.0.1", attempts: int = 200) ->
         lo, hi = LOW, eph_lo - n
     elif 65535 - eph_hi >= n + 1000:
         lo, hi = eph_hi + 1, 65535 - n
-    else:
-        raise RuntimeError(f"no room for test ports outside the ephemeral range {eph_lo}-{eph_hi}")
+    else:  # a machine whose ephemeral range covers nearly everything: take any free block, as before
+        lo, hi = LOW, 65535 - n
     rng = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
     for _ in range(attempts):
         base = rng.randrange(lo, hi)
