@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.checkpoint_save_kill import descendants
+from tests.procs import stat_fields
 from tests.torchrun import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -24,12 +25,8 @@ WORKER = REPO / "tests" / "dist" / "checkpoint_save_kill.py"
 
 
 def alive(pid: int, start: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    fields = stat[stat.rindex(")") + 2:].split()
-    return fields[0] != "Z" and int(fields[19]) == start
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == start
 
 
 def survivors(tracked: set[tuple[int, int]], wait_s: float = 15.0) -> list[str]:

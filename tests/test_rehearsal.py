@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, train_env
 from tests.ports import free_port_block
+from tests.procs import processes
 
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 pytestmark = [
@@ -28,14 +27,9 @@ pytestmark = [
 
 def _alive(pid: int) -> bool:
     """True while `pid` or any process of its process group (the script starts each under setsid) exists."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(entry) == pid or int(fields[2]) == pid:  # fields: state, ppid, pgrp, ...
-                return fields[0] != "Z"
+    for other, fields in processes():
+        if other == pid or int(fields[2]) == pid:  # fields: state, ppid, pgrp, ...
+            return fields[0] != "Z"
     return False
 
 

@@ -21,6 +21,7 @@ from megatron_dapo.rollout.sglang_protocol import generate_payload, parse_genera
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.ports import free_port_block
+from tests.procs import running
 from tests.sglang.fake_server import fake_logprob, fake_token, kill, serve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -471,14 +472,6 @@ time.sleep(120)
 """
 
 
-def _running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def test_launched_servers_die_when_the_trainer_is_sigkilled(tmp_path):
     """Both the servers started at launch (main thread) and one restarted later (launcher thread) die with a
     SIGKILLed trainer (PR_SET_PDEATHSIG): checked by pid."""
@@ -488,8 +481,8 @@ def test_launched_servers_die_when_the_trainer_is_sigkilled(tmp_path):
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in trainer.stdout.readline().split()]
-        assert len(pids) == 2 and all(_running(p) for p in pids)
+        assert len(pids) == 2 and all(running(p) for p in pids)
     finally:
         trainer.kill()
         trainer.wait()
-    assert _poll(lambda: not any(_running(p) for p in pids), 10), [p for p in pids if _running(p)]
+    assert _poll(lambda: not any(running(p) for p in pids), 10), [p for p in pids if running(p)]

@@ -5,7 +5,6 @@ skipped otherwise. Reference for log-probs: a teacher-forced HF forward of the s
 import dataclasses
 import os
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.ports import free_port_block
+from tests.procs import processes
 from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
@@ -110,17 +110,8 @@ def test_server_info_reports_deterministic_inference(served):
 
 def _group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by every live process of process group `pgid`."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ..., utime (11), stime (12)
-                total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    ticks = sum(int(f[11]) + int(f[12]) for _, f in processes() if int(f[2]) == pgid)  # utime + stime of pgrp
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def test_an_idle_server_does_not_spin(served):

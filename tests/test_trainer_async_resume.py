@@ -21,6 +21,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
+from tests.procs import running
 from tests.test_trainer_e2e import COMPARED, NUM_STEPS, latest_step, read_jsonl, train_cmd
 
 pytestmark = pytest.mark.slow
@@ -33,14 +34,6 @@ def _children(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             out += [int(c) for c in (task / "children").read_text().split()]
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_async_run_is_one_step_off_and_resumes_exactly_after_sigkill(tiny_base, tmp_path):
@@ -72,9 +65,9 @@ def test_async_run_is_one_step_off_and_resumes_exactly_after_sigkill(tiny_base, 
     assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
     assert children, "the async run started no engine process"
     deadline = time.monotonic() + 15
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+    while any(running(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [c for c in children if _alive(c)]
+    left = [c for c in children if running(c)]
     for c in left:
         os.kill(c, signal.SIGKILL)
     assert not left, f"processes {left} outlived the SIGKILLed trainer"
