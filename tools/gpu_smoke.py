@@ -349,6 +349,15 @@ def _init_layout(args):
     return init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, seed=args.seed)
 
 
+def _config_only_model(model_dir: Path, config: dict):
+    """A model directory holding only config.json (the actor initialises its weights) and its Qwen2Arch."""
+    from megatron_dapo.models.hf_config import Qwen2Arch
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir, Qwen2Arch.from_hf(model_dir)
+
+
 def part_scale(dry: bool, out: Path) -> dict:
     """Random-init Qwen2 (Qwen2.5-1.5B shapes) in bf16, 3 train steps per micro-batch token budget, with and
     without full recompute: peak memory, tokens/s (mean of steps 2..3) and MFU."""
@@ -359,15 +368,11 @@ def part_scale(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.models.hf_config import Qwen2Arch
     from megatron_dapo.train import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()
-    model_dir = out / "scale_model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(size["scale"]))
-    arch = Qwen2Arch.from_hf(model_dir)
+    model_dir, arch = _config_only_model(out / "scale_model", size["scale"])
     name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = next((f for key, f in PEAK_BF16_FLOPS.items() if key in name), None) if cuda else None
     recompute = _recompute_flags()
@@ -466,15 +471,11 @@ def part_colocate(dry: bool, out: Path) -> dict:
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
-    from megatron_dapo.models.hf_config import Qwen2Arch
     from megatron_dapo.train import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()
-    model_dir = out / "colocate_model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(size["scale"]))
-    arch = Qwen2Arch.from_hf(model_dir)
+    model_dir, arch = _config_only_model(out / "colocate_model", size["scale"])
     args = build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
                                       "--num-steps", "1", "--lr", "1e-5", "--params-dtype",
                                       "bfloat16" if cuda else "float32",
