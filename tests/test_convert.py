@@ -392,6 +392,37 @@ def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) 
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
 
 
+def test_jobs_are_scheduled_round_robin_over_the_output_shards(tmp_path: Path) -> None:
+    """mcore-to-hf submits its row blocks round-robin over the HF shards (file order within each), so the
+    blocks running at once write different files instead of taking turns on one file's lock."""
+    import importlib
+
+    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.weights.plan import hf_tensor_specs
+
+    m2h = importlib.import_module("checkpoint_convert.mcore_to_hf")
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
+    arch = Qwen2Arch.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    (tmp_path / "out").mkdir()
+    writer = hf_format.HFShardedWriter(tmp_path / "out", hf_tensor_specs(arch, torch.float32), 30_000)
+    try:
+        with DistCheckpointReader(tmp_path / "mc") as reader:
+            in_file_order = m2h._jobs(reader, arch, 4096)
+        order = m2h.interleave_by_shard(in_file_order, lambda j: writer.shard_of(j.hf_name))
+    finally:
+        writer.abort()
+    shard = [writer.shard_of(j.hf_name) for j in order]
+    n = len(set(shard))
+    assert n > 3 and sorted(map(id, order)) == sorted(map(id, in_file_order))
+    assert shard[:n] == list(range(n))  # the first n blocks go to n different files
+    for s in range(n):
+        assert [j for j in order if writer.shard_of(j.hf_name) == s] == [
+            j for j in in_file_order if writer.shard_of(j.hf_name) == s]
+    in_file_shards = [writer.shard_of(j.hf_name) for j in in_file_order]
+    assert in_file_shards == sorted(in_file_shards)  # without the schedule, one file after the other
+
+
 def test_dtype_cast_to_bf16(tmp_path: Path) -> None:
     make_tiny_hf(tmp_path / "hf", tied=True)
     convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--dtype", "bf16")

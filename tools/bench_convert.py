@@ -1,22 +1,31 @@
 """Benchmark checkpoint_convert on a synthetic bf16 Qwen2 checkpoint: time vs a byte copy, peak RSS.
 
-    python tools/bench_convert.py --size-gb 2 [--repeat 5] [--fsync] [--cold] [--threads 4] [--workdir DIR]
+    python tools/bench_convert.py --size-gb 2 [--shard-gb 0.5] [--repeat 7] [--warmup 1] [--fsync] [--cold]
+                                  [--threads 4] [--workdir DIR]
 
-Writes a random HF checkpoint of about --size-gb (streamed, never in memory) and converts it once to
-torch_dist (the fixed input of mcore-to-hf). Then, --repeat rounds of two pairs, each step in a fresh
-process (imports before the clock):
+Writes a random HF checkpoint of about --size-gb in shards of --shard-gb (streamed, never in memory) and
+converts it once to torch_dist (the fixed input of mcore-to-hf). Then --warmup rounds that are not
+counted, and --repeat rounds of two triples, each step in a fresh process (imports before the clock):
 
-    byte copy of the HF files      vs  hf-to-mcore (HF files -> torch_dist)
-    byte copy of the torch_dist files  vs  mcore-to-hf (torch_dist files -> HF)
+    copies of the HF files          vs  hf-to-mcore (HF files -> torch_dist)
+    copies of the torch_dist files  vs  mcore-to-hf (torch_dist files -> HF shards of --shard-gb)
 
-Each conversion is compared with a kernel copy (sendfile, what `cp` and shutil.copyfile do) of its own
-input files, so both sides read and write the same number of bytes through the same page cache. Both
-get the same treatment: output directory removed and os.sync() before the step (no step pays for an
+Each conversion is compared with two kernel copies of its own input files, so all read and write the
+same number of bytes through the same page cache: "copy" is the goal's plain byte copy (sendfile of
+the whole file, what `cp` and shutil.copyfile do); "piece copy" is copy_file_range in --chunk-mb
+pieces, the call size the converters use, a stricter baseline where whole-file calls are slow. All get
+the same treatment: output directory removed and os.sync() before the step (no step pays for an
 earlier one's writeback); with --cold every input file is dropped from the page cache
-(posix_fadvise DONTNEED, our files only) so both read from disk; with --fsync the clock includes
-fsync of every output file, so both pay for the disk write. Within a pair the order alternates
-by round. The machine is shared, so the bench prints the load average, min and median of each step,
-and the median of the per-round ratios conversion / copy (a slow round slows both of its pair).
+(posix_fadvise DONTNEED, our files only) so all read from disk; with --fsync the clock includes
+fsync of every output file, so all pay for the disk write. Within a triple the order rotates by
+round. The machine is shared, so the bench prints the load average, min and median of each step,
+and the median of the per-round ratios conversion / copy (a slow round slows its whole triple).
+
+Why warm-up rounds: on the VM this was written on, the first 2 GB written after the setup took 3-8x the
+time of later rounds for every step, copies included (new guest memory under the page cache); and any
+one kernel copy of the same files varies 0.6-16 s (system time follows wall time). Hence the rounds
+and the medians; --shard-gb 5 makes the 2 GB HF side one file (mcore-to-hf's threads then take turns on
+it), the default 0.5 gives 5 shards, as Qwen2.5-32B's 65.5 GB comes in 17 on the hub (13 of 5 GiB here).
 
 RSS: the bench reads the child's /proc/<pid>/status every 2 ms; growth = peak VmRSS minus
 VmRSS before the step (mapped file pages count: a memory-mapped chunk is resident while mapped).
@@ -90,10 +99,20 @@ for p in files({src!r}):
     q = os.path.join({out!r}, os.path.relpath(p, {src!r}))
     os.makedirs(os.path.dirname(q), exist_ok=True)
     shutil.copyfile(p, q)"""
+# The same copy in --chunk-mb pieces (the converters' call size), which this VM did faster than whole-file calls.
+PIECE_COPY = """os.makedirs({out!r})
+for p in files({src!r}):
+    q = os.path.join({out!r}, os.path.relpath(p, {src!r}))
+    os.makedirs(os.path.dirname(q), exist_ok=True)
+    n, i, o, d = os.path.getsize(p), os.open(p, os.O_RDONLY), os.open(q, os.O_WRONLY | os.O_CREAT, 0o644), 0
+    while d < n:
+        d += os.copy_file_range(i, o, min({piece}, n - d), d, d)
+    os.close(i)
+    os.close(o)"""
 H2M = ("assert main(['hf-to-mcore', '--hf-path', {src!r}, '--save', {out!r}, '--tp', '{tp}', '--pp', '{pp}', "
        "'--threads', '{threads}', '--chunk-mb', '{chunk_mb}']) == 0")
 M2H = ("assert main(['mcore-to-hf', '--load', {src!r}, '--save', {out!r}, '--threads', '{threads}', "
-       "'--chunk-mb', '{chunk_mb}']) == 0")
+       "'--chunk-mb', '{chunk_mb}', '--max-shard-size', '{shard_bytes}']) == 0")
 
 
 def layer_bytes(arch: Qwen2Arch) -> int:
@@ -184,57 +203,72 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=2.0, help="synthetic checkpoint size (default 2)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--shard-gb", type=float, default=0.5, help="HF input shard size (default 0.5)")
-    parser.add_argument("--repeat", type=int, default=5, help="rounds; each runs both pairs (default 5)")
+    parser.add_argument("--shard-gb", type=float, default=0.5,
+                        help="HF shard size, of the input and of mcore-to-hf's output (default 0.5)")
+    parser.add_argument("--repeat", type=int, default=7, help="rounds counted; each runs both pairs (default 7)")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds run first and not counted (default 1)")
     parser.add_argument("--threads", type=int, default=4, help="--threads of both conversions (default 4)")
     parser.add_argument("--chunk-mb", type=int, default=16, help="--chunk-mb of both conversions (default 16)")
     parser.add_argument("--fsync", action="store_true", help="time includes fsync of every output file (both)")
     parser.add_argument("--cold", action="store_true", help="drop the input files from the page cache first (both)")
     parser.add_argument("--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)")
     ns = parser.parse_args()
+    if ns.repeat < 1 or ns.warmup < 0:
+        parser.error(f"--repeat must be >= 1 and --warmup >= 0, got {ns.repeat} and {ns.warmup}")
     shutil.rmtree(ns.workdir, ignore_errors=True)
     paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "mc_out", "hf_out", "copy")}
     config = synthetic_config(ns.size_gb, ns.pp)
     arch = Qwen2Arch.from_hf(config)
-    opts = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb)
+    shard_bytes = int(ns.shard_gb * 1e9)
+    opts = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb, shard_bytes=shard_bytes)
     io = dict(cold=ns.cold, fsync=ns.fsync)
     try:
-        total = write_synthetic_hf(paths["hf"], config, int(ns.shard_gb * 1e9))
+        total = write_synthetic_hf(paths["hf"], config, shard_bytes)
         run_child(H2M.format(src="{src}", out="{out}", **opts), paths["hf"], paths["mc"], cold=False, fsync=False)
         layer = layer_bytes(arch)
-        print(f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16, one layer "
-              f"{layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp} threads={ns.threads} chunk={ns.chunk_mb} MiB; "
-              f"{'cold' if ns.cold else 'warm'} page cache, {'with' if ns.fsync else 'no'} fsync; {ns.repeat} rounds")
+        shards = sum(f.endswith(".safetensors") for f in os.listdir(paths["hf"]))
+        print(f"synthetic checkpoint: {arch.num_layers} layers, {total / 1e9:.2f} GB bf16 in {shards} HF shard(s), "
+              f"one layer {layer / 1e6:.0f} MB; tp={ns.tp} pp={ns.pp} threads={ns.threads} chunk={ns.chunk_mb} MiB; "
+              f"{'cold' if ns.cold else 'warm'} page cache, {'with' if ns.fsync else 'no'} fsync; {ns.warmup} "
+              f"warm-up + {ns.repeat} rounds")
         print(f"load average before: {load_average()}")
         pairs = {
             "hf-to-mcore": (H2M.format(src="{src}", out="{out}", **opts), paths["hf"], paths["mc_out"]),
             "mcore-to-hf": (M2H.format(src="{src}", out="{out}", **opts), paths["mc"], paths["hf_out"]),
         }
-        runs: dict[str, list[tuple[float, float, int, int, int]]] = {}
-        for r in range(ns.repeat):
+        piece_copy = PIECE_COPY.replace("{piece}", str(ns.chunk_mb << 20))
+        runs: dict[str, list[tuple[float, float, int, int, int]]] = {
+            step: [] for name in pairs for step in (f"copy for {name}", f"piece copy for {name}", name)
+        }
+        for r in range(ns.warmup + ns.repeat):
             for name, (body, src, out) in pairs.items():
-                steps = [(f"copy for {name}", COPY, paths["copy"]), (name, body, out)]
-                for step, step_body, step_out in steps if r % 2 == 0 else steps[::-1]:
-                    runs.setdefault(step, []).append(run_child(step_body, src, step_out, **io))
+                steps = [(f"copy for {name}", COPY, paths["copy"]),
+                         (f"piece copy for {name}", piece_copy, paths["copy"]), (name, body, out)]
+                for step, step_body, step_out in steps[r % 3:] + steps[:r % 3]:
+                    result = run_child(step_body, src, step_out, **io)
+                    if r >= ns.warmup:
+                        runs[step].append(result)
         print(f"load average after:  {load_average()}")
-        print(f"{'step':<26}{'min s':>8}{'median s':>10}{'cpu s':>8}{'RSS+ MB':>9}{'anon':>6}{'file':>6}  all runs (s)")
+        print(f"{'step':<32}{'min s':>8}{'median s':>10}{'cpu s':>8}{'RSS+ MB':>9}{'anon':>6}{'file':>6}  all runs (s)")
         for step, rs in runs.items():
             secs = [x[0] for x in rs]
             top = max(rs, key=lambda x: x[2])
-            print(f"{step:<26}{min(secs):>8.2f}{statistics.median(secs):>10.2f}"
+            print(f"{step:<32}{min(secs):>8.2f}{statistics.median(secs):>10.2f}"
                   f"{statistics.median(x[1] for x in rs):>8.2f}{top[2] / 1e6:>9.0f}{top[3] / 1e6:>6.0f}"
                   f"{top[4] / 1e6:>6.0f}  " + " ".join(f"{s:.2f}" for s in secs))
         buffers = ns.threads * (ns.chunk_mb << 20)
         bound = layer + buffers
         print(f"{'direction':<14}{'x copy (median of rounds)':>27}{'x copy (min/min)':>18}{'x copy (cpu)':>14}"
-              f"{'RSS growth MB':>15}{'bound MB':>10}")
+              f"{'x piece copy (median)':>23}{'RSS growth MB':>15}{'bound MB':>10}")
         for name in pairs:
-            conv, copy = runs[name], runs[f"copy for {name}"]
+            conv, copy, piece = runs[name], runs[f"copy for {name}"], runs[f"piece copy for {name}"]
             paired = statistics.median(a[0] / b[0] for a, b in zip(conv, copy))
             mins = min(x[0] for x in conv) / min(x[0] for x in copy)
             cpu = statistics.median(x[1] for x in conv) / max(1e-9, statistics.median(x[1] for x in copy))
+            by_piece = statistics.median(a[0] / b[0] for a, b in zip(conv, piece))
             grown = max(x[2] for x in conv)
-            print(f"{name:<14}{paired:>27.2f}{mins:>18.2f}{cpu:>14.2f}{grown / 1e6:>15.0f}{bound / 1e6:>10.0f}")
+            print(f"{name:<14}{paired:>27.2f}{mins:>18.2f}{cpu:>14.2f}{by_piece:>23.2f}{grown / 1e6:>15.0f}"
+                  f"{bound / 1e6:>10.0f}")
         print(f"goal: <= 1.4x copy both ways; RSS growth <= one layer ({layer / 1e6:.0f} MB) + write buffers "
               f"({ns.threads} threads x {ns.chunk_mb} MiB = {buffers / 1e6:.0f} MB) = {bound / 1e6:.0f} MB; "
               f"checkpoint {total / 1e6:.0f} MB")

@@ -185,6 +185,7 @@ class HFShardedWriter:
         )
         self._files: list[PositionalSafetensorsWriter] = []
         self._where: dict[str, PositionalSafetensorsWriter] = {}
+        self._shard_index = {spec.name: i for i, shard in enumerate(self._shards) for spec in shard}
         try:
             for name, shard in zip(self._names, self._shards):
                 f = PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata=_SHARD_METADATA)
@@ -194,6 +195,12 @@ class HFShardedWriter:
             self.abort()
             raise
         self.total_bytes = sum(s.nbytes for s in specs)
+
+    def shard_of(self, name: str) -> int:
+        """Index of the shard file tensor `name` goes to (file order)."""
+        if name not in self._shard_index:
+            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
+        return self._shard_index[name]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write tensor `name` (thread-safe; each tensor once)."""
