@@ -13,7 +13,7 @@ checkpoint at TP8 too for its column-parallel tensors (qkv per query group, fc1,
 block of a row-parallel one (o_proj, fc2: stored split by columns) or one straddling two ranks' rows
 is assembled in memory from the chunks: at most --threads x --chunk-mb = 64 MiB resident. The 13 HF
 shards of <= 5 GiB (--max-shard-size) are written 4 at a time. The time is a byte copy of 65.5 GB times the ratio
-`tools/bench_convert.py` measures (0.4-0.8x with 4 shards, about 1x with one).
+`tools/bench_convert.py` measures at 2 GB (0.6-0.7x with 5 shards, 0.8-1.2x with one file).
 """
 
 from __future__ import annotations
