@@ -2,9 +2,11 @@
 # Start SGLang servers on a rollout node for runs that attach with --sglang-server-urls.
 # usage: examples/launch_sglang_servers.sh HF_CKPT [NUM_SERVERS] [TP] [BASE_PORT] [HOST]
 # HOST defaults to 127.0.0.1. SGLang's weight endpoints unpickle what they receive, so a wider bind (e.g. 0.0.0.0
-# for a trainer on another node) needs SGLANG_API_KEY in the environment: it is passed as --api-key, and the
-# trainer sends it with --sglang-api-key (or the same SGLANG_API_KEY). SGLANG_ALLOW_NO_API_KEY=1 overrides the
-# refusal on a trusted network. Prints the URLs to pass as SGLANG_URLS. Servers log to
+# for a trainer on another node) needs SGLANG_API_KEY in the environment; the trainer sends the same key (its
+# SGLANG_API_KEY or --sglang-api-key-file). The key never goes on a command line, which every user of the node
+# can read with ps: the servers read it from ${SGLANG_RUN_DIR:-runs}/sglang-api-key.yaml (mode 0600, SGLang's
+# --config), rewritten on every launch; delete it once the servers are up. SGLANG_ALLOW_NO_API_KEY=1 overrides
+# the refusal on a trusted network. Prints the URLs to pass as SGLANG_URLS. Servers log to
 # ${SGLANG_RUN_DIR:-runs}/sglang-<port>.log; stop them with `kill $(cat runs/sglang-*.pid)` (their process
 # groups end with them). SGLANG_EXTRA_ARGS: more sglang.launch_server flags (the colocated launcher's
 # --mem-fraction-static and --enable-memory-saver).
@@ -31,9 +33,22 @@ case "$HOST" in
         fi
         ;;
 esac
-[[ -n "${SGLANG_API_KEY:-}" ]] && KEY_ARGS=(--api-key "$SGLANG_API_KEY")
+printable_key() { local LC_ALL=C; [[ $1 =~ ^[!-~]+$ && $1 != -* ]]; }  # a bearer token SGLang's parser takes
 read -r -a EXTRA_ARGS <<<"${SGLANG_EXTRA_ARGS:-}"
 mkdir -p "$RUN_DIR"
+if [[ -n "${SGLANG_API_KEY:-}" ]]; then
+    if ! printable_key "$SGLANG_API_KEY"; then
+        echo "SGLANG_API_KEY must be printable ASCII without spaces and not start with '-'" >&2
+        exit 2
+    fi
+    KEY_FILE="$RUN_DIR/sglang-api-key.yaml"
+    key=${SGLANG_API_KEY//\\/\\\\}
+    key=${key//\"/\\\"}
+    rm -f "$KEY_FILE"
+    # printf is a builtin (no process, no command line); umask 077: the file is created 0600
+    (umask 077 && printf '{"api-key": "%s"}\n' "$key" >"$KEY_FILE")
+    KEY_ARGS=(--config "$KEY_FILE")
+fi
 for ((i = 0; i < NUM; i++)); do
     port=$((BASE_PORT + i))
     setsid python -m sglang.launch_server --model-path "$HF_CKPT" --host "$HOST" --port "$port" \

@@ -209,7 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
     g.add_argument("--sglang-api-key", default=None,
                    help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
-                        "api_key) and sent on every call; required to launch on a non-loopback --sglang-host")
+                        "api_key) and sent on every call; required to launch on a non-loopback --sglang-host. "
+                        "Visible to every user of the node in ps: prefer --sglang-api-key-file or SGLANG_API_KEY")
+    g.add_argument("--sglang-api-key-file", default=None,
+                   help="file holding the SGLang API key (instead of --sglang-api-key, which ps shows): read once, "
+                        "surrounding whitespace stripped; must be readable by its owner only (chmod 600) and exist "
+                        "on every node of the run")
     g.add_argument("--sglang-allow-no-api-key", action="store_true",
                    help="launch on a non-loopback --sglang-host without an API key (anyone reaching the port can "
                         "run code in the server through its pickle-based weight endpoints)")

@@ -276,9 +276,11 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
     """
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
     from megatron_dapo.reward import get_reward_fn
+    from megatron_dapo.rollout.api_key import resolve_api_key
 
     try:
         build_configs(args)
+        args.sglang_api_key = resolve_api_key(args.sglang_api_key, args.sglang_api_key_file, os.environ)
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import yaml
 
 from megatron_dapo.rollout.buckets import iter_buckets
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
@@ -410,9 +411,9 @@ def test_launch_refuses_a_wide_bind_without_an_api_key():
     for host in ("127.0.0.1", "localhost", "::1"):
         assert "--api-key" not in ServerConfig(model_path="m", host=host).server_command(0)
     assert "--api-key" not in ServerConfig(model_path="m", host="0.0.0.0", allow_no_api_key=True).server_command(0)
-    cfg = ServerConfig(model_path="m", host="0.0.0.0", api_key="k", num_servers=2)
-    for cmd in (cfg.server_command(1), cfg.router_command()):
-        assert cmd[cmd.index("--api-key") + 1] == "k"
+    cfg = ServerConfig(model_path="m", host="0.0.0.0", api_key="k3y", num_servers=2)
+    for cmd in (cfg.server_command(1, "/d/api_key.yaml"), cfg.router_command("/d/api_key.yaml")):
+        assert "/d/api_key.yaml" in cmd and "k3y" not in cmd  # the key goes in a file (tests/test_sglang_api_key.py)
     assert ServerConfig(model_path="m").host == "127.0.0.1"
 
 
@@ -426,9 +427,10 @@ with open({out!r}, "a") as f:
 @pytest.mark.parametrize("host,env,ok", [
     ("", {}, True),                                        # default: loopback, no key needed
     ("0.0.0.0", {}, False),                                # wide bind, no key: refused
-    ("0.0.0.0", {"SGLANG_API_KEY": "k1"}, True),
+    ("0.0.0.0", {"SGLANG_API_KEY": 'k1"\\x'}, True),      # quote and backslash: escaped in the YAML
     ("0.0.0.0", {"SGLANG_ALLOW_NO_API_KEY": "1"}, True),
-], ids=["loopback", "wide-refused", "wide-key", "wide-allowed"])
+    ("0.0.0.0", {"SGLANG_API_KEY": "two words"}, False),   # no bearer token
+], ids=["loopback", "wide-refused", "wide-key", "wide-allowed", "bad-key"])
 def test_launch_script_binds_loopback_and_needs_a_key_when_wide(tmp_path, host, env, ok):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -442,16 +444,20 @@ def test_launch_script_binds_loopback_and_needs_a_key_when_wide(tmp_path, host, 
     res = subprocess.run(args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=60)
     if not ok:
         assert res.returncode != 0 and "SGLANG_API_KEY" in res.stderr and not out.exists()
+        assert not (tmp_path / "runs" / "sglang-api-key.yaml").exists()
         return
     assert res.returncode == 0, res.stderr
     assert _poll(lambda: out.exists() and len(out.read_text().splitlines()) == 2, 10)
     for line in out.read_text().splitlines():
         argv = json.loads(line)
         assert argv[argv.index("--host") + 1] == (host or "127.0.0.1")
-        if "SGLANG_API_KEY" in env:
-            assert argv[argv.index("--api-key") + 1] == env["SGLANG_API_KEY"]
+        assert "--api-key" not in argv  # ps would show it to every user of the node
+        if "SGLANG_API_KEY" in env:  # SGLang merges the --config YAML into its arguments
+            key_file = Path(argv[argv.index("--config") + 1])
+            assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and env["SGLANG_API_KEY"] not in " ".join(argv)
+            assert yaml.safe_load(key_file.read_text()) == {"api-key": env["SGLANG_API_KEY"]}
         else:
-            assert "--api-key" not in argv
+            assert "--config" not in argv
 
 
 # ---- launched servers die with the trainer ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """A real SGLang 0.5.23 server (CPU, torch-native) behind SGLangEngine: one tiny random Qwen2, a few
-requests, abort, and a weight update through each path. Needs .venv-sglang (tools/setup_sglang_env.sh);
-skipped otherwise. Reference for log-probs: a teacher-forced HF forward of the same weights."""
+requests, abort, and a weight update through each path. The server is launched with an API key (as on a
+multi-node run), which must be on no command line. Needs .venv-sglang (tools/setup_sglang_env.sh); skipped
+otherwise. Reference for log-probs: a teacher-forced HF forward of the same weights."""
 
 import dataclasses
 import os
@@ -9,6 +10,7 @@ import time
 import pytest
 import torch
 
+from megatron_dapo.rollout.api_key import remove_server_key_file, write_server_key_file
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
@@ -17,6 +19,7 @@ from tests.procs import processes
 from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
+API_KEY = "real-s3cret-9f2c"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang")
     model = tiny_model(0)
     model.save_pretrained(root / "model")
-    cfg = cpu_server_config(root)
+    cfg = cpu_server_config(root, api_key=API_KEY)
     engine = SGLangEngine(cfg, client=ClientConfig(max_concurrency=16, control_timeout_s=120,
                                                    sync_backend="gloo", sync_master_port=free_port(),
                                                    disk_dir=str(root / "weights")))
@@ -106,7 +109,34 @@ def test_server_info_reports_deterministic_inference(served):
     from megatron_dapo.rollout.server_setup import server_deterministic
 
     engine, _ = served
-    assert server_deterministic(engine.urls[0]) is False  # launched without --enable-deterministic-inference
+    headers = engine.group.servers[0].headers
+    assert server_deterministic(engine.urls[0], headers=headers) is False  # no --enable-deterministic-inference
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+
+
+def test_the_api_key_is_on_no_command_line(served):
+    """The keyed server got its key through the 0600 --config file: no process of its group (launch_server, the
+    scheduler and detokenizer it spawns) has the key on its command line, yet a call without the key is
+    refused (401) and one with it answered."""
+    import httpx
+
+    engine, _ = served
+    server = engine.group.servers[0]
+    group = [pid for pid, f in processes() if int(f[2]) == server.pid]
+    cmdlines = [_cmdline(pid) for pid in group]
+    assert len(group) >= 3 and all(cmdlines), cmdlines  # server, scheduler, detokenizer (+ resource tracker)
+    assert not [c for c in cmdlines if API_KEY.encode() in c], cmdlines
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 401
+    assert httpx.post(f"{server.url}/generate", json=body, headers=server.headers, timeout=60).status_code == 200
+    assert os.stat(engine.group.key_file).st_mode & 0o777 == 0o600
+    assert os.stat(server.log_path).st_mode & 0o777 == 0o600  # SGLang logs its arguments, the key among them
 
 def _group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by every live process of process group `pgid`."""
@@ -140,30 +170,36 @@ def test_weight_update_paths(served, mode):
 
 
 def test_router_round_robins(tmp_path):
-    """sglang-router (ServerConfig.router_command) in front of two fake servers spreads /generate."""
+    """sglang-router (ServerConfig.router_command) in front of two keyed fake servers spreads /generate; it has
+    the key from the group's key file (the workers answer it, and it refuses calls without it), and not on its
+    command line."""
     import httpx
 
     from megatron_dapo.rollout.sglang_server import ServerProcess
     from tests.sglang.fake_server import serve
 
-    fakes = [serve() for _ in range(2)]
+    fakes = [serve(api_key=API_KEY) for _ in range(2)]
     cfg = ServerConfig(model_path="unused", num_servers=2, base_port=free_port_block(3),
-                       python=str(SGLANG_PY))
-    cmd = cfg.router_command()
+                       python=str(SGLANG_PY), api_key=API_KEY)
+    key_file = write_server_key_file(API_KEY)
+    cmd = cfg.router_command(str(key_file))
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in fakes]
     cmd = cmd[: cmd.index("--worker-urls") + 1] + urls
-    router = ServerProcess("router", cmd, cfg.router_url, tmp_path / "router.log", {})
+    router = ServerProcess("router", cmd, cfg.router_url, tmp_path / "router.log", {}, API_KEY)
     router.start()
     try:
         router.wait_healthy(60)
+        assert API_KEY.encode() not in _cmdline(router.pid)
         for k in range(4):
             body = {"rid": f"x{k}", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3},
                     "return_logprob": True}
-            reply = httpx.post(f"{cfg.router_url}/generate", json=body, timeout=30).json()
+            reply = httpx.post(f"{cfg.router_url}/generate", json=body, headers=router.headers, timeout=30).json()
             assert reply["meta_info"]["id"] == f"x{k}" and len(reply["output_ids"]) == 3
-        assert [len(state.rids) for _, state in fakes] == [2, 2]
+        assert [len(state.rids) for _, state in fakes] == [2, 2]  # the workers answer keyed calls only
+        assert httpx.post(f"{cfg.router_url}/generate", json=body, timeout=30).status_code == 401
     finally:
         router.stop()
+        remove_server_key_file(key_file)
         for server, _ in fakes:
             server.shutdown()
             server.server_close()

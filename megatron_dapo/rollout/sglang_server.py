@@ -5,8 +5,16 @@ otherwise; the interpreter can be another venv's (SGLang never has to be importa
 
 Security: SGLang's weight endpoints (/update_weights_from_tensor) unpickle what they are sent, so anyone who
 can reach a server can run code in it. Servers bind to loopback by default; a wider bind needs an API key
-(--sglang-api-key or SGLANG_API_KEY, given to SGLang as its api_key argument and sent by the client as
-`Authorization: Bearer`), or an explicit --sglang-allow-no-api-key.
+(--sglang-api-key-file, SGLANG_API_KEY or --sglang-api-key; sent by the client as `Authorization: Bearer`),
+or an explicit --sglang-allow-no-api-key.
+
+The key is on no process's command line (which every user of the node can read with ps): ServerGroup.start
+writes it to a 0600 file in a fresh 0700 directory (api_key.write_server_key_file) that servers read through
+SGLang's --config option (YAML merged into their arguments in-process; their scheduler / detokenizer children
+are multiprocessing spawns that get their arguments through a pipe) and the router through
+megatron_dapo.rollout.sglang_router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
+a trainer killed with SIGKILL leaves it behind, still readable by its owner only. SGLang logs its arguments,
+key included, so the logs of a keyed group are created 0600 too.
 
 Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
 servers with it (SGLang's own scheduler / detokenizer children die with their server the same way).
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from megatron_dapo.rollout.api_key import check_key, remove_server_key_file, write_server_key_file
 
 
 @dataclass(kw_only=True)
@@ -56,9 +66,9 @@ class ServerConfig:
     """Server logs go to log_dir/sglang_<i>.log (default: a temp dir)."""
     env: dict[str, str] = field(default_factory=dict)
     api_key: str | None = None
-    """SGLang's api_key argument of each server (and the router); required when `host` is not loopback
-    (--sglang-api-key, default from the SGLANG_API_KEY environment variable). SGLang 0.5.23 takes it on its
-    command line only, so local users of the node can read it with ps: it guards the network, not the node."""
+    """SGLang's api_key of each server (and the router); required when `host` is not loopback
+    (--sglang-api-key-file, SGLANG_API_KEY or --sglang-api-key). Handed over in a 0600 file, never on a command
+    line (see the module docstring)."""
     allow_no_api_key: bool = False
     """Allow a non-loopback `host` without an API key (--sglang-allow-no-api-key): anyone who can reach the
     port can then push pickled tensors, i.e. run code, in the server."""
@@ -78,8 +88,19 @@ class ServerConfig:
         if self.startup_timeout_s <= 0:
             raise ValueError("ServerConfig.startup_timeout_s must be > 0")
         if self.api_key == "":
-            raise ValueError("ServerConfig.api_key is empty: give a real key (--sglang-api-key / SGLANG_API_KEY) "
-                             "or none")
+            raise ValueError("ServerConfig.api_key is empty: give a real key (--sglang-api-key-file / "
+                             "SGLANG_API_KEY) or none")
+        if self.api_key is not None:
+            check_key(self.api_key, "ServerConfig.api_key")
+            for arg in self.extra_args:
+                if arg == "--api-key" or arg.startswith("--api-key="):
+                    raise ValueError("--sglang-extra-args has --api-key, which puts the key on the servers' command "
+                                     "line for every user of the node to read: give it with --sglang-api-key-file "
+                                     "or SGLANG_API_KEY")
+                if arg == "--config" or arg.startswith("--config="):
+                    raise ValueError("--sglang-extra-args has --config, which SGLang takes once and which a keyed "
+                                     "launch uses to hand over the API key: pass those options as "
+                                     "flags in --sglang-extra-args instead")
         if not is_loopback(self.host) and self.api_key is None and not self.allow_no_api_key:
             raise ValueError(
                 f"refusing to launch SGLang servers bound to {self.host!r} without an API key: their weight "
@@ -96,7 +117,9 @@ class ServerConfig:
     def router_url(self) -> str:
         return f"http://{self.host}:{self.base_port + self.num_servers}"
 
-    def server_command(self, i: int) -> list[str]:
+    def server_command(self, i: int, key_file: str | None = None) -> list[str]:
+        """Server i's command line; `key_file` (api_key.write_server_key_file) is required when api_key is set:
+        SGLang reads the key from it (--config), not from the command line."""
         cmd = [
             self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
             "--host", self.host, "--port", str(self.base_port + i), "--tp-size", str(self.tp_per_server),
@@ -117,15 +140,23 @@ class ServerConfig:
                     "--max-total-tokens", "65536", "--mem-fraction-static", "0.1"]
         else:
             cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
-        if self.api_key is not None:
-            cmd += ["--api-key", self.api_key]
-        return cmd + list(self.extra_args)
+        return cmd + self._key_args(key_file, "--config") + list(self.extra_args)
 
-    def router_command(self) -> list[str]:
+    def router_command(self, key_file: str | None = None) -> list[str]:
+        """The router's command line (sglang_router through megatron_dapo.rollout.sglang_router_launch, which
+        reads the key from `key_file`; required when api_key is set)."""
         urls = [self.server_url(i) for i in range(self.num_servers)]
-        return [self.python, "-m", "sglang_router.launch_router", "--host", self.host,
-                "--port", str(self.base_port + self.num_servers), "--policy", "round_robin",
-                *(["--api-key", self.api_key] if self.api_key is not None else []), "--worker-urls", *urls]
+        return [self.python, "-m", "megatron_dapo.rollout.sglang_router_launch",
+                *self._key_args(key_file, "--api-key-file"), "--host", self.host,
+                "--port", str(self.base_port + self.num_servers), "--policy", "round_robin", "--worker-urls", *urls]
+
+    def _key_args(self, key_file: str | None, option: str) -> list[str]:
+        if self.api_key is None:
+            return []
+        if key_file is None:
+            raise ValueError("ServerConfig has an api_key: pass the key_file it was written to "
+                             "(api_key.write_server_key_file); it never goes on a command line")
+        return [option, str(key_file)]
 
 
 def is_loopback(host: str) -> bool:
@@ -179,11 +210,16 @@ class ServerProcess:
                  api_key: str | None = None):
         self.name, self.command, self.url, self.log_path, self.env = name, command, url, log_path, env
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.private_log = api_key is not None
+        """SGLang logs its arguments, the key among them: the log is then mode 0600."""
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if self.private_log else 0o666)
+        if self.private_log:
+            os.fchmod(fd, 0o600)  # also a log an earlier, keyless run left readable
+        log = os.fdopen(fd, "ab")
         parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
                                      env=server_env(dict(os.environ), self.env), start_new_session=True,
@@ -277,22 +313,32 @@ class ServerGroup:
         env = {**config.env}
         if config.device == "cpu":
             env.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        self.key_file: Path | None = None
+        """The 0600 file the servers and the router read the API key from, from start to stop."""
         self.servers = [
-            ServerProcess(f"sglang server {i}", config.server_command(i), config.server_url(i),
-                          log_dir / f"sglang_{i}.log", env, config.api_key)
+            ServerProcess(f"sglang server {i}", [], config.server_url(i), log_dir / f"sglang_{i}.log", env,
+                          config.api_key)
             for i in range(config.num_servers)
         ]
         self.router = (
-            ServerProcess("sglang router", config.router_command(), config.router_url,
-                          log_dir / "router.log", env, config.api_key)
+            ServerProcess("sglang router", [], config.router_url, log_dir / "router.log", env, config.api_key)
             if config.router else None
         )
 
     def start(self) -> None:
+        """Writes the key file (when keyed), starts every server and then the router; returns once all answer
+        /health. On any failure stops the group (which deletes the key file) and re-raises."""
         check_ports_free(self.config)
-        for server in self.servers:  # start all first: they load in parallel
-            server.start()
         try:
+            if self.config.api_key is not None:
+                self.key_file = write_server_key_file(self.config.api_key)
+            key_file = str(self.key_file) if self.key_file is not None else None
+            for i, server in enumerate(self.servers):
+                server.command = self.config.server_command(i, key_file)
+            if self.router is not None:
+                self.router.command = self.config.router_command(key_file)
+            for server in self.servers:  # start all first: they load in parallel
+                server.start()
             for server in self.servers:
                 server.wait_healthy(self.config.startup_timeout_s)
             if self.router is not None:
@@ -313,6 +359,12 @@ class ServerGroup:
         server.wait_healthy(self.config.startup_timeout_s)
 
     def stop(self) -> None:
+        """Ends the router and every server, then deletes the key file."""
         self.stopped = True
-        for proc in ([self.router] if self.router else []) + self.servers:
-            proc.stop()
+        try:
+            for proc in ([self.router] if self.router else []) + self.servers:
+                proc.stop()
+        finally:
+            if self.key_file is not None:
+                remove_server_key_file(self.key_file)
+                self.key_file = None

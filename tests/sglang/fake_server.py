@@ -8,9 +8,10 @@ group as rank_offset + tp_rank (as SGLang, recorded in /stats "group_inits"), an
 receives the flattened bucket on every one of them (one collective request at a time per server, as SGLang's
 scheduler; /stats "received" says which group brought which tensors). Bound to 127.0.0.1 and self-stopping after
 --lifetime seconds.
-Run as a script (it accepts --api-key and ignores sglang.launch_server's other flags) or in a thread via
-serve(); kill() makes a threaded one die like a real server (in-flight requests get their connection dropped,
-new ones are refused) and serve(port=...) brings one back on the same port with fresh state.
+Run as a script (it accepts --api-key, or a --config YAML with api-key, and ignores sglang.launch_server's
+other flags) or in a thread via serve(); kill() makes a threaded one die like a real server (in-flight requests
+get their connection dropped, new ones are refused) and serve(port=...) brings one back on the same port with
+fresh state.
 """
 
 from __future__ import annotations
@@ -328,10 +329,16 @@ def main() -> None:
     parser.add_argument("--lifetime", type=float, default=float(os.environ.get("FAKE_SGLANG_LIFETIME", 120)))
     parser.add_argument("--startup-delay", type=float, default=0.2)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--config", default=None, help="YAML merged into the arguments, as SGLang's (api-key only)")
     parser.add_argument("--receive-delay", type=float, default=0.0)
     args, _ = parser.parse_known_args()
     time.sleep(args.startup_delay)  # a real server is not healthy at once either
     threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
+    if args.config is not None and args.api_key is None:
+        import yaml
+
+        with open(args.config) as f:
+            args.api_key = yaml.safe_load(f).get("api-key")
     state = FakeState(api_key=args.api_key)
     state.receive_delay_s = args.receive_delay
     make_server(args.port, state).serve_forever()

@@ -1,0 +1,204 @@
+"""The SGLang API key stays off command lines: the trainer's --sglang-api-key-file, the 0600 file a launched
+server group hands the key over in (megatron_dapo/rollout/api_key.py), its removal on stop and on a failed
+start, and the router's entry point. Servers are tests/sglang/fake_server.py (which reads SGLang's --config)."""
+
+import os
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+import megatron_dapo.train as train_mod
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.api_key import (
+    read_key_file,
+    read_server_key_file,
+    remove_server_key_file,
+    resolve_api_key,
+    write_server_key_file,
+)
+from megatron_dapo.rollout.sglang_router_launch import router_argv
+from megatron_dapo.rollout.sglang_server import ServerConfig, ServerGroup
+from tests.ports import free_port_block
+from tests.procs import processes
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = 'k3y-"quoted"\\back'
+"""A key with the characters JSON / YAML escape."""
+
+
+@pytest.fixture
+def private_tmp(tmp_path, monkeypatch) -> Path:
+    """tempfile's directory for the test: the key directories ServerGroup makes land (and must vanish) here."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An interpreter stand-in that runs the fake server with sglang.launch_server's arguments."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {REPO}/tests/sglang/fake_server.py "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# ---- the trainer's key: --sglang-api-key-file, --sglang-api-key, SGLANG_API_KEY --------------------------
+
+
+def _key_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
+    path = tmp_path / "key"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_key_file_is_read_once_stripped(tmp_path):
+    path = _key_file(tmp_path, "s3cret\n")
+    assert read_key_file(path) == "s3cret"
+    assert resolve_api_key(None, str(path), {"SGLANG_API_KEY": "env"}) == "s3cret"  # the file wins over the env
+    assert resolve_api_key(None, None, {"SGLANG_API_KEY": "env"}) == "env"
+    assert resolve_api_key("flag", None, {"SGLANG_API_KEY": "env"}) == "flag"
+    assert resolve_api_key(None, None, {}) is None
+    assert resolve_api_key(None, str(_key_file(tmp_path, "ro", 0o400)), {}) == "ro"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"--sglang-api-key-file .*/nope: cannot read it \(No such file"),
+    ("empty", r"--sglang-api-key-file .*: the file is empty"),
+    ("blank", r"--sglang-api-key-file .*: the file is empty"),
+    ("group-readable", r"--sglang-api-key-file .*: mode 0640 lets group or others read.*chmod 600"),
+    ("world-readable", r"--sglang-api-key-file .*: mode 0644 lets group or others read.*chmod 600"),
+    ("directory", r"--sglang-api-key-file .*: not a regular file"),
+    ("two-lines", r"--sglang-api-key-file .*whitespace"),
+])
+def test_key_file_errors_name_the_flag(tmp_path, case, message):
+    path = {
+        "missing": lambda: tmp_path / "nope",
+        "empty": lambda: _key_file(tmp_path, ""),
+        "blank": lambda: _key_file(tmp_path, " \n"),
+        "group-readable": lambda: _key_file(tmp_path, "k", 0o640),
+        "world-readable": lambda: _key_file(tmp_path, "k", 0o644),
+        "directory": lambda: tmp_path,
+        "two-lines": lambda: _key_file(tmp_path, "k\nsecond"),
+    }[case]()
+    with pytest.raises(ValueError, match=message):
+        resolve_api_key(None, str(path), {})
+
+
+def test_both_key_flags_and_bad_keys_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="--sglang-api-key-file or --sglang-api-key, not both"):
+        resolve_api_key("k", str(_key_file(tmp_path, "k")), {})
+    with pytest.raises(ValueError, match="SGLANG_API_KEY has whitespace"):
+        resolve_api_key(None, None, {"SGLANG_API_KEY": "a b"})
+    with pytest.raises(ValueError, match="--sglang-api-key starts with '-'"):
+        resolve_api_key("-k", None, {})
+
+
+def test_check_flags_reads_the_key_file(tmp_path):
+    """The trainer's flag checks put the file's key where the engine and the colocated pusher read it, and turn
+    a bad file into a one-line input error naming --sglang-api-key-file."""
+    from tests.test_validation import make_model_dir, parse
+
+    model, data = make_model_dir(tmp_path), tmp_path / "train.jsonl"
+    args = parse(model, data, "--sglang-api-key-file", str(_key_file(tmp_path, "fromfile\n")))
+    train_mod.check_flags(args)
+    assert args.sglang_api_key == "fromfile"
+    (tmp_path / "key").chmod(0o644)
+    with pytest.raises(UserError, match="--sglang-api-key-file .*chmod 600"):
+        train_mod.check_flags(parse(model, data, "--sglang-api-key-file", str(tmp_path / "key")))
+    help_text = {a.dest: a.help for a in build_parser()._actions}
+    assert "ps" in help_text["sglang_api_key"] and "--sglang-api-key-file" in help_text["sglang_api_key"]
+
+
+# ---- the launched group's key file -----------------------------------------------------------------------
+
+
+def test_server_key_file_is_private_and_sglang_yaml(private_tmp):
+    path = write_server_key_file(KEY)
+    assert path.parent.parent == private_tmp and path.suffix == ".yaml"  # SGLang's --config wants .yaml
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    assert yaml.safe_load(path.read_text()) == {"api-key": KEY}  # as SGLang's ConfigArgumentMerger reads it
+    assert read_server_key_file(path) == KEY
+    remove_server_key_file(path)
+    assert list(private_tmp.iterdir()) == []
+    remove_server_key_file(path)  # twice: no error
+
+
+def test_commands_carry_a_key_file_never_the_key():
+    cfg = ServerConfig(model_path="m", host="0.0.0.0", api_key="k3y", num_servers=2)
+    for cmd, option in ((cfg.server_command(1, "/p/api_key.yaml"), "--config"),
+                        (cfg.router_command("/p/api_key.yaml"), "--api-key-file")):
+        assert "k3y" not in " ".join(cmd) and "--api-key" not in cmd
+        assert cmd[cmd.index(option) + 1] == "/p/api_key.yaml"
+    for build in (lambda: cfg.server_command(0), cfg.router_command):
+        with pytest.raises(ValueError, match="key_file"):
+            build()
+    with pytest.raises(ValueError, match="--sglang-extra-args has --api-key.*--sglang-api-key-file"):
+        ServerConfig(model_path="m", api_key="k", extra_args=("--api-key", "k"))
+    with pytest.raises(ValueError, match="--sglang-extra-args has --config"):
+        ServerConfig(model_path="m", api_key="k", extra_args=("--config", "mine.yaml"))
+    assert "--config" in ServerConfig(model_path="m", extra_args=("--config", "mine.yaml")).server_command(0)
+
+
+def test_router_entry_point_adds_the_key_from_the_file(private_tmp):
+    path = write_server_key_file(KEY)
+    rest = ["--host", "127.0.0.1", "--worker-urls", "http://a:1", "http://b:2"]
+    assert router_argv(["--api-key-file", str(path), *rest]) == [*rest, "--api-key", KEY]
+    assert router_argv(rest) == rest
+    remove_server_key_file(path)
+
+
+def test_keyed_group_hands_the_key_over_in_a_file_and_removes_it_on_stop(tmp_path, private_tmp):
+    """Two fake servers launched with a key: it reaches them (a call without it is refused with 401, with it
+    answered) through the 0600 file, no process of theirs has it on its command line, the logs are 0600, and
+    stop() deletes the file and its directory."""
+    cfg = ServerConfig(model_path="m", num_servers=2, router=False, base_port=free_port_block(2), device="cpu",
+                       python=str(_fake_python(tmp_path)), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
+                       api_key=KEY, env={"FAKE_SGLANG_LIFETIME": "60"})
+    group = ServerGroup(cfg)
+    group.start()
+    try:
+        key_file = group.key_file
+        assert key_file is not None and key_file.parent.parent == private_tmp
+        assert _mode(key_file) == 0o600 and _mode(key_file.parent) == 0o700
+        for i, server in enumerate(group.servers):
+            assert httpx.post(f"{cfg.server_url(i)}/generate", json={}, timeout=10).status_code == 401
+            assert httpx.get(f"{cfg.server_url(i)}/server_info", headers=server.headers, timeout=10).status_code == 200
+            group_pids = [pid for pid, f in processes() if int(f[2]) == server.pid]
+            assert group_pids and all(_cmdline(pid) and KEY.encode() not in _cmdline(pid) for pid in group_pids)
+            assert _mode(server.log_path) == 0o600
+    finally:
+        group.stop()
+    assert group.key_file is None and not key_file.exists() and list(private_tmp.iterdir()) == []
+
+
+def test_failed_keyed_start_removes_the_key_file(tmp_path, private_tmp):
+    """A server that exits during start-up: start() raises with its log, and the key file is gone."""
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\necho no sglang here; exit 3\n")
+    failing.chmod(0o755)
+    cfg = ServerConfig(model_path="m", base_port=free_port_block(2), device="cpu", python=str(failing),
+                       startup_timeout_s=30, log_dir=str(tmp_path / "logs"), api_key="k")
+    group = ServerGroup(cfg)
+    with pytest.raises(RuntimeError, match=r"exited with 3(?s:.*)no sglang here"):
+        group.start()
+    assert group.key_file is None and list(private_tmp.iterdir()) == []
+    assert os.listdir(tmp_path / "logs") == ["sglang_0.log"]
