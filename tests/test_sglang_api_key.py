@@ -151,6 +151,9 @@ def test_commands_carry_a_key_file_never_the_key():
     for build in (lambda: cfg.server_command(0), cfg.router_command):
         with pytest.raises(ValueError, match="key_file"):
             build()
+    # keyed: our entry point reads the file; keyless: sglang_router itself (megatron_dapo need not be importable)
+    assert cfg.router_command("/p/api_key.yaml")[2] == "megatron_dapo.rollout.sglang_router_launch"
+    assert ServerConfig(model_path="m", num_servers=2).router_command()[2] == "sglang_router.launch_router"
     with pytest.raises(ValueError, match="--sglang-extra-args has --api-key.*--sglang-api-key-file"):
         ServerConfig(model_path="m", api_key="k", extra_args=("--api-key", "k"))
     with pytest.raises(ValueError, match="--sglang-extra-args has --config"):

@@ -143,11 +143,12 @@ class ServerConfig:
         return cmd + self._key_args(key_file, "--config") + list(self.extra_args)
 
     def router_command(self, key_file: str | None = None) -> list[str]:
-        """The router's command line (sglang_router through megatron_dapo.rollout.sglang_router_launch, which
-        reads the key from `key_file`; required when api_key is set)."""
+        """The router's command line: sglang_router itself without an API key; with one, through
+        megatron_dapo.rollout.sglang_router_launch, which reads the key from `key_file` (required then) and so
+        needs megatron_dapo importable in `python`."""
         urls = [self.server_url(i) for i in range(self.num_servers)]
-        return [self.python, "-m", "megatron_dapo.rollout.sglang_router_launch",
-                *self._key_args(key_file, "--api-key-file"), "--host", self.host,
+        entry = "sglang_router.launch_router" if self.api_key is None else "megatron_dapo.rollout.sglang_router_launch"
+        return [self.python, "-m", entry, *self._key_args(key_file, "--api-key-file"), "--host", self.host,
                 "--port", str(self.base_port + self.num_servers), "--policy", "round_robin", "--worker-urls", *urls]
 
     def _key_args(self, key_file: str | None, option: str) -> list[str]:
