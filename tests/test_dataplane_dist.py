@@ -13,6 +13,7 @@ from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.slow
 DEFAULT_TIMEOUT_S, SLOW_S = 8, 11.0
+FAIL_AFTER_S, STUCK_S = 1.0, 30.0
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,12 @@ def test_slow_rollout_outlasts_the_default_timeout_and_the_step_completes(checks
 
 def test_rank0_eval_is_waited_out(checks):
     assert checks[1]["eval_wait"]["waited_s"] > SLOW_S - 0.5
+
+
+def test_rank0_eval_failure_reaches_the_waiting_rank_at_once(checks):
+    """Rank 0's evaluation raises after 1 s; rank 1 waits on the 1-hour wait group and must raise within seconds."""
+    assert checks[0]["eval_failure"] == "the eval server died"  # rank 0 re-raises its own error
+    got = checks[1]["eval_failure"]
+    assert not got["stuck"], f"rank 1 still waited for rank 0's failed evaluation after {STUCK_S} s"
+    assert got["error"] == "global rank 0 failed during evaluation; see its log"
+    assert FAIL_AFTER_S - 0.5 < got["after_s"] < FAIL_AFTER_S + 10, got
