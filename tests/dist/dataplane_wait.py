@@ -11,6 +11,9 @@ The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one 
   E. Rank 0's evaluation raises after FAIL_AFTER_S; rank 1, waiting in `evaluate` on the 1-hour wait group, must
      raise the error naming it at once. Its wait runs on a thread given STUCK_S; a wait still blocked then is
      recorded as stuck and released by rank 0 (so that only this check fails).
+  F. A section whose body fails on rank 1: rank 0 raises naming global rank 1; rank 1 re-raises its own error.
+  G. Rank 0's metrics log fails after step 0 of 1: rank 1, waiting for the next batch in `distribute`, raises
+     naming it.
 Writes each rank's checks to <out_dir>/rank<r>.json (argv[1]) for the test to read.
 """
 
@@ -192,6 +195,31 @@ def main() -> None:
             waiter.join(timeout=60)
     if rank == 1:
         check("eval_failure", {"stuck": stuck, **outcome})
+
+    # F. any rank's failure in a section reaches the others, naming that rank
+    try:
+        with trainer.section("while testing a failure on rank 1"):
+            if rank == 1:
+                raise ValueError("rank 1's part failed")
+        check("section_failure", "no error")
+    except (RuntimeError, ValueError) as e:
+        check("section_failure", f"{type(e).__name__}: {e}")
+
+    # G. rank 0's metrics log fails before the last step: the rank waiting for the next batch is told
+    class BrokenLogger:
+        def log(self, step, metrics):
+            raise OSError("No space left on device: metrics.jsonl")
+
+    try:
+        if rank == 0:
+            del trainer.log  # C's stand-in: Trainer.log again, which calls the logger
+            trainer.logger = BrokenLogger()
+            trainer._log_step(0, {"eval/avg@4": 0.5})
+        else:
+            trainer.distribute(None)
+        check("log_failure", "no error")
+    except (OSError, RuntimeError) as e:
+        check("log_failure", f"{type(e).__name__}: {e}")
     dist.barrier()
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(CHECKS, f)
