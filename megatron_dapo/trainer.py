@@ -347,7 +347,16 @@ class Trainer:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the updated policy to the engine as full HF tensors (collective over all ranks). Distributed mode
-        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py)."""
+        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py).
+
+        A section: the ranks meet after the push (one int64 all-reduce; they would wait for rank 0 at the next
+        wait anyway), so an engine error on rank 0 (e.g. every server lost past --sglang-server-wait-s) makes them
+        raise here, not wait for a batch rank 0 will never send. Rank 0 whose engine raised still runs its part
+        of the export's collectives to the end first, so its TP/PP peers are not left in a gather."""
+        with self.section("during the weight sync"):
+            return self._sync_weights(version)
+
+    def _sync_weights(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         if self._stage_sync is not None:
             staged = self._stage_sync.sync(self.actor.chunks, self.actor.arch, self.engine, version)
@@ -362,7 +371,12 @@ class Trainer:
                 self.engine.set_weight_version(version)
                 metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it
         elif self.engine is not None:
-            self.engine.update_weights(named, version=version)
+            try:
+                self.engine.update_weights(named, version=version)
+            except BaseException:
+                for _ in named:  # the rest of the collective, in step with the peers (nothing if already consumed)
+                    pass
+                raise
             metrics = self.engine.take_metrics()  # this step's server recoveries (rollout and sync)
         else:
             for _ in named:  # stay in step with the collective

@@ -2,8 +2,8 @@
 rows; an abort on rank 0 reaches the waiting rank; a rollout and an evaluation that outlast the default
 process group's timeout (8 s) are waited out on the --rollout-timeout gloo group and the step completes,
 while a wait on a group with the default timeout fires; a failure on rank 0 while rank 1 waits for it (its
-evaluation, its metrics log) and a failure of rank 1 in a section make the other rank raise at once, naming
-the failed rank and what failed."""
+evaluation, its metrics log, its weight push) and a failure of rank 1 in a section make the other rank raise
+at once, naming the failed rank and what failed."""
 
 from __future__ import annotations
 
@@ -79,3 +79,8 @@ def test_a_failed_metrics_log_on_rank0_reaches_the_rank_waiting_for_the_next_bat
     assert checks[0]["log_failure"] == "OSError: No space left on device: metrics.jsonl"
     assert checks[1]["log_failure"] == ("RuntimeError: global rank 0 failed while logging the metrics of step 0; "
                                         "see its log")
+
+
+def test_a_failed_weight_push_on_rank0_reaches_the_other_rank(checks):
+    assert checks[0]["sync_failure"] == "the servers refused the update"
+    assert checks[1]["sync_failure"] == "global rank 0 failed during the weight sync; see its log"

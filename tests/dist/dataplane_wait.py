@@ -14,6 +14,7 @@ The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one 
   F. A section whose body fails on rank 1: rank 0 raises naming global rank 1; rank 1 re-raises its own error.
   G. Rank 0's metrics log fails after step 0 of 1: rank 1, waiting for the next batch in `distribute`, raises
      naming it.
+  H. Rank 0's engine refuses the weight update: rank 1 raises at the end of `sync_weights`.
 Writes each rank's checks to <out_dir>/rank<r>.json (argv[1]) for the test to read.
 """
 
@@ -109,6 +110,8 @@ def main() -> None:
             return super().stream(requests)
 
         def update_weights(self, named_tensors, *, version: int) -> None:
+            if self.fail is not None:
+                raise RuntimeError(self.fail)
             self.synced = sum(t.numel() for _, t in named_tensors)  # the export is a collective: consume it
 
     engine = SlowEngine(keep_rate=1.0, truncate_prob=0.0, seed=1) if rank == 0 else None
@@ -220,6 +223,15 @@ def main() -> None:
         check("log_failure", "no error")
     except (OSError, RuntimeError) as e:
         check("log_failure", f"{type(e).__name__}: {e}")
+
+    # H. the weight push fails on rank 0
+    if rank == 0:
+        engine.fail = "the servers refused the update"
+    try:
+        trainer.sync_weights(2)
+        check("sync_failure", "no error")
+    except RuntimeError as e:
+        check("sync_failure", str(e))
     dist.barrier()
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(CHECKS, f)
