@@ -13,7 +13,8 @@ trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/asyn
 
 Where the other ranks wait for rank-0-only work (on the DataPlane's gloo group, up to --rollout-timeout hours),
 a failure of that work on rank 0 reaches them as an error at once: the rollout batch, its packing and the step's
-metrics log abort the next `exchange`; the evaluation is a `section` (a status barrier). See `DataPlane`.
+metrics log abort the next `exchange`; the weight sync and the evaluation are `section`s (a status barrier, one
+int64), as are rank 0's parts of a save and a resume (train.py) and the colocated phase switches. See `DataPlane`.
 """
 
 from __future__ import annotations
