@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs in its own process. 0 = synchronous (megatron_dapo/async_rollout.py)")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
-                        "made at start; Megatron's NCCL groups keep their own 30-minute timeout)")
+                        "made at start; Megatron's NCCL groups keep their own 30-minute timeout); a failure of "
+                        "that work on rank 0 makes them raise at once")
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", "--rollout-num-gpus-per-engine", dest="sglang_tp_size", type=int, default=1,
                    help="tensor parallel size (= GPUs) of each SGLang server; --rollout-num-gpus-per-engine is the "

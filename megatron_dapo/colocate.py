@@ -29,6 +29,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -224,29 +225,31 @@ class PhaseSwitcher:
     """Runs the two phase switches of a colocated step and reports their metrics.
 
     `engine`: the SGLang side (SGLangEngine: release_memory_occupation / resume_memory_occupation), on the
-    rank that owns it (global rank 0), None elsewhere; `offloader`: this rank's ActorOffloader; `barrier`:
-    a collective over every rank (the engines must be released before any rank onloads, and resumed only
-    after every rank offloaded), None in a world of one."""
+    rank that owns it (global rank 0), None elsewhere; `offloader`: this rank's ActorOffloader; `section`:
+    `section(what)`, a context whose exit is a barrier over every rank that carries a failure of any rank's body
+    to the others (Trainer.section: one int64 all-reduce on the wait group); the engines must be released before
+    any rank onloads, and resumed only after every rank offloaded. None in a world of one. So a failed SGLang
+    memory call on rank 0 (or a failed offload anywhere) makes the other 127 ranks raise at once rather than
+    wait out --rollout-timeout."""
 
     offloader: ActorOffloader
     engine: object | None = None
-    barrier: Callable[[], None] | None = None
+    section: Callable[[str], AbstractContextManager[None]] | None = None
     phase: str = "training"
 
-    def _sync(self) -> None:
-        if self.barrier is not None:
-            self.barrier()
+    def _sync(self, what: str) -> AbstractContextManager[None]:
+        return self.section(what) if self.section is not None else nullcontext()
 
     def to_training(self) -> dict[str, float]:
         """SGLang releases weights, KV cache and CUDA graphs; then the actor onloads."""
         if self.phase != "generation":
             raise RuntimeError(f"PhaseSwitcher.to_training from phase {self.phase!r}")
         t0 = time.perf_counter()
-        if self.engine is not None:
-            self.engine.release_memory_occupation(RELEASE_TAGS)
-        self._sync()
-        metrics = self.offloader.onload()
-        self._sync()
+        with self._sync("while SGLang released its GPU memory"):
+            if self.engine is not None:
+                self.engine.release_memory_occupation(RELEASE_TAGS)
+        with self._sync("while the actor onloaded its optimizer state"):
+            metrics = self.offloader.onload()
         self.phase = "training"
         return metrics | {"colocate/to_training_s": time.perf_counter() - t0,
                           "colocate/actor_resident_gib_training": device_resident_bytes() / 2**30}
@@ -257,27 +260,27 @@ class PhaseSwitcher:
         if self.phase != "training":
             raise RuntimeError(f"PhaseSwitcher.to_generation from phase {self.phase!r}")
         t0 = time.perf_counter()
-        metrics = self.offloader.offload()
-        resident = device_resident_bytes()
-        self._sync()
-        if self.engine is not None:
-            self.engine.resume_memory_occupation(("weights",))
-        self._sync()
+        with self._sync("while the actor offloaded its optimizer state"):
+            metrics = self.offloader.offload()
+            resident = device_resident_bytes()
+        with self._sync("while SGLang resumed its weight memory"):
+            if self.engine is not None:
+                self.engine.resume_memory_occupation(("weights",))
         t_push = time.perf_counter()
         if push is not None:
             metrics |= push()
         push_s = time.perf_counter() - t_push
-        if self.engine is not None:
-            self.engine.resume_memory_occupation(tuple(t for t in RELEASE_TAGS if t != "weights"))
-        self._sync()
+        with self._sync("while SGLang resumed its KV cache and CUDA graphs"):
+            if self.engine is not None:
+                self.engine.resume_memory_occupation(tuple(t for t in RELEASE_TAGS if t != "weights"))
         self.phase = "generation"
         return metrics | {"colocate/to_generation_s": time.perf_counter() - t0 - push_s,
                           "colocate/actor_resident_gib_generation": resident / 2**30}
 
     def start(self) -> dict[str, float]:
         """At start-up the actor holds everything and the engines have their initial weights: offload only."""
-        metrics = self.offloader.offload()
-        self._sync()
+        with self._sync("while the actor offloaded its optimizer state"):
+            metrics = self.offloader.offload()
         self.phase = "generation"
         return metrics
 

@@ -418,19 +418,21 @@ def train(args: argparse.Namespace) -> None:
     def save(step: int) -> None:
         from megatron_dapo import comm, partial_rollout
 
-        state = {"sampler": sampler.state_dict()}
-        if args.partial_rollout:  # the groups the next step resumes (rank 0's; 12 B per carried token)
-            state["carried"] = partial_rollout.state(trainer.carried)
+        with trainer.section("while preparing the checkpoint's sampler state"):  # rank 0's; a failure reaches all
+            state = {"sampler": sampler.state_dict()}
+            if args.partial_rollout:  # the groups the next step resumes (rank 0's; 12 B per carried token)
+                state["carried"] = partial_rollout.state(trainer.carried)
+            ahead = trainer.checkpoint_state()  # rank 0's batch generated ahead (--async-rollout), {} elsewhere
         if trainer.wait_group is not None:  # identical common state on every rank; gloo, rank 0 may be late
             state = comm.broadcast_object(state, 0, group=trainer.wait_group)
-        saver.save(step, actor, extra=state | trainer.checkpoint_state())  # + rank 0's batch ahead (--async-rollout)
+        saver.save(step, actor, extra=state | ahead)
 
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
     if args.colocate:
-        trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.wait_group)
+        trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.section)
     try:
         if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
             if trainer.phases is not None:  # --colocate: push with the actor offloaded
@@ -460,10 +462,10 @@ def train(args: argparse.Namespace) -> None:
             dist.destroy_process_group()
 
 
-def make_colocated(args: argparse.Namespace, actor, engine, wait_group):
+def make_colocated(args: argparse.Namespace, actor, engine, section):
     """--colocate: this rank's PhaseSwitcher and ColocatedPusher (a collective: every rank makes every engine's
-    group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port)."""
-    from megatron_dapo import comm
+    group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port).
+    `section`: Trainer.section, the phase switches' status barrier on the wait group."""
     from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher
     from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
 
@@ -472,9 +474,8 @@ def make_colocated(args: argparse.Namespace, actor, engine, wait_group):
     groups = make_engine_groups(urls, args.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
                              api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None)
-    barrier = (lambda: comm.barrier(group=wait_group)) if wait_group is not None else None
     return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
-                         barrier=barrier), pusher
+                         section=section), pusher
 
 
 def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, init_ckpt: str | None):
@@ -516,15 +517,16 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
     if extra is None:
         return
     rank0 = dist.get_rank() == 0
-    if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
-        sampler.load_state_dict(extra["sampler"])
-        if args.partial_rollout:  # a checkpoint written without --partial-rollout carries nothing
-            trainer.carried = partial_rollout.from_state(extra.get("carried"), Prompt)
-        elif (extra.get("carried") or {}).get("groups"):
-            print(f"[megatron-dapo] warning: the checkpoint carries {len(extra['carried']['groups'])} partial-rollout "
-                  f"groups; without --partial-rollout they are dropped", file=sys.stderr)
-    trainer.step = int(extra["step"])
-    trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
+    with trainer.section("while restoring the sampler state from the checkpoint"):  # the others wait in the sync
+        if rank0:  # only rank 0 draws prompts; the other ranks' samplers are placeholders
+            sampler.load_state_dict(extra["sampler"])
+            if args.partial_rollout:  # a checkpoint written without --partial-rollout carries nothing
+                trainer.carried = partial_rollout.from_state(extra.get("carried"), Prompt)
+            elif (extra.get("carried") or {}).get("groups"):
+                print(f"[megatron-dapo] warning: the checkpoint carries {len(extra['carried']['groups'])} "
+                      f"partial-rollout groups; without --partial-rollout they are dropped", file=sys.stderr)
+        trainer.step = int(extra["step"])
+        trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
     if trainer.phases is not None:  # --colocate: push with the actor offloaded, not next to the full engine
         trainer.phases.start()
     trainer.sync_weights(trainer.step)  # the engine still holds the initial weights

@@ -10,12 +10,18 @@ PP > 1, from each pipeline stage's source rank at once (rollout/stage_sync.py). 
 goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
 With --async-rollout 1 rank 0 generates the next step's batch on a background thread while this step
 trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/async_rollout.py).
+
+Where the other ranks wait for rank-0-only work (on the DataPlane's gloo group, up to --rollout-timeout hours),
+a failure of that work on rank 0 reaches them as an error at once: the rollout batch, its packing and the step's
+metrics log abort the next `exchange`; the weight sync and the evaluation are `section`s (a status barrier, one
+int64), as are rank 0's parts of a save and a resume (train.py) and the colocated phase switches. See `DataPlane`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -138,13 +144,19 @@ class Trainer:
         """The world gloo group with the --rollout-timeout (None in a world of one)."""
         return self._plane.wait_group if self._plane is not None else None
 
+    def section(self, what: str) -> AbstractContextManager[None]:
+        """Work some ranks do while the others wait (rank 0's evaluation, its part of a save or resume): every rank
+        runs the body, then all meet on the wait group; a failure in any rank's body makes the others raise
+        "global rank r failed <what>; see its log" there (DataPlane.section). No-op in a world of one."""
+        return self._plane.section(what) if self._plane is not None else nullcontext()
+
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
         if self.phases is not None and self.phases.phase == "training":
             self.phases.start()                                    # colocated: the engines generate first
         if cfg.eval_interval and self.step == 0:
-            self.log(0, self.evaluate())
+            self._log_step(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):
             t0 = time.perf_counter()
             metrics, shares = self.rank0_batch(step)               # rank 0: rollout, advantages, DP split
@@ -163,7 +175,16 @@ class Trainer:
             if self._save_due(step):
                 self.save(step)
             metrics["time/step_s"] = time.perf_counter() - t0
+            self._log_step(step, metrics)
+
+    def _log_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Rank 0 logs; if that fails before the last step, the others (waiting for step+1's batch) are told."""
+        try:
             self.log(step, metrics)
+        except BaseException:
+            if self._is_rank0 and self._plane is not None and step < self.config.num_steps:
+                self._plane.abort(f"while logging the metrics of step {step}")
+            raise
 
     def _save_due(self, step: int) -> bool:
         cfg = self.config
@@ -192,7 +213,13 @@ class Trainer:
         Every rank but 0 waits here for the whole rollout, on the --rollout-timeout gloo group."""
         if self._plane is None:
             return shares[0]
-        packed = [pack(share) for share in shares] if shares is not None else None
+        packed = None
+        if shares is not None:
+            try:
+                packed = [pack(share) for share in shares]
+            except BaseException:
+                self._plane.abort("while packing the rollout batch")
+                raise
         return unpack(self._plane.exchange(packed), Rollout)
 
     def next_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
@@ -321,7 +348,16 @@ class Trainer:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the updated policy to the engine as full HF tensors (collective over all ranks). Distributed mode
-        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py)."""
+        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py).
+
+        A section: the ranks meet after the push (one int64 all-reduce; they would wait for rank 0 at the next
+        wait anyway), so an engine error on rank 0 (e.g. every server lost past --sglang-server-wait-s) makes them
+        raise here, not wait for a batch rank 0 will never send. Rank 0 whose engine raised still runs its part
+        of the export's collectives to the end first, so its TP/PP peers are not left in a gather."""
+        with self.section("during the weight sync"):
+            return self._sync_weights(version)
+
+    def _sync_weights(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         if self._stage_sync is not None:
             staged = self._stage_sync.sync(self.actor.chunks, self.actor.arch, self.engine, version)
@@ -336,7 +372,12 @@ class Trainer:
                 self.engine.set_weight_version(version)
                 metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it
         elif self.engine is not None:
-            self.engine.update_weights(named, version=version)
+            try:
+                self.engine.update_weights(named, version=version)
+            except BaseException:
+                for _ in named:  # the rest of the collective, in step with the peers (nothing if already consumed)
+                    pass
+                raise
             metrics = self.engine.take_metrics()  # this step's server recoveries (rollout and sync)
         else:
             for _ in named:  # stay in step with the collective
@@ -344,16 +385,16 @@ class Trainer:
         return metrics | {"time/sync_s": time.perf_counter() - t0}
 
     def evaluate(self) -> dict[str, float]:
-        """Rank 0 evaluates; the other ranks wait for it on the --rollout-timeout gloo group."""
+        """Rank 0 evaluates; the other ranks wait for it on the --rollout-timeout gloo group (10+ min for AIME avg@32
+        at 20k tokens: 127 ranks waiting), and raise at once if its evaluation fails (one int64 all-reduce)."""
         metrics: dict[str, float] = {}
-        if self._is_rank0 and self.eval_prompts:
-            t0 = time.perf_counter()
-            metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
-                               n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
-                               pass_ks=(1, self.config.eval_n_samples), seed=self.collect.seed)
-            metrics["time/eval_s"] = time.perf_counter() - t0
-        if self._plane is not None:
-            self._plane.wait()
+        with self.section("during evaluation"):
+            if self._is_rank0 and self.eval_prompts:
+                t0 = time.perf_counter()
+                metrics = evaluate(self.engine, self.eval_prompts, self.decode, self.reward_fn,
+                                   n_samples=self.config.eval_n_samples, sampling=self.config.eval_sampling,
+                                   pass_ks=(1, self.config.eval_n_samples), seed=self.collect.seed)
+                metrics["time/eval_s"] = time.perf_counter() - t0
         return metrics
 
     def save(self, step: int) -> None:

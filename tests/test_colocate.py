@@ -3,6 +3,8 @@ SGLang in the right order, the flag combinations fail with errors naming the fla
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -87,10 +89,23 @@ class _FakeOffloader:
         return {"colocate/onload_s": 0.0}
 
 
+def _recording_section(log):
+    """A section (Trainer.section's shape) that logs "|" for its barrier, or ("failed", what) when the body raised."""
+    @contextmanager
+    def section(what):
+        try:
+            yield
+        except BaseException:
+            log.append(("failed", what))
+            raise
+        log.append("|")
+    return section
+
+
 def test_phase_switch_order():
     """release before onload; offload, resume weights, push, then resume KV cache and CUDA graphs."""
     log: list = []
-    sw = PhaseSwitcher(offloader=_FakeOffloader(log), engine=_Recorder(log), barrier=lambda: log.append("|"))
+    sw = PhaseSwitcher(offloader=_FakeOffloader(log), engine=_Recorder(log), section=_recording_section(log))
     sw.start()
     m = sw.to_training()
     assert "colocate/to_training_s" in m
@@ -101,6 +116,23 @@ def test_phase_switch_order():
                    "|"]
     with pytest.raises(RuntimeError, match="from phase 'generation'"):
         sw.to_generation()
+
+
+class _FailingRelease(_Recorder):
+    def release_memory_occupation(self, tags):
+        raise RuntimeError("SGLang answered 500")
+
+
+def test_a_failed_release_is_reported_at_the_barrier_and_nothing_onloads():
+    """Rank 0's engine call fails: the barrier the other ranks wait in gets the failure (they raise there), the
+    error propagates on rank 0, and the actor does not onload next to a server that may still hold its memory."""
+    log: list = []
+    sw = PhaseSwitcher(offloader=_FakeOffloader(log), engine=_FailingRelease(log), section=_recording_section(log))
+    sw.start()
+    with pytest.raises(RuntimeError, match="SGLang answered 500"):
+        sw.to_training()
+    assert log == ["offload", "|", ("failed", "while SGLang released its GPU memory")]
+    assert sw.phase == "generation"
 
 
 BASE = dict(colocate=True, world_size=16, gpus_per_node=8, gpus_per_engine=4, num_servers=1, server_urls=None,

@@ -1,16 +1,24 @@
 """The rollout rows as tensors (megatron_dapo/dataplane.py): pack -> unpack gives back every field exactly,
-and the --rollout-timeout flag reaches the trainer config."""
+the --rollout-timeout flag reaches the trainer config, an abort carries what failed, and a rank 0 whose engine
+fails mid-push still runs the weight export (a collective) to the end. The multi-process failure paths are in
+tests/test_dataplane_dist.py."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from megatron_dapo import trainer as trainer_module
 from megatron_dapo.actor import TrainSample
+from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.dataplane import pack, unpack
+from megatron_dapo.collect import CollectConfig
+from megatron_dapo.dataplane import ABORT, abort_reason, abort_share, pack, unpack
+from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.train import build_configs
-from megatron_dapo.trainer import Rollout, TrainerConfig
+from megatron_dapo.trainer import Rollout, Trainer, TrainerConfig
 
 FLAGS = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
          "--max-response-length", "16", "--overlong-buffer-length", "4"]
@@ -59,3 +67,39 @@ def test_rollout_timeout_flag_reaches_the_trainer_config():
     assert build_configs(build_parser().parse_args(FLAGS))[2].rollout_timeout_h == 12.0
     with pytest.raises(ValueError, match="--rollout-timeout"):
         TrainerConfig(num_steps=1, rollout_timeout_h=0)
+
+
+def test_an_abort_share_carries_what_failed_and_no_rows():
+    share = abort_share("while logging the metrics of step 7 (disk full: é)")
+    assert int(share.header[0]) == ABORT and share.header[1:3].tolist() == [0, 0]
+    assert share.row_vals.numel() == share.logp.numel() == 0
+    assert share.header[3] == share.ints.numel() == len("while logging the metrics of step 7 (disk full: é)".encode())
+    assert abort_reason(share) == "while logging the metrics of step 7 (disk full: é)"
+    assert unpack(share, Rollout) == []
+
+
+def test_a_push_that_fails_still_runs_the_export_to_the_end(monkeypatch):
+    """The export is a collective the other ranks iterate too: rank 0 must take every tensor even when its engine
+    raised after the first, then re-raise the engine's error."""
+    taken: list[int] = []
+
+    def export(chunks, arch):
+        for i in range(5):
+            taken.append(i)
+            yield f"w{i}", torch.zeros(2)
+
+    class DiesMidPush:
+        def update_weights(self, named, *, version):
+            next(iter(named))
+            raise RuntimeError("every server lost past --sglang-server-wait-s")
+
+    monkeypatch.setattr(trainer_module, "iter_hf_weights", export)
+    collect = CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3),
+                            dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1, enabled=False),
+                            overlong=OverlongConfig(max_response_length=3))
+    trainer = Trainer(config=TrainerConfig(num_steps=1), collect=collect, actor=SimpleNamespace(chunks=[], arch=None),
+                      engine=DiesMidPush(), next_prompts=lambda k: [], eval_prompts=[], decode=str, reward_fn=None,
+                      logger=None)
+    with pytest.raises(RuntimeError, match="every server lost"):
+        trainer.sync_weights(1)
+    assert taken == [0, 1, 2, 3, 4]

@@ -1,7 +1,9 @@
-"""Two gloo ranks (tests/dist/dataplane_wait.py, one launch, ~45 s): each DP rank receives exactly its
+"""Two gloo ranks (tests/dist/dataplane_wait.py, one launch, ~50 s): each DP rank receives exactly its
 rows; an abort on rank 0 reaches the waiting rank; a rollout and an evaluation that outlast the default
 process group's timeout (8 s) are waited out on the --rollout-timeout gloo group and the step completes,
-while a wait on a group with the default timeout fires."""
+while a wait on a group with the default timeout fires; a failure on rank 0 while rank 1 waits for it (its
+evaluation, its metrics log, its weight push) and a failure of rank 1 in a section make the other rank raise
+at once, naming the failed rank and what failed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.slow
 DEFAULT_TIMEOUT_S, SLOW_S = 8, 11.0
+FAIL_AFTER_S, STUCK_S = 1.0, 30.0
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +58,29 @@ def test_slow_rollout_outlasts_the_default_timeout_and_the_step_completes(checks
 
 def test_rank0_eval_is_waited_out(checks):
     assert checks[1]["eval_wait"]["waited_s"] > SLOW_S - 0.5
+
+
+def test_rank0_eval_failure_reaches_the_waiting_rank_at_once(checks):
+    """Rank 0's evaluation raises after 1 s; rank 1 waits on the 1-hour wait group and must raise within seconds."""
+    assert checks[0]["eval_failure"] == "the eval server died"  # rank 0 re-raises its own error
+    got = checks[1]["eval_failure"]
+    assert not got["stuck"], f"rank 1 still waited for rank 0's failed evaluation after {STUCK_S} s"
+    assert got["error"] == "global rank 0 failed during evaluation; see its log"
+    assert FAIL_AFTER_S - 0.5 < got["after_s"] < FAIL_AFTER_S + 10, got
+
+
+def test_a_failure_in_a_section_names_the_failed_rank(checks):
+    assert checks[0]["section_failure"] == ("RuntimeError: global rank 1 failed while testing a failure on rank 1; "
+                                            "see its log")
+    assert checks[1]["section_failure"] == "ValueError: rank 1's part failed"
+
+
+def test_a_failed_metrics_log_on_rank0_reaches_the_rank_waiting_for_the_next_batch(checks):
+    assert checks[0]["log_failure"] == "OSError: No space left on device: metrics.jsonl"
+    assert checks[1]["log_failure"] == ("RuntimeError: global rank 0 failed while logging the metrics of step 0; "
+                                        "see its log")
+
+
+def test_a_failed_weight_push_on_rank0_reaches_the_other_rank(checks):
+    assert checks[0]["sync_failure"] == "the servers refused the update"
+    assert checks[1]["sync_failure"] == "global rank 0 failed during the weight sync; see its log"

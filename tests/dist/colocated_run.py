@@ -14,6 +14,7 @@ metrics to <out>/result.pt.
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from megatron.core import parallel_state
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
+from megatron_dapo.dataplane import DataPlane
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
@@ -75,8 +77,9 @@ def main() -> None:
     pusher.push(iter_hf_weights(actor.chunks, arch), version=0)  # the run starts from the actor's weights
     if engine is not None:
         engine.set_weight_version(0)
+    plane = DataPlane(parallel_state.get_data_parallel_rank(), timeout=timedelta(minutes=5))  # as Trainer.section
     switch = PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
-                           barrier=dist.barrier)
+                           section=plane.section)
     switch.start()
     for step, samples in enumerate(data["steps"], start=1):
         rss_generation = process_rss_bytes()

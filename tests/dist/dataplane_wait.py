@@ -8,6 +8,13 @@ The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one 
      `distribute` and the step completes (train + weight sync). Meanwhile a control thread on rank 1
      waits on a gloo group with the default group's timeout for a message that never comes: it fires.
   D. Rank 0 evaluates for SLOW_S; rank 1 waits in `evaluate` and returns.
+  E. Rank 0's evaluation raises after FAIL_AFTER_S; rank 1, waiting in `evaluate` on the 1-hour wait group, must
+     raise the error naming it at once. Its wait runs on a thread given STUCK_S; a wait still blocked then is
+     recorded as stuck and released by rank 0 (so that only this check fails).
+  F. A section whose body fails on rank 1: rank 0 raises naming global rank 1; rank 1 re-raises its own error.
+  G. Rank 0's metrics log fails after step 0 of 1: rank 1, waiting for the next batch in `distribute`, raises
+     naming it.
+  H. Rank 0's engine refuses the weight update: rank 1 raises at the end of `sync_weights`.
 Writes each rank's checks to <out_dir>/rank<r>.json (argv[1]) for the test to read.
 """
 
@@ -24,6 +31,7 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 8
 SLOW_S = 11.0
+FAIL_AFTER_S, STUCK_S = 1.0, 30.0
 
 
 CHECKS: dict = {}
@@ -43,6 +51,7 @@ def main() -> None:
     rank = dist.get_rank()
     from megatron.core import parallel_state
 
+    from megatron_dapo import comm
     from megatron_dapo.actor import MegatronActor, init_parallel
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.dataplane import DataPlane, pack, unpack
@@ -91,11 +100,18 @@ def main() -> None:
                                             pp=1, pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
 
     class SlowEngine(sim.LengthLatencyEngine):
+        fail: str | None = None
+
         def stream(self, requests):
+            if self.fail is not None:
+                time.sleep(FAIL_AFTER_S)
+                raise RuntimeError(self.fail)
             time.sleep(SLOW_S)
             return super().stream(requests)
 
         def update_weights(self, named_tensors, *, version: int) -> None:
+            if self.fail is not None:
+                raise RuntimeError(self.fail)
             self.synced = sum(t.numel() for _, t in named_tensors)  # the export is a collective: consume it
 
     engine = SlowEngine(keep_rate=1.0, truncate_prob=0.0, seed=1) if rank == 0 else None
@@ -146,6 +162,76 @@ def main() -> None:
         time.sleep(SLOW_S)
     trainer.evaluate()
     check("eval_wait", {"waited_s": time.perf_counter() - t0})
+
+    # E. rank 0's evaluation fails: rank 1 must raise at once, not wait out the 1-hour wait group
+    handshake = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * STUCK_S))
+    if rank == 0:
+        trainer.eval_prompts, engine.fail = sim.prompts(2), "the eval server died"
+        try:
+            trainer.evaluate()
+            check("eval_failure", "no error")
+        except RuntimeError as e:
+            check("eval_failure", str(e))
+        stuck = None
+    else:
+        outcome: dict = {}
+
+        def wait_for_eval() -> None:
+            t0 = time.perf_counter()
+            try:
+                trainer.evaluate()
+                outcome["error"] = None
+            except RuntimeError as e:
+                outcome["error"] = str(e)
+            outcome["after_s"] = time.perf_counter() - t0
+
+        waiter = threading.Thread(target=wait_for_eval, daemon=True)
+        waiter.start()
+        waiter.join(timeout=STUCK_S)
+        stuck = waiter.is_alive()
+    flags = [None, None]
+    dist.all_gather_object(flags, stuck, group=handshake)
+    if flags[1]:  # rank 1 still waits: rank 0 releases it with the wait it expects (one on the wait group)
+        if rank == 0:
+            comm.barrier(trainer.wait_group)
+        else:
+            waiter.join(timeout=60)
+    if rank == 1:
+        check("eval_failure", {"stuck": stuck, **outcome})
+
+    # F. any rank's failure in a section reaches the others, naming that rank
+    try:
+        with trainer.section("while testing a failure on rank 1"):
+            if rank == 1:
+                raise ValueError("rank 1's part failed")
+        check("section_failure", "no error")
+    except (RuntimeError, ValueError) as e:
+        check("section_failure", f"{type(e).__name__}: {e}")
+
+    # G. rank 0's metrics log fails before the last step: the rank waiting for the next batch is told
+    class BrokenLogger:
+        def log(self, step, metrics):
+            raise OSError("No space left on device: metrics.jsonl")
+
+    try:
+        if rank == 0:
+            del trainer.log  # C's stand-in: Trainer.log again, which calls the logger
+            trainer.logger = BrokenLogger()
+            trainer._log_step(0, {"eval/avg@4": 0.5})
+        else:
+            trainer.distribute(None)
+        check("log_failure", "no error")
+    except (OSError, RuntimeError) as e:
+        check("log_failure", f"{type(e).__name__}: {e}")
+
+    # H. the weight push fails on rank 0
+    if rank == 0:
+        engine.fail = "the servers refused the update"
+    try:
+        trainer.sync_weights(2)
+        check("sync_failure", "no error")
+    except RuntimeError as e:
+        check("sync_failure", str(e))
     dist.barrier()
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(CHECKS, f)
