@@ -738,6 +738,8 @@ class SGLangEngine(RolloutEngine):
         for a set of servers and rebuilt when that set changes (a server lost or re-synced alone). A server
         lost mid-broadcast breaks the collective: the rest of the version is kept, the group torn down, and
         the survivors get the whole version again over a fresh group."""
+        from megatron_dapo.rollout.sync_group import broadcast_tensors
+
         lost: set[int] = set()
         if not targets:
             return lost
@@ -769,7 +771,7 @@ class SGLangEngine(RolloutEngine):
                 if self.client.sync_backend == "nccl":
                     flat = flat.cuda()
                 try:
-                    torch.distributed.broadcast(flat.view(torch.uint8), src=0, group=self._sync_group)
+                    broadcast_tensors(self._sync_group, [flat.view(torch.uint8)])
                     self._sync_bytes += flat.numel() * flat.element_size()  # once over the group
                 except RuntimeError:
                     broken = True
