@@ -49,7 +49,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_dapo import checkpoint_manifest, checkpoint_procs
+from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
 
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
@@ -72,8 +72,13 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _barrier() -> None:
+    """Wait for every rank on the default group (NCCL at production: a one-float all-reduce on this rank's GPU).
+
+    Used after rank 0's own filesystem steps (removing a stale `.tmp` and making it; the manifest, rename and
+    `latest`): the other 127 ranks wait on rank 0 for metadata operations, seconds at most, far inside the
+    default group's 30-minute watchdog."""
     if dist.is_initialized():
-        dist.barrier()
+        comm.barrier()
 
 
 def step_dir(save_dir: str | os.PathLike, step: int) -> Path:
@@ -185,8 +190,12 @@ class CheckpointSaver:
         mine = checkpoint_manifest.describe_files(tmp, checkpoint_manifest.files_written_by(tmp, rank, world))
         tables = [mine]
         if dist.is_initialized() and world > 1:
-            tables = [None] * world
-            dist.all_gather_object(tables, mine)
+            # Default group (NCCL at production: CUDA tensors on this rank's GPU). Every rank waits for the
+            # slowest rank's CRC of its own files: 28.7 GB on the DP-rank-0 writers of a default save (~11 s
+            # at 2.5 GB/s hot; up to ~115 s reading a node's 229 GB back at 2 GB/s), 3.6 GB per rank
+            # (~1.4 s) with --ckpt-fully-parallel-save: inside the 30-minute NCCL watchdog. Bytes: each
+            # rank's table is ~100 B per file, a few files per rank; every rank receives 128 x the longest.
+            tables = comm.all_gather_object(mine)
         if rank == 0:
             checkpoint_manifest.write_manifest(tmp, {k: v for t in tables for k, v in t.items()})
             shutil.rmtree(final, ignore_errors=True)
@@ -299,9 +308,12 @@ def step_problems(path: Path) -> list[str]:
     if files:
         problems += checkpoint_manifest.check_files(path, files, sorted(files)[rank::world])
     if dist.is_initialized() and world > 1:
-        gathered: list[list[str] | None] = [None] * world
-        dist.all_gather_object(gathered, problems)
-        problems = [p for g in gathered for p in (g or [])]
+        # Default group (NCCL at production: CUDA tensors on this rank's GPU). Every rank waits for the rank
+        # with the most bytes to read back and CRC: files are dealt out by count, not size, so after a default
+        # save (16 writers of 28.7 GB) a rank may get one writer's whole share: ~15 s at 2 GB/s, about a
+        # minute when several land on one node; ~2 s per rank after --ckpt-fully-parallel-save. Inside the
+        # 30-minute NCCL watchdog. Bytes: the problem strings, an empty list's pickle for a good step.
+        problems = [p for g in comm.all_gather_object(problems) for p in g]
     return sorted(set(problems))
 
 

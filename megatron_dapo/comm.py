@@ -1,7 +1,9 @@
 """Collectives that put each tensor on the device its group's backend works on.
 
 NCCL groups take CUDA tensors only; gloo groups take CPU tensors (gloo's CUDA support is partial). Every
-collective of the trainer goes through these wrappers: they pick the device from `dist.get_backend`,
+collective of the trainer goes through these wrappers (tests/test_comm.py checks the package statically; only the
+TP reductions of the logits in ops/ and actor/logprob.py, on tensors already on the model's device, call torch
+directly): they pick the device from `dist.get_backend`,
 copy the tensor there when it is elsewhere, run the collective and copy the result back in place, so a
 caller never has to know which backend Megatron gave a group. CPU data (the rollout batch, the sampler
 state) travels over gloo groups (`gloo_group`), which also carry their own timeout: the rollout wait
@@ -10,7 +12,10 @@ keep their 30-minute watchdog.
 
 Cost: a CPU tensor reduced on an NCCL group pays one host->device and one device->host copy (the
 trainer's metric reductions: <= 16 float64 values, microseconds); CUDA tensors on NCCL groups and CPU
-tensors on gloo groups are not copied.
+tensors on gloo groups are not copied. Objects (`broadcast_object`, `all_gather_object`, `gather_object`,
+`send_object`) travel as pickles in uint8 tensors through the same wrappers, so they go to the same device as
+every other tensor of the group. On NCCL that is `torch.cuda.current_device()` (as for torch's own object
+collectives), which megatron_dapo/actor/dist_init.py sets from LOCAL_RANK before the first collective.
 """
 
 from __future__ import annotations
@@ -83,8 +88,20 @@ def all_gather(tensor: torch.Tensor, group: ProcessGroup = None) -> list[torch.T
     return [t.to(tensor.device) for t in out]
 
 
+def gather(tensor: torch.Tensor, dst: int, group: ProcessGroup = None) -> list[torch.Tensor] | None:
+    """Every rank's `tensor` (same shape on all ranks) on global rank `dst`, in group-rank order, on `tensor`'s
+    device; None on the other ranks."""
+    work = _on(tensor, group_device(group))
+    out = [torch.empty_like(work) for _ in range(dist.get_world_size(group))] if dist.get_rank() == dst else None
+    dist.gather(work, out, dst=dst, group=group)
+    return None if out is None else [t.to(tensor.device) for t in out]
+
+
 def barrier(group: ProcessGroup = None) -> None:
-    """Wait for every rank of `group` (a zero-byte all-reduce; waits up to the group's timeout)."""
+    """Wait for every rank of `group` (a one-float all-reduce; waits up to the group's timeout).
+
+    The host blocks until the all-reduce is done on every backend: on NCCL the result's copy back into the
+    CPU tensor waits for it (a bare NCCL all-reduce would only order the CUDA streams)."""
     all_reduce(torch.zeros(1), group=group)
 
 
@@ -94,13 +111,13 @@ def broadcast_object(obj, src: int, group: ProcessGroup = None):
     For small control state (the sampler's state dict, a few hundred bytes); the rollout batch travels as
     tensors (megatron_dapo/dataplane.py)."""
     rank = dist.get_rank()
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank == src else None
+    payload = _pickled(obj) if rank == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)
     broadcast(size, src, group)
     if payload is None:
         payload = torch.empty(int(size), dtype=torch.uint8)
     broadcast(payload, src, group)
-    return obj if rank == src else pickle.loads(payload.numpy().tobytes())
+    return obj if rank == src else _unpickled(payload, payload.numel())
 
 
 def gloo_group(ranks: list[int] | None = None, *, timeout: timedelta) -> ProcessGroup:
@@ -112,7 +129,7 @@ def gloo_group(ranks: list[int] | None = None, *, timeout: timedelta) -> Process
 
 def send_object(obj, dst: int, group: ProcessGroup = None) -> None:
     """Pickle `obj` and send it to global rank `dst` over `group` (two sends: size, bytes). Small control state."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    payload = _pickled(obj)
     send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group)
     send(payload, dst, group)
 
@@ -121,4 +138,45 @@ def recv_object(src: int, group: ProcessGroup = None):
     """The object `send_object` sent from global rank `src` over `group`."""
     size = recv(torch.zeros(1, dtype=torch.int64), src, group)
     payload = recv(torch.empty(int(size), dtype=torch.uint8), src, group)
-    return pickle.loads(payload.numpy().tobytes())
+    return _unpickled(payload, payload.numel())
+
+
+def _padded_payload(obj, group: ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+    """This rank's pickled `obj` zero-padded to the longest pickle of `group`, and every rank's pickle length
+    in group-rank order (one all-gather of an int64 per rank; collective)."""
+    payload = _pickled(obj)
+    sizes = [int(s) for s in all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    return padded, sizes
+
+
+def all_gather_object(obj, group: ProcessGroup = None) -> list:
+    """Every rank's `obj`, in group-rank order, on every rank of `group` (two all-gathers: pickle lengths, then
+    the pickles padded to the longest). Small control state.
+
+    Each rank receives world x longest-pickle bytes. Unlike torch's `all_gather_object` the result is returned
+    rather than written into a list."""
+    padded, sizes = _padded_payload(obj, group)
+    return [_unpickled(t, n) for t, n in zip(all_gather(padded, group), sizes)]
+
+
+def gather_object(obj, dst: int, group: ProcessGroup = None) -> list | None:
+    """Every rank's `obj` on global rank `dst`, in group-rank order; None on the other ranks (an all-gather of
+    pickle lengths, then a gather of the pickles padded to the longest). Small control state.
+
+    `dst` receives world x longest-pickle bytes; every rank waits for the slowest rank of `group` to arrive
+    (the length all-gather), not only `dst`."""
+    padded, sizes = _padded_payload(obj, group)
+    chunks = gather(padded, dst, group)
+    return None if chunks is None else [_unpickled(t, n) for t, n in zip(chunks, sizes)]
+
+
+def _pickled(obj) -> torch.Tensor:
+    """`obj`'s pickle as a uint8 CPU tensor."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _unpickled(payload: torch.Tensor, size: int):
+    """The object pickled in the first `size` bytes of the uint8 CPU tensor `payload`."""
+    return pickle.loads(payload[:size].numpy().tobytes())

@@ -96,16 +96,17 @@ def share_verdict(error: UserError | None) -> None:
     """
     import torch.distributed as dist
 
+    from megatron_dapo import comm
+
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
     group = dist.new_group(backend="gloo")
-    box = [None if error is None else str(error)]
-    dist.broadcast_object_list(box, src=0, group=group)
+    message = comm.broadcast_object(None if error is None else str(error), 0, group)
     dist.destroy_process_group(group)
-    if box[0] is None:
+    if message is None:
         return
     if error is not None:
         raise error
-    raise UserError(box[0], echo=False)
+    raise UserError(message, echo=False)

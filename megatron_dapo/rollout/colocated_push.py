@@ -29,6 +29,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import comm
 from megatron_dapo.rollout.buckets import Bucket, iter_buckets
 from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_tensors, stage_bucket
 
@@ -99,17 +100,21 @@ class ColocatedPusher:
         return reply
 
     def _gather(self, handle: str) -> list[str] | None:
-        """Every rank's handle of this engine on the poster, in TP-rank order (None elsewhere)."""
+        """Every rank's handle of this engine on the poster, in TP-rank order (None elsewhere).
+
+        Over the engine's gloo group (CPU): the poster receives g handles of a few hundred bytes; each rank
+        waits for the slowest of its engine to stage the bucket (a device copy, ~1 ms for 512 MiB)."""
         g = self.groups
         if g.group is None:
             return [handle]
-        out: list[str | None] | None = [None] * g.gpus_per_engine if self.posts else None
-        dist.gather_object(handle, out, dst=g.poster, group=g.group)
-        return out
+        return comm.gather_object(handle, g.poster, g.group)
 
     def _barrier(self) -> None:
+        """The engine's ranks wait on its poster's /update_weights_from_tensor (a bucket loaded on every TP rank:
+        well under a second per 512 MiB bucket; the post gives up after `timeout_s`), over the engine's gloo
+        group, whose timeout is torch's default 30 minutes: CPU, outside any NCCL watchdog."""
         if self.groups.group is not None:
-            dist.barrier(group=self.groups.group)
+            comm.barrier(self.groups.group)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> dict[str, float]:
         """Every rank calls this with the same tensors (iter_hf_weights). Returns sync/seconds and sync/gbytes

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_dapo import comm
+
 
 def init_weight_sync_group(
     *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
@@ -39,6 +41,12 @@ def init_weight_sync_group(
 
 
 def broadcast_tensors(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
-    """Broadcasts each tensor from rank 0 of `group`, in order (the order the servers were told)."""
+    """Broadcasts each tensor from rank 0 of `group`, in order (the order the servers were told).
+
+    Through comm.broadcast: a tensor already on the group's device (the CUDA bucket on an NCCL group, made
+    with `.cuda()` on the current device; a CPU bucket on gloo) goes to torch.distributed.broadcast as is, the
+    same call and bytes SGLang's side receives with torch.distributed directly; a tensor elsewhere is copied
+    there first instead of failing. Rank 0 waits for every server rank to enter the receive (they do once their
+    /update_weights_from_distributed arrives), up to the group's `timeout_s`."""
     for tensor in tensors:
-        dist.broadcast(tensor, src=0, group=group)
+        comm.broadcast(tensor, src=0, group=group)
