@@ -62,7 +62,12 @@ ids, fp32 log-probs, int32 versions): ~200 MB in the checkpoint's common state, 
 broadcast to every rank twice per save (ours in train.py, megatron's common-state consistency check), a few
 seconds per save (each rank receives ~200 MB twice over gloo). On rank 0 the carried Samples are Python lists
 (~16.5e6 x 3 values, ~1.5 GB of host RAM; the kept batch itself is 5x that).
-With the cap at its default 1, the same simulation drops STALE_FIGURE.
+With the cap at its default 1 the same simulation drops nothing (0 groups, 0 tokens per step; max staleness 1
+with or without the cap), nor at keep rate 0.3 (66e6 tokens carried per step, still staleness
+1): 1.3 x 512 groups a round leave the carried ~100-250 groups well short of filling the batch. It bites on a
+small batch with a low keep rate (B = 32, keep rate 0.3, scaled to the same 20,480-token responses):
+uncapped staleness reaches 2; cap 1 drops 2.8 groups and 0.50e6 tokens per step (2.8% of the 18.1e6
+generated) and trims the carried tokens from 6.8e6 to 5.9e6 per step.
 """
 
 from __future__ import annotations
