@@ -164,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups still generating (or finished behind the cut) when a step's batch is full keep "
                         "their responses so far and resume first at the next step, instead of being thrown away; "
                         "prefix tokens come from older weights (pair with --use-tis); megatron_dapo/partial_rollout.py")
+    g.add_argument("--partial-rollout-max-staleness", type=int, default=None, metavar="N",
+                   help="with --partial-rollout: a carried group whose oldest token is more than N weight versions "
+                        "behind the engine at the step that would resume it is dropped instead (tokens counted in "
+                        "rollout/discarded_tokens, groups in rollout/stale_dropped_groups), so rollout/max_staleness "
+                        "<= N; >= 1, default 1 (drops nothing while carried groups are resumed at the next step)")
     g.add_argument("--async-rollout", type=int, choices=[0, 1], default=0,
                    help="one-step-off-policy: 1 = global rank 0 generates step k+1's batch (engine on the weights "
                         "before step k) while every rank trains step k; the weight push after step k waits for "

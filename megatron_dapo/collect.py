@@ -20,8 +20,9 @@ in the simulation the step time is 1.03 vs 1.01 max-length responses at keep rat
 finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 at keep rate 0.9).
 
 With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
-carried to the next step and submitted there first (megatron_dapo/partial_rollout.py). Every response token's
-fate is counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
+carried to the next step and submitted there first (megatron_dapo/partial_rollout.py), unless by then they are
+staler than --partial-rollout-max-staleness (then dropped, in discarded). Every response token's fate is
+counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.algorithm import BatchFiller, DynamicSamplingConfig, OverlongConfig, overlong_penalty
-from megatron_dapo.partial_rollout import CarriedGroup, continuation_request, extend, settle, staleness_metrics
+from megatron_dapo.partial_rollout import (
+    CarriedGroup,
+    continuation_request,
+    drop_stale,
+    extend,
+    settle,
+    staleness_metrics,
+)
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 
@@ -79,6 +87,10 @@ class CollectConfig:
     partial_rollout: bool = False
     """Carry the groups cut when the batch is full to the next step instead of dropping them
     (--partial-rollout; megatron_dapo/partial_rollout.py)."""
+    partial_rollout_max_staleness: int | None = None
+    """Carried groups whose oldest token is more than this many weight versions behind the engine at the step
+    that would resume them are dropped instead (--partial-rollout-max-staleness); None: no cap (the command
+    line always sets one with --partial-rollout, train.max_staleness)."""
 
     def __post_init__(self) -> None:
         if self.n_samples_per_prompt < 1:
@@ -88,6 +100,15 @@ class CollectConfig:
                              "informative); pass --no-dynamic-sampling or raise G")
         if self.over_sample_factor < 1.0:
             raise ValueError(f"--over-sample-factor must be >= 1, got {self.over_sample_factor}")
+        if self.partial_rollout_max_staleness is not None:
+            if not self.partial_rollout:
+                raise ValueError(f"--partial-rollout-max-staleness {self.partial_rollout_max_staleness} is given "
+                                 "without --partial-rollout: nothing is carried, so nothing can go stale; pass "
+                                 "--partial-rollout or drop --partial-rollout-max-staleness")
+            if self.partial_rollout_max_staleness < 1:
+                raise ValueError(f"--partial-rollout-max-staleness must be >= 1 (weight versions a carried prefix "
+                                 f"may lag the engine), got {self.partial_rollout_max_staleness}; 0 would drop "
+                                 "every carried prefix: use --no-partial-rollout for that")
         if self.overlong.max_response_length != self.sampling.max_new_tokens:
             raise ValueError(
                 f"overlong max length ({self.overlong.max_response_length}) must equal the rollout "
@@ -105,6 +126,8 @@ class CollectResult:
     """--partial-rollout: the groups cut at the end of this step, in submission order, for the next step."""
     resumed: list[int] = field(default_factory=list)
     """Dataset indices of the carried groups this step resumed (drawn at an earlier step)."""
+    stale_dropped: list[int] = field(default_factory=list)
+    """Dataset indices of the carried groups this step dropped as staler than --partial-rollout-max-staleness."""
 
 
 def request_seed(base: int, request_id: str) -> int:
@@ -242,7 +265,9 @@ def collect_batch(
 
     With config.partial_rollout, `carried` (the previous step's CollectResult.carried) are submitted first,
     ahead of the first round's new prompts, and the groups cut at the end of this step come back in
-    CollectResult.carried instead of being thrown away (megatron_dapo/partial_rollout.py).
+    CollectResult.carried instead of being thrown away (megatron_dapo/partial_rollout.py). Carried groups staler
+    than config.partial_rollout_max_staleness on the engine's current weights are dropped first, unsent (their
+    tokens: resumed, then discarded).
     """
     if carried and not config.partial_rollout:
         raise ValueError("carried groups given to collect_batch without --partial-rollout")
@@ -250,8 +275,11 @@ def collect_batch(
                   score=lambda slot: score_group(slot.prompt, slot.done(), decode, reward_fn, config.overlong))
     filler = state.filler
     state.tally.resumed = sum(g.tokens for g in carried)
+    to_resume, stale = drop_stale(carried, engine.weight_version if carried else 0,
+                                  config.partial_rollout_max_staleness)
+    state.tally.discarded += sum(g.tokens for g in stale)
+    resumed = [g.prompt.index for g in to_resume]
     requested: list[int] = []
-    to_resume = list(carried)
     t0 = time.perf_counter()
     while not filler.full and filler.start_round():
         want = filler.round_size(config.over_sample_factor)
@@ -310,10 +338,11 @@ def collect_batch(
     if config.partial_rollout:
         metrics.update(staleness_metrics([s for g in batch for s in g.samples], engine.weight_version))
         metrics["rollout/carried_groups"] = float(len(state.carried))
-        metrics["rollout/resumed_groups"] = float(len(carried))
+        metrics["rollout/resumed_groups"] = float(len(resumed))
+        metrics["rollout/stale_dropped_groups"] = float(len(stale))
     metrics["time/rollout_s"] = time.perf_counter() - t0
     return CollectResult(groups=batch, metrics=metrics, requested=requested, carried=state.carried,
-                         resumed=[g.prompt.index for g in carried])
+                         resumed=resumed, stale_dropped=[g.prompt.index for g in stale])
 
 
 def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> SamplingParams:

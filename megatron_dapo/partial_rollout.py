@@ -22,6 +22,25 @@ policy, which is the rollout-vs-actor mismatch that --use-tis / --mis-mode corre
 `rollout/stale_token_frac` say how far off-policy the batch is. A group is carried again when it is still
 cut at the next step (only when the carried groups ahead of it fill the batch), so staleness is usually 1.
 
+The staleness cap (--partial-rollout-max-staleness N, default DEFAULT_MAX_STALENESS = 1): nothing else bounds
+how many steps a group can be carried again (a low keep rate or a small batch lets the carried groups fill
+the batch step after step), and the TIS / MIS correction of the prefix degrades with the version gap. At the
+start of each step, before any request is sent, a carried group whose oldest token is more than N versions
+older than the engine's weights (`staleness_of`, the definition of `rollout/max_staleness`) is dropped
+(`drop_stale`): it is not resubmitted, its tokens count in `rollout/discarded_tokens` (they were counted in
+`rollout/resumed_tokens` as carried in, so the token identity still holds), and `rollout/stale_dropped_groups`
+counts it. Every token a step generates has the engine's version, so a kept group's staleness is that of its
+carried prefix: `rollout/max_staleness` never exceeds N. The dropped group's prompt is not drawn again: the
+sampler never rewinds (it has moved on since the step that drew it), so that prompt is skipped for the rest of
+its epoch like a prompt whose group dynamic sampling filters out, and comes back in the next epoch's order.
+The decision uses the engine's version at that step and the carried state in the checkpoint, both restored
+on a resume (the engine is pushed the resumed step's version), so a resumed run drops the same groups.
+Why 1: in the regime partial rollout is for (carried groups are a fraction of the batch) every carried group
+is resumed, and decided, at the very next step, so staleness is 1 and the cap drops nothing; only a group cut
+twice (the carried groups alone filled the batch) would reach 2. N = 1 keeps every trained token within one
+weight update of the engine's (two of the actor's with --async-rollout 1). The cost of the cap is the
+tokens of the dropped groups, generated and never trained on (measured below).
+
 Reproducibility: a continuation keeps its sample's random stream (same seed, same sample index;
 RolloutRequest.first_index / resumed_tokens), and the carried groups are in the checkpoint (`state()`), so
 a resumed run regenerates exactly what the uninterrupted one did. With the embedded engine the cut itself is
@@ -43,6 +62,12 @@ ids, fp32 log-probs, int32 versions): ~200 MB in the checkpoint's common state, 
 broadcast to every rank twice per save (ours in train.py, megatron's common-state consistency check), a few
 seconds per save (each rank receives ~200 MB twice over gloo). On rank 0 the carried Samples are Python lists
 (~16.5e6 x 3 values, ~1.5 GB of host RAM; the kept batch itself is 5x that).
+With the cap at its default 1 the same simulation drops nothing (0 groups, 0 tokens per step; max staleness 1
+with or without the cap), nor at keep rate 0.3 (66e6 tokens carried per step, still staleness
+1): 1.3 x 512 groups a round leave the carried ~100-250 groups well short of filling the batch. It bites on a
+small batch with a low keep rate (B = 32, keep rate 0.3, scaled to the same 20,480-token responses):
+uncapped staleness reaches 2; cap 1 drops 2.8 groups and 0.50e6 tokens per step (2.8% of the 18.1e6
+generated) and trims the carried tokens from 6.8e6 to 5.9e6 per step.
 """
 
 from __future__ import annotations
@@ -61,6 +86,9 @@ if TYPE_CHECKING:  # collect imports this module
 
 STATE_VERSION = 1
 """Layout version of `state()` (checked by `from_state`)."""
+
+DEFAULT_MAX_STALENESS = 1
+"""--partial-rollout-max-staleness when --partial-rollout is given without it (see the module docstring)."""
 
 
 @dataclass(kw_only=True)
@@ -143,6 +171,25 @@ def staleness_metrics(samples: Sequence[Sample], current_version: int) -> dict[s
         return {"rollout/max_staleness": 0.0, "rollout/stale_token_frac": 0.0}
     return {"rollout/max_staleness": float(current_version - min(versions)),
             "rollout/stale_token_frac": sum(v < current_version for v in versions) / len(versions)}
+
+
+def staleness_of(group: CarriedGroup, current_version: int) -> int:
+    """current_version minus the oldest token version of the group's responses so far (0 without tokens): the
+    group's `rollout/max_staleness` if it is decided on weights `current_version`."""
+    versions = [v for s in group.samples for v in s.versions()]
+    return current_version - min(versions) if versions else 0
+
+
+def drop_stale(groups: Sequence[CarriedGroup], current_version: int,
+               max_staleness: int | None) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
+    """(resubmitted, dropped): `groups` split by staleness_of(group, current_version) <= max_staleness, each
+    in the given order (max_staleness None: no cap, nothing dropped)."""
+    if max_staleness is None:
+        return list(groups), []
+    keep, drop = [], []
+    for g in groups:
+        (keep if staleness_of(g, current_version) <= max_staleness else drop).append(g)
+    return keep, drop
 
 
 # ---- checkpoint state: plain types and tensors, no pickled classes ---------------------------------------

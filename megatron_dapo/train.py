@@ -64,6 +64,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
     collect = CollectConfig(
         n_samples_per_prompt=args.n_samples_per_prompt, sampling=sampling,
         over_sample_factor=args.over_sample_factor, seed=args.seed, partial_rollout=args.partial_rollout,
+        partial_rollout_max_staleness=max_staleness(args),
         dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=args.rollout_batch_size,
                                                enabled=args.dynamic_sampling,
                                                max_num_gen_batches=args.max_num_gen_batches,
@@ -93,6 +94,15 @@ def use_tis(args: argparse.Namespace) -> bool:
     """--use-tis / --no-use-tis as given; unset: on exactly when --async-rollout 1 (the batch was generated
     by the weights one update behind the actor, the gap TIS corrects)."""
     return args.use_tis if args.use_tis is not None else args.async_rollout > 0
+
+
+def max_staleness(args: argparse.Namespace) -> int | None:
+    """--partial-rollout-max-staleness as given; unset: partial_rollout.DEFAULT_MAX_STALENESS with
+    --partial-rollout, None without it (nothing is carried)."""
+    from megatron_dapo.partial_rollout import DEFAULT_MAX_STALENESS
+
+    given = args.partial_rollout_max_staleness
+    return given if given is not None or not args.partial_rollout else DEFAULT_MAX_STALENESS
 
 
 def _sampling(flags: str, **params) -> SamplingParams:

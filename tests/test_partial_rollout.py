@@ -73,15 +73,15 @@ class Counting:
         return getattr(self.engine, name)
 
 
-def _config(*, partial: bool, dynamic: bool, batch: int = 3) -> CollectConfig:
+def _config(*, partial: bool, dynamic: bool, batch: int = 3, max_staleness: int | None = None) -> CollectConfig:
     return CollectConfig(
         n_samples_per_prompt=4, sampling=SamplingParams(max_new_tokens=MAX_NEW, stop_token_ids=STOPS),
         dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=batch, enabled=dynamic),
         overlong=OverlongConfig(max_response_length=MAX_NEW, buffer_length=8), over_sample_factor=2.5, seed=5,
-        partial_rollout=partial)
+        partial_rollout=partial, partial_rollout_max_staleness=max_staleness)
 
 
-def _run(partial: bool, dynamic: bool, steps: int = 4):
+def _run(partial: bool, dynamic: bool, steps: int = 4, *, batch: int = 3, max_staleness: int | None = None):
     """`steps` steps of collect_batch, new weights (version = step) after each. Returns per step (result, tokens
     streamed, carried groups in), and the model of each weight version."""
     models = [_model(0)] + [_model(0, std=0.15 + 0.01 * s) for s in range(1, steps + 1)]
@@ -95,7 +95,7 @@ def _run(partial: bool, dynamic: bool, steps: int = 4):
         return out
 
     carried, out = [], []
-    config = _config(partial=partial, dynamic=dynamic)
+    config = _config(partial=partial, dynamic=dynamic, batch=batch, max_staleness=max_staleness)
     for step in range(1, steps + 1):
         before = engine.tokens
         result = collect_batch(engine, next_prompts, _decode, length_parity, config, step=step, carried=carried)

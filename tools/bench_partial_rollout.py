@@ -8,8 +8,10 @@ Both runs go through megatron_dapo.collect.collect_batch (submission-order decis
 rate) with the production shape: B = 512 groups of G = 16, --over-sample-factor 1.3, keep rate 0.9, 2% of
 responses truncated, the others uniform in [1, L - 1]. The simulation runs at --sim-length tokens per response
 and scales token counts to --max-response-length (20,480): with lengths a fixed fraction of L and timing
-proportional to length, every count is proportional to L. Per step: tokens generated, resumed (carried in),
-carried out, discarded (no partial rollout), and the kept tokens' staleness; then the means over the steps after
+proportional to length, every count is proportional to L. Three runs: without partial rollout, with it and no
+staleness cap, with it and --partial-rollout-max-staleness N (default 1, the trainer's default). Per step: tokens
+generated, resumed (carried in), carried out, discarded (no partial rollout; with the cap, the carried groups
+dropped as too stale, counted in stale_drop), and the kept tokens' staleness; then the means over the steps after
 the first (steady state), and simulated generation time per step in max-length responses.
 
 Not modelled: server concurrency limits (all requests of a round decode at once here; at 32B, 16 SGLang servers
@@ -34,14 +36,15 @@ from tests.sim_engine import LengthLatencyEngine, cycling, decode, prompts, rewa
 KEYS = ("generated", "resumed", "carried", "discarded", "kept")
 
 
-def run(partial: bool, args) -> tuple[list[dict[str, float]], float]:
+def run(partial: bool, args, max_staleness: int | None = None) -> tuple[list[dict[str, float]], float]:
     """Per-step metrics of `args.steps` steps (weights version = step after each), and time per step."""
     length = args.sim_length
     config = CollectConfig(
         n_samples_per_prompt=args.n, sampling=SamplingParams(max_new_tokens=length),
         dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=args.batch),
         overlong=OverlongConfig(max_response_length=length, buffer_length=length // 4),
-        over_sample_factor=args.over_sample_factor, seed=args.seed, partial_rollout=partial)
+        over_sample_factor=args.over_sample_factor, seed=args.seed, partial_rollout=partial,
+        partial_rollout_max_staleness=max_staleness)
     engine = LengthLatencyEngine(keep_rate=args.keep_rate, truncate_prob=args.truncate_prob, seed=args.seed,
                                  partial_progress=True, group_size=args.n)
     next_prompts = cycling(prompts(100_000))
@@ -65,32 +68,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-response-length", type=int, default=20480, help="L the counts are scaled to")
     ap.add_argument("--sim-length", type=int, default=256, help="L simulated")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--partial-rollout-max-staleness", type=int, default=1, help="cap of the third run")
     args = ap.parse_args(argv)
     scale = args.max_response_length / args.sim_length
     print(f"B={args.batch} G={args.n} over-sample {args.over_sample_factor} keep rate {args.keep_rate} "
           f"truncated {args.truncate_prob:.0%}; tokens scaled from L={args.sim_length} to "
           f"L={args.max_response_length} (x{scale:g}), in millions")
+    cap = args.partial_rollout_max_staleness
     runs = {}
-    for partial in (False, True):
-        steps, step_time = run(partial, args)
-        runs[partial] = (steps, step_time)
-        name = "--partial-rollout" if partial else "--no-partial-rollout"
+    variants = (("--no-partial-rollout", False, None), ("--partial-rollout, no cap", True, None),
+                (f"--partial-rollout, max staleness {cap}", True, cap))
+    for name, partial, max_staleness in variants:
+        steps, step_time = run(partial, args, max_staleness)
+        runs[name] = (steps, step_time)
         print(f"\n{name}")
-        print(f"{'step':>5s}" + "".join(f"{k:>11s}" for k in KEYS) + f"{'carried_grp':>12s}{'max_stale':>10s}"
-              f"{'stale_frac':>11s}")
+        print(f"{'step':>5s}" + "".join(f"{k:>11s}" for k in KEYS) + f"{'carried_grp':>12s}{'stale_drop':>11s}"
+              f"{'max_stale':>10s}{'stale_frac':>11s}")
         for i, m in enumerate(steps, start=1):
             row = "".join(f"{m[f'rollout/{k}_tokens'] * scale / 1e6:11.2f}" for k in KEYS)
-            print(f"{i:5d}{row}{m.get('rollout/carried_groups', 0):12.0f}{m.get('rollout/max_staleness', 0):10.0f}"
+            print(f"{i:5d}{row}{m.get('rollout/carried_groups', 0):12.0f}"
+                  f"{m.get('rollout/stale_dropped_groups', 0):11.0f}{m.get('rollout/max_staleness', 0):10.0f}"
                   f"{m.get('rollout/stale_token_frac', 0):11.3f}")
     print("\nsteady state (steps 2..), mean per step")
-    print(f"{'':20s}{'generated M':>12s}{'carried M':>10s}{'discarded M':>12s}{'kept M':>8s}{'carried/gen':>12s}"
-          f"{'time/step':>10s}")
-    for partial, (steps, step_time) in runs.items():
+    print(f"{'':36s}{'generated M':>12s}{'carried M':>10s}{'discarded M':>12s}{'kept M':>8s}{'carried/gen':>12s}"
+          f"{'stale_drop':>11s}{'max_stale':>10s}{'time/step':>10s}")
+    for name, (steps, step_time) in runs.items():
         tail = steps[1:]
         mean = {k: statistics.fmean(m[f"rollout/{k}_tokens"] for m in tail) * scale / 1e6 for k in KEYS}
-        name = "--partial-rollout" if partial else "--no-partial-rollout"
-        print(f"{name:20s}{mean['generated']:12.2f}{mean['carried']:10.2f}{mean['discarded']:12.2f}"
-              f"{mean['kept']:8.2f}{mean['carried'] / mean['generated']:12.3f}{step_time:10.2f}")
+        dropped = statistics.fmean(m.get("rollout/stale_dropped_groups", 0) for m in tail)
+        worst = max(m.get("rollout/max_staleness", 0) for m in steps)
+        print(f"{name:36s}{mean['generated']:12.2f}{mean['carried']:10.2f}{mean['discarded']:12.2f}"
+              f"{mean['kept']:8.2f}{mean['carried'] / mean['generated']:12.3f}{dropped:11.2f}{worst:10.0f}"
+              f"{step_time:10.2f}")
 
 
 if __name__ == "__main__":
