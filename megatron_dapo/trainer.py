@@ -287,7 +287,8 @@ class Trainer:
         if self.logger is not None:  # which prompts each step saw: audit trail and resume check
             record = {"step": step, "requested": result.requested, "kept": [g.prompt.index for g in result.groups]}
             if self.collect.partial_rollout:
-                record |= {"resumed": result.resumed, "carried": [g.prompt.index for g in result.carried]}
+                record |= {"resumed": result.resumed, "stale_dropped": result.stale_dropped,
+                           "carried": [g.prompt.index for g in result.carried]}
             self.logger.log_record("prompts", record)
         return result.groups, result.metrics
 

@@ -146,12 +146,13 @@ def test_sigkill_resume_is_exact_with_partial_rollout(tiny_base, tmp_path):
     prompts = read_jsonl(run / "log" / "prompts.jsonl")
     # the resumed step picks up the groups cut at the checkpointed step, prefixes included
     first = resumed_from + 1
-    assert prompts[first]["resumed"] == ref_prompts[resumed_from]["carried"] != []
+    carried = ref_prompts[resumed_from]["carried"]
+    assert prompts[first]["resumed"] == [i for i in carried if i not in prompts[first]["stale_dropped"]] != []
     assert metrics[first]["rollout/resumed_tokens"] == ref_metrics[resumed_from]["rollout/carried_tokens"] > 0
     compared = (*COMPARED, "rollout/generated_tokens", "rollout/carried_tokens", "rollout/resumed_tokens",
                 "rollout/max_staleness", "mismatch/tis_weight_mean", "mismatch/logprob_abs_diff_max")
     for step in range(first, PARTIAL_STEPS + 1):
-        for key in ("requested", "resumed", "carried", "kept"):
+        for key in ("requested", "resumed", "stale_dropped", "carried", "kept"):
             assert prompts[step][key] == ref_prompts[step][key], (step, key)
         for key in compared:
             assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7), (step, key)
