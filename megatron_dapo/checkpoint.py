@@ -39,6 +39,7 @@ import os
 import random
 import shutil
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -71,14 +72,13 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    """Wait for every rank on the default group (NCCL at production: a one-float all-reduce on this rank's GPU).
-
-    Used after rank 0's own filesystem steps (removing a stale `.tmp` and making it; the manifest, rename and
-    `latest`): the other 127 ranks wait on rank 0 for metadata operations, seconds at most, far inside the
-    default group's 30-minute watchdog."""
-    if dist.is_initialized():
-        comm.barrier()
+def _rank0_step(what: str) -> AbstractContextManager[None]:
+    """Rank 0's own filesystem steps (removing a stale `.tmp` and making it; the manifest, rename and `latest`),
+    then every rank meets on the default group (NCCL at production: one int64 all-reduce on each rank's GPU,
+    comm.section). The other 127 ranks wait on rank 0 for metadata operations, seconds at most, far inside the
+    30-minute watchdog; if rank 0's step fails (disk full, permissions) they raise "global rank 0 failed <what>"
+    at once instead of waiting in a barrier rank 0 never reaches."""
+    return comm.section(what) if dist.is_initialized() else nullcontext()
 
 
 def step_dir(save_dir: str | os.PathLike, step: int) -> Path:
@@ -155,10 +155,10 @@ class CheckpointSaver:
         self.finalize(blocking=True)
         rank, _ = _rank_world()
         final, tmp = step_dir(self.save_dir, step), Path(f"{step_dir(self.save_dir, step)}.tmp")
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
+        with _rank0_step(f"while preparing {tmp}"):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
         state = _sharded_state(actor, is_loading=False, rng=rng_state())
         state["scheduler"] = actor.scheduler.state_dict()
         state["extra"] = {"step": step, **extra}
@@ -196,14 +196,14 @@ class CheckpointSaver:
             # (~1.4 s) with --ckpt-fully-parallel-save: inside the 30-minute NCCL watchdog. Bytes: each
             # rank's table is ~100 B per file, a few files per rank; every rank receives 128 x the longest.
             tables = comm.all_gather_object(mine)
-        if rank == 0:
-            checkpoint_manifest.write_manifest(tmp, {k: v for t in tables for k, v in t.items()})
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            latest_tmp = self.save_dir / f".{LATEST}.tmp"
-            latest_tmp.write_text(final.name)
-            os.replace(latest_tmp, self.save_dir / LATEST)
-        _barrier()
+        with _rank0_step(f"while finishing {final}"):
+            if rank == 0:
+                checkpoint_manifest.write_manifest(tmp, {k: v for t in tables for k, v in t.items()})
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+                latest_tmp = self.save_dir / f".{LATEST}.tmp"
+                latest_tmp.write_text(final.name)
+                os.replace(latest_tmp, self.save_dir / LATEST)
 
 
 def save_checkpoint(save_dir: str | os.PathLike, step: int, actor, extra: dict[str, Any], *,

@@ -21,6 +21,8 @@ collectives), which megatron_dapo/actor/dist_init.py sets from LOCAL_RANK before
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -103,6 +105,31 @@ def barrier(group: ProcessGroup = None) -> None:
     The host blocks until the all-reduce is done on every backend: on NCCL the result's copy back into the
     CPU tensor waits for it (a bare NCCL all-reduce would only order the CUDA streams)."""
     all_reduce(torch.zeros(1), group=group)
+
+
+def status_barrier(what: str, *, failed: bool = False, group: ProcessGroup = None) -> None:
+    """A barrier that carries whether this rank failed `what`: one int64 all-reduce (MIN) over `group` of this
+    rank's global rank when `failed`, else the world size. Every rank waits for the slowest (up to the group's
+    timeout). When a rank failed, every other rank raises RuntimeError "global rank <lowest failed> failed
+    <what>; see its log"; a failed rank returns, to re-raise its own error."""
+    world = dist.get_world_size()
+    status = torch.tensor([dist.get_rank() if failed else world], dtype=torch.int64)
+    first = int(all_reduce(status, op=dist.ReduceOp.MIN, group=group))
+    if first < world and not failed:
+        raise RuntimeError(f"global rank {first} failed {what}; see its log")
+
+
+@contextmanager
+def section(what: str, group: ProcessGroup = None) -> Iterator[None]:
+    """Work some ranks of `group` do while the others wait (rank 0's part of a save, its evaluation): every rank
+    runs the body, then `status_barrier`. A rank whose body raises reports it there and re-raises, so the waiting
+    ranks raise at once, naming it, instead of waiting until the failed process is gone or the group times out."""
+    try:
+        yield
+    except BaseException:
+        status_barrier(what, failed=True, group=group)
+        raise
+    status_barrier(what, group=group)
 
 
 def broadcast_object(obj, src: int, group: ProcessGroup = None):

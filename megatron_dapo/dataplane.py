@@ -32,8 +32,8 @@ others, which raise "global rank r failed <what>; see its log" at once instead o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -169,27 +169,16 @@ class DataPlane:
         self.exchange([abort_share(what)] * self.dp_size)
 
     def wait(self, what: str, *, failed: bool = False) -> None:
-        """Every rank: a barrier on the long-timeout gloo group that carries a status, one int64 all-reduce (MIN):
-        this rank's global rank when `failed`, else the world size. Everybody waits for the slowest rank (rank 0
-        after its evaluation: 10+ min for AIME avg@32 at 20k tokens, 127 ranks waiting). When a rank failed, every
-        other rank raises RuntimeError "global rank <lowest failed> failed <what>; see its log"; the failed rank
-        returns, to re-raise its own error."""
-        world = dist.get_world_size(self.wait_group)
-        status = torch.tensor([self.rank if failed else world], dtype=torch.int64)
-        first = int(comm.all_reduce(status, op=dist.ReduceOp.MIN, group=self.wait_group))
-        if first < world and not failed:
-            raise RuntimeError(f"global rank {first} failed {what}; see its log")
+        """Every rank: a barrier on the long-timeout gloo group that carries a status (comm.status_barrier, one
+        int64 all-reduce). Everybody waits for the slowest rank (rank 0 after its evaluation: 10+ min for AIME
+        avg@32 at 20k tokens, 127 ranks waiting). When a rank failed, every other rank raises RuntimeError
+        "global rank <lowest failed> failed <what>; see its log"; the failed rank returns, to re-raise its own."""
+        comm.status_barrier(what, failed=failed, group=self.wait_group)
 
-    @contextmanager
-    def section(self, what: str) -> Iterator[None]:
+    def section(self, what: str) -> AbstractContextManager[None]:
         """Every rank runs the body (rank-0-only work such as the evaluation; empty elsewhere), then `wait`s. A rank
-        whose body raises reports it in that wait and re-raises, so the others raise at once (see `wait`)."""
-        try:
-            yield
-        except BaseException:
-            self.wait(what, failed=True)
-            raise
-        self.wait(what)
+        whose body raises reports it in that wait and re-raises, so the others raise at once (comm.section)."""
+        return comm.section(what, self.wait_group)
 
     # ---- wire ---------------------------------------------------------------------------------------
     def _send(self, share: PackedShare, dst: int) -> None:

@@ -192,7 +192,8 @@ def test_object_collectives_match_torch_over_three_gloo_ranks(tmp_path):
     """tests/dist/comm_objects.py (one launch, 3 ranks, ~10 s): comm's all_gather_object / gather_object give
     what torch.distributed's own give, for pickles of different sizes, on the world and on subgroups whose
     group ranks are not the global ones (dst is a global rank); gather of tensors; validation.share_verdict
-    raises rank 0's error everywhere (echo only on rank 0) and nothing without one."""
+    raises rank 0's error everywhere (echo only on rank 0) and nothing without one. comm.section and a checkpoint
+    save whose rank-0 step fails: the other ranks raise naming the failed rank instead of waiting for it."""
     from tests.torchrun import run_torchrun
 
     run_torchrun(REPO / "tests" / "dist" / "comm_objects.py", str(tmp_path), nproc=3, timeout=180)
@@ -204,6 +205,12 @@ def test_object_collectives_match_torch_over_three_gloo_ranks(tmp_path):
         assert got[r]["tensor_gather_0"] == ([[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]] if r == 0 else None)
         assert got[r]["verdict_ok"] is None
         assert got[r]["verdict_error"] == f"--max-prompt-length 9 is too long echo={r == 0}"
+    assert got[1]["section"] == "ValueError: rank 1's part failed"
+    assert got[0]["section"] == got[2]["section"] == "RuntimeError: global rank 1 failed while testing; see its log"
+    assert got[0]["save"].startswith(("FileExistsError", "NotADirectoryError"))
+    tmp = tmp_path / "not_a_dir" / "step_0000001.tmp"
+    for r in (1, 2):
+        assert got[r]["save"] == f"RuntimeError: global rank 0 failed while preparing {tmp}; see its log"
     assert got[1]["sub_12_gather_2"] == got[1]["sub_12_gather_2_torch"] is None
     assert got[2]["sub_12_gather_2"] == got[2]["sub_12_gather_2_torch"] == objs[1:]
     assert "sub_12_gather_2" not in got[0] and "sub_02_all_gather" not in got[1]

@@ -4,7 +4,9 @@ Each rank pickles an object of a different size (so the padding to the longest p
   all_gather_object / gather_object on the world (dst 2) and on subgroups whose group ranks differ from the
   global ones ([1, 2] gathering to global rank 2; [0, 2] all-gathering), each next to the same call of
   torch.distributed's all_gather_object / gather_object; gather of tensors; barrier; and
-  validation.share_verdict with and without an error on rank 0.
+  validation.share_verdict with and without an error on rank 0; comm.section with a body that fails on rank 1;
+  CheckpointSaver.save whose rank-0 step (making <save>/step_1.tmp) fails because <save> is a file: the
+  other ranks must raise naming rank 0 at once (rank 0 raises its own OSError).
 Writes each rank's results to <out_dir>/rank<r>.json (argv[1]).
 """
 
@@ -41,6 +43,32 @@ def verdict(error) -> str | None:
     return None
 
 
+def outcome(fn) -> str:
+    """'ok', or the type and message of what `fn` raised."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def failing_section(rank: int) -> None:
+    from megatron_dapo import comm
+
+    with comm.section("while testing"):
+        if rank == 1:
+            raise ValueError("rank 1's part failed")
+
+
+def failing_save(rank: int, out_dir: str) -> None:
+    from megatron_dapo.checkpoint import CheckpointSaver
+
+    blocker = Path(out_dir, "not_a_dir")
+    if rank == 0:
+        blocker.write_text("a file where the save directory should be")
+    CheckpointSaver(blocker).save(1, None, {})  # rank 0's mkdir fails before the actor is touched
+
+
 def main() -> None:
     from megatron_dapo import comm
     from megatron_dapo.errors import UserError
@@ -67,6 +95,8 @@ def main() -> None:
     comm.barrier()
     out["verdict_ok"] = verdict(None)
     out["verdict_error"] = verdict(UserError("--max-prompt-length 9 is too long") if rank == 0 else None)
+    out["section"] = outcome(lambda: failing_section(rank))
+    out["save"] = outcome(lambda: failing_save(rank, sys.argv[1]))
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
