@@ -193,10 +193,13 @@ def test_object_collectives_match_torch_over_three_gloo_ranks(tmp_path):
     what torch.distributed's own give, for pickles of different sizes, on the world and on subgroups whose
     group ranks are not the global ones (dst is a global rank); gather of tensors; validation.share_verdict
     raises rank 0's error everywhere (echo only on rank 0) and nothing without one. comm.section and a checkpoint
-    save whose rank-0 step fails: the other ranks raise naming the failed rank instead of waiting for it."""
+    save whose rank-0 step fails, and a colocated push whose poster cannot reach its server: the other ranks raise
+    naming the failed rank instead of waiting for it."""
+    from tests.ports import free_port
     from tests.torchrun import run_torchrun
 
-    run_torchrun(REPO / "tests" / "dist" / "comm_objects.py", str(tmp_path), nproc=3, timeout=180)
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: the colocated poster's first call fails
+    run_torchrun(REPO / "tests" / "dist" / "comm_objects.py", str(tmp_path), url, nproc=3, timeout=180)
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}
     objs = [{"rank": r, "payload": "x" * (100 * r), "list": list(range(r))} for r in range(3)]
     for r in range(3):
@@ -211,6 +214,9 @@ def test_object_collectives_match_torch_over_three_gloo_ranks(tmp_path):
     tmp = tmp_path / "not_a_dir" / "step_0000001.tmp"
     for r in (1, 2):
         assert got[r]["save"] == f"RuntimeError: global rank 0 failed while preparing {tmp}; see its log"
+    assert got[0]["push"].startswith("ConnectError")
+    for r in (1, 2):
+        assert got[r]["push"] == f"RuntimeError: global rank 0 failed starting a weight update of {url}; see its log"
     assert got[1]["sub_12_gather_2"] == got[1]["sub_12_gather_2_torch"] is None
     assert got[2]["sub_12_gather_2"] == got[2]["sub_12_gather_2_torch"] == objs[1:]
     assert "sub_12_gather_2" not in got[0] and "sub_02_all_gather" not in got[1]

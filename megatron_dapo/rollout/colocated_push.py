@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import httpx
@@ -109,12 +110,13 @@ class ColocatedPusher:
             return [handle]
         return comm.gather_object(handle, g.poster, g.group)
 
-    def _barrier(self) -> None:
-        """The engine's ranks wait on its poster's /update_weights_from_tensor (a bucket loaded on every TP rank:
-        well under a second per 512 MiB bucket; the post gives up after `timeout_s`), over the engine's gloo
-        group, whose timeout is torch's default 30 minutes: CPU, outside any NCCL watchdog."""
-        if self.groups.group is not None:
-            comm.barrier(self.groups.group)
+    def _section(self, what: str) -> AbstractContextManager[None]:
+        """The poster's HTTP call, then the engine's ranks meet (comm.section over the engine's gloo group: one
+        int64 all-reduce; CPU, outside any NCCL watchdog). They wait on the poster's /update_weights_from_tensor
+        (a bucket loaded on every TP rank: well under a second per 512 MiB bucket; the post gives up after
+        `timeout_s`); if the poster's call fails, the others raise "global rank r failed <what>" at once instead of
+        waiting for it in the next gather until its process is gone or the group's 30-minute timeout."""
+        return comm.section(what, self.groups.group) if self.groups.group is not None else nullcontext()
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> dict[str, float]:
         """Every rank calls this with the same tensors (iter_hf_weights). Returns sync/seconds and sync/gbytes
@@ -124,18 +126,21 @@ class ColocatedPusher:
             torch.multiprocessing.set_sharing_strategy("file_system")
             check_shm_space(self.bucket_bytes)
         t0, nbytes = time.perf_counter(), 0
-        if self.posts:
-            self._post("/begin_weight_update", {})
+        with self._section(f"starting a weight update of {self.groups.url}"):
+            if self.posts:
+                self._post("/begin_weight_update", {})
         try:
             for bucket in iter_buckets(named_tensors, self.bucket_bytes):
                 flat = stage_bucket(bucket.flat, cuda=cuda)
                 handle = serialize_named_tensors(Bucket(flat=flat, metas=bucket.metas).named_tensors())
                 handles = self._gather(handle)
-                if self.posts:
-                    self._post("/update_weights_from_tensor", {
-                        "serialized_named_tensors": handles, "flush_cache": False, "weight_version": str(version)})
-                    nbytes += bucket.nbytes * self.groups.gpus_per_engine
-                self._barrier()  # the engine has read every rank's bucket: each may drop its own
+                with self._section(f"posting a weight bucket to {self.groups.url}"):
+                    if self.posts:
+                        self._post("/update_weights_from_tensor", {
+                            "serialized_named_tensors": handles, "flush_cache": False,
+                            "weight_version": str(version)})
+                        nbytes += bucket.nbytes * self.groups.gpus_per_engine
+                # past the section the engine has read every rank's bucket: each may drop its own
                 del flat
                 if cuda:
                     torch.cuda.ipc_collect()

@@ -6,7 +6,8 @@ Each rank pickles an object of a different size (so the padding to the longest p
   torch.distributed's all_gather_object / gather_object; gather of tensors; barrier; and
   validation.share_verdict with and without an error on rank 0; comm.section with a body that fails on rank 1;
   CheckpointSaver.save whose rank-0 step (making <save>/step_1.tmp) fails because <save> is a file: the
-  other ranks must raise naming rank 0 at once (rank 0 raises its own OSError).
+  other ranks must raise naming rank 0 at once (rank 0 raises its own OSError); a colocated push of one
+  3-rank engine whose poster (rank 0) cannot reach its server: the other ranks raise naming rank 0.
 Writes each rank's results to <out_dir>/rank<r>.json (argv[1]).
 """
 
@@ -69,6 +70,13 @@ def failing_save(rank: int, out_dir: str) -> None:
     CheckpointSaver(blocker).save(1, None, {})  # rank 0's mkdir fails before the actor is touched
 
 
+def failing_push(rank: int, url: str) -> None:
+    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+
+    pusher = ColocatedPusher(make_engine_groups([url], 3), bucket_bytes=1 << 10, timeout_s=5)
+    pusher.push([("w", torch.ones(4))], version=1)  # rank 0 posts /begin_weight_update to a port nobody holds
+
+
 def main() -> None:
     from megatron_dapo import comm
     from megatron_dapo.errors import UserError
@@ -97,6 +105,7 @@ def main() -> None:
     out["verdict_error"] = verdict(UserError("--max-prompt-length 9 is too long") if rank == 0 else None)
     out["section"] = outcome(lambda: failing_section(rank))
     out["save"] = outcome(lambda: failing_save(rank, sys.argv[1]))
+    out["push"] = outcome(lambda: failing_push(rank, sys.argv[2]))
     Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
