@@ -88,7 +88,8 @@ fi
 
 # The supervisor: kill -9 server 0 once step 1 is logged, have it restarted at once (by this shell, below), and
 # mark it "back" once it answers /health: length_parity_held holds the scoring in between. The trainer finds it
-# restarted (its weight version) at the next update and re-syncs it; the log line of that is recorded too.
+# restarted (its weight version) at the next update and re-syncs it; the supervisor marks that "resynced" from
+# the log line, and the step after the return holds its scoring until then (so the counts land in its metrics).
 export REHEARSAL_HOLD_DIR="$RUN_DIR"
 if [[ "$KILL" == 1 ]]; then
     setsid bash -c '
@@ -98,7 +99,7 @@ if [[ "$KILL" == 1 ]]; then
         until curl -sf "$1/health" >/dev/null 2>&1; do sleep 0.5; done
         echo "$(date +%s.%N) server 0 back" >>"$0/supervisor.log"; touch "$0/back"
         until grep -q "lost: back after .* re-synced to weight version" "$0/train.log" 2>/dev/null; do sleep 0.5; done
-        echo "$(date +%s.%N) server 0 re-synced" >>"$0/supervisor.log"' "$RUN_DIR" "${URLS[0]}" &
+        echo "$(date +%s.%N) server 0 re-synced" >>"$0/supervisor.log"; touch "$0/resynced"' "$RUN_DIR" "${URLS[0]}" &
     track $!
 fi
 

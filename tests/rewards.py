@@ -7,6 +7,8 @@ every group informative, so each step really changes the weights.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from megatron_dapo.reward.result import RewardResult
 
 
@@ -21,22 +23,53 @@ PARITY_REWARD = ("--reward-fn", "tests.rewards:length_parity")
 
 
 def length_parity_held(response: str, ground_truth: str) -> RewardResult:
-    """length_parity, for the multi-node rehearsal (examples/rehearse_multinode.sh): while the file
-    $REHEARSAL_HOLD_DIR/killed exists and $REHEARSAL_HOLD_DIR/back does not (a server was killed and its
-    restart does not answer /health yet), waits, at most $REHEARSAL_HOLD_S seconds (300), then raises.
+    """length_parity, for the multi-node rehearsal (examples/rehearse_multinode.sh), holding the step's scoring
+    (at most $REHEARSAL_HOLD_S seconds, 300, then TimeoutError) while a killed server's recovery would otherwise
+    fall behind the run. In $REHEARSAL_HOLD_DIR the supervisor touches `killed` (server 0 got kill -9), `back`
+    (its restart answers /health) and `resynced` (the trainer logged its re-sync). It holds:
+      - while `killed` exists and `back` does not: the step that lost the server waits for its return;
+      - while `back` exists, `resynced` does not, and the step during which the return was first seen here has
+        been logged to metrics.jsonl: that step's weight update found the restarted server and started its
+        re-sync, which the next step waits for, so that the return and the re-sync land in a step's metrics.
 
-    At 32B a step takes 20-45 min and a server restart 1-3 min, so a killed server is back within the step
-    that lost it; here a tiny step takes seconds and a restarted CPU server 60+ s. Holding the step's scoring
-    restores that ratio, so a 3-step run sees the return (and the engine's re-sync, at the step's weight update)."""
+    At 32B a step takes 20-45 min and a server restart 1-3 min, so a killed server is back and re-synced
+    within the step that lost it; here a tiny step takes under a second and a restarted CPU server 15-60 s.
+    Without the second hold an idle machine ran the last step's update before the re-sync, whose counts then
+    came after the last metrics record."""
     import os
     import time
     from pathlib import Path
 
     hold = os.environ.get("REHEARSAL_HOLD_DIR")
     if hold:
+        hold_dir = Path(hold)
         deadline = time.monotonic() + float(os.environ.get("REHEARSAL_HOLD_S", "300"))
-        while (Path(hold) / "killed").exists() and not (Path(hold) / "back").exists():
+        while _rehearsal_must_wait(hold_dir):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the killed server did not come back within $REHEARSAL_HOLD_S s ({hold})")
+                raise TimeoutError(f"the killed server was not back and re-synced within $REHEARSAL_HOLD_S s ({hold})")
             time.sleep(0.5)
     return length_parity(response, ground_truth)
+
+
+def _rehearsal_must_wait(hold: Path) -> bool:
+    """length_parity_held's condition (see there); records in `hold`/back_step the last logged step when the
+    return is first seen."""
+    if not (hold / "killed").exists() or (hold / "resynced").exists():
+        return False
+    if not (hold / "back").exists():
+        return True
+    mark = hold / "back_step"
+    if not mark.exists():
+        mark.write_text(str(_last_logged_step(hold)))
+        return False
+    return _last_logged_step(hold) > int(mark.read_text())
+
+
+def _last_logged_step(hold: Path) -> int:
+    """The highest "step" in `hold`/metrics.jsonl (-1 before the first record)."""
+    import json
+
+    path = hold / "metrics.jsonl"
+    steps = [json.loads(line).get("step", -1) for line in path.read_text().splitlines() if line.strip()] \
+        if path.exists() else []
+    return max(steps, default=-1)
