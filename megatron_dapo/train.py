@@ -226,7 +226,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                                                                      colocate=args.colocate)
     trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
                    if cuda else None)
-    api_key = args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None
+    api_key = args.sglang_api_key  # resolved by check_flags: --sglang-api-key-file, the flag, then SGLANG_API_KEY
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
@@ -483,7 +483,7 @@ def make_colocated(args: argparse.Namespace, actor, engine, section):
                                        for i in range(args.sglang_num_servers)]
     groups = make_engine_groups(urls, args.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
-                             api_key=args.sglang_api_key or os.environ.get("SGLANG_API_KEY") or None)
+                             api_key=args.sglang_api_key)
     return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
                          section=section), pusher
 

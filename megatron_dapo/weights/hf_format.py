@@ -184,13 +184,11 @@ class HFShardedWriter:
             [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         )
         self._files: list[PositionalSafetensorsWriter] = []
-        self._where: dict[str, PositionalSafetensorsWriter] = {}
         self._shard_index = {spec.name: i for i, shard in enumerate(self._shards) for spec in shard}
         try:
             for name, shard in zip(self._names, self._shards):
-                f = PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata=_SHARD_METADATA)
-                self._files.append(f)
-                self._where.update({spec.name: f for spec in shard})
+                self._files.append(
+                    PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata=_SHARD_METADATA))
         except BaseException:
             self.abort()
             raise
@@ -204,32 +202,23 @@ class HFShardedWriter:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write tensor `name` (thread-safe; each tensor once)."""
-        f = self._where.get(name)
-        if f is None:
-            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
-        f.write(name, tensor)
+        self._files[self.shard_of(name)].write(name, tensor)
 
     def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
         """Write rows start:start+len(rows) of tensor `name` (thread-safe; each row once)."""
-        f = self._where.get(name)
-        if f is None:
-            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
-        f.write_rows(name, start, rows)
+        self._files[self.shard_of(name)].write_rows(name, start, rows)
 
     def copy_rows(self, name: str, start: int, rows: int, src_fd: int, src_offset: int) -> None:
         """Write rows start:start+rows of tensor `name` from file `src_fd` at `src_offset`, in the kernel
         (PositionalSafetensorsWriter.copy_rows; thread-safe; each row once)."""
-        f = self._where.get(name)
-        if f is None:
-            raise ValueError(f"{self.dir}: {name} is not a planned tensor")
-        f.copy_rows(name, start, rows, src_fd, src_offset)
+        self._files[self.shard_of(name)].copy_rows(name, start, rows, src_fd, src_offset)
 
     def close(self) -> None:
         """Close every shard (each checks it is complete) and write the index when there are several."""
         for f in self._files:
             f.close()
         if len(self._shards) > 1:
-            weight_map = {s.name: self._names[i] for i, shard in enumerate(self._shards) for s in shard}
+            weight_map = {name: self._names[i] for name, i in self._shard_index.items()}
             with open(os.path.join(self.dir, INDEX_FILE), "w") as f:
                 json.dump(
                     {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2
