@@ -20,7 +20,8 @@ in the simulation the step time is 1.03 vs 1.01 max-length responses at keep rat
 finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 at keep rate 0.9).
 
 With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
-carried to the next step and submitted there first (megatron_dapo/partial_rollout.py), unless by then they are
+carried to the next step and submitted there first, filling part of its first round (all of it when they are at
+least round_size: then no new prompt is drawn before round 2; megatron_dapo/partial_rollout.py), unless by then they are
 staler than --partial-rollout-max-staleness (then dropped, in discarded). Every response token's fate is
 counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
 """
@@ -40,6 +41,7 @@ from megatron_dapo.partial_rollout import (
     continuation_request,
     drop_stale,
     extend,
+    fresh_prompt_count,
     settle,
     staleness_metrics,
 )
@@ -306,7 +308,8 @@ def collect_batch(
                 if slot.waiting:
                     state.cut(slot, surplus=False)
             break
-        fresh = next_prompts(max(0, want - len(state.slots)))
+        count = fresh_prompt_count(want, len(state.slots))
+        fresh = next_prompts(count) if count else []
         requested += [p.index for p in fresh]
         filler.stats.requested_groups += len(fresh)
         for i, p in enumerate(fresh):
@@ -318,7 +321,8 @@ def collect_batch(
             state.slots.append(_Slot(prompt=p, samples=[None] * config.n_samples_per_prompt, seed=sampling.seed,
                                      first_step=step, waiting=1))
         cut_sent = False
-        for received, samples in enumerate(engine.stream(requests), start=1):
+        # no requests: the round was carried groups only, every one finished behind the previous step's cut
+        for received, samples in enumerate(engine.stream(requests) if requests else (), start=1):
             position = slot_of[samples[0].request_id]
             slot = state.slots[position]
             state.tally.generated += sum(len(s.response_ids) for s in samples)

@@ -11,9 +11,11 @@ generated is dropped: tokens generated = kept + filtered + carried (collect.py's
 
 Sampler and keep rate: a carried group's prompt was drawn at the step that first submitted it and is never
 drawn again; carried groups fill the first round's request (round 1 asks the sampler for
-round_size - carried prompts, none when the carried groups alone reach round_size). Once decided they count
-in the step's keep rate like any group. Overlong shaping and the overlong filter see the full response
-(prefix + continuation), and the continuation stops at the same max_new_tokens as one generation would.
+round_size - carried prompts, `fresh_prompt_count`; none, and the sampler is not called, when the carried groups
+alone reach round_size: that round is the carried groups only, and the next round, sized by the keep rate they
+measured, asks for new prompts). Once decided they count in the step's keep rate like any group. Overlong
+shaping and the overlong filter see the full response (prefix + continuation), and the continuation stops at
+the same max_new_tokens as one generation would.
 
 The loss: the actor recomputes the old log-probs of every token (Trainer.train -> compute_log_probs), so
 the PPO ratio is against the policy that trains; the prefix's *rollout* log-probs come from an older
@@ -116,6 +118,16 @@ class CarriedGroup:
     @property
     def unfinished(self) -> list[int]:
         return [s.index for s in self.samples if s.finish_reason == "abort"]
+
+
+def fresh_prompt_count(round_size: int, carried: int) -> int:
+    """New prompts a round asks the sampler for when `carried` groups of the previous step already fill part of
+    it: round_size - carried, and 0 (the sampler is not called) when the carried groups alone reach round_size.
+    The carried groups are all resubmitted whatever their number: they cannot wait, their staleness grows."""
+    if round_size < 1 or carried < 0:
+        raise ValueError(f"round of {round_size} prompts with {carried} carried groups: need round_size >= 1, "
+                         "carried >= 0")
+    return max(0, round_size - carried)
 
 
 def settle(sample: Sample, sampling: SamplingParams) -> Sample:
