@@ -22,9 +22,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-WATCHED: dict[str, tuple[str, ...]] = {
-    # package -> extras whose constraints on resolved packages we check although that extra is not installed
-    "megatron-core": ("dev",),  # its transformer-engine range lives only under [dev]
+WATCHED: dict[str, dict[str, tuple[str, ...]]] = {
+    # package -> {extra not installed: the requirements under it that we rely on all the same}
+    "megatron-core": {"dev": ("transformer-engine",)},  # its TE range lives only under [dev]
 }
 
 
@@ -65,10 +65,11 @@ def check_report(report: dict, env: dict[str, str] | None = None) -> tuple[list[
     for item in report["install"]:
         meta = item["metadata"]
         name = canonicalize_name(meta["name"])
-        extras = requested_extras[name] + WATCHED.get(name, ())
+        watched = WATCHED.get(name, {})
         for spec in meta.get("requires_dist") or ():
             req = Requirement(spec)
             dep = canonicalize_name(req.name)
+            extras = requested_extras[name] + tuple(e for e, deps in watched.items() if dep in deps)
             if dep not in resolved or not _marker_holds(req, env, extras):
                 continue
             findings.append(Finding(f"{meta['name']} {meta['version']}", spec, f"{req.name} {resolved[dep]}",
