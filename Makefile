@@ -7,10 +7,15 @@ REQS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo requirements.txt |
 
 .PHONY: demo test lint venv sglang-env clean
 
+# GPU: TransformerEngine's torch binding is an sdist; it is built against the torch pinned in requirements.txt
+# (installed first), not against whatever torch an isolated build environment would pull.
+GPU_PREBUILD := $(if $(filter requirements.txt,$(REQS)),1)
+
 $(VENV)/.installed: $(REQS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r $(REQS)
+	$(if $(GPU_PREBUILD),$(PY) -m pip install -q $$(grep -E '^torch==' $(REQS)) setuptools wheel pybind11 ninja)
+	$(PY) -m pip install -q $(if $(GPU_PREBUILD),--no-build-isolation) -r $(REQS)
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 

@@ -146,18 +146,23 @@ def _entry_tensor(
 
 
 def extra_state_objects(arch: Qwen2Arch) -> dict[str, Any]:
-    """The per-layer `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load.
+    """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
-    Stored as None (no FP8 metadata): megatron-core's local linears ignore it, TE's accept None.
+    Per layer, the four linears (megatron-core's local ones and TE's alike); once, the final norm, which on a
+    TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec) and so has extra
+    state (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local
+    modules ignore it, TE's accept None. Loading tolerates an absent one anyway (weights/extra_state.py).
     """
     modules = sorted({
         dist_key(e).rsplit(".", 1)[0] for e in QWEN2_MAPPING if e.stage == "layer" and e.kind != "replicated"
     })
-    return {
+    objects = {
         sharded_object_key(f"{m}._extra_state", (layer,), (arch.num_layers,)): serialized_object(None)
         for m in modules
         for layer in range(arch.num_layers)
     }
+    objects[sharded_object_key("decoder.final_layernorm._extra_state", (0,), (1,))] = serialized_object(None)
+    return objects
 
 
 def megatron_args(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
+from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
@@ -357,7 +358,7 @@ def load_training_state(path: Path, actor) -> dict[str, Any]:
     """Load one verified step directory written by --save into `actor`; return its extra state."""
     _materialise_distributed_optimizer_state(actor.optimizer)
     state = _sharded_state(actor, is_loading=True, rng=None)
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
     for key, module in zip(_model_keys(actor), actor.modules):
         module.load_state_dict(loaded[key])
     with torch.no_grad():

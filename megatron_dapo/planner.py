@@ -328,6 +328,23 @@ def sglang_weight_bytes(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element
     return stage_parameters(arch, ParallelLayout(tp=gpus_per_engine), 0) * bytes_per_element
 
 
+def host_copy_bytes(arch: Qwen2Arch, bytes_per_element: int = 2) -> int:
+    """Bytes of rank 0's weight-sync host copy: one whole HF version, every tensor once (a tied lm_head is the
+    embedding). SGLangEngine keeps exactly this after each tensor / distributed push and drops the previous
+    version as the new one arrives, so it is also the peak (Qwen2.5-32B bf16: 65.5 GB = 61.0 GiB)."""
+    return arch.num_parameters() * bytes_per_element
+
+
+def host_copy_line(arch: Qwen2Arch, *, mode: str, colocate: bool, bytes_per_element: int = 2) -> str:
+    """The plan's rank-0 host-memory line for the weight-sync host copy (what re-syncs a lost server)."""
+    if colocate:
+        return "rank 0 host memory: no weight-sync host copy (--colocate: each rank hands its own GPU's buckets)"
+    if mode == "disk":
+        return "rank 0 host memory: no weight-sync host copy (--weight-sync-mode disk: the version is on disk)"
+    return (f"rank 0 host memory: weight-sync host copy {host_copy_bytes(arch, bytes_per_element) / GIB:.2f} GiB "
+            f"(one version, --weight-sync-mode {mode}; the previous one is dropped as the new one arrives)")
+
+
 def kv_bytes_per_token(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
     """KV-cache bytes one token takes on one SGLang TP rank: K and V of every layer for its kv heads (SGLang
     replicates kv heads when TP > kv heads). 32B (8 kv heads x 128) at TP8: 2 x 64 x 1 x 128 x 2 = 32 KiB."""
@@ -535,6 +552,11 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     for line in lines:
         print(line, file=out)
+    from megatron_dapo.rollout.server_setup import weight_sync_mode
+
+    mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
+    print(host_copy_line(arch, mode=mode, colocate=args.colocate, bytes_per_element=spec.bytes_per_element),
+          file=out)
     fits = peak <= inputs.gpu_memory_gib
     if inputs.colocate:
         print("phases: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in phases.items()), file=out)

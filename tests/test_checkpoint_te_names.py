@@ -34,6 +34,21 @@ class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
         return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), *args, **kwargs)
 
 
+class CpuTENorm(torch.nn.RMSNorm):
+    """TE's RMSNorm as a TE build's TransformerBlock takes it for the final norm (its LayerNormImpl, whatever the
+    layer spec): a norm with `_extra_state` in its state dict. Records what set_extra_state received."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.extra_state_loaded: list = []
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        self.extra_state_loaded.append(state)
+
+
 class CpuTESpecProvider(LocalSpecProvider):
     """megatron-core's TESpecProvider choices where they matter for names: the norm is fused into the linear."""
 
@@ -67,6 +82,8 @@ def te_world(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("megatron_dapo.models.gpt.get_layer_spec",
                        lambda use_te=None, config=None: te_spec if te else local_spec)
+            if te:  # a TE build's final norm (megatron-core's LayerNormImpl is TENorm there)
+                mp.setattr("megatron.core.transformer.transformer_block.LayerNormImpl", CpuTENorm)
             return MegatronActor(arch, ActorConfig(**{"lr": 1e-3, **overrides}), layout)
 
     yield layout, hf, arch, hf_dir, make_actor
@@ -147,3 +164,48 @@ def test_dist_checkpoint_of_local_spec_resumes_into_te_spec(te_world, tmp_path):
     assert te.train_step(samples)["grad_norm"] == pytest.approx(local.train_step(samples)["grad_norm"], rel=1e-6)
     for name, p in local.state_dict_for_export().items():
         torch.testing.assert_close(te.state_dict_for_export()[name], p, rtol=1e-6, atol=1e-7)
+
+
+def _extra_state_keys(actor: MegatronActor) -> set[str]:
+    """The storage keys of the `_extra_state` ShardedObjects this actor's model asks for at load."""
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return {v.unique_key for v in nested_values(actor.module.sharded_state_dict())
+            if isinstance(v, ShardedObject) and v.key.endswith("._extra_state")}
+
+
+def test_converter_writes_every_extra_state_a_te_model_asks_for(te_world, tmp_path):
+    """The TE key set (four linears per layer, the final norm) is a subset of what hf-to-mcore stores."""
+    from checkpoint_convert.cli import main as convert
+    from megatron_dapo.weights.extra_state import stored_keys
+
+    _, _, arch, hf_dir, make_actor = te_world
+    assert convert(["hf-to-mcore", "--hf-path", str(hf_dir), "--save", str(tmp_path / "mc")]) == 0
+    wanted = _extra_state_keys(make_actor(True))
+    assert "decoder.final_layernorm._extra_state/shard_0_1" in wanted
+    assert len(wanted) == 4 * arch.num_layers + 1
+    assert wanted <= stored_keys(tmp_path / "mc" / "release")
+
+
+def test_checkpoint_without_extra_state_loads_into_te_actor(te_world, tmp_path):
+    """Converter output lacking every `_extra_state` (an older converter, another tool) loads under TE: the
+    absent ones arrive as None, the weights equal HF's."""
+    import importlib
+
+    from checkpoint_convert.cli import main as convert
+    from megatron_dapo.weights.dist_load import load_model_weights
+
+    hf_to_mcore = importlib.import_module("checkpoint_convert.hf_to_mcore")  # the package re-exports a function
+    _, hf, arch, hf_dir, make_actor = te_world
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_to_mcore, "extra_state_objects", lambda arch: {})
+        assert convert(["hf-to-mcore", "--hf-path", str(hf_dir), "--save", str(tmp_path / "mc")]) == 0
+    actor = make_actor(True)
+    load_model_weights(actor.module, tmp_path / "mc", arch)
+    actor.optimizer.reload_model_params()
+    assert actor.module.decoder.final_layernorm.extra_state_loaded == [None]
+    samples = make_samples(2, seed=5)
+    for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+

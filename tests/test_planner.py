@@ -309,3 +309,30 @@ def test_colocated_fraction_too_small_names_the_flag():
         planner.sglang_share(arch, planner.plan_stages(arch, layout, inputs, spec), inputs)
     with pytest.raises(ValueError, match="--mem-fraction-static must be in"):
         planner.PlanInputs(tokens_per_micro_batch=1, max_seq_len=1, mem_fraction_static=1.0)
+
+
+def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
+    """The plan's rank-0 host line equals the bytes SGLangEngine holds after a push of the whole HF model (fp32
+    tiny model, tied and untied), and HF's own parameter count; at 32B it is one bf16 version, 61 GiB."""
+    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from tests.dist.actor_common import tiny_hf_model
+    from tests.sglang.fake_server import serve
+
+    for tied in (False, True):
+        hf = tiny_hf_model(seed=1, tie=tied)
+        arch = Qwen2Arch.from_hf(hf.config)
+        assert planner.host_copy_bytes(arch, 4) == hf.num_parameters() * 4
+        server, _ = serve(tp_size=1)
+        engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
+                              client=ClientConfig(update_mode="tensor", bucket_bytes=4096))
+        try:
+            named = [(n, t) for n, t in hf.state_dict().items() if not (tied and n == "lm_head.weight")]
+            engine.update_weights(iter(named), version=1)
+            assert sum(b.nbytes for b in engine._kept) == planner.host_copy_bytes(arch, 4), tied
+        finally:
+            engine.shutdown()
+            server.shutdown()
+            server.server_close()
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, *LAUNCHERS[1].values))
+    host = next(line for line in lines if line.startswith("rank 0 host memory"))
+    assert "weight-sync host copy 61.03 GiB" in host and "--weight-sync-mode distributed" in host, host

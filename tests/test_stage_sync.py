@@ -263,3 +263,33 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_rank0_holds_one_host_copy_during_a_per_stage_push():
+    """Defect: the previous version's host copy stayed until every stage had arrived (130 GB on rank 0 at 32B).
+    The engine must have dropped it by the time the stages push, and keep exactly the new version after."""
+    from megatron_dapo.rollout.buckets import Bucket
+    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.stage_sync import StagesOutcome
+
+    server, _ = serve(tp_size=1)
+    engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
+                          client=ClientConfig(update_mode="distributed"))
+    held_during_push: list[int] = []
+
+    def push_stages(version_bytes: int):
+        def push(urls, tps, tag, first_port):
+            held_during_push.append(sum(b.flat.numel() * b.flat.element_size() for b in engine._kept))
+            kept = [Bucket(flat=torch.zeros(version_bytes // 4), metas=[])]
+            return StagesOutcome(lost=set(), broken=False, kept=kept, nbytes=version_bytes, stage_seconds=[0.0])
+        return push
+
+    try:
+        engine.update_weights_by_stage(1, push_stages(4096), stages=2)
+        engine.update_weights_by_stage(2, push_stages(8192), stages=2)
+        assert held_during_push == [0, 0]  # old code: [0, 4096], the previous version still held
+        assert sum(b.flat.numel() * 4 for b in engine._kept) == 8192 and engine.weight_version == 2
+    finally:
+        engine.shutdown()
+        server.shutdown()
+        server.server_close()

@@ -33,8 +33,8 @@ Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buck
 - now: the 2 stage sources each push 32.5 GB (~65 buckets) over their own group of 1 + 64 ranks; the only PP
   traffic is stage 1's host copy to rank 0, 32.5 GB once (~1.5-3 s at 10-25 GB/s, after the push); only the
   16 ranks of DP replica 0 gather (32.5 GB each); the other 112 ranks move nothing.
-- host memory: rank 0 keeps 65 GB (the whole version, as before); stage 1's source holds its 32.5 GB host copy
-  until it has sent it to rank 0.
+- host memory: rank 0 keeps 65 GB (the whole version, as before; the previous version is dropped when the push
+  starts, so that is also the peak); stage 1's source holds its 32.5 GB host copy until it has sent it to rank 0.
 - waits: a source waits for the lock at most (PP - 1) bucket pushes (~0.2-0.5 s each at 10-25 GB/s); the
   stage's TP peers wait in the TP all-gather for their source meanwhile.
 """

@@ -84,7 +84,8 @@ class WeightPush:
         own (megatron_dapo/rollout/stage_sync.py); this engine (global rank 0) decides the targets (the serving
         servers), opens and closes their update session around `push_stages`, keeps the whole version it gets
         back as the host copy, and, as update_weights does, re-pushes that copy to the survivors after a broken
-        push and recovers the lost servers from it.
+        push and recovers the lost servers from it. The previous host copy is dropped before the push, so rank
+        0's host memory peaks at one version (65 GB at Qwen2.5-32B bf16), not the old and the new (130 GB).
 
         `push_stages(urls, tps, tag, first_port)` runs the stages' pushes to the servers `urls` (TP sizes `tps`)
         and returns a stage_sync.StagesOutcome; `tag` changes whenever the stage groups must be rebuilt (new
@@ -107,6 +108,9 @@ class WeightPush:
                 tag = next(_SYNC_GROUP_IDS)
                 self._sync_generation += stages  # stage s's group gets port base + generation + s
             first_port = self.client.sync_master_port + self._sync_generation - stages
+            # The old version goes before the new one arrives (rank 0 holds one, 65 GB at 32B, not two): from here
+            # a server lost mid-push is re-synced from the new copy, and a push that raises ends the run anyway.
+            self._kept = []
             try:
                 outcome = push_stages([self.urls[i] for i in live], [self.tps[i] for i in live], tag, first_port)
             except BaseException:

@@ -18,6 +18,7 @@ import torch
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.ckpt_config import check_global_shapes, check_same_arch
 from megatron_dapo.weights.dist_ckpt import TRACKER_FILE, DistCheckpointReader
+from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 
 def is_megatron_lm_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -61,15 +62,15 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arc
     `model` is this rank's chunk (possibly DDP-wrapped): its `sharded_state_dict()` names the global
     slices this rank needs, and dist_checkpointing reads only those. Optimizer state in the checkpoint
     is ignored; callers refresh the optimizer's main params afterwards (`optimizer.reload_model_params`).
+    A TE `_extra_state` the checkpoint lacks loads as None (weights/extra_state.py).
     Cost at Qwen2.5-32B TP8 x PP2: each rank reads its 1/16 of 64 GB (4 GB); no rank waits on another
     except the final barrier inside dist_checkpointing.load.
     """
-    from megatron.core import dist_checkpointing
-
     iter_dir = check_checkpoint_config(path, arch, flag=flag)
     sharded = model.sharded_state_dict()
+    keys = list(sharded)
     # common.pt of converter output holds Megatron-LM's args as an argparse.Namespace
     with torch.serialization.safe_globals([argparse.Namespace]):
-        loaded = dist_checkpointing.load(sharded, str(iter_dir))
-    model.load_state_dict({k: loaded[k] for k in sharded})
+        loaded = load_tolerating_absent_extra_state(sharded, iter_dir)
+    model.load_state_dict({k: loaded[k] for k in keys})
     return iter_dir
