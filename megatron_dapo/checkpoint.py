@@ -295,7 +295,8 @@ def step_problems(path: Path) -> list[str]:
 
     Needs metadata.json and a manifest whose files are all present with the recorded size and CRC-32;
     the files are checked round-robin over the ranks and the problems gathered on every rank. A step
-    written before manifests existed (none there) is accepted unverified.
+    without a manifest (written before manifests existed, or the manifest lost) is checked against its own
+    `.metadata` instead (checkpoint_manifest.check_unverified) and is loaded unverified.
     """
     rank, world = _rank_world()
     problems: list[str] = []
@@ -307,6 +308,8 @@ def step_problems(path: Path) -> list[str]:
         files, problems = {}, [*problems, f"{path}/{checkpoint_manifest.MANIFEST} is unreadable: {e}"]
     if files:
         problems += checkpoint_manifest.check_files(path, files, sorted(files)[rank::world])
+    elif files is None:
+        problems += checkpoint_manifest.check_unverified(path, rank, world)
     if dist.is_initialized() and world > 1:
         # Default group (NCCL at production: CUDA tensors on this rank's GPU). Every rank waits for the rank
         # with the most bytes to read back and CRC: files are dealt out by count, not size, so after a default
@@ -317,23 +320,29 @@ def step_problems(path: Path) -> list[str]:
     return sorted(set(problems))
 
 
-def select_step_dir(load_dir: str | os.PathLike) -> Path | None:
-    """The newest usable step under load_dir, None when there is none at all (a fresh run).
+def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None:
+    """Restore model, optimizer, scheduler and this rank's RNG; return the extra state (with 'step').
 
-    Unusable newer steps are skipped with a CheckpointFallbackWarning naming the problem; when every
-    step is unusable, CheckpointCorruptError names them all.
+    Takes the newest step that passes verification (`step_problems`); an unverified step (no manifest) whose
+    read fails anyway is skipped too. Skipped steps are named in a CheckpointFallbackWarning; when no step is
+    usable, CheckpointCorruptError names them all. Returns None when load_dir holds no step at all.
+    The read of an unverified step fails on every rank together (torch.distributed.checkpoint gathers each
+    rank's read error and raises CheckpointException everywhere), so every rank moves on to the same step.
     """
     rejected: list[str] = []
     for path in candidate_step_dirs(load_dir):
         problems = step_problems(path)
         if not problems:
-            if rejected and _rank_world()[0] == 0:
-                warnings.warn(f"--load {load_dir}: skipped unusable checkpoint(s): {'; '.join(rejected)}; "
-                              f"resuming from {path.name}", CheckpointFallbackWarning, stacklevel=2)
-            if checkpoint_manifest.read_manifest(path) is None and _rank_world()[0] == 0:
-                warnings.warn(f"{path} has no {checkpoint_manifest.MANIFEST} (an older checkpoint): loaded "
-                              f"unverified", CheckpointFallbackWarning, stacklevel=2)
-            return path
+            verified = checkpoint_manifest.read_manifest(path) is not None
+            try:
+                loaded = _read_step(path, actor)
+            except Exception as err:
+                if verified:
+                    raise
+                problems = [f"{path} has no {checkpoint_manifest.MANIFEST} and fails to load: {_first_error(err)}"]
+            else:
+                _warn_loaded(load_dir, path, rejected, verified)
+                return _apply_step(loaded, actor)
         rejected.append("; ".join(problems))
     if rejected:
         raise CheckpointCorruptError(f"--load {load_dir}: no usable checkpoint: {' | '.join(rejected)}; "
@@ -341,23 +350,42 @@ def select_step_dir(load_dir: str | os.PathLike) -> Path | None:
     return None
 
 
-def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None:
-    """Restore model, optimizer, scheduler and this rank's RNG; return the extra state (with 'step').
+def _warn_loaded(load_dir: str | os.PathLike, path: Path, rejected: list[str], verified: bool) -> None:
+    """Rank 0's CheckpointFallbackWarnings for the step taken: the newer steps skipped, no manifest."""
+    if _rank_world()[0] != 0:
+        return
+    if rejected:
+        warnings.warn(f"--load {load_dir}: skipped unusable checkpoint(s): {'; '.join(rejected)}; "
+                      f"resuming from {path.name}", CheckpointFallbackWarning, stacklevel=3)
+    if not verified:
+        warnings.warn(f"{path} has no {checkpoint_manifest.MANIFEST} (an older checkpoint): loaded "
+                      f"unverified", CheckpointFallbackWarning, stacklevel=3)
 
-    Takes the newest step that passes verification (`select_step_dir`). Returns None when load_dir
-    holds no checkpoint (a fresh run with --load set).
-    """
-    path = select_step_dir(load_dir)
-    if path is None:
-        return None
-    return load_training_state(path, actor)
+
+def _first_error(err: BaseException) -> str:
+    """`Type: first line` of a load error; for torch's CheckpointException, of the first failed rank's error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(err, CheckpointException) and err.failures:
+        err = err.failures[min(err.failures)][0]  # (exception, traceback) of the lowest failed rank
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def load_training_state(path: Path, actor) -> dict[str, Any]:
     """Load one verified step directory written by --save into `actor`; return its extra state."""
+    return _apply_step(_read_step(path, actor), actor)
+
+
+def _read_step(path: Path, actor) -> dict[str, Any]:
+    """Read a step directory's tensors and objects into a state dict shaped by `actor` (nothing applied yet)."""
     _materialise_distributed_optimizer_state(actor.optimizer)
     state = _sharded_state(actor, is_loading=True, rng=None)
-    loaded = dist_checkpointing.load(state, str(path))
+    return dist_checkpointing.load(state, str(path))
+
+
+def _apply_step(loaded: dict[str, Any], actor) -> dict[str, Any]:
+    """Put a read step into `actor` (model, optimizer, scheduler), this rank's RNG; return the extra state."""
     for key, module in zip(_model_keys(actor), actor.modules):
         module.load_state_dict(loaded[key])
     with torch.no_grad():
