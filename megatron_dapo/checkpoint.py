@@ -35,11 +35,13 @@ all-reduce), then each rank CRCs its own files (~1.4 s for 3.6 GB) and rank 0 re
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
+from megatron_dapo.errors import UserError, disk_full_error
 
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
@@ -149,8 +153,13 @@ class CheckpointSaver:
     def save(self, step: int, actor, extra: dict[str, Any]) -> Path:
         """Write step `step` (all ranks call this); `extra` (rank 0's copy is kept) must be picklable.
 
-        Returns the final step directory; with async_save it exists only once `finalize` has run.
+        Returns the final step directory; with async_save it exists only once `finalize` has run. A full
+        disk (ENOSPC / EDQUOT, on any rank) raises UserError naming the directory and its free space.
         """
+        with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save)"):
+            return self._save(step, actor, extra)
+
+    def _save(self, step: int, actor, extra: dict[str, Any]) -> Path:
         checkpoint_procs.install_results_queue(async_save=self.async_save)
         self.finalize(blocking=True)
         rank, _ = _rank_world()
@@ -175,7 +184,8 @@ class CheckpointSaver:
     def finalize(self, *, blocking: bool) -> None:
         """Rename the async saves whose writes finished on every rank (all ranks call this)."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
+            with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save, --async-save)"):
+                self._queue.maybe_finalize_async_calls(blocking=blocking)
 
     def close(self) -> None:
         """Wait for an async save in flight and finalise it; stop the async results Manager."""
@@ -204,6 +214,40 @@ class CheckpointSaver:
                 latest_tmp = self.save_dir / f".{LATEST}.tmp"
                 latest_tmp.write_text(final.name)
                 os.replace(latest_tmp, self.save_dir / LATEST)
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """Whether ENOSPC / EDQUOT caused `err`: in its chain, or in a torch CheckpointException's rank failures, where
+    another rank's error arrives pickled (its cause dropped: megatron's "Worker failure: [Errno 28] ..." text)."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno in codes) or any(f"[Errno {c}]" in str(e) for c in codes):
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
+
+
+@contextmanager
+def _disk_full_is_user_error(path: Path, what: str) -> Iterator[None]:
+    """Re-raise a full-disk error of the body as errors.disk_full_error (printed by global rank 0 only)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        if not _is_disk_full(err):
+            raise
+        error = disk_full_error(path, what)
+        error.echo = _rank_world()[0] == 0
+        raise error from err
 
 
 def save_checkpoint(save_dir: str | os.PathLike, step: int, actor, extra: dict[str, Any], *,
@@ -336,7 +380,7 @@ def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None
             verified = checkpoint_manifest.read_manifest(path) is not None
             try:
                 loaded = _read_step(path, actor)
-            except Exception as err:
+            except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
                 if verified:
                     raise
                 problems = [f"{path} has no {checkpoint_manifest.MANIFEST} and fails to load: {_first_error(err)}"]
@@ -364,8 +408,6 @@ def _warn_loaded(load_dir: str | os.PathLike, path: Path, rejected: list[str], v
 
 def _first_error(err: BaseException) -> str:
     """`Type: first line` of a load error; for torch's CheckpointException, of the first failed rank's error."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     if isinstance(err, CheckpointException) and err.failures:
         err = err.failures[min(err.failures)][0]  # (exception, traceback) of the lowest failed rank
     lines = str(err).strip().splitlines()
