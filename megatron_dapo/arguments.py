@@ -51,9 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None,
                    help="resume from this checkpoint directory (written by --save; the newest step is taken), "
                         "or start from `checkpoint_convert hf-to-mcore` output (torch_dist, any TP/PP; model "
-                        "weights only, iteration 0)")
+                        "weights only, iteration 0); one without a checkpoint is an error, except --load = --save "
+                        "before the first save (starts at step 0)")
     g.add_argument("--save", default=None, help="checkpoint directory (model, optimizer, scheduler, RNG, "
-                                                "sampler, step)")
+                                                "sampler, step); locked while the run lasts")
     g.add_argument("--export-hf", default=None,
                    help="at the end, write the trained policy here as an HF checkpoint (safetensors, config, "
                         "tokenizer); with --load of a finished run and the same --num-steps it only exports")

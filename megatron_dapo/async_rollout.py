@@ -147,6 +147,23 @@ def check_staleness(batch: AheadBatch, *, train_step: int, depth: int) -> int:
     return staleness
 
 
+def resume_note(batch: AheadBatch, *, depth: int, num_steps: int) -> str | None:
+    """The line a resume prints about the batch generated ahead that its checkpoint holds (None: nothing unusual).
+
+    --async-rollout toggled to 0: the batch is still trained, once, as is (its prompts were drawn, so
+    regenerating them would change the run): one step at staleness 1, then every batch is generated in its step.
+    A batch past --num-steps is dropped."""
+    groups = len(batch.result()[0])
+    held = f"the checkpoint holds the batch of step {batch.step} ({groups} groups generated ahead by weight version " \
+           f"{batch.version})"
+    if batch.step > num_steps:
+        return f"{held}: dropped, --num-steps {num_steps} ends the run before it"
+    if depth == 0:
+        return (f"{held}: this run (--async-rollout 0) trains it as is at step {batch.step}, one step off-policy "
+                f"(staleness 1), and generates every later batch in its own step")
+    return None
+
+
 # ---- checkpoint state: flat tensors per field, plain types, no pickled classes -------------------------------
 
 def _pack_column(values: list[Any], name: str) -> dict[str, Any]:

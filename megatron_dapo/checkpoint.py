@@ -35,11 +35,13 @@ all-reduce), then each rank CRCs its own files (~1.4 s for 3.6 GB) and rank 0 re
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
 import warnings
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,8 +51,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
+from megatron_dapo.errors import UserError, disk_full_error
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 LATEST = "latest"
@@ -150,8 +154,13 @@ class CheckpointSaver:
     def save(self, step: int, actor, extra: dict[str, Any]) -> Path:
         """Write step `step` (all ranks call this); `extra` (rank 0's copy is kept) must be picklable.
 
-        Returns the final step directory; with async_save it exists only once `finalize` has run.
+        Returns the final step directory; with async_save it exists only once `finalize` has run. A full
+        disk (ENOSPC / EDQUOT, on any rank) raises UserError naming the directory and its free space.
         """
+        with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save)"):
+            return self._save(step, actor, extra)
+
+    def _save(self, step: int, actor, extra: dict[str, Any]) -> Path:
         checkpoint_procs.install_results_queue(async_save=self.async_save)
         self.finalize(blocking=True)
         rank, _ = _rank_world()
@@ -176,7 +185,8 @@ class CheckpointSaver:
     def finalize(self, *, blocking: bool) -> None:
         """Rename the async saves whose writes finished on every rank (all ranks call this)."""
         if self._queue is not None:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
+            with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save, --async-save)"):
+                self._queue.maybe_finalize_async_calls(blocking=blocking)
 
     def close(self) -> None:
         """Wait for an async save in flight and finalise it; stop the async results Manager."""
@@ -205,6 +215,40 @@ class CheckpointSaver:
                 latest_tmp = self.save_dir / f".{LATEST}.tmp"
                 latest_tmp.write_text(final.name)
                 os.replace(latest_tmp, self.save_dir / LATEST)
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """Whether ENOSPC / EDQUOT caused `err`: in its chain, or in a torch CheckpointException's rank failures, where
+    another rank's error arrives pickled (its cause dropped: megatron's "Worker failure: [Errno 28] ..." text)."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno in codes) or any(f"[Errno {c}]" in str(e) for c in codes):
+            return True
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return False
+
+
+@contextmanager
+def _disk_full_is_user_error(path: Path, what: str) -> Iterator[None]:
+    """Re-raise a full-disk error of the body as errors.disk_full_error (printed by global rank 0 only)."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        if not _is_disk_full(err):
+            raise
+        error = disk_full_error(path, what)
+        error.echo = _rank_world()[0] == 0
+        raise error from err
 
 
 def save_checkpoint(save_dir: str | os.PathLike, step: int, actor, extra: dict[str, Any], *,
@@ -296,7 +340,8 @@ def step_problems(path: Path) -> list[str]:
 
     Needs metadata.json and a manifest whose files are all present with the recorded size and CRC-32;
     the files are checked round-robin over the ranks and the problems gathered on every rank. A step
-    written before manifests existed (none there) is accepted unverified.
+    without a manifest (written before manifests existed, or the manifest lost) is checked against its own
+    `.metadata` instead (checkpoint_manifest.check_unverified) and is loaded unverified.
     """
     rank, world = _rank_world()
     problems: list[str] = []
@@ -308,6 +353,8 @@ def step_problems(path: Path) -> list[str]:
         files, problems = {}, [*problems, f"{path}/{checkpoint_manifest.MANIFEST} is unreadable: {e}"]
     if files:
         problems += checkpoint_manifest.check_files(path, files, sorted(files)[rank::world])
+    elif files is None:
+        problems += checkpoint_manifest.check_unverified(path, rank, world)
     if dist.is_initialized() and world > 1:
         # Default group (NCCL at production: CUDA tensors on this rank's GPU). Every rank waits for the rank
         # with the most bytes to read back and CRC: files are dealt out by count, not size, so after a default
@@ -318,23 +365,29 @@ def step_problems(path: Path) -> list[str]:
     return sorted(set(problems))
 
 
-def select_step_dir(load_dir: str | os.PathLike) -> Path | None:
-    """The newest usable step under load_dir, None when there is none at all (a fresh run).
+def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None:
+    """Restore model, optimizer, scheduler and this rank's RNG; return the extra state (with 'step').
 
-    Unusable newer steps are skipped with a CheckpointFallbackWarning naming the problem; when every
-    step is unusable, CheckpointCorruptError names them all.
+    Takes the newest step that passes verification (`step_problems`); an unverified step (no manifest) whose
+    read fails anyway is skipped too. Skipped steps are named in a CheckpointFallbackWarning; when no step is
+    usable, CheckpointCorruptError names them all. Returns None when load_dir holds no step at all.
+    The read of an unverified step fails on every rank together (torch.distributed.checkpoint gathers each
+    rank's read error and raises CheckpointException everywhere), so every rank moves on to the same step.
     """
     rejected: list[str] = []
     for path in candidate_step_dirs(load_dir):
         problems = step_problems(path)
         if not problems:
-            if rejected and _rank_world()[0] == 0:
-                warnings.warn(f"--load {load_dir}: skipped unusable checkpoint(s): {'; '.join(rejected)}; "
-                              f"resuming from {path.name}", CheckpointFallbackWarning, stacklevel=2)
-            if checkpoint_manifest.read_manifest(path) is None and _rank_world()[0] == 0:
-                warnings.warn(f"{path} has no {checkpoint_manifest.MANIFEST} (an older checkpoint): loaded "
-                              f"unverified", CheckpointFallbackWarning, stacklevel=2)
-            return path
+            verified = checkpoint_manifest.read_manifest(path) is not None
+            try:
+                loaded = _read_step(path, actor)
+            except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
+                if verified:
+                    raise
+                problems = [f"{path} has no {checkpoint_manifest.MANIFEST} and fails to load: {_first_error(err)}"]
+            else:
+                _warn_loaded(load_dir, path, rejected, verified)
+                return _apply_step(loaded, actor)
         rejected.append("; ".join(problems))
     if rejected:
         raise CheckpointCorruptError(f"--load {load_dir}: no usable checkpoint: {' | '.join(rejected)}; "
@@ -342,23 +395,40 @@ def select_step_dir(load_dir: str | os.PathLike) -> Path | None:
     return None
 
 
-def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None:
-    """Restore model, optimizer, scheduler and this rank's RNG; return the extra state (with 'step').
+def _warn_loaded(load_dir: str | os.PathLike, path: Path, rejected: list[str], verified: bool) -> None:
+    """Rank 0's CheckpointFallbackWarnings for the step taken: the newer steps skipped, no manifest."""
+    if _rank_world()[0] != 0:
+        return
+    if rejected:
+        warnings.warn(f"--load {load_dir}: skipped unusable checkpoint(s): {'; '.join(rejected)}; "
+                      f"resuming from {path.name}", CheckpointFallbackWarning, stacklevel=3)
+    if not verified:
+        warnings.warn(f"{path} has no {checkpoint_manifest.MANIFEST} (an older checkpoint): loaded "
+                      f"unverified", CheckpointFallbackWarning, stacklevel=3)
 
-    Takes the newest step that passes verification (`select_step_dir`). Returns None when load_dir
-    holds no checkpoint (a fresh run with --load set).
-    """
-    path = select_step_dir(load_dir)
-    if path is None:
-        return None
-    return load_training_state(path, actor)
+
+def _first_error(err: BaseException) -> str:
+    """`Type: first line` of a load error; for torch's CheckpointException, of the first failed rank's error."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = err.failures[min(err.failures)][0]  # (exception, traceback) of the lowest failed rank
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def load_training_state(path: Path, actor) -> dict[str, Any]:
     """Load one verified step directory written by --save into `actor`; return its extra state."""
+    return _apply_step(_read_step(path, actor), actor)
+
+
+def _read_step(path: Path, actor) -> dict[str, Any]:
+    """Read a step directory's tensors and objects into a state dict shaped by `actor` (nothing applied yet)."""
     _materialise_distributed_optimizer_state(actor.optimizer)
     state = _sharded_state(actor, is_loading=True, rng=None)
-    loaded = load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
+    return load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
+
+
+def _apply_step(loaded: dict[str, Any], actor) -> dict[str, Any]:
+    """Put a read step into `actor` (model, optimizer, scheduler), this rank's RNG; return the extra state."""
     for key, module in zip(_model_keys(actor), actor.modules):
         module.load_state_dict(loaded[key])
     with torch.no_grad():

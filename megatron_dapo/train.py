@@ -378,6 +378,7 @@ def train(args: argparse.Namespace) -> None:
     from megatron_dapo.actor import init_parallel
     from megatron_dapo.checkpoint import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.save_dir import prepare_run_dirs
     from megatron_dapo.trainer import Trainer
     from megatron_dapo.weights.dist_load import initial_checkpoint
 
@@ -387,14 +388,14 @@ def train(args: argparse.Namespace) -> None:
     except UserError as err:
         err.echo = rank0  # every rank reaches the same verdict; one prints it
         raise
-    engine = None
-    if rank0 and args.async_rollout and rollout_engine_kind(args) == "embedded":
-        # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and builds
-        # the actor; it loads the tokenizer itself
-        engine = make_rollout_engine(args, None)
-    inputs, verdict = None, None
-    if rank0:  # only rank 0 reads the prompt files
+    engine, inputs, verdict = None, None, None
+    if rank0:  # only rank 0 checks --load and --save (and locks --save for the run) and reads the prompt files
         try:
+            prepare_run_dirs(args)  # milliseconds, before anything is started or built (megatron_dapo/save_dir.py)
+            if args.async_rollout and rollout_engine_kind(args) == "embedded":
+                # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and
+                # builds the actor; it loads the tokenizer itself
+                engine = make_rollout_engine(args, None)
             inputs = load_inputs(args, with_data=True)
         except UserError as err:
             verdict = err

@@ -42,7 +42,14 @@ from megatron_dapo.algorithm.mismatch import (
     off_policy_correction,
     reduce_mismatch,
 )
-from megatron_dapo.async_rollout import AheadBatch, batch_from_state, batch_state, check_depth, check_staleness
+from megatron_dapo.async_rollout import (
+    AheadBatch,
+    batch_from_state,
+    batch_state,
+    check_depth,
+    check_staleness,
+    resume_note,
+)
 from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.dataplane import DataPlane, pack, unpack
 from megatron_dapo.evaluation import evaluate
@@ -277,6 +284,8 @@ class Trainer:
         if job.step != self.step + 1:
             raise ValueError(f"the checkpoint of step {self.step} holds a batch for step {job.step}, expected "
                              f"{self.step + 1}")
+        if note := resume_note(job, depth=self.config.async_rollout, num_steps=self.config.num_steps):
+            print(f"[megatron-dapo] {note}")
         self._ahead = job
 
     def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:

@@ -220,3 +220,27 @@ def test_tis_is_on_by_default_only_under_async_rollout(extra, expected):
     _, _, trainer = build_configs(_flags(*extra))
     assert trainer.off_policy.use_tis is expected
     assert trainer.async_rollout == (1 if "1" in extra else 0)
+
+
+@pytest.mark.parametrize("depth, num_steps, says", [
+    pytest.param(0, 5, "the checkpoint holds the batch of step 3 (2 groups generated ahead by weight version 1): this "
+                       "run (--async-rollout 0) trains it as is at step 3, one step off-policy (staleness 1), and "
+                       "generates every later batch in its own step", id="toggled-to-sync"),
+    pytest.param(1, 5, None, id="async-again"),
+    pytest.param(0, 2, "the checkpoint holds the batch of step 3 (2 groups generated ahead by weight version 1): "
+                       "dropped, --num-steps 2 ends the run before it", id="past-num-steps"),
+])
+def test_resume_says_what_happens_to_the_batch_generated_ahead(capsys, depth, num_steps, says):
+    """A checkpoint of an --async-rollout 1 run holds the next step's batch; a resume with --async-rollout 0 trains
+    it unchanged (generating nothing for that step) and says so in one line; an async resume prints nothing."""
+    groups = [_group(i, version=1) for i in range(2)]
+    engine = ScriptedEngine()
+    trainer = Trainer(config=TrainerConfig(num_steps=num_steps, async_rollout=depth), collect=None, actor=None,
+                      engine=engine, next_prompts=lambda k: [], eval_prompts=[], decode=decode, reward_fn=reward,
+                      logger=None, step=2)
+    trainer.restore_state({"async_batch": batch_state(AheadBatch.from_checkpoint(3, 1, groups, {"rollout/x": 1.0}))})
+    printed = capsys.readouterr().out.strip()
+    assert printed == (f"[megatron-dapo] {says}" if says else "")
+    if num_steps >= 3 and depth == 0:
+        got, metrics = trainer.next_batch(3)
+        assert got == groups and metrics["async/staleness"] == 1.0 and engine.events == []

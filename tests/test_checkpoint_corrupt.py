@@ -77,6 +77,11 @@ def _damage(step, how: str) -> str:
     return victim.name
 
 
+def _fallback_messages(record) -> list[str]:
+    """The CheckpointFallbackWarnings among the recorded warnings (torch's deprecation warnings come too)."""
+    return [str(w.message) for w in record if issubclass(w.category, CheckpointFallbackWarning)]
+
+
 @pytest.mark.parametrize("how", ["truncate-distcp", "truncate-common", "flip-byte", "delete"])
 def test_damaged_newest_step_falls_back_with_a_warning(saved, tmp_path, how):
     make_actor, pristine = saved
@@ -87,7 +92,8 @@ def test_damaged_newest_step_falls_back_with_a_warning(saved, tmp_path, how):
     with pytest.warns(CheckpointFallbackWarning, match=victim) as record:
         extra = load_checkpoint(root, actor)
     assert extra == {"step": 1, "tag": 1}
-    assert "step_0000002" in str(record[0].message) and "step_0000001" in str(record[0].message)
+    skipped = _fallback_messages(record)[0]
+    assert "step_0000002" in skipped and "step_0000001" in skipped
 
 
 def test_every_step_damaged_is_a_clear_error(saved, tmp_path):
@@ -105,3 +111,50 @@ def test_every_step_damaged_is_a_clear_error(saved, tmp_path):
 
 def test_empty_load_dir_is_a_fresh_run(saved, tmp_path):
     assert load_checkpoint(tmp_path, saved[0]()) is None
+
+
+@pytest.mark.parametrize("how", ["truncate-distcp", "delete-metadata", "truncate-common"])
+def test_damaged_newest_step_without_manifest_falls_back_with_a_warning(saved, tmp_path, how):
+    """A step with no manifest.json (an older checkpoint, or the manifest lost) is checked against its own
+    `.metadata` (every referenced file present and long enough) and loaded with a fallback: a damaged one is
+    skipped for the previous step, the warning naming the file, instead of a bare EOFError / AssertionError."""
+    make_actor, pristine = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    step = root / "step_0000002"
+    (step / "manifest.json").unlink()
+    if how == "delete-metadata":
+        (step / ".metadata").unlink()
+        victim = ".metadata"
+    else:
+        victim = _damage(step, how)
+    actor = make_actor()
+    with pytest.warns(CheckpointFallbackWarning, match=victim) as record:
+        extra = load_checkpoint(root, actor)
+    assert extra == {"step": 1, "tag": 1}
+    skipped = _fallback_messages(record)[0]
+    assert "step_0000002" in skipped and "step_0000001" in skipped
+
+
+def test_unverified_step_that_fails_to_read_falls_back(saved, tmp_path, monkeypatch):
+    """Damage the `.metadata` check cannot see (a flipped byte inside a tensor's pickle) fails the read itself:
+    for a step without a manifest that read error skips it like a failed verification, the warning naming it."""
+    from megatron_dapo import checkpoint
+
+    make_actor, pristine = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    (root / "step_0000002" / "manifest.json").unlink()
+    real_load = checkpoint.dist_checkpointing.load
+
+    def load(state, path, *args, **kwargs):
+        if path.endswith("step_0000002"):
+            raise EOFError("Ran out of input")
+        return real_load(state, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "load", load)
+    with pytest.warns(CheckpointFallbackWarning, match="fails to load: EOFError: Ran out of input") as record:
+        extra = load_checkpoint(root, make_actor())
+    assert extra == {"step": 1, "tag": 1}
+    skipped = _fallback_messages(record)[0]
+    assert "step_0000002" in skipped and "resuming from step_0000001" in skipped

@@ -1,15 +1,16 @@
 """Start a run from a torch_dist checkpoint's model weights: converter output or another run's checkpoint.
 
 `train.py --load DIR` calls this when DIR has Megatron-LM's `latest_checkpointed_iteration.txt` (what
-`checkpoint_convert hf-to-mcore` writes): the model loads at the run's TP/PP (megatron-core reshards),
-and the run starts at iteration 0 with a fresh optimizer. Resuming a run (model + optimizer + step) is
-`megatron_dapo.checkpoint.load_checkpoint`'s job.
+`checkpoint_convert hf-to-mcore` writes), or is its `release/` directory: the model loads at the run's
+TP/PP (megatron-core reshards), and the run starts at iteration 0 with a fresh optimizer. Resuming a run
+(model + optimizer + step) is `megatron_dapo.checkpoint.load_checkpoint`'s job.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -17,13 +18,17 @@ import torch
 
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.ckpt_config import check_global_shapes, check_same_arch
-from megatron_dapo.weights.dist_ckpt import TRACKER_FILE, DistCheckpointReader
+from megatron_dapo.weights.dist_ckpt import DCP_METADATA, TRACKER_FILE, DistCheckpointReader
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 
 def is_megatron_lm_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a Megatron-LM-layout checkpoint root (converter output), not a training --save dir."""
-    return (Path(path) / TRACKER_FILE).is_file()
+    """Whether `path` is Megatron-LM-layout converter output, not a training --save dir: its root (with
+    latest_checkpointed_iteration.txt) or one of its iteration directories (`release/`, `iter_NNNNNNN/`)."""
+    root = Path(path)
+    if (root / TRACKER_FILE).is_file():
+        return True
+    return re.fullmatch(r"release|iter_\d{7}", root.name) is not None and (root / DCP_METADATA).is_file()
 
 
 def initial_checkpoint(load: str | None, mcore_checkpoint: str | None) -> str | None:

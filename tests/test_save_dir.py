@@ -1,0 +1,186 @@
+"""--save and --load checks before anything is built (megatron_dapo/save_dir.py).
+
+One run per --save directory: a second launch on a locked directory stops at once with an error naming the
+holder's host and pid, a dead holder's lock is taken over. --load that names no checkpoint (a typo, a file, an
+empty directory, an HF model, one step directory) is an error naming the path and what it holds; only the
+launchers' `--load` = `--save` pattern starts fresh, with a line saying so. A --save that cannot be written
+is found before the model is built.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo import save_dir
+from megatron_dapo.errors import UserError
+from megatron_dapo.save_dir import LOCK_FILE, check_load, check_save_writable, lock_save_dir
+from tests.conftest import REPO, train_env
+
+HOLD = ("import sys, time; from pathlib import Path; from megatron_dapo.save_dir import lock_save_dir; "
+        "lock_save_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A process holding the lock of tmp_path / "ckpt" (killed at the end)."""
+    save = tmp_path / "ckpt"
+    save.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(save)], cwd=REPO, env=train_env(),
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield save, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_a_held_lock_is_an_error_naming_host_and_pid_and_a_dead_holders_lock_is_taken_over(holder, capsys):
+    save, proc = holder
+    with pytest.raises(UserError) as err:
+        lock_save_dir(save)
+    message = str(err.value)
+    assert f"--save {save} is in use by another run: pid {proc.pid} on host {socket.gethostname()}" in message
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to release: the lock file still names it
+    proc.wait()
+    assert json.loads((save / LOCK_FILE).read_text())["pid"] == proc.pid
+    lock = lock_save_dir(save)
+    assert f"took over the lock of a run that ended without releasing it (pid {proc.pid} on host" \
+           in capsys.readouterr().out
+    assert json.loads((save / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert (save / LOCK_FILE).read_text() == ""  # a clean exit leaves no holder to report
+    again = lock_save_dir(save)
+    assert "took over" not in capsys.readouterr().out
+    again.release()
+
+
+def _launch(*flags: str) -> subprocess.CompletedProcess:
+    """The trainer with inputs that do not exist: every check here comes before they are read."""
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", "/nonexistent/model", "--prompt-data",
+           "/nonexistent/train.jsonl", "--num-steps", "2", "--no-wandb", "--no-progress", *flags]
+    return subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_second_launch_on_a_locked_save_dir_is_an_error_before_anything_is_built(holder):
+    save, proc = holder
+    out = _launch("--save", str(save), "--load", str(save))
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert errors[0].startswith(f"error: --save {save} is in use by another run: pid {proc.pid} on host "
+                                f"{socket.gethostname()} (started "), errors[0]
+    assert "no checkpoint in" not in out.stdout and "decoder layers" not in out.stdout
+    assert proc.poll() is None  # the holder is untouched
+
+
+def test_load_typo_is_an_error_naming_the_path(tmp_path):
+    out = _launch("--load", str(tmp_path / "ckpt-typo"), "--save", str(tmp_path / "ckpt"))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert f"error: --load {tmp_path / 'ckpt-typo'} does not exist" in out.stderr
+    assert not (tmp_path / "ckpt").exists()  # nothing was created for a run that cannot start
+
+
+def _hf_dir(path: Path) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    pytest.param("typo", "does not exist", id="typo"),
+    pytest.param("file", "is a file, not a checkpoint directory", id="file"),
+    pytest.param("empty", "holds no checkpoint (no step_N directory; it holds nothing)", id="empty-dir"),
+    pytest.param("hf", "is an HF model directory (config.json, weights): pass it as --hf-checkpoint", id="hf-dir"),
+    pytest.param("step", "is one step of a checkpoint; give the directory that holds the steps: --load ", id="step"),
+    pytest.param("latest", "holds `latest` naming step_0000004, but no step directory", id="latest-only"),
+    pytest.param("other", "holds no checkpoint (no step_N directory; it holds notes.txt, run.log)", id="other"),
+])
+def test_load_without_a_checkpoint_is_an_error_naming_path_and_content(tmp_path, case, expected):
+    load = tmp_path / "load"
+    if case == "file":
+        load.write_text("x")
+    elif case == "empty":
+        load.mkdir()
+    elif case == "hf":
+        _hf_dir(load)
+    elif case == "step":
+        load = tmp_path / "ckpt" / "step_0000002"
+        load.mkdir(parents=True)
+        (load / "metadata.json").write_text("{}")
+    elif case == "latest":
+        load.mkdir()
+        (load / "latest").write_text("step_0000004")
+    elif case == "other":
+        load.mkdir()
+        (load / "notes.txt").write_text("x")
+        (load / "run.log").write_text("x")
+    with pytest.raises(UserError) as err:
+        check_load(str(load), str(tmp_path / "save"))
+    assert str(err.value).startswith(f"--load {load} ") and expected in str(err.value), str(err.value)
+    if case == "step":
+        assert str(err.value).endswith(f"--load {load.parent} (the newest usable step is taken)")
+
+
+@pytest.mark.parametrize("content, says", [
+    pytest.param((), "(--load is --save, which does not exist yet)", id="not-created"),
+    pytest.param(("",), "(it holds nothing; --load is --save)", id="empty"),
+    pytest.param(("", LOCK_FILE), "(it holds nothing; --load is --save)", id="lock-file-only"),
+    pytest.param(("", "step_0000001.tmp/"), "(it holds only the unfinished save(s) step_0000001.tmp; --load is --save)",
+                 id="unfinished-save"),
+])
+def test_load_equal_to_save_without_a_checkpoint_starts_fresh_with_a_line(tmp_path, content, says):
+    save = tmp_path / "ckpt"
+    for name in content:
+        if name.endswith("/"):
+            (save / name).mkdir(parents=True)
+        elif name:
+            (save / name).write_text("")
+        else:
+            save.mkdir()
+    note = check_load(str(save), str(tmp_path / "." / "ckpt"))
+    assert note == f"no checkpoint in {save}: starting at step 0 {says}"
+
+
+def test_load_of_checkpoints_and_of_converter_output_goes_on(tmp_path):
+    run = tmp_path / "run"
+    (run / "step_0000003").mkdir(parents=True)
+    assert check_load(str(run), str(run)) is None and check_load(str(run), None) is None
+    converted = tmp_path / "mcore"
+    (converted / "release").mkdir(parents=True)
+    (converted / "latest_checkpointed_iteration.txt").write_text("release")
+    (converted / "release" / ".metadata").write_bytes(b"")
+    assert check_load(str(converted), str(tmp_path / "save")) is None
+    assert check_load(str(converted / "release"), str(tmp_path / "save")) is None  # its iteration directory too
+    from megatron_dapo.weights.dist_load import initial_checkpoint
+
+    assert initial_checkpoint(str(converted / "release"), None) == str(converted / "release")
+    assert initial_checkpoint(str(run), None) is None  # a run's --save directory resumes instead
+
+
+def test_save_that_cannot_be_written_is_an_error_naming_it(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match=f"--save {blocker / 'ckpt'} is not writable: Not a directory"):
+        check_save_writable(blocker / "ckpt")
+    save = tmp_path / "ckpt"
+    save.mkdir()
+
+    def read_only(*args, **kwargs):  # what a read-only mount (EROFS) or a missing permission does at the write
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(save / ".write-probe-x"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(UserError) as err:
+        check_save_writable(save)
+    assert str(err.value).startswith(f"--save {save} is not writable: Read-only file system ({save}/.write-probe-x)")
+    assert save_dir.tempfile is tempfile  # the check writes through the module patched above
