@@ -205,3 +205,31 @@ def test_failed_keyed_start_removes_the_key_file(tmp_path, private_tmp):
         group.start()
     assert group.key_file is None and list(private_tmp.iterdir()) == []
     assert os.listdir(tmp_path / "logs") == ["sglang_0.log"]
+
+
+def test_key_dirs_of_sigkilled_trainers_are_removed_at_the_next_start(private_tmp):
+    """A key directory names its trainer (`sglang_key-<host>-<pid>-...`); the next keyed start removes those of
+    this host whose pid is dead (a SIGKILL skipped their stop) and keeps those of live processes and other hosts."""
+    import socket
+    import subprocess
+
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {"dead": f"sglang_key-{host}-{dead.pid}-x1y2z3_a", "live": f"sglang_key-{host}-{live.pid}-abc",
+                 "mine": f"sglang_key-{host}-{os.getpid()}-abc", "other_host": f"sglang_key-elsewhere-{dead.pid}-abc",
+                 "unrelated": f"other-{host}-{dead.pid}-abc"}
+        for name in names.values():
+            (private_tmp / name).mkdir(mode=0o700)
+            (private_tmp / name / "api_key.yaml").write_text("{}")
+        path = write_server_key_file(KEY)
+        left = {p.name for p in private_tmp.iterdir()}
+        assert names["dead"] not in left
+        assert {names[k] for k in ("live", "mine", "other_host", "unrelated")} <= left
+        assert path.parent.name.startswith(f"sglang_key-{host}-{os.getpid()}-")  # this run's own, by its owner
+        remove_server_key_file(path)
+    finally:
+        live.kill()
+        live.wait()

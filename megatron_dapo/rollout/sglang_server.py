@@ -13,7 +13,8 @@ writes it to a 0600 file in a fresh 0700 directory (api_key.write_server_key_fil
 SGLang's --config option (YAML merged into their arguments in-process; their scheduler / detokenizer children
 are multiprocessing spawns that get their arguments through a pipe) and the router through
 megatron_dapo.rollout.sglang_router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
-a trainer killed with SIGKILL leaves it behind, still readable by its owner only. SGLang logs its arguments,
+a trainer killed with SIGKILL leaves it behind, still readable by its owner only, until the next keyed start
+on that host removes it (api_key.remove_stale_key_dirs). SGLang logs its arguments,
 key included, so the logs of a keyed group are created 0600 too.
 
 Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
