@@ -287,10 +287,13 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout.api_key import resolve_api_key
+    from megatron_dapo.rollout.sglang_server import check_bind
 
     try:
         build_configs(args)
         args.sglang_api_key = resolve_api_key(args.sglang_api_key, args.sglang_api_key_file, os.environ)
+        if rollout_engine_kind(args) == "sglang" and not args.sglang_server_urls:  # before minutes of model build
+            check_bind(args.sglang_host, args.sglang_api_key, allow_no_api_key=args.sglang_allow_no_api_key)
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)

@@ -102,11 +102,7 @@ class ServerConfig:
                     raise ValueError("--sglang-extra-args has --config, which SGLang takes once and which a keyed "
                                      "launch uses to hand over the API key: pass those options as "
                                      "flags in --sglang-extra-args instead")
-        if not is_loopback(self.host) and self.api_key is None and not self.allow_no_api_key:
-            raise ValueError(
-                f"refusing to launch SGLang servers bound to {self.host!r} without an API key: their weight "
-                f"endpoints unpickle what they receive. Set --sglang-api-key (or SGLANG_API_KEY), bind "
-                f"--sglang-host 127.0.0.1, or pass --sglang-allow-no-api-key on a trusted network")
+        check_bind(self.host, self.api_key, allow_no_api_key=self.allow_no_api_key)
         if self.router is None:
             self.router = self.num_servers > 1
         self.extra_args = tuple(self.extra_args)
@@ -159,6 +155,17 @@ class ServerConfig:
             raise ValueError("ServerConfig has an api_key: pass the key_file it was written to "
                              "(api_key.write_server_key_file); it never goes on a command line")
         return [option, str(key_file)]
+
+
+def check_bind(host: str, api_key: str | None, *, allow_no_api_key: bool) -> None:
+    """ValueError naming the flags unless launched servers may bind `host`: loopback, or with an API key, or
+    with the explicit opt-out. Checked with the other flags (train.check_flags) and again by ServerConfig."""
+    if not is_loopback(host) and api_key is None and not allow_no_api_key:
+        raise ValueError(
+            f"refusing to launch SGLang servers bound to --sglang-host {host} without an API key: their weight "
+            f"endpoints unpickle what they receive, so anyone reaching the port can run code in them. Give a key "
+            f"with --sglang-api-key-file (or SGLANG_API_KEY), bind --sglang-host 127.0.0.1, or pass "
+            f"--sglang-allow-no-api-key on a trusted network")
 
 
 def is_loopback(host: str) -> bool:
