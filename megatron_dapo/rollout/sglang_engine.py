@@ -13,9 +13,14 @@ What survives what (tests/test_rollout_sglang_recovery.py kills real servers by 
   it takes new work it is re-synced to the current weights.
 - A server that dies during a weight update: the update completes on the others, the whole new version is
   kept (see below), and the lost server catches up from it once it is back, before it takes new work.
+- A server that accepts connections and answers nothing (hung): the same as a dead one once a call to it times
+  out (ClientConfig.http_timeout_s; a /generate call: generate_timeout_s of its max_new_tokens).
+- The router failing while its servers answer /health: samples go to the servers directly for ROUTER_RETRY_S
+  (logged once per outage, counted in rollout/router_fallbacks), then it is tried again.
 - The trainer killed with SIGKILL: launched servers die with it (PR_SET_PDEATHSIG, sglang_server.py).
 Nothing is lost and the step goes on; take_metrics() counts it (rollout/servers_lost, rollout/server_restarts,
-rollout/retried_requests, sync/servers_recovered, rollout/recovery_s).
+rollout/retried_requests, rollout/router_fallbacks, sync/servers_recovered, rollout/recovery_s).
+Attached URLs are checked at construction (server_setup.check_attached): one that is not SGLang is a UserError.
 
 The last pushed weights, from which a lost server is re-synced: see weight_push.py.
 
