@@ -3,7 +3,8 @@
 The temporary sibling is `.<name>.tmp-<host>-<pid>`. An error or a SIGINT/SIGTERM (the CLI turns
 SIGTERM into SystemExit) removes it; a SIGKILL cannot be caught, so every run first removes the
 temporaries that runs on this host left behind when their pid is no longer alive (a converted 32B
-model leaves ~64 GB there otherwise). A half-written checkpoint never appears under the final name.
+model leaves ~64 GB there otherwise; megatron_dapo/stale_dirs.py). A half-written checkpoint never
+appears under the final name.
 """
 
 from __future__ import annotations
@@ -11,37 +12,17 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from megatron_dapo.stale_dirs import owner_tag, remove_dead_owners
 
 _TMP = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)$")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
 def remove_stale_temporaries(parent: str) -> list[str]:
     """Remove `.*.tmp-<host>-<pid>` / `.old-` siblings of this host whose process is gone; return them."""
-    host = socket.gethostname()
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        m = _TMP.match(name)
-        if m and m["host"] == host and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-            removed.append(name)
-    return removed
+    return remove_dead_owners(parent, _TMP)
 
 
 @contextmanager
@@ -55,7 +36,7 @@ def atomic_output_dir(
     parent, name = os.path.split(final)
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(parent)
-    tag = f"{socket.gethostname()}-{os.getpid()}"
+    tag = owner_tag()
     tmp = os.path.join(parent, f".{name}.tmp-{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

@@ -226,8 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="launch on a non-loopback --sglang-host without an API key (anyone reaching the port can "
                         "run code in the server through its pickle-based weight endpoints)")
     g.add_argument("--sglang-server-wait-s", type=float, default=600.0,
-                   help="attach mode: how long a server that stopped answering may take to come back before the "
-                        "run stops with an error naming it")
+                   help="attach mode: how long a server that stopped answering (or is still starting when the run "
+                        "attaches) may take to answer /health before the run stops with an error naming it")
+    g.add_argument("--sglang-http-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long an SGLang server or router has to answer a health, info or short control call "
+                        "(abort, pause, cache flush), and to accept any connection; one that does not counts as "
+                        "lost: restarted (launched) or waited for (attached). At attach, a URL that does not answer "
+                        "/health and /server_info as SGLang does is an error naming it and its answer. Weight "
+                        "updates get 600 s. SGLang's own /health waits up to 20 s for a busy scheduler")
+    g.add_argument("--sglang-min-tokens-per-s", type=float, default=10.0, metavar="RATE",
+                   help="slowest decoding a /generate call is allowed: it times out after --sglang-http-timeout + "
+                        "its max new tokens / RATE seconds and its server counts as lost (its samples are redone on "
+                        "another). At --max-response-length 20480 and the defaults: 60 + 2048 s, ~35 min; lower it "
+                        "when requests queue long on the servers (--sglang-max-concurrency far above what they batch)")
     g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
                    help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
                         "separate GPUs (NCCL group with the servers); disk: safetensors + "

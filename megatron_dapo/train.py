@@ -229,6 +229,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     api_key = args.sglang_api_key  # resolved by check_flags: --sglang-api-key-file, the flag, then SGLANG_API_KEY
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
+        http_timeout_s=args.sglang_http_timeout, min_tokens_per_s=args.sglang_min_tokens_per_s,
         update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
                                                   colocate=args.colocate, trainer_gpu=trainer_gpu,
                                                   server_gpus=None if attach else args.sglang_gpus),
@@ -240,13 +241,14 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
         from megatron_dapo.rollout.tensor_ipc import check_shm_space
 
         check_shm_space(client.bucket_bytes)  # before minutes of server start-up
-    if attach:
+    if attach:  # the engine first checks that every URL is SGLang (UserError naming the one that is not)
+        engine = make_engine("sglang", client=client, server_urls=args.sglang_server_urls,
+                             router_url=args.sglang_router_url)
         for line in server_setup.attached_determinism_warnings(
-                args.sglang_server_urls, seeded=seeded,
+                args.sglang_server_urls, seeded=seeded, timeout_s=client.http_timeout_s,
                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None):
             print(line)
-        return make_engine("sglang", client=client, server_urls=args.sglang_server_urls,
-                           router_url=args.sglang_router_url)
+        return engine
     python = args.sglang_python or sys.executable
     if not cuda and args.sglang_python is None and Path(".venv-sglang/bin/python").exists():
         python = ".venv-sglang/bin/python"  # the CPU SGLang environment of `make sglang-env`
@@ -287,10 +289,13 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout.api_key import resolve_api_key
+    from megatron_dapo.rollout.sglang_server import check_bind
 
     try:
         build_configs(args)
         args.sglang_api_key = resolve_api_key(args.sglang_api_key, args.sglang_api_key_file, os.environ)
+        if rollout_engine_kind(args) == "sglang" and not args.sglang_server_urls:  # before minutes of model build
+            check_bind(args.sglang_host, args.sglang_api_key, allow_no_api_key=args.sglang_allow_no_api_key)
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)
@@ -484,7 +489,7 @@ def make_colocated(args: argparse.Namespace, actor, engine, section):
                                        for i in range(args.sglang_num_servers)]
     groups = make_engine_groups(urls, args.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
-                             api_key=args.sglang_api_key)
+                             api_key=args.sglang_api_key, http_timeout_s=args.sglang_http_timeout)
     return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
                          section=section), pusher
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.buckets import iter_buckets
 from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang_protocol import generate_payload, parse_generate_response, sample_rid
@@ -396,10 +397,8 @@ def test_client_sends_the_api_key_on_every_call():
     assert calls["/pause_generation"] == calls["/continue_generation"] == 1
     assert state.authorizations and set(state.authorizations) == {"Bearer s3cret"}
     engine.shutdown()
-    keyless = SGLangEngine(server_urls=[url])
-    with pytest.raises(RuntimeError, match="--sglang-api-key"):
-        keyless.generate(_reqs(1, n=1))
-    keyless.shutdown()
+    with pytest.raises(UserError, match="--sglang-api-key"):  # refused at attach (/server_info answers 401)
+        SGLangEngine(server_urls=[url])
     kill(server, state)
 
 

@@ -205,3 +205,54 @@ def test_failed_keyed_start_removes_the_key_file(tmp_path, private_tmp):
         group.start()
     assert group.key_file is None and list(private_tmp.iterdir()) == []
     assert os.listdir(tmp_path / "logs") == ["sglang_0.log"]
+
+
+def test_key_dirs_of_sigkilled_trainers_are_removed_at_the_next_start(private_tmp):
+    """A key directory names its trainer (`sglang_key-<host>-<pid>-...`); the next keyed start removes those of
+    this host whose pid is dead (a SIGKILL skipped their stop) and keeps those of live processes and other hosts."""
+    import socket
+    import subprocess
+
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {"dead": f"sglang_key-{host}-{dead.pid}-x1y2z3_a", "live": f"sglang_key-{host}-{live.pid}-abc",
+                 "mine": f"sglang_key-{host}-{os.getpid()}-abc", "other_host": f"sglang_key-elsewhere-{dead.pid}-abc",
+                 "unrelated": f"other-{host}-{dead.pid}-abc"}
+        for name in names.values():
+            (private_tmp / name).mkdir(mode=0o700)
+            (private_tmp / name / "api_key.yaml").write_text("{}")
+        path = write_server_key_file(KEY)
+        left = {p.name for p in private_tmp.iterdir()}
+        assert names["dead"] not in left
+        assert {names[k] for k in ("live", "mine", "other_host", "unrelated")} <= left
+        assert path.parent.name.startswith(f"sglang_key-{host}-{os.getpid()}-")  # this run's own, by its owner
+        remove_server_key_file(path)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_wide_bind_without_a_key_is_one_error_line_naming_the_flags(tmp_path, capsys, monkeypatch):
+    """`--sglang-host 0.0.0.0` with no key is refused with the other flag checks: `error: ...` naming
+    --sglang-host, --sglang-api-key-file and the opt-out, exit status 2, before any model is built (it was a
+    ValueError traceback from ServerConfig after the actor was built). A key, the opt-out or attach mode pass."""
+    from tests.test_validation import make_model_dir, parse
+
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    model, data = make_model_dir(tmp_path), tmp_path / "train.jsonl"
+    wide = ["--rollout-engine", "sglang", "--sglang-host", "0.0.0.0"]
+    argv = ["--hf-checkpoint", str(model), "--prompt-data", str(data), "--num-steps", "1", "--max-prompt-length",
+            "16", "--max-response-length", "8", "--overlong-buffer-length", "4", *wide]
+    with pytest.raises(SystemExit) as exit_info:
+        train_mod.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for flag in ("--sglang-host 0.0.0.0", "--sglang-api-key-file", "--sglang-allow-no-api-key"):
+        assert flag in err[0]
+    key = _key_file(tmp_path, "k")
+    for ok in (["--sglang-api-key-file", str(key)], ["--sglang-allow-no-api-key"],
+               ["--sglang-server-urls", "http://10.0.0.1:30000"]):
+        train_mod.check_flags(parse(model, data, *wide, *ok))

@@ -14,7 +14,7 @@ def make_engine(kind: str, *args: Any, **kwargs: Any) -> RolloutEngine:
     """Builds an engine by --rollout-engine name.
 
     "embedded": EmbeddedEngine(model_dir_or_config, *, state_dict, tokenizer, dtype, max_batch_size, seed).
-    "sglang": SGLangEngine(ServerConfig(...), *, max_concurrency, request_timeout_s, ...).
+    "sglang": SGLangEngine(ServerConfig(...) or server_urls=[...], *, client=ClientConfig(...), router_url).
     """
     if kind == "embedded":
         from megatron_dapo.rollout.embedded import EmbeddedEngine

@@ -13,13 +13,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from megatron_dapo.stale_dirs import owner_tag, remove_dead_owners
+
 SERVER_KEY_FILE = "api_key.yaml"
 """Name of the key file in a server group's private directory (SGLang's --config wants a .yaml suffix)."""
+KEY_DIR_PREFIX = "sglang_key-"
+KEY_DIR = re.compile(rf"^{KEY_DIR_PREFIX}(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]+$")
+"""A key directory: `sglang_key-<host>-<pid>-<random>` (tempfile.mkdtemp's random part has no '-'), so that a
+later start can tell one whose trainer was SIGKILLed (its pid is gone) from one in use."""
 
 
 def check_key(key: str, source: str) -> str:
@@ -76,8 +83,11 @@ def resolve_api_key(key: str | None, key_file: str | None, environ: Mapping[str,
 def write_server_key_file(api_key: str) -> Path:
     """Writes `api_key` as SGLang config YAML ({"api-key": ...}; JSON, which YAML reads too) to a new file of
     mode 0600 in a new directory of mode 0700 under the temp dir; returns the file's path. Remove it with
-    remove_server_key_file."""
-    directory = Path(tempfile.mkdtemp(prefix="sglang_key_"))  # 0700, a fresh name: no one else's file or link
+    remove_server_key_file. First removes the key directories that SIGKILLed trainers of this host left there
+    (remove_stale_key_dirs)."""
+    remove_stale_key_dirs()
+    # 0700, a fresh name: no one else's file or link
+    directory = Path(tempfile.mkdtemp(prefix=f"{KEY_DIR_PREFIX}{owner_tag()}-"))
     path = directory / SERVER_KEY_FILE
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -87,6 +97,12 @@ def write_server_key_file(api_key: str) -> Path:
         remove_server_key_file(path)
         raise
     return path
+
+
+def remove_stale_key_dirs(parent: str | os.PathLike[str] | None = None) -> list[str]:
+    """Removes the key directories under `parent` (default: the temp dir) whose trainer on this host is no longer
+    alive (a SIGKILL skips ServerGroup.stop); returns their names. Those of live processes stay."""
+    return remove_dead_owners(parent if parent is not None else tempfile.gettempdir(), KEY_DIR)
 
 
 def read_server_key_file(path: str | os.PathLike) -> str:

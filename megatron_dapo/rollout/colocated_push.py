@@ -78,12 +78,13 @@ class ColocatedPusher:
     """Pushes a weight version to this rank's engine as part of a collective over every rank."""
 
     def __init__(self, groups: EngineGroups, *, bucket_bytes: int, api_key: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, http_timeout_s: float = 60.0) -> None:
+        """`timeout_s`: each weight-update call; `http_timeout_s`: the cache flush (--sglang-http-timeout)."""
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (--weight-sync-bucket-mb), got {bucket_bytes}")
         self.groups = groups
         self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
+        self.timeout_s, self.http_timeout_s = timeout_s, http_timeout_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @property
@@ -148,5 +149,6 @@ class ColocatedPusher:
             if self.posts:
                 self._post("/end_weight_update", {})
         if self.posts:  # drop prefix-cache entries computed with the old weights (its reply is plain text)
-            httpx.post(f"{self.groups.url.rstrip('/')}/flush_cache", headers=self._headers, timeout=self.timeout_s)
+            httpx.post(f"{self.groups.url.rstrip('/')}/flush_cache", headers=self._headers,
+                       timeout=self.http_timeout_s)
         return {"sync/seconds": time.perf_counter() - t0, "sync/gbytes": nbytes / 1e9}

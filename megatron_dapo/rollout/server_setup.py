@@ -154,13 +154,13 @@ def sync_group_layout(ranks_per_server: Sequence[int]) -> tuple[int, list[int]]:
 
 
 def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Callable[..., Any] = httpx.get,
-                                  headers: dict[str, str] | None = None) -> list[str]:
+                                  headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> list[str]:
     """Warnings for attached servers of a seeded run that ignore sampling_seed (or could not be asked)."""
     if not seeded:
         return []
     lines = []
     for url in urls:
-        state = server_deterministic(url, get, headers=headers)
+        state = server_deterministic(url, get, timeout_s, headers=headers)
         if state is False:
             lines.append(f"[megatron-dapo] warning: SGLang server {url} runs without {DETERMINISTIC_FLAG}: it "
                          f"ignores sampling_seed, so rollouts are not reproducible from --seed (start it with "
@@ -170,3 +170,87 @@ def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Cal
                          f"/server_info: rollouts are reproducible from --seed only if it runs with "
                          f"{DETERMINISTIC_FLAG}")
     return lines
+
+
+def check_attached(urls: Sequence[str], router_url: str | None, *, timeout_s: float, wait_s: float,
+                   headers: dict[str, str] | None = None, get: Callable[..., Any] = httpx.get) -> None:
+    """Raises UserError unless every attached server answers GET /health with 200 and /server_info (or the older
+    /get_server_info) with a JSON object, and the router (if any) answers /health with 200: what SGLang does.
+
+    A URL that answers something else (a 404, a page that is not JSON, a refusal of the API key), or accepts the
+    connection and answers nothing within `timeout_s` (--sglang-http-timeout), is named with what it answered,
+    within seconds. One that refuses connections or answers 503 (SGLang still loading its model) is waited for up
+    to `wait_s` (--sglang-server-wait-s). The URLs are checked in parallel: at 16 servers, 32 GETs in ~one round
+    trip."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    checks = [(u, "--sglang-server-urls", True) for u in urls]
+    if router_url is not None:
+        checks.append((router_url, "--sglang-router-url", False))
+    with ThreadPoolExecutor(len(checks), thread_name_prefix="sglang-attach-check") as pool:
+        futures = [pool.submit(_check_one, url, flag, info, timeout_s=timeout_s, wait_s=wait_s,
+                               headers=headers or {}, get=get) for url, flag, info in checks]
+        for f in futures:
+            f.result()
+
+
+def _check_one(url: str, flag: str, info: bool, *, timeout_s: float, wait_s: float, headers: dict[str, str],
+               get: Callable[..., Any]) -> None:
+    """check_attached for one URL (`flag` names where it came from; `info`: ask /server_info too)."""
+    import time
+
+    from megatron_dapo.errors import UserError
+
+    def ask(path: str) -> httpx.Response | None:
+        """The answer to GET `path`; None when the connection is refused or drops (not up yet)."""
+        try:
+            return get(f"{url}{path}", timeout=timeout_s, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError):
+            return None
+        except httpx.TimeoutException:
+            raise UserError(f"{flag} {url} accepted the connection but did not answer GET {path} within "
+                            f"{timeout_s:g} s (--sglang-http-timeout): it is not an SGLang server, or a hung one"
+                            ) from None
+        except httpx.TransportError:
+            return None
+
+    def refuse(path: str, resp: httpx.Response) -> UserError:
+        if resp.status_code in (401, 403):
+            return UserError(f"{flag} {url} refused GET {path} ({resp.status_code}): give the API key it runs with "
+                             f"(--sglang-api-key-file or SGLANG_API_KEY)")
+        return UserError(f"{flag} {url} is not an SGLang server: GET {path} answered {resp.status_code} "
+                         f"{resp.text[:200]!r}")
+
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        resp = ask("/health")
+        if resp is not None and resp.status_code == 200:
+            break
+        if resp is not None and resp.status_code != 503:
+            raise refuse("/health", resp)
+        if time.monotonic() > deadline:
+            raise UserError(f"{flag} {url} did not answer GET /health with 200 for {wait_s:g} s "
+                            f"(--sglang-server-wait-s): start it, or fix the URL")
+        if not said:
+            print(f"[megatron-dapo] waiting up to {wait_s:g} s for SGLang at {url} (--sglang-server-wait-s)",
+                  flush=True)
+            said = True
+        time.sleep(1.0)
+    if not info:
+        return
+    for path in ("/server_info", "/get_server_info"):
+        resp = ask(path)
+        if resp is None:
+            raise UserError(f"{flag} {url} answered /health but dropped GET {path}: is it an SGLang server?")
+        if resp.status_code == 404 and path == "/server_info":
+            continue  # an older SGLang: /get_server_info
+        if resp.status_code != 200:
+            raise refuse(path, resp)
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        if isinstance(body, dict):
+            return
+        raise UserError(f"{flag} {url} is not an SGLang server: GET {path} answered 200 with {resp.text[:200]!r}, "
+                        f"not SGLang's JSON object")

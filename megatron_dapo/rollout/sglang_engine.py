@@ -13,9 +13,14 @@ What survives what (tests/test_rollout_sglang_recovery.py kills real servers by 
   it takes new work it is re-synced to the current weights.
 - A server that dies during a weight update: the update completes on the others, the whole new version is
   kept (see below), and the lost server catches up from it once it is back, before it takes new work.
+- A server that accepts connections and answers nothing (hung): the same as a dead one once a call to it times
+  out (ClientConfig.http_timeout_s; a /generate call: generate_timeout_s of its max_new_tokens).
+- The router failing while its servers answer /health: samples go to the servers directly for ROUTER_RETRY_S
+  (logged once per outage, counted in rollout/router_fallbacks), then it is tried again.
 - The trainer killed with SIGKILL: launched servers die with it (PR_SET_PDEATHSIG, sglang_server.py).
 Nothing is lost and the step goes on; take_metrics() counts it (rollout/servers_lost, rollout/server_restarts,
-rollout/retried_requests, sync/servers_recovered, rollout/recovery_s).
+rollout/retried_requests, rollout/router_fallbacks, sync/servers_recovered, rollout/recovery_s).
+Attached URLs are checked at construction (server_setup.check_attached): one that is not SGLang is a UserError.
 
 The last pushed weights, from which a lost server is re-synced: see weight_push.py.
 
@@ -45,7 +50,9 @@ import httpx
 
 from megatron_dapo.rollout.buckets import DEFAULT_BUCKET_BYTES, Bucket
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.server_setup import check_attached
 from megatron_dapo.rollout.sglang_protocol import (  # ServerDied: re-exported, raised here
+    CALL_MARGIN_S,
     ServerDied,
     aborted_sample,
     generate_payload,
@@ -67,8 +74,14 @@ class ClientConfig:
 
     max_concurrency: int = 256
     """Requests in flight at once over all servers (--sglang-max-concurrency)."""
-    request_timeout_s: float = 3600.0
-    """One /generate call; long responses on a busy server take minutes."""
+    http_timeout_s: float = 60.0
+    """Seconds a server has to answer a health, info or short control call (HTTP_CALLS) and to accept any
+    connection; one that does not counts as lost and is recovered (--sglang-http-timeout). SGLang's /health
+    itself waits up to 20 s for a busy scheduler. Attach mode: also the limit of each check that a URL is SGLang."""
+    min_tokens_per_s: float = 10.0
+    """A /generate call gets http_timeout_s + max_new_tokens / min_tokens_per_s seconds before its server counts
+    as lost (--sglang-min-tokens-per-s): at 20480 new tokens and the defaults 60 + 2048 s (~35 min), twice what
+    a 20k-token response takes at 20 tokens/s including a wait in the server's queue."""
     max_retries: int = 3
     """Attempts per sample after a server failure (on another server, or on the same one once it is back)
     before the error is raised."""
@@ -83,7 +96,8 @@ class ClientConfig:
     disk_dir: str | None = None
     """Where 'disk' mode writes weights (must be visible to the servers); default a temp dir."""
     control_timeout_s: float = 600.0
-    """Every control call (abort, pause, weight update) times out instead of hanging a step."""
+    """Weight-update and memory calls (WEIGHT_CALLS: a 65 GB load at 32B, a group rendezvous, a post-load pass)
+    time out after this instead of hanging a step."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every call (--sglang-api-key, or SGLANG_API_KEY)."""
     server_wait_s: float = 600.0
@@ -96,6 +110,10 @@ class ClientConfig:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1 (--sglang-max-concurrency), got "
                 f"{self.max_concurrency}")
+        if not self.http_timeout_s > 0:
+            raise ValueError(f"--sglang-http-timeout must be > 0 seconds, got {self.http_timeout_s}")
+        if not self.min_tokens_per_s > 0:
+            raise ValueError(f"--sglang-min-tokens-per-s must be > 0, got {self.min_tokens_per_s}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.update_mode not in UPDATE_MODES:
@@ -108,6 +126,24 @@ class ClientConfig:
             raise ValueError(f"recovery_attempts must be >= 1, got {self.recovery_attempts}")
         if self.api_key == "":
             raise ValueError("api_key is empty (--sglang-api-key / SGLANG_API_KEY): give a key or none")
+
+    def generate_timeout_s(self, max_new_tokens: int) -> float:
+        """Seconds one /generate call of `max_new_tokens` may take before its server counts as lost."""
+        return self.http_timeout_s + max_new_tokens / self.min_tokens_per_s
+
+    def timeout_for(self, path: str) -> float:
+        """The timeout of a call to `path` other than /generate: control_timeout_s for WEIGHT_CALLS, else
+        http_timeout_s."""
+        return self.control_timeout_s if path.startswith(WEIGHT_CALLS) else self.http_timeout_s
+
+
+WEIGHT_CALLS = ("/update_weights", "/init_weights_update_group", "/destroy_weights_update_group",
+                "/begin_weight_update", "/end_weight_update", "/release_memory_occupation",
+                "/resume_memory_occupation")
+"""Paths (prefixes) of the calls that move or free weights and get ClientConfig.control_timeout_s; every other
+call but /generate (health, info, abort, pause, flush) gets http_timeout_s."""
+ROUTER_RETRY_S = 60.0
+"""After the router failed, samples go to the servers directly for this long before one tries it again."""
 
 
 class SGLangEngine(WeightPush, RolloutEngine):
@@ -142,6 +178,8 @@ class SGLangEngine(WeightPush, RolloutEngine):
             # A router the cluster runs in front of these servers: first tries of /generate go through it;
             # weight sync, health, aborts and retries go to each server directly.
             self.entry_url = router_url.rstrip("/") if router_url is not None else None
+            check_attached(self.urls, self.entry_url, timeout_s=self.client.http_timeout_s,
+                           wait_s=self.client.server_wait_s, headers=self._headers)
             self._tps = None  # read from the servers' /server_info at the first tensor / distributed push
         self._version = 0
         self._disk_weights: str | None = None
@@ -158,6 +196,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._stale: set[int] = set()  # dead, restarting or re-syncing servers: they take no requests
         self._recovering: dict[int, asyncio.Future] = {}
         self._fatal: BaseException | None = None
+        self._router_down_at: float | None = None  # when the router last failed; None while it serves
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
         self._sync_bytes = 0  # bytes pushed by the update in progress (tensor: per server; distributed: once)
         self._rr = itertools.count()
@@ -178,7 +217,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
     async def _make_client(self) -> httpx.AsyncClient:
         limits = httpx.Limits(max_connections=self.client.max_concurrency + 16)
         self._sem = asyncio.Semaphore(self.client.max_concurrency)
-        return httpx.AsyncClient(limits=limits, timeout=self.client.request_timeout_s, headers=self._headers)
+        return httpx.AsyncClient(limits=limits, timeout=self.client.http_timeout_s, headers=self._headers)
 
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -186,7 +225,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
     async def _post(self, url: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
         try:
             resp = await self._http.post(f"{url}{path}", json=body or {},
-                                         timeout=timeout or self.client.control_timeout_s)
+                                         timeout=timeout if timeout is not None else self.client.timeout_for(path))
         except httpx.TransportError as e:
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
         return read_reply(resp, url, path)
@@ -229,7 +268,10 @@ class SGLangEngine(WeightPush, RolloutEngine):
                 server = await self._pick_server(tried)
                 # First try through the router while every server serves; otherwise (a retry, or a server
                 # out of rotation that the router would still pick) go to a serving server directly.
-                use_router = self.entry_url is not None and failures == 0 and not self._stale
+                want_router = self.entry_url is not None and failures == 0 and not self._stale
+                use_router = want_router and self._router_usable()
+                if want_router and not use_router:
+                    self._count("rollout/router_fallbacks")
                 url = self.entry_url if use_router else self.urls[server]
                 with self._lock:
                     self._inflight.setdefault(req.request_id, set()).add(rid)
@@ -237,19 +279,27 @@ class SGLangEngine(WeightPush, RolloutEngine):
                         return aborted_sample(req, index, self._version)
                 try:
                     body = await self._post(url, "/generate", generate_payload(req, index),
-                                            timeout=self.client.request_timeout_s)
-                except ServerDied:
+                                            timeout=self.client.generate_timeout_s(req.sampling.max_new_tokens))
+                except ServerDied as err:
                     failures += 1
                     if failures > self.client.max_retries:
                         raise
-                    self._count("rollout/retried_requests")
-                    for dead in ([server] if not use_router else await self._find_dead()):
+                    lost = [server] if not use_router else await self._find_dead()
+                    if use_router and not lost:  # the router itself failed: the servers behind it answer
+                        self._router_failed(err)
+                    else:
+                        self._count("rollout/retried_requests")
+                    for dead in lost:
                         tried.add(dead)
                         self._start_recovery(dead)
                     continue
                 finally:
                     with self._lock:
                         self._inflight.get(req.request_id, set()).discard(rid)
+                if use_router and self._router_down_at is not None:
+                    self._router_down_at = None
+                    print(f"[megatron-dapo] SGLang router {self.entry_url} answers again: generation goes through "
+                          f"it", file=sys.stderr, flush=True)
                 out = parse_generate_response(body)
                 if out.finish_reason == "abort" and req.request_id not in self._aborted:
                     # Aborted by the server, not by us (a restart, an abort-all racing a new request): redo it.
@@ -259,6 +309,20 @@ class SGLangEngine(WeightPush, RolloutEngine):
                     self._count("rollout/retried_requests")
                     continue
                 return to_sample(req, index, out, self._version)
+
+    def _router_usable(self) -> bool:
+        """Whether a first try goes through the router: it has not failed, or failed ROUTER_RETRY_S ago."""
+        return self._router_down_at is None or time.monotonic() - self._router_down_at > ROUTER_RETRY_S
+
+    def _router_failed(self, err: ServerDied) -> None:
+        """The router failed a request while every server answers /health: this sample goes to a server directly
+        (rollout/router_fallbacks), and so do first tries for ROUTER_RETRY_S. Logged once per outage."""
+        self._count("rollout/router_fallbacks")
+        if self._router_down_at is None:
+            print(f"[megatron-dapo] warning: SGLang router {self.entry_url} failed ({err}); requests go to the "
+                  f"servers directly (rollout/router_fallbacks counts them) and the router is tried again every "
+                  f"{ROUTER_RETRY_S:.0f} s", file=sys.stderr, flush=True)
+        self._router_down_at = time.monotonic()
 
     async def _group(self, req: RolloutRequest, out: queue.Queue) -> None:
         try:
@@ -310,7 +374,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
                                  return_exceptions=True)  # a dead server has nothing left to abort
 
         if bodies and urls:
-            self._call(send(), self.client.control_timeout_s)
+            self._call(send(), self.client.http_timeout_s + CALL_MARGIN_S)
         return sorted(ids)
 
     # ---- control -------------------------------------------------------------------------------
@@ -338,7 +402,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
             deadline = time.monotonic() + self.client.control_timeout_s
             for i in self._serving():
                 while True:
-                    resp = await self._http.post(f"{self.urls[i]}/flush_cache", timeout=self.client.control_timeout_s)
+                    resp = await self._http.post(f"{self.urls[i]}/flush_cache", timeout=self.client.http_timeout_s)
                     if resp.status_code == 200:
                         break
                     if time.monotonic() > deadline:
@@ -346,7 +410,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
                                            f"s before a memory release ({resp.status_code}: {resp.text[:200]})")
                     await asyncio.sleep(poll_s)
 
-        self._call(go(), self.client.control_timeout_s + 30)
+        self._call(go(), self.client.control_timeout_s + self.client.http_timeout_s + CALL_MARGIN_S)
 
     def resume_memory_occupation(self, tags: Sequence[str]) -> None:
         """Re-allocates what release_memory_occupation freed; resumed weights hold garbage until a push."""
@@ -376,12 +440,12 @@ class SGLangEngine(WeightPush, RolloutEngine):
                 elif isinstance(reply, BaseException):
                     raise reply
 
-        self._call(go(), self.client.control_timeout_s)
+        self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)
 
     def health(self) -> bool:
         async def check(url):
             try:
-                return (await self._http.get(f"{url}/health", timeout=10)).status_code == 200
+                return (await self._http.get(f"{url}/health")).status_code == 200  # http_timeout_s
             except httpx.HTTPError:
                 return False
 
@@ -443,7 +507,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
 
         async def down(url: str) -> bool:
             try:
-                return (await self._http.get(f"{url}/health", timeout=10)).status_code != 200
+                return (await self._http.get(f"{url}/health")).status_code != 200  # http_timeout_s
             except httpx.HTTPError:
                 return True
 
@@ -489,7 +553,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         deadline = time.monotonic() + self.client.server_wait_s
         while time.monotonic() < deadline:
             try:
-                if (await self._http.get(f"{url}/health", timeout=10)).status_code == 200:
+                if (await self._http.get(f"{url}/health")).status_code == 200:  # http_timeout_s
                     return
             except httpx.HTTPError:
                 pass
@@ -534,7 +598,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
 
         async def lost(i: int) -> bool:
             try:
-                resp = await self._http.get(f"{self.urls[i]}/model_info", timeout=10)
+                resp = await self._http.get(f"{self.urls[i]}/model_info")  # http_timeout_s
             except httpx.HTTPError:
                 return True
             if resp.status_code != 200:
@@ -551,9 +615,10 @@ class SGLangEngine(WeightPush, RolloutEngine):
 
 
 METRIC_KEYS = ("rollout/servers_lost", "rollout/server_restarts", "rollout/server_returns",
-               "rollout/retried_requests", "sync/servers_recovered", "rollout/recovery_s",
+               "rollout/retried_requests", "rollout/router_fallbacks", "sync/servers_recovered", "rollout/recovery_s",
                "sync/seconds", "sync/gbytes", "sync/gbps")
 """What take_metrics() reports, summed since its last call: servers found dead (while generating, in a control
 call or a weight update), launched servers restarted, attached servers waited for, samples sent again after a
-server failure, servers re-synced and put back in rotation, seconds from a loss to its server's return; weight
-updates' seconds and GB pushed, and the GB/s of the last one (see _sync_report)."""
+server failure, first tries sent to a server directly because the router failed, servers re-synced and put
+back in rotation, seconds from a loss to its server's return; weight updates' seconds and GB pushed, and the
+GB/s of the last one (see _sync_report)."""

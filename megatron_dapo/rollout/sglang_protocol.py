@@ -14,9 +14,13 @@ import httpx
 from megatron_dapo.rollout.sampling import row_seed
 from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, Sample
 
+CALL_MARGIN_S = 30.0
+"""A thread waiting for HTTP calls made on the engine's loop waits their timeout plus this, so that the calls' own
+timeouts (which mark a server lost) fire first."""
+
 
 class ServerDied(RuntimeError):
-    """A server stopped answering (connection refused / reset, or a 5xx)."""
+    """A server stopped answering (connection refused / reset, a timeout, or a 5xx)."""
 
 
 def read_reply(resp: httpx.Response, url: str, path: str) -> Any:

@@ -13,7 +13,8 @@ writes it to a 0600 file in a fresh 0700 directory (api_key.write_server_key_fil
 SGLang's --config option (YAML merged into their arguments in-process; their scheduler / detokenizer children
 are multiprocessing spawns that get their arguments through a pipe) and the router through
 megatron_dapo.rollout.sglang_router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
-a trainer killed with SIGKILL leaves it behind, still readable by its owner only. SGLang logs its arguments,
+a trainer killed with SIGKILL leaves it behind, still readable by its owner only, until the next keyed start
+on that host removes it (api_key.remove_stale_key_dirs). SGLang logs its arguments,
 key included, so the logs of a keyed group are created 0600 too.
 
 Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
@@ -101,11 +102,7 @@ class ServerConfig:
                     raise ValueError("--sglang-extra-args has --config, which SGLang takes once and which a keyed "
                                      "launch uses to hand over the API key: pass those options as "
                                      "flags in --sglang-extra-args instead")
-        if not is_loopback(self.host) and self.api_key is None and not self.allow_no_api_key:
-            raise ValueError(
-                f"refusing to launch SGLang servers bound to {self.host!r} without an API key: their weight "
-                f"endpoints unpickle what they receive. Set --sglang-api-key (or SGLANG_API_KEY), bind "
-                f"--sglang-host 127.0.0.1, or pass --sglang-allow-no-api-key on a trusted network")
+        check_bind(self.host, self.api_key, allow_no_api_key=self.allow_no_api_key)
         if self.router is None:
             self.router = self.num_servers > 1
         self.extra_args = tuple(self.extra_args)
@@ -158,6 +155,17 @@ class ServerConfig:
             raise ValueError("ServerConfig has an api_key: pass the key_file it was written to "
                              "(api_key.write_server_key_file); it never goes on a command line")
         return [option, str(key_file)]
+
+
+def check_bind(host: str, api_key: str | None, *, allow_no_api_key: bool) -> None:
+    """ValueError naming the flags unless launched servers may bind `host`: loopback, or with an API key, or
+    with the explicit opt-out. Checked with the other flags (train.check_flags) and again by ServerConfig."""
+    if not is_loopback(host) and api_key is None and not allow_no_api_key:
+        raise ValueError(
+            f"refusing to launch SGLang servers bound to --sglang-host {host} without an API key: their weight "
+            f"endpoints unpickle what they receive, so anyone reaching the port can run code in them. Give a key "
+            f"with --sglang-api-key-file (or SGLANG_API_KEY), bind --sglang-host 127.0.0.1, or pass "
+            f"--sglang-allow-no-api-key on a trusted network")
 
 
 def is_loopback(host: str) -> bool:

@@ -86,6 +86,9 @@ class SyncPlan:
     bucket_bytes: int
     api_key: str | None
     timeout_s: float
+    """Each weight-update call (ClientConfig.control_timeout_s)."""
+    http_timeout_s: float = 60.0
+    """A /health check of a target (--sglang-http-timeout)."""
 
     def __post_init__(self) -> None:
         if len(self.urls) != len(self.tps):
@@ -201,8 +204,9 @@ class StageClient:
     """The HTTP calls of one stage source: its posts to the target servers (API key, timeouts, errors as in
     SGLangEngine._post), concurrent over the servers on a small thread pool."""
 
-    def __init__(self, urls: Iterable[str], *, api_key: str | None, timeout_s: float):
+    def __init__(self, urls: Iterable[str], *, api_key: str | None, timeout_s: float, http_timeout_s: float = 60.0):
         self.urls = list(urls)
+        self.http_timeout_s = http_timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(headers=headers, timeout=timeout_s)
         self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="stage-sync-http")
@@ -228,7 +232,7 @@ class StageClient:
 
     def alive(self, server: int) -> bool:
         try:
-            return self._http.get(f"{self.urls[server]}/health", timeout=10).status_code == 200
+            return self._http.get(f"{self.urls[server]}/health", timeout=self.http_timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -270,7 +274,8 @@ class StageSender:
         broadcasts would wait on the dead member, and rank 0 re-pushes the whole version to the survivors."""
         t0 = time.perf_counter()
         out = StageOutcome(stage=self.stage)
-        client = StageClient(plan.urls, api_key=plan.api_key, timeout_s=plan.timeout_s)
+        client = StageClient(plan.urls, api_key=plan.api_key, timeout_s=plan.timeout_s,
+                             http_timeout_s=plan.http_timeout_s)
         broken_key = f"megatron_dapo/stage_sync_broken/{plan.tag}/{plan.version}"
         try:
             for bucket in iter_buckets(named, plan.bucket_bytes):
@@ -428,7 +433,7 @@ class StageSync:
             plan = SyncPlan(version=version, urls=tuple(urls), tps=tuple(tps), tag=tag, first_port=first_port,
                             master_address=c.sync_master_address, rank0_host=socket.gethostname(),
                             backend=c.sync_backend, bucket_bytes=c.bucket_bytes, api_key=c.api_key or _engine_key(
-                                engine), timeout_s=c.control_timeout_s)
+                                engine), timeout_s=c.control_timeout_s, http_timeout_s=c.http_timeout_s)
             comm.broadcast_object(("stage", plan), 0, self.wait_group)
             announced = True
             mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock)

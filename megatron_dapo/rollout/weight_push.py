@@ -34,7 +34,7 @@ import torch
 
 from megatron_dapo.rollout.buckets import Bucket, iter_buckets
 from megatron_dapo.rollout.server_setup import server_info, sync_group_layout, sync_ranks
-from megatron_dapo.rollout.sglang_protocol import ServerDied
+from megatron_dapo.rollout.sglang_protocol import CALL_MARGIN_S, ServerDied
 from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_tensors, stage_bucket
 
 _SYNC_GROUP_IDS = itertools.count(1)
@@ -141,7 +141,8 @@ class WeightPush:
         """Each server's TP size: its ranks in the sync group, its payloads per tensor push. Attached servers
         are asked once (/server_info tp_size; dp_size > 1 is refused, naming the URL)."""
         if self._tps is None:
-            self._tps = [sync_ranks(u, server_info(u, headers=self._headers)) for u in self.urls]
+            self._tps = [sync_ranks(u, server_info(u, headers=self._headers, timeout_s=self.client.http_timeout_s))
+                         for u in self.urls]
         return self._tps
 
     def _sync_report(self, version: int, seconds: float, servers: int) -> None:
@@ -177,7 +178,7 @@ class WeightPush:
                                         return_exceptions=True)
 
         ok = []
-        for i, reply in zip(targets, self._call(go(), self.client.control_timeout_s)):
+        for i, reply in zip(targets, self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)):
             if isinstance(reply, ServerDied):
                 lost.add(i)
             elif isinstance(reply, BaseException):
@@ -264,7 +265,8 @@ class WeightPush:
                     broken = True
                 for i, f in futures.items():
                     try:
-                        _check_success(f.result(self.client.control_timeout_s), "update_weights_from_distributed")
+                        _check_success(f.result(self.client.control_timeout_s + CALL_MARGIN_S),
+                                       "update_weights_from_distributed")
                     except ServerDied:
                         lost.add(i)
                         broken = True
@@ -305,7 +307,7 @@ class WeightPush:
             group_name=name, backend=self.client.sync_backend, timeout_s=self.client.control_timeout_s)
         self._sync_members, self._sync_name = list(targets), name
         for f in futures:
-            _check_success(f.result(self.client.control_timeout_s), "init_weights_update_group")
+            _check_success(f.result(self.client.control_timeout_s + CALL_MARGIN_S), "init_weights_update_group")
         return name
 
     def _drop_sync_group(self, members: list[int]) -> None:
@@ -321,16 +323,16 @@ class WeightPush:
             await asyncio.gather(*(self._post(self.urls[i], "/destroy_weights_update_group", {"group_name": name})
                                    for i in alive), return_exceptions=True)
 
-        self._call(go(), self.client.control_timeout_s)
+        self._call(go(), self.client.control_timeout_s + CALL_MARGIN_S)
 
     def _answers(self, server: int) -> bool:
         async def check():
             try:
-                return (await self._http.get(f"{self.urls[server]}/health", timeout=10)).status_code == 200
+                return (await self._http.get(f"{self.urls[server]}/health")).status_code == 200  # http_timeout_s
             except httpx.HTTPError:
                 return False
 
-        return self._call(check(), 30)
+        return self._call(check(), self.client.http_timeout_s + CALL_MARGIN_S)
 
     def _push_disk(self, targets: list[int], buckets: Iterable[Bucket], version: int) -> set[int]:
         """Writes the version as safetensors shards, then /update_weights_from_disk on each target; returns the
@@ -364,11 +366,10 @@ class WeightPush:
 
     def _flush(self, targets: list[int]) -> None:
         async def go():
-            await asyncio.gather(*(self._http.post(f"{self.urls[i]}/flush_cache",
-                                                   timeout=self.client.control_timeout_s) for i in targets),
+            await asyncio.gather(*(self._http.post(f"{self.urls[i]}/flush_cache") for i in targets),  # http_timeout_s
                                  return_exceptions=True)  # a server that died since is being recovered
 
-        self._call(go(), self.client.control_timeout_s)
+        self._call(go(), self.client.http_timeout_s + CALL_MARGIN_S)
 
 
 def _check_success(reply: Any, what: str) -> None:

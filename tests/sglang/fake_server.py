@@ -11,7 +11,7 @@ scheduler; /stats "received" says which group brought which tensors). Bound to 1
 Run as a script (it accepts --api-key, or a --config YAML with api-key, and ignores sglang.launch_server's
 other flags) or in a thread via serve(); kill() makes a threaded one die like a real server (in-flight requests
 get their connection dropped, new ones are refused) and serve(port=...) brings one back on the same port with
-fresh state.
+fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill().
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class FakeState:
         self.aborted: set[str] = set()
         self.abort_epoch = 0  # /abort_request {abort_all} aborts what is in flight at that moment
         self.dead = False
+        self.frozen = False  # a hung server: connections are accepted, requests read, nothing is answered
         self.authorizations: list[str | None] = []
         self.paused = threading.Event()
         self.in_update = False
@@ -274,6 +275,8 @@ def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
             auth = self.headers.get("Authorization")
             with state.lock:
                 state.authorizations.append(auth)
+            while state.frozen and not state.dead:
+                time.sleep(0.05)
             if state.dead:
                 raise ServerKilled(self.path)
             if state.api_key is None or self.path == "/health" or auth == f"Bearer {state.api_key}":
