@@ -1,4 +1,4 @@
-"""Check a resolved requirement set (pip's `--dry-run --report` JSON) against every declared constraint.
+"""Check a resolved requirement set (a pip dry-run install report, JSON) against every declared constraint.
 
 pip's resolver enforces the dependencies of what it installs, but not those declared under extras nobody asked
 for: megatron-core declares its TransformerEngine range only under `[dev]`, so `megatron-core` plus
