@@ -378,6 +378,7 @@ def train(args: argparse.Namespace) -> None:
     from megatron_dapo.actor import init_parallel
     from megatron_dapo.checkpoint import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.rollout.fd_limit import ensure_fd_limit
     from megatron_dapo.trainer import Trainer
     from megatron_dapo.weights.dist_load import initial_checkpoint
 
@@ -395,6 +396,8 @@ def train(args: argparse.Namespace) -> None:
     inputs, verdict = None, None
     if rank0:  # only rank 0 reads the prompt files
         try:
+            if rollout_engine_kind(args) == "sglang":  # rank 0 holds the HTTP connections to the servers
+                ensure_fd_limit(args.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
             inputs = load_inputs(args, with_data=True)
         except UserError as err:
             verdict = err
