@@ -9,7 +9,9 @@
 # the refusal on a trusted network. Prints the URLs to pass as SGLANG_URLS. Servers log to
 # ${SGLANG_RUN_DIR:-runs}/sglang-<port>.log; stop them with `kill $(cat runs/sglang-*.pid)` (their process
 # groups end with them). SGLANG_EXTRA_ARGS: more sglang.launch_server flags (the colocated launcher's
-# --mem-fraction-static and --enable-memory-saver).
+# --mem-fraction-static and --enable-memory-saver). With --enable-memory-saver the servers start without
+# expandable_segments:True in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF (torch_memory_saver refuses it; the
+# trainer's launchers set it), the other allocator options kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HF_CKPT=${1:?HF checkpoint directory}
@@ -35,6 +37,19 @@ case "$HOST" in
 esac
 printable_key() { local LC_ALL=C; [[ $1 =~ ^[!-~]+$ && $1 != -* ]]; }  # a bearer token SGLang's parser takes
 read -r -a EXTRA_ARGS <<<"${SGLANG_EXTRA_ARGS:-}"
+without_expandable_segments() {  # torch allocator options "k:v,k:v" without expandable_segments:True
+    local IFS=, opt opts out=()
+    read -r -a opts <<<"$1"
+    for opt in "${opts[@]}"; do [[ ${opt// /} == expandable_segments:True ]] || out+=("$opt"); done
+    echo "${out[*]}"
+}
+if [[ " ${EXTRA_ARGS[*]} " == *" --enable-memory-saver "* ]]; then
+    for var in PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF; do
+        [[ -n "${!var:-}" ]] || continue
+        conf=$(without_expandable_segments "${!var}")
+        if [[ -n "$conf" ]]; then export "$var=$conf"; else unset "$var"; fi
+    done
+fi
 mkdir -p "$RUN_DIR"
 if [[ -n "${SGLANG_API_KEY:-}" ]]; then
     if ! printable_key "$SGLANG_API_KEY"; then

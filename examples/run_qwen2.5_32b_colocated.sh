@@ -14,6 +14,7 @@
 #        examples/run_qwen2.5_32b_colocated.sh [HF_CKPT] [RUN_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# For the actor; launch_sglang_servers.sh leaves expandable segments out of the engines' (memory saver refuses it)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 HF_CKPT=${1:-${HF_CKPT:-/models/Qwen2.5-32B}}

@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attach mode: an sglang-router already running in front of the --sglang-server-urls "
                         "servers; generation goes through it while every server serves, weight sync, aborts "
                         "and retries go to each server directly")
-    g.add_argument("--sglang-max-concurrency", type=int, default=256, help="requests in flight")
+    g.add_argument("--sglang-max-concurrency", type=int, default=256,
+                   help="requests in flight; rank 0 raises its open-file limit to match (rollout/fd_limit.py)")
     g.add_argument("--sglang-api-key", default=None,
                    help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
                         "api_key) and sent on every call; required to launch on a non-loopback --sglang-host. "
@@ -250,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-sync-master-addr", default="127.0.0.1",
                    help="address of global rank 0 as the servers see it (distributed mode); at PP > 1 the other "
                         "stages' source ranks use MEGATRON_DAPO_WEIGHT_SYNC_ADDR set on their node, else this "
-                        "address on rank 0's host, else their hostname's address (rollout/stage_sync.py)")
+                        "address on rank 0's host, else their address on the route to this one, then their "
+                        "hostname's, whichever is not loopback (rollout/stage_sync.py)")
     g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
     g = p.add_argument_group("DAPO")

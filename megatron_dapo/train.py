@@ -383,6 +383,7 @@ def train(args: argparse.Namespace) -> None:
     from megatron_dapo.actor import init_parallel
     from megatron_dapo.checkpoint import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.rollout.fd_limit import ensure_fd_limit
     from megatron_dapo.save_dir import prepare_run_dirs
     from megatron_dapo.trainer import Trainer
     from megatron_dapo.weights.dist_load import initial_checkpoint
@@ -397,6 +398,8 @@ def train(args: argparse.Namespace) -> None:
     if rank0:  # only rank 0 checks --load and --save (and locks --save for the run) and reads the prompt files
         try:
             prepare_run_dirs(args)  # milliseconds, before anything is started or built (megatron_dapo/save_dir.py)
+            if rollout_engine_kind(args) == "sglang":  # rank 0 holds the HTTP connections to the servers
+                ensure_fd_limit(args.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
             if args.async_rollout and rollout_engine_kind(args) == "embedded":
                 # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and
                 # builds the actor; it loads the tokenizer itself

@@ -26,7 +26,8 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 """A --flag token; underscored ones (torchrun's --nproc_per_node) are never ours and do not match."""
 
 EXTERNAL: dict[str, set[str]] = {
-    "megatron_dapo/rollout/sglang_server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config"},
+    "megatron_dapo/rollout/sglang_server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config",
+                                               "--enable-memory-saver"},
     "megatron_dapo/rollout/api_key.py": {"--config"},  # sglang.launch_server's own
     "megatron_dapo/rollout/sglang_router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
     "megatron_dapo/rollout/sglang_engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own

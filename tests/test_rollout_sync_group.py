@@ -139,3 +139,20 @@ def test_a_server_restarted_unseen_is_left_out_of_the_group_and_resynced(mixed):
         engine.shutdown()
         if back is not None:
             kill(*back)
+
+
+def test_shutdown_ends_the_broadcast_group_here_and_on_the_servers(mixed):
+    """A gloo group still alive when its process exits can abort it at interpreter exit ("terminate called
+    without an active exception", issue 24): shutdown ends the group on both sides first."""
+    from torch.distributed.distributed_c10d import _world
+
+    engine = _attach(mixed, "distributed")
+    try:
+        engine.update_weights(iter(_named()), version=1)
+        group = engine._sync_group
+        assert group in _world.pg_map and all(len(state.groups) == 1 for _, state in mixed)
+    finally:
+        engine.shutdown()
+    assert group not in _world.pg_map
+    assert [state.groups for _, state in mixed] == [{}, {}]
+    assert [state.calls.get("/destroy_weights_update_group") for _, state in mixed] == [1, 1]

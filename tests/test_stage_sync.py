@@ -25,7 +25,9 @@ from megatron_dapo.rollout.stage_sync import (
     StageOutcome,
     SyncPlan,
     TicketLock,
+    choose_source_address,
     merge_outcomes,
+    routed_address,
     stage_master_address,
 )
 from tests.dist.actor_common import tiny_hf_model
@@ -151,20 +153,47 @@ def test_plan_names_a_group_and_port_per_stage_and_validates():
 def test_master_address_of_each_stage():
     plan = _plan()
     resolve = {"node0": "10.0.0.1", "node1": "10.0.0.2", "lo": "127.0.1.1"}.__getitem__
+    routes = {"node1": "10.0.0.2", "lo": "10.0.0.3"}  # the interface each host reaches 10.0.0.1 through
 
-    def addr(stage, host, env=None):
+    def addr(stage, host, env=None, plan=plan, route=None):
         return stage_master_address(stage, plan, env=env or {}, hostname=lambda: host,
                                     resolve=lambda h: resolve(h) if h in ("node0", "node1", "lo") else
-                                    (_ for _ in ()).throw(OSError("unknown host")))
+                                    (_ for _ in ()).throw(OSError("unknown host")),
+                                    route=route or (lambda target: routes[host]))
 
     assert addr(0, "node1") == "10.0.0.1"  # rank 0: --weight-sync-master-addr
     assert addr(1, "node0") == "10.0.0.1"  # on rank 0's host: the same address
-    assert addr(1, "node1") == "10.0.0.2"  # elsewhere: its hostname's address
+    assert addr(1, "node1") == "10.0.0.2"  # elsewhere: the interface that reaches rank 0
     assert addr(1, "node1", {SYNC_ADDR_ENV: "node0"}) == "node0"  # the variable wins
-    with pytest.raises(ValueError, match=rf"loopback address 127.0.1.1.*set {SYNC_ADDR_ENV}"):
-        addr(1, "lo")
+    assert addr(1, "lo") == "10.0.0.3"  # issue 24: a hostname on 127.0.1.1 (stock Ubuntu) no longer matters
+    no_route = lambda target: (_ for _ in ()).throw(OSError("Network is unreachable"))  # noqa: E731
+    assert addr(1, "node1", route=no_route) == "10.0.0.2"  # no route: the hostname's address
+    with pytest.raises(ValueError, match=rf"only addresses found \(127.0.1.1: the route to --weight-sync-master-addr "
+                                         rf"10.0.0.1, then its hostname\) are loopback.*set {SYNC_ADDR_ENV}"):
+        addr(1, "lo", route=no_route)
+    loopback_route = lambda target: "127.0.0.1"  # noqa: E731  (--weight-sync-master-addr on loopback)
+    with pytest.raises(ValueError, match=r"only addresses found \(127.0.0.1, 127.0.1.1"):
+        addr(1, "lo", route=loopback_route)
+    local = _plan(urls=("http://lo:30000",))  # every server on this source's host: loopback reaches them
+    assert addr(1, "lo", plan=local, route=loopback_route) == "127.0.0.1"
     with pytest.raises(ValueError, match=rf"{SYNC_ADDR_ENV}='nowhere' on node1 .* does not resolve"):
         addr(1, "node1", {SYNC_ADDR_ENV: "nowhere"})
+
+
+@pytest.mark.parametrize("candidates,remote,expected", [
+    pytest.param(["127.0.1.1", "10.1.2.3"], True, "10.1.2.3", id="first-routable"),
+    pytest.param(["10.1.2.3", "192.168.0.5"], True, "10.1.2.3", id="route-first"),
+    pytest.param(["127.0.0.1", "127.0.1.1"], True, None, id="only-loopback-remote-servers"),
+    pytest.param(["127.0.0.1", "127.0.1.1"], False, "127.0.0.1", id="only-loopback-local-servers"),
+    pytest.param(["::1", "fd00::7"], True, "fd00::7", id="ipv6"),
+    pytest.param([], False, None, id="none"),
+])
+def test_source_address_choice(candidates, remote, expected):
+    assert choose_source_address(candidates, servers_remote=remote) == expected
+
+
+def test_routed_address_to_loopback_is_loopback():
+    assert routed_address("127.0.0.1") == "127.0.0.1"  # a real UDP connect(): no packet leaves
 
 
 def test_ticket_lock_admits_one_holder_at_a_time_in_arrival_order():

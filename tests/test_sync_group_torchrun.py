@@ -5,6 +5,14 @@ to the agent's store; at the sync port nobody hosts one and the first weight syn
 waited for ever (found by examples/rehearse_multinode.sh). The peer here joins the way SGLang 0.5.23's
 init_custom_process_group does (tcp:// rendezvous, store prefixed by the group name) and must receive the
 broadcast tensors.
+
+Both ends destroy the group and drop it before they exit, as the trainer and SGLang do at shutdown
+(SGLangEngine.shutdown -> /destroy_weights_update_group). Issue 24: the peer exited with the group alive and
+aborted 1 run in 30 under load ("terminate called without an active exception", exit -6). A gloo worker can
+still hold the last collective's work, and with it the tensor, after wait() returns; if the interpreter is
+finalizing when the worker drops it, freeing the tensor's Python object takes the GIL, which ends that thread
+inside a noexcept C++ frame. destroy_process_group alone does not end the worker threads (they end with the
+group object), so the peer also drops its last reference.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ from megatron_dapo.rollout.sync_group import broadcast_tensors, init_weight_sync
 from tests.torchrun import REPO, free_port, subprocess_env
 
 PEER = textwrap.dedent("""
-    import sys
+    import os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist
     from torch.distributed.distributed_c10d import _new_process_group_helper, _world
     port, name = int(sys.argv[1]), sys.argv[2]
+    threads = len(os.listdir("/proc/self/task"))
     store, rank, world = next(dist.rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timedelta(seconds=60)))
     store = dist.PrefixStore(name, store)
     group, _ = _new_process_group_helper(world, rank, [], dist.Backend("gloo"), store, group_name=name,
@@ -31,7 +40,9 @@ PEER = textwrap.dedent("""
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     t = torch.zeros(3)
     dist.broadcast(t, src=0, group=group)
-    print(t.tolist())
+    dist.destroy_process_group(group)  # unregisters it; its worker threads end with the object, here and not at exit
+    del group, store
+    print(t.tolist(), len(os.listdir("/proc/self/task")) - threads)
 """)
 
 
@@ -41,6 +52,7 @@ def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
     env = {k: v for k, v in subprocess_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group = None
     try:
         group = init_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2,
                                        group_name=name, backend="gloo", timeout_s=60)
@@ -49,6 +61,7 @@ def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
     finally:
         if peer.poll() is None:
             peer.kill()
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
     assert peer.returncode == 0, err[-2000:]
-    assert out.strip() == "[1.0, 2.0, 3.0]"
-    torch.distributed.destroy_process_group(group)
+    assert out.strip() == "[1.0, 2.0, 3.0] 0"  # the tensors arrived; no gloo thread left running at exit

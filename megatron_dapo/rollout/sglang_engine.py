@@ -464,6 +464,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._closed = True
         for task in list(self._recovering.values()):
             self._loop.call_soon_threadsafe(task.cancel)
+        self._close_sync_group()  # while the servers still answer
         if self.group is not None:
             self.group.stop()  # also ends a server that a restart in progress just started ...
         self._launcher.shutdown(wait=True, cancel_futures=True)  # ... so that restart returns at once

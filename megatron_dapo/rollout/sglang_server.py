@@ -107,6 +107,11 @@ class ServerConfig:
             self.router = self.num_servers > 1
         self.extra_args = tuple(self.extra_args)
 
+    @property
+    def memory_saver(self) -> bool:
+        """Whether the servers run with --enable-memory-saver (torch_memory_saver; --colocate adds it)."""
+        return "--enable-memory-saver" in self.extra_args
+
     def server_url(self, i: int) -> str:
         return f"http://{self.host}:{self.base_port + i}"
 
@@ -204,11 +209,29 @@ SGLang's own torch.distributed init then joins the trainer's store (TORCHELASTIC
 RANK) and hangs at "Init parallel begin"."""
 
 
-def server_env(parent: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+"""torch's caching-allocator options (the second is the newer name of the first)."""
+
+
+def without_expandable_segments(conf: str) -> str:
+    """torch allocator options `conf` ('key:value,...') without `expandable_segments:True`, the others kept in
+    order: torch_memory_saver (SGLang's --enable-memory-saver) refuses it at its first region ("expandable_segments
+    is not supported yet"), and the trainers' launchers set it for the actor."""
+    return ",".join(o for o in conf.split(",") if o.replace(" ", "") != "expandable_segments:True")
+
+
+def server_env(parent: dict[str, str], extra: dict[str, str], *, memory_saver: bool = False) -> dict[str, str]:
     """The environment of a launched server or router: `parent` without torchrun's worker variables, plus
-    `extra` (which wins)."""
+    `extra` (which wins); with `memory_saver`, PYTORCH_(CUDA_)ALLOC_CONF without expandable segments (a variable
+    left empty is dropped)."""
     kept = {k: v for k, v in parent.items() if k not in TORCHRUN_ENV and not k.startswith(TORCHRUN_ENV_PREFIXES)}
-    return kept | extra
+    env = kept | extra
+    for var in ALLOC_CONF_VARS if memory_saver else ():
+        if var in env:
+            env[var] = without_expandable_segments(env[var])
+            if not env[var]:
+                del env[var]
+    return env
 
 
 class ServerProcess:
@@ -216,8 +239,10 @@ class ServerProcess:
     `stop` ends its whole process tree (SGLang forks scheduler / detokenizer children)."""
 
     def __init__(self, name: str, command: list[str], url: str, log_path: Path, env: dict[str, str],
-                 api_key: str | None = None):
+                 api_key: str | None = None, *, memory_saver: bool = False):
         self.name, self.command, self.url, self.log_path, self.env = name, command, url, log_path, env
+        self.memory_saver = memory_saver
+        """Runs with --enable-memory-saver: its allocator options must leave out expandable segments."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.private_log = api_key is not None
         """SGLang logs its arguments, the key among them: the log is then mode 0600."""
@@ -231,9 +256,13 @@ class ServerProcess:
         log = os.fdopen(fd, "ab")
         parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env=server_env(dict(os.environ), self.env), start_new_session=True,
+                                     env=self.environment(dict(os.environ)), start_new_session=True,
                                      preexec_fn=lambda: _die_with_parent(prctl, parent))
         log.close()
+
+    def environment(self, parent: dict[str, str]) -> dict[str, str]:
+        """What the process starts with, launched from a process whose environment is `parent`."""
+        return server_env(parent, self.env, memory_saver=self.memory_saver)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -326,7 +355,7 @@ class ServerGroup:
         """The 0600 file the servers and the router read the API key from, from start to stop."""
         self.servers = [
             ServerProcess(f"sglang server {i}", [], config.server_url(i), log_dir / f"sglang_{i}.log", env,
-                          config.api_key)
+                          config.api_key, memory_saver=config.memory_saver)
             for i in range(config.num_servers)
         ]
         self.router = (

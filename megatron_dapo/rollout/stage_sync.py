@@ -51,6 +51,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -63,7 +64,8 @@ from megatron_dapo.rollout.sglang_protocol import ServerDied, read_reply
 
 SYNC_ADDR_ENV = "MEGATRON_DAPO_WEIGHT_SYNC_ADDR"
 """Set on the node of a stage source s > 0: the address the servers reach that node at (its group's master
-address). Unset: rank 0's --weight-sync-master-addr on rank 0's own host, else the address of the hostname."""
+address). Unset: rank 0's --weight-sync-master-addr on rank 0's own host, else the local address of the interface
+that reaches --weight-sync-master-addr (stage_master_address)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,14 +142,36 @@ def merge_outcomes(outcomes: list[StageOutcome]) -> StagesOutcome:
                          stage_seconds=[o.seconds for o in outcomes])
 
 
+def routed_address(target: str) -> str:
+    """The local address this host sends from to reach `target` (an address or a name): connect() on a UDP socket
+    makes the kernel pick the route and its source address; no packet is sent. OSError when `target` does not
+    resolve or has no route."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(target, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(sockaddr)
+        return sock.getsockname()[0]
+
+
+def choose_source_address(candidates: Iterable[str], *, servers_remote: bool) -> str | None:
+    """The first candidate the servers can reach: a non-loopback one, else a loopback one when no server is on
+    another host; None when there is none."""
+    seen = list(dict.fromkeys(c for c in candidates if c))
+    for addr in seen:
+        if not ipaddress.ip_address(addr.split("%")[0]).is_loopback:
+            return addr
+    return seen[0] if seen and not servers_remote else None
+
+
 def stage_master_address(stage: int, plan: SyncPlan, *, env: dict[str, str] | None = None,
                          hostname: Callable[[], str] = socket.gethostname,
-                         resolve: Callable[[str], str] = socket.gethostbyname) -> str:
+                         resolve: Callable[[str], str] = socket.gethostbyname,
+                         route: Callable[[str], str] = routed_address) -> str:
     """The master address of stage `stage`'s group: the address of that stage's source as the servers see it.
 
     Stage 0 (global rank 0): --weight-sync-master-addr. Stage s > 0: MEGATRON_DAPO_WEIGHT_SYNC_ADDR if set on
-    that rank; else, on rank 0's host, --weight-sync-master-addr too; else the address the hostname resolves to,
-    which must not be a loopback address (the servers could not reach it)."""
+    that rank; else, on rank 0's host, --weight-sync-master-addr too; else the local address of the interface
+    that reaches --weight-sync-master-addr, then the address the hostname resolves to (on stock Ubuntu
+    127.0.1.1): the first that is not loopback, or a loopback one when every server runs on this host."""
     env = os.environ if env is None else env
     if stage == 0:
         return plan.master_address
@@ -162,15 +186,19 @@ def stage_master_address(stage: int, plan: SyncPlan, *, env: dict[str, str] | No
         return given
     if host == plan.rank0_host:
         return plan.master_address
-    try:
-        addr = resolve(host)
-    except OSError as e:
-        raise ValueError(f"the source of pipeline stage {stage} runs on {host}, which does not resolve ({e}): "
-                         f"set {SYNC_ADDR_ENV} on that node to the address the SGLang servers reach it at") from e
-    if ipaddress.ip_address(addr).is_loopback:
-        raise ValueError(f"the source of pipeline stage {stage} runs on {host}, which resolves to the loopback "
-                         f"address {addr}: the SGLang servers cannot join its weight-sync group there; set "
-                         f"{SYNC_ADDR_ENV} on that node to the address they reach it at")
+    candidates = []
+    for find, target in ((route, plan.master_address), (resolve, host)):
+        with contextlib.suppress(OSError):
+            candidates.append(find(target))
+    here = {host} | {c for c in candidates if not ipaddress.ip_address(c.split("%")[0]).is_loopback}
+    servers_remote = any(urlsplit(u).hostname not in here for u in plan.urls)
+    addr = choose_source_address(candidates, servers_remote=servers_remote)
+    if addr is None:
+        raise ValueError(f"the source of pipeline stage {stage} runs on {host}, whose only addresses found "
+                         f"({', '.join(candidates) or 'none'}: the route to --weight-sync-master-addr "
+                         f"{plan.master_address}, then its hostname) are loopback, where the SGLang servers on "
+                         f"other hosts cannot join its weight-sync group; set {SYNC_ADDR_ENV} on that node to the "
+                         f"address they reach it at")
     return addr
 
 

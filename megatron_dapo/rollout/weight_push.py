@@ -325,6 +325,25 @@ class WeightPush:
 
         self._call(go(), self.client.control_timeout_s + CALL_MARGIN_S)
 
+    def _close_sync_group(self) -> None:
+        """At shutdown, before the servers stop: ends the broadcast group on the live servers and here.
+
+        A gloo group still alive when its process exits can abort it at interpreter exit ("terminate called
+        without an active exception": its worker threads outlive the interpreter), and a server run outside
+        this trainer would keep a group whose rank 0 is gone. Waits for a re-sync in flight (it uses the
+        group) up to ClientConfig.control_timeout_s; costs one /health and one /destroy_weights_update_group
+        per member server."""
+        if self._sync_group is None:
+            return
+        if not self._weights_lock.acquire(timeout=self.client.control_timeout_s):
+            print(f"[megatron-dapo] warning: a re-sync still holds weight-sync group {self._sync_name} after "
+                  f"{self.client.control_timeout_s:.0f} s; shutting down without ending it", flush=True)
+            return
+        try:
+            self._drop_sync_group(self._sync_members)
+        finally:
+            self._weights_lock.release()
+
     def _answers(self, server: int) -> bool:
         async def check():
             try:
