@@ -7,6 +7,10 @@ message names what is wrong and the flag (or file and field) that fixes it.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 
 class UserError(ValueError):
     """Bad input: a flag value, a data file, a model directory. A ValueError, so callers that catch those still do.
@@ -18,3 +22,21 @@ class UserError(ValueError):
     def __init__(self, message: str, *, echo: bool = True) -> None:
         super().__init__(message)
         self.echo = echo
+
+
+def disk_full_error(path: str | os.PathLike, what: str) -> UserError:
+    """The UserError for a write of `what` to `path` that failed with ENOSPC (or EDQUOT).
+
+    Its one line names what was being written, the path and the free space on the file system of the
+    nearest existing parent of `path` (GiB, 2 decimals), so the user knows where to make room.
+    """
+    where = Path(os.path.abspath(path))
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free"
+    except OSError as err:
+        free = f"free space unknown ({err.strerror or err})"
+    return UserError(f"no space left on device writing {what} to {where} ({free} on {probe}); "
+                     "free disk space there or choose another directory")
