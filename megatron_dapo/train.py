@@ -506,14 +506,16 @@ def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, in
 
 
 def make_logger(args: argparse.Namespace):
-    """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl."""
+    """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl, secrets redacted."""
     from megatron_dapo.metrics_log import MetricsLogger
+    from megatron_dapo.run_record import argv_has_secret, run_record
 
+    record = run_record(args)  # the one record of the run: no API key in args.json or wandb's config
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.log_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
+    (Path(args.log_dir) / "args.json").write_text(json.dumps(record, indent=2))
     return MetricsLogger(args.log_dir, total_steps=args.num_steps, wandb_project=args.wandb_project,
-                         run_name=args.wandb_run_name, config=vars(args), use_wandb=not args.no_wandb,
-                         progress=not args.no_progress)
+                         run_name=args.wandb_run_name, config=record, use_wandb=not args.no_wandb,
+                         progress=not args.no_progress, private_argv=argv_has_secret(args))
 
 
 def resume(args: argparse.Namespace, trainer, sampler) -> None:
