@@ -7,6 +7,7 @@ message names what is wrong and the flag (or file and field) that fixes it.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -22,6 +23,22 @@ class UserError(ValueError):
     def __init__(self, message: str, *, echo: bool = True) -> None:
         super().__init__(message)
         self.echo = echo
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a write that found no room: the file system is full, or the user's quota is spent."""
+
+
+def is_disk_full(err: BaseException | None) -> bool:
+    """Whether `err`, or an exception it was raised from or while handling, is an OSError of a write that found
+    no room (DISK_FULL_ERRNOS): torch.save reports a full disk as a RuntimeError raised during the OSError."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def disk_full_error(path: str | os.PathLike, what: str) -> UserError:

@@ -29,6 +29,7 @@ from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.validation import (
     check_batch_arithmetic,
     check_context,
+    check_model_layout,
     check_vocab,
     data_parallel_size,
     share_verdict,
@@ -164,15 +165,23 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     from megatron_dapo.weights import iter_mcore_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
     from megatron_dapo.weights.plan import virtual_stage
+    from megatron_dapo.weights.safetensors_io import CheckpointError
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = actor.config.torch_params_dtype
-    with HFCheckpointReader(hf_dir) as reader:
+    try:
+        reader = HFCheckpointReader(hf_dir)
+    except CheckpointError as err:  # a damaged file: every rank parses the same headers, rank 0 prints
+        raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+    with reader:
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
-            shards = {name: per_tp[tp_rank].to(dtype)
-                      for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            try:
+                shards = {name: per_tp[tp_rank].to(dtype)
+                          for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
+                raise UserError(f"--hf-checkpoint: {err}") from err
             actor.load_shards(shards, chunk, reload=False)
     actor.optimizer.reload_model_params()
 
@@ -336,6 +345,8 @@ def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
                 hf_checkpoint=args.hf_checkpoint)
     check_context(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                   context=arch.max_position_embeddings, allow_exceed=args.allow_exceed_context)
+    check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                       hf_checkpoint=args.hf_checkpoint)
     inputs = Inputs(arch=arch, tokenizer=tokenizer)
     if not with_data:
         return inputs
@@ -403,9 +414,16 @@ def train(args: argparse.Namespace) -> None:
     num_layers = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         try:
-            num_layers = Qwen2Arch.from_hf(args.hf_checkpoint).num_layers
+            arch = Qwen2Arch.from_hf(args.hf_checkpoint)
         except FileNotFoundError as err:
             raise UserError(f"--hf-checkpoint: {err}") from err
+        try:  # init_parallel cuts the layers into virtual stages: the same verdict on every rank, one prints it
+            check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                               hf_checkpoint=args.hf_checkpoint)
+        except UserError as err:
+            err.echo = rank0
+            raise
+        num_layers = arch.num_layers
     layout = init_parallel(seed=args.seed, num_layers=num_layers, **ParallelLayout.options_from_args(args))
     share_verdict(verdict)
     inputs = inputs or load_inputs(args, with_data=False)
