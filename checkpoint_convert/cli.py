@@ -10,6 +10,7 @@ import time
 
 from checkpoint_convert.hf_to_mcore import DTYPES, HfToMcoreConfig, hf_to_mcore
 from checkpoint_convert.mcore_to_hf import McoreToHfConfig, mcore_to_hf
+from megatron_dapo.errors import disk_full_error, is_disk_full
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             done = f"wrote {cfg2.save} ({len(names)} tensors)"
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # CheckpointError is a ValueError
         print(f"checkpoint_convert {command}: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a full disk surfaces as an OSError, or as torch.save's RuntimeError raised during one
+        if not is_disk_full(e):
+            raise
+        # the temporary output is gone by now: the free space shown is what --save's file system has
+        what = "the torch_dist checkpoint (--save)" if command == "hf-to-mcore" else "the HF checkpoint (--save)"
+        print(f"checkpoint_convert {command}: error: {disk_full_error(ns['save'], what)}", file=sys.stderr)
         return 1
     except _Terminated as e:
         # The output's temporary directory is gone; exit now rather than wait for a writer thread to

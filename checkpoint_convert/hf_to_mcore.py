@@ -9,10 +9,10 @@ model splits over that layout and set the padded vocab; megatron-core reshards a
 
 Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
 1.56 GB each): no HF byte enters the process without a cast (RSS growth ~0); with one, --threads mapped
-chunks of at most --chunk-mb (4 x 16 MiB = 64 MiB), not a layer (the goal's bound, one layer plus the
-write buffers, is 1.04 GB). Each byte is copied once, page cache to page cache, so the time is a byte
-copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio `tools/bench_convert.py`
-measures.
+chunks of at most --chunk-mb and their serialized records (4 x 2 x 16 MiB = 128 MiB), not a layer (the
+goal's bound, one layer plus the write buffers, is 1.04 GB). Each byte is copied once, page cache to page
+cache, so the time is a byte copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio
+`tools/bench_convert.py` measures.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ all-reduce), then each rank CRCs its own files (~1.4 s for 3.6 GB) and rank 0 re
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import shutil
@@ -54,7 +53,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
-from megatron_dapo.errors import UserError, disk_full_error
+from megatron_dapo.errors import UserError, disk_full_error, is_disk_full
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 LATEST = "latest"
@@ -217,23 +216,9 @@ class CheckpointSaver:
                 os.replace(latest_tmp, self.save_dir / LATEST)
 
 
-def _is_disk_full(err: BaseException) -> bool:
-    """Whether ENOSPC / EDQUOT caused `err`: in its chain, or in a torch CheckpointException's rank failures, where
-    another rank's error arrives pickled (its cause dropped: megatron's "Worker failure: [Errno 28] ..." text)."""
-    codes = (errno.ENOSPC, errno.EDQUOT)
-    seen: set[int] = set()
-    todo: list[BaseException] = [err]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if (isinstance(e, OSError) and e.errno in codes) or any(f"[Errno {c}]" in str(e) for c in codes):
-            return True
-        if isinstance(e, CheckpointException):
-            todo += [failure[0] for failure in e.failures.values()]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return False
+def _rank_failures(err: BaseException) -> list[BaseException]:
+    """A torch CheckpointException's per-rank errors (megatron's "Worker failure: [Errno 28] ..." among them)."""
+    return [failure[0] for failure in err.failures.values()] if isinstance(err, CheckpointException) else []
 
 
 @contextmanager
@@ -244,7 +229,7 @@ def _disk_full_is_user_error(path: Path, what: str) -> Iterator[None]:
     except UserError:
         raise
     except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
-        if not _is_disk_full(err):
+        if not is_disk_full(err, _rank_failures):
             raise
         error = disk_full_error(path, what)
         error.echo = _rank_world()[0] == 0

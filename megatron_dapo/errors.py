@@ -7,8 +7,10 @@ message names what is wrong and the flag (or file and field) that fixes it.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -22,6 +24,30 @@ class UserError(ValueError):
     def __init__(self, message: str, *, echo: bool = True) -> None:
         super().__init__(message)
         self.echo = echo
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+"""The errnos of a write that found no room: the file system is full, or the user's quota is spent."""
+
+
+def is_disk_full(err: BaseException | None,
+                 children: Callable[[BaseException], Iterable[BaseException]] = lambda _: ()) -> bool:
+    """Whether `err`, or an exception it was raised from or while handling (or one of `children(e)` for any of
+    them), is an OSError of a write that found no room (DISK_FULL_ERRNOS), or carries its text ("[Errno 28]":
+    another rank's error arrives pickled, its cause dropped). torch.save reports a full disk as a RuntimeError
+    raised during the OSError."""
+    seen: set[int] = set()
+    todo = [err] if err is not None else []
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if (isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS) or any(
+                f"[Errno {code}]" in str(e) for code in DISK_FULL_ERRNOS):
+            return True
+        todo += [c for c in (e.__cause__, e.__context__, *children(e)) if c is not None]
+    return False
 
 
 def disk_full_error(path: str | os.PathLike, what: str) -> UserError:

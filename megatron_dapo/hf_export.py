@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
-from megatron_dapo.errors import UserError
+from megatron_dapo.errors import UserError, disk_full_error, is_disk_full
 from megatron_dapo.models.hf_config import read_config_json
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.hf_format import copy_assets
+from megatron_dapo.weights.safetensors_io import write_safetensors
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 EXPORT_MARKER = "megatron_dapo_export.json"
@@ -58,7 +58,8 @@ def export_hf(actor, out_dir: str | os.PathLike, source_hf_dir: str | os.PathLik
     in training); the dtype is the actor's parameter dtype. At the production setting (Qwen2.5-32B,
     bf16) rank 0 writes 65 GB in 5 GiB shards and holds one shard (5 GiB of host memory) at a time;
     the disk briefly holds the new export next to the previous one. When the target has become
-    unreplaceable during the run, the export is left in its temporary directory and UserError names it.
+    unreplaceable during the run, the export is left in its temporary directory and UserError names it;
+    a full disk removes the partial export and raises UserError naming the path and the free space.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = Path(out_dir)
@@ -84,9 +85,11 @@ def export_hf(actor, out_dir: str | os.PathLike, source_hf_dir: str | os.PathLik
         copy_assets(source_hf_dir, tmp)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"source_hf_checkpoint": os.fspath(source_hf_dir),
                                                       "dtype": dtype, "files": sorted(files)}, indent=2))
-    except BaseException:
+    except BaseException as err:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # our own partial output
+        if is_disk_full(err):  # the free space is measured with the partial export removed
+            raise disk_full_error(out, "the HF export (--export-hf)") from err
         raise
     try:
         check_export_target(out)
@@ -106,7 +109,9 @@ def _write_shards(actor, tmp: Path | None, max_shard_bytes: int) -> tuple[list[s
     def flush() -> None:
         nonlocal shard, shard_bytes
         name = f"model-{len(files) + 1:05d}.safetensors"
-        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        # Python writes (not safetensors' Rust save_file, whose SafetensorError hides the errno): a full disk is
+        # an OSError that export_hf turns into one line
+        write_safetensors(tmp / name, shard.items(), metadata={"format": "pt"})
         files.append(name)
         weight_map.update(dict.fromkeys(shard, name))
         shard, shard_bytes = {}, 0

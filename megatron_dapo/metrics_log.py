@@ -13,11 +13,13 @@ class MetricsLogger:
 
     wandb runs offline by default (files under <log_dir>/wandb); it goes online only when both
     WANDB_API_KEY is set and a project is given. A missing wandb package is reported once, not fatal.
+    `config` goes to wandb as is: pass run_record.run_record(args), which holds no secret; `private_argv`
+    (run_record.argv_has_secret) keeps a command line that holds one out of wandb's files.
     """
 
     def __init__(self, log_dir: str | os.PathLike, *, total_steps: int, wandb_project: str | None = None,
                  run_name: str | None = None, config: dict[str, Any] | None = None,
-                 use_wandb: bool = True, progress: bool = True) -> None:
+                 use_wandb: bool = True, progress: bool = True, private_argv: bool = False) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / "metrics.jsonl"
@@ -25,7 +27,7 @@ class MetricsLogger:
         self._file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         self._wandb = None
         if use_wandb:
-            self._wandb = _start_wandb(self.log_dir, wandb_project, run_name, config)
+            self._wandb = _start_wandb(self.log_dir, wandb_project, run_name, config, private_argv)
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -58,7 +60,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _start_wandb(log_dir: Path, project: str | None, run_name: str | None, config: dict[str, Any] | None):
+def _start_wandb(log_dir: Path, project: str | None, run_name: str | None, config: dict[str, Any] | None,
+                 private_argv: bool):
+    """An offline (or, with WANDB_API_KEY and a project, online) wandb run. `private_argv`: the command line
+    holds a secret, so wandb's run metadata (which records sys.argv, host and program) is not written."""
     try:
         import wandb
     except ImportError:
@@ -66,7 +71,8 @@ def _start_wandb(log_dir: Path, project: str | None, run_name: str | None, confi
         return None
     online = bool(os.environ.get("WANDB_API_KEY")) and bool(project)
     return wandb.init(project=project or "megatron-dapo", name=run_name, config=config or {},
-                      dir=str(log_dir), mode="online" if online else "offline", reinit="finish_previous")
+                      dir=str(log_dir), mode="online" if online else "offline", reinit="finish_previous",
+                      settings=wandb.Settings(x_disable_meta=True) if private_argv else None)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:

@@ -29,6 +29,7 @@ from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.validation import (
     check_batch_arithmetic,
     check_context,
+    check_model_layout,
     check_vocab,
     data_parallel_size,
     share_verdict,
@@ -164,15 +165,23 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     from megatron_dapo.weights import iter_mcore_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
     from megatron_dapo.weights.plan import virtual_stage
+    from megatron_dapo.weights.safetensors_io import CheckpointError
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = actor.config.torch_params_dtype
-    with HFCheckpointReader(hf_dir) as reader:
+    try:
+        reader = HFCheckpointReader(hf_dir)
+    except CheckpointError as err:  # a damaged file: every rank parses the same headers, rank 0 prints
+        raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+    with reader:
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
-            shards = {name: per_tp[tp_rank].to(dtype)
-                      for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            try:
+                shards = {name: per_tp[tp_rank].to(dtype)
+                          for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
+                raise UserError(f"--hf-checkpoint: {err}") from err
             actor.load_shards(shards, chunk, reload=False)
     actor.optimizer.reload_model_params()
 
@@ -341,6 +350,8 @@ def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
                 hf_checkpoint=args.hf_checkpoint)
     check_context(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                   context=arch.max_position_embeddings, allow_exceed=args.allow_exceed_context)
+    check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                       hf_checkpoint=args.hf_checkpoint)
     inputs = Inputs(arch=arch, tokenizer=tokenizer)
     if not with_data:
         return inputs
@@ -412,9 +423,16 @@ def train(args: argparse.Namespace) -> None:
     num_layers = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         try:
-            num_layers = Qwen2Arch.from_hf(args.hf_checkpoint).num_layers
+            arch = Qwen2Arch.from_hf(args.hf_checkpoint)
         except FileNotFoundError as err:
             raise UserError(f"--hf-checkpoint: {err}") from err
+        try:  # init_parallel cuts the layers into virtual stages: the same verdict on every rank, one prints it
+            check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                               hf_checkpoint=args.hf_checkpoint)
+        except UserError as err:
+            err.echo = rank0
+            raise
+        num_layers = arch.num_layers
     layout = init_parallel(seed=args.seed, num_layers=num_layers, **ParallelLayout.options_from_args(args))
     share_verdict(verdict)
     inputs = inputs or load_inputs(args, with_data=False)
@@ -515,14 +533,16 @@ def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, in
 
 
 def make_logger(args: argparse.Namespace):
-    """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl."""
+    """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl, secrets redacted."""
     from megatron_dapo.metrics_log import MetricsLogger
+    from megatron_dapo.run_record import argv_has_secret, run_record
 
+    record = run_record(args)  # the one record of the run: no API key in args.json or wandb's config
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.log_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
+    (Path(args.log_dir) / "args.json").write_text(json.dumps(record, indent=2))
     return MetricsLogger(args.log_dir, total_steps=args.num_steps, wandb_project=args.wandb_project,
-                         run_name=args.wandb_run_name, config=vars(args), use_wandb=not args.no_wandb,
-                         progress=not args.no_progress)
+                         run_name=args.wandb_run_name, config=record, use_wandb=not args.no_wandb,
+                         progress=not args.no_progress, private_argv=argv_has_secret(args))
 
 
 def resume(args: argparse.Namespace, trainer, sampler) -> None:

@@ -6,7 +6,9 @@ directory handling (the real weights are checked by tests/test_trainer_e2e.py th
 
 from __future__ import annotations
 
+import errno
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +19,8 @@ from safetensors.torch import load_file
 from megatron_dapo import hf_export
 from megatron_dapo.errors import UserError
 from megatron_dapo.hf_export import EXPORT_MARKER, check_export_target, export_hf
+from megatron_dapo.weights import safetensors_io
+from tests.disk_full import fill_disk_after
 
 CONFIG = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
           "num_attention_heads": 2, "num_key_value_heads": 1, "torch_dtype": "bfloat16"}
@@ -99,6 +103,21 @@ def test_a_failed_export_keeps_the_previous_one(tmp_path, source, monkeypatch):
         export_hf(fake_actor(monkeypatch, 2.0, fail_after=1), out, source)
     assert torch.equal(load_file(out / "model.safetensors")["model.norm.weight"], torch.full((2, 3), 1.0))
     assert siblings(out) == {"src", "hf"}
+
+
+@pytest.mark.parametrize("room", [0, 200], ids=["first-write", "second-shard"])
+def test_a_full_disk_is_one_line_naming_the_path_and_the_free_space(tmp_path, source, monkeypatch, room):
+    out = tmp_path / "hf"
+    export_hf(fake_actor(monkeypatch, 1.0), out, source)
+    fill_disk_after(monkeypatch, safetensors_io, room)
+    with pytest.raises(UserError) as info:
+        export_hf(fake_actor(monkeypatch, 2.0), out, source, max_shard_bytes=24)  # two shards
+    assert re.fullmatch(rf"no space left on device writing the HF export \(--export-hf\) to {out} "
+                        rf"\(\d+\.\d\d GiB free on {out}\); free disk space there or choose another directory",
+                        str(info.value)), str(info.value)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert torch.equal(load_file(out / "model.safetensors")["model.norm.weight"], torch.full((2, 3), 1.0))
+    assert siblings(out) == {"src", "hf"}  # the partial export is removed
 
 
 def test_sharded_export_has_an_index(tmp_path, source, monkeypatch):

@@ -177,6 +177,26 @@ def test_global_batch_size_3_of_4_responses_fails_in_check_flags(model_dir, prom
         train_mod.main([*argv, "--debug"])
 
 
+@pytest.mark.parametrize("world, flags, config, message", [
+    pytest.param(3, ("--tensor-model-parallel-size", "3"), {}, r"num_attention_heads \(4\) is not divisible by "
+                 r"--tensor-model-parallel-size \(3\)", id="tp3-heads"),
+    pytest.param(4, ("--tensor-model-parallel-size", "4"), {}, r"num_key_value_heads \(2\) is not divisible by "
+                 r"--tensor-model-parallel-size \(4\); GQA query groups .*", id="tp4-kv-heads"),
+    pytest.param(3, ("--pipeline-model-parallel-size", "3"), {"num_hidden_layers": 4}, r"num_hidden_layers \(4\) is "
+                 r"not divisible by --pipeline-model-parallel-size \(3\)", id="pp3-layers"),
+])
+def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path, prompts, monkeypatch, world,
+                                                                         flags, config, message):
+    """Checked with the inputs (rank 0's verdict, shared before any model is built), not in the actor."""
+    model = make_model_dir(tmp_path, **config)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = parse(model, prompts, *flags)
+    train_mod.check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
+    with pytest.raises(UserError, match=rf"^the model of --hf-checkpoint {model} does not split over this layout: "
+                                        rf"{message}$"):
+        train_mod.load_inputs(args, with_data=False)
+
+
 def test_config_dataclass_errors_become_one_line_errors(model_dir, prompts):
     with pytest.raises(UserError, match="--num-steps must be >= 1"):
         train_mod.check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
@@ -279,3 +299,47 @@ def test_under_torchrun_rank0_verdict_is_shown_once(tmp_path, model_dir):
     assert "megatron_dapo/" not in out.stdout + out.stderr and "UserError" not in out.stdout + out.stderr
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 2" in out.stderr  # the root cause torchrun names
     print(f"torchrun DP=2 bad data: exit after {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, flags, config, message", [
+    pytest.param(3, ["--tensor-model-parallel-size", "3"], {}, "num_attention_heads (4) is not divisible by "
+                 "--tensor-model-parallel-size (3)", id="tp3"),
+    pytest.param(2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+                 {"num_hidden_layers": 4}, "num_hidden_layers (4) is not divisible by --pipeline-model-parallel-size "
+                 "(2) x --num-layers-per-virtual-pipeline-stage (3)", id="pp2-vpp3"),
+])
+def test_under_torchrun_a_layout_the_model_does_not_split_over_is_one_line(tmp_path, prompts, nproc, flags, config,
+                                                                            message):
+    model = make_model_dir(tmp_path, **config)
+    out, seconds = run_train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-steps", "1",
+                              "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--max-prompt-length",
+                              "16", "--max-response-length", "8", "--overlong-buffer-length", "4", "--no-wandb",
+                              "--no-progress", "--log-dir", str(tmp_path / "log"), *flags], torchrun=nproc)
+    assert out.returncode != 0
+    assert error_lines(out.stdout + out.stderr) == [
+        f"error: the model of --hf-checkpoint {model} does not split over this layout: {message}"], out.stderr[-3000:]
+    assert "megatron_dapo/" not in out.stdout + out.stderr  # no rank's traceback (torchrun prints its own)
+    print(f"torchrun {flags}: exit after {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_truncated_hf_weights_are_one_line_naming_the_file(tmp_path, prompts):
+    """--hf-checkpoint's safetensors are read when the actor is built: a damaged file is one `error:` line."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = make_model_dir(tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(model)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size - 100)  # a download cut short
+    out, _ = run_train(["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--num-steps", "1",
+                        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--max-prompt-length", "16",
+                        "--max-response-length", "8", "--overlong-buffer-length", "4", "--no-wandb", "--no-progress",
+                        "--log-dir", str(tmp_path / "log")])
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert error_lines(out.stderr) == [f"error: --hf-checkpoint: {weights}: header describes {size} bytes, file has "
+                                       f"{size - 100} (truncated/corrupt)"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr

@@ -330,7 +330,13 @@ def _storage_writer(iter_dir: str, threads: int, cancelled: threading.Event):
                                 if item.type == WriteItemType.BYTE_IO:
                                     f.write(data.getbuffer())
                                 else:
-                                    torch.save(data, f)
+                                    # serialized in memory, then one write: torch's writer to a file object can turn a
+                                    # full disk into a RuntimeError without the errno; f.write keeps the OSError.
+                                    # Costs one record (<= --chunk-mb) more per writer thread.
+                                    record = io.BytesIO()
+                                    torch.save(data, record)
+                                    f.write(record.getbuffer())
+                                    del record
                                 del data  # unmap before the next chunk is produced
                             length = f.tell() - offset
                             results.append(WriteResult(item.index, length, _StorageInfo(name, offset, length)))
@@ -379,9 +385,9 @@ def write_dist_checkpoint(
     `objects` maps ShardedObject unique keys to their serialized bytes. `threads` writer threads each
     fill their own `.distcp` file, one chunk at a time (`_storage_writer`). Chunks with a `source` (HF
     bytes, no dtype cast) are copied in the kernel: nothing resident, each byte moved once page cache
-    to page cache, as `cp` does. Produced chunks (a cast) hold at most `threads` chunks resident. At
-    Qwen2.5-32B (65.5 GB bf16, --chunk-mb 16, --threads 4: ~6.9k records) that is ~0 without a cast
-    and 64 MiB with one; the time is a byte copy of 65.5 GB plus ~1 KB of record framing per chunk
+    to page cache, as `cp` does. Produced chunks (a cast) hold at most `threads` chunks resident, each with
+    its serialized record. At Qwen2.5-32B (65.5 GB bf16, --chunk-mb 16, --threads 4: ~6.9k records) that is
+    ~0 without a cast and 128 MiB with one; the time is a byte copy of 65.5 GB plus ~1 KB of record framing per chunk
     (no CRC32 is computed, in any writer thread).
     """
     import torch.distributed.checkpoint as dcp

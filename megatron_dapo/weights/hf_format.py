@@ -38,6 +38,21 @@ ASSET_FILES = (
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The {tensor name: shard file} map of an HF index; CheckpointError naming the file when it is damaged."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: cannot read it ({e.strerror})") from e
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{index_path} is corrupt: {e}") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index_path} is corrupt: no \"weight_map\" object of tensor name -> shard file")
+    return weight_map
+
+
 class HFCheckpointReader:
     """All tensors of an HF safetensors checkpoint by name; headers parsed on open, data read on `get`."""
 
@@ -45,11 +60,7 @@ class HFCheckpointReader:
         self.dir = os.fspath(hf_dir)
         index_path = os.path.join(self.dir, INDEX_FILE)
         if os.path.isfile(index_path):
-            try:
-                with open(index_path) as f:
-                    weight_map: dict[str, str] = json.load(f)["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index_path} is corrupt: {e}") from e
+            weight_map = _read_weight_map(index_path)
         elif os.path.isfile(os.path.join(self.dir, SINGLE_FILE)):
             weight_map = {}
         else:

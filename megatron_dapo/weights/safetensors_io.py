@@ -290,8 +290,11 @@ class SafetensorsFile:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise CheckpointError(f"missing safetensors file {self.path}")
-        size = os.path.getsize(self.path)
-        self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        try:
+            size = os.path.getsize(self.path)
+            self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot read it ({e.strerror})") from e
         try:
             self.specs, self.metadata, self._offsets = self._parse_header(size)
         except Exception:
@@ -312,7 +315,12 @@ class SafetensorsFile:
             header = json.loads(self._file.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{self.path}: corrupt safetensors header ({e})") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (a JSON {type(header).__name__}, "
+                                  "not an object of tensors)")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header (__metadata__ is not an object)")
         specs: dict[str, TensorSpec] = {}
         offsets: dict[str, int] = {}
         spans = []
@@ -320,7 +328,10 @@ class SafetensorsFile:
             try:
                 dtype = ST_TO_DTYPE[info["dtype"]]
                 start, end = info["data_offsets"]
-                spec = TensorSpec(name, dtype, tuple(int(s) for s in info["shape"]))
+                shape = tuple(info["shape"])
+                if not all(type(v) is int and v >= 0 for v in (start, end, *shape)):  # no floats, bools, negatives
+                    raise ValueError("offsets and shape must be non-negative integers")
+                spec = TensorSpec(name, dtype, shape)
             except (KeyError, TypeError, ValueError) as e:
                 raise CheckpointError(f"{self.path}: bad header entry for {name}: {info}") from e
             if end - start != spec.nbytes:
@@ -404,7 +415,8 @@ def write_safetensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Write small in-memory tensors (for tests and tiny files); big files use the streaming writer."""
+    """Write in-memory tensors in one pass (no copy of their bytes: each is written from its own storage);
+    a write error is the OSError of Python's file (ENOSPC stays recognisable), unlike safetensors' save_file."""
     items = list(tensors)
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in items]
     with StreamingSafetensorsWriter(path, specs, metadata) as w:

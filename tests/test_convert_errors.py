@@ -1,0 +1,110 @@
+"""checkpoint_convert's one-line errors for a full disk and for damaged safetensors input (no tracebacks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from checkpoint_convert.cli import main
+from megatron_dapo.weights import dist_ckpt, safetensors_io
+from tests.disk_full import fill_disk_after, raise_enospc
+from tests.test_convert import make_tiny_hf
+
+
+def error_line(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    """The converter's only stderr line, `checkpoint_convert <command>: error: ...`, without its prefix."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint_convert {command}: error: "), lines
+    return lines[0].split(": error: ", 1)[1]
+
+
+def full_disk_message(save: Path, what: str) -> str:
+    return (rf"no space left on device writing {what} \(--save\) to {save} \(\d+\.\d\d GiB free on {save.parent}\); "
+            r"free disk space there or choose another directory")
+
+
+@pytest.mark.parametrize("route", ["copy", "cast"])
+def test_full_disk_in_hf_to_mcore(tmp_path, monkeypatch, capsys, route):
+    """copy: the kernel copy of a chunk (copy_file_range) finds the disk full; cast (--dtype bf16): torch.save's
+    write does, which torch reports as a RuntimeError raised while handling the OSError."""
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    capsys.readouterr()  # transformers' progress bars
+    save = tmp_path / "mc"
+    argv = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(save)]
+    if route == "copy":
+        monkeypatch.setattr(dist_ckpt, "copy_file_bytes", raise_enospc)
+    else:
+        fill_disk_after(monkeypatch, dist_ckpt, 40_000)
+        argv += ["--dtype", "bf16"]
+    assert main(argv) == 1
+    assert re.fullmatch(full_disk_message(save, "the torch_dist checkpoint"), error_line(capsys, "hf-to-mcore"))
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no temporary sibling
+
+
+def test_full_disk_in_mcore_to_hf(tmp_path, monkeypatch, capsys):
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc")]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(safetensors_io, "copy_file_bytes", raise_enospc)
+    save = tmp_path / "back"
+    assert main(["mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(save)]) == 1
+    assert re.fullmatch(full_disk_message(save, "the HF checkpoint"), error_line(capsys, "mcore-to-hf"))
+    assert sorted(os.listdir(tmp_path)) == ["hf", "mc"]
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Replace the JSON header of safetensors file `path` by `edit(header)` (a JSON-able value), data kept."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.dumps(edit(json.loads(raw[8:8 + n]))).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+
+
+def _first_entry(header: dict, **change) -> dict:
+    name = next(k for k in header if k != "__metadata__")
+    return {**header, name: {**header[name], **change}}
+
+
+DAMAGE = {  # what is wrong -> (how to make it, what the message says)
+    "header-not-an-object": (lambda h: [h], "corrupt safetensors header (a JSON list, not an object of tensors)"),
+    "metadata-not-an-object": (lambda h: {**h, "__metadata__": ["pt"]}, "__metadata__ is not an object"),
+    "offsets-not-numbers": (lambda h: _first_entry(h, data_offsets="ab"), "bad header entry for"),
+    "offsets-floats": (lambda h: _first_entry(h, data_offsets=[float(o) for o in _first_entry(h)[
+        next(k for k in h if k != "__metadata__")]["data_offsets"]]), "bad header entry for"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    capsys.readouterr()  # transformers' progress bars
+    shard = tmp_path / "hf" / "model.safetensors"
+    edit, says = DAMAGE[damage]
+    _rewrite_header(shard, edit)
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc")]) == 1
+    message = error_line(capsys, "hf-to-mcore")
+    assert message.startswith(f"{shard}: ") and says in message, message
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("index, says", [
+    pytest.param("[1, 2]", 'no "weight_map" object', id="a-list"),
+    pytest.param('{"weight_map": ["model-00001-of-00002.safetensors"]}', 'no "weight_map" object', id="map-a-list"),
+    pytest.param('{"weight_map": {"lm_head.weight": 7}}', 'no "weight_map" object', id="file-a-number"),
+    pytest.param(b'{"weight_map": {"caf\xe9": "x"}}', "'utf-8' codec can't decode", id="not-utf8"),
+])
+def test_damaged_index_is_one_line_naming_the_file(tmp_path, capsys, index, says):
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=False, max_shard_size="40KB")
+    capsys.readouterr()
+    path = hf / "model.safetensors.index.json"
+    path.write_bytes(index if isinstance(index, bytes) else index.encode())
+    assert main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")]) == 1
+    message = error_line(capsys, "hf-to-mcore")
+    assert message.startswith(f"{path} is corrupt: ") and says in message, message

@@ -1,0 +1,76 @@
+"""No secret in any file a run writes: args.json, metrics, wandb's files, checkpoints, the HF export.
+
+The SGLang API key reaches the trainer through --sglang-api-key-file or SGLANG_API_KEY even when the
+rollout engine is the embedded one; megatron_dapo/run_record.py redacts it where the run record is made.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.metrics_log import MetricsLogger
+from megatron_dapo.run_record import REDACTED, run_record
+from tests.conftest import train_env
+
+FILE_KEY = "fileKEY-7f3a9c0d2b"
+ENV_KEY = "envKEY-41e8b6d5aa"
+ARGV_KEY = "argvKEY-90c1d7e3f2"
+
+
+def files_holding(root: Path, secrets: tuple[str, ...]) -> list[str]:
+    """Every file under `root` (binary ones too, read as bytes) that holds one of `secrets`."""
+    needles = [s.encode() for s in secrets]
+    return sorted(str(p) for p in root.rglob("*") if p.is_file() and any(n in p.read_bytes() for n in needles))
+
+
+@pytest.mark.slow
+def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(FILE_KEY + "\n")
+    key_file.chmod(0o600)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
+           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+           "--rollout-engine", "embedded", "--sglang-api-key-file", str(key_file),
+           "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1",
+           "--export-hf", str(run / "hf"), "--no-progress", "--seed", "3"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=train_env() | {"SGLANG_API_KEY": ENV_KEY}, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (run / "log" / "args.json").is_file() and any((run / "ckpt").iterdir()) and (run / "hf").is_dir()
+    assert FILE_KEY not in proc.stdout + proc.stderr
+    assert files_holding(tmp_path, (FILE_KEY, ENV_KEY)) == [str(key_file)]  # only the user's own key file
+    record = json.loads((run / "log" / "args.json").read_text())
+    assert record["sglang_api_key"] == REDACTED and record["sglang_api_key_file"] == str(key_file)
+
+
+def test_run_record_redacts_the_key_wherever_it_appears():
+    args = build_parser().parse_args(["--hf-checkpoint", "m", "--prompt-data", "d", "--num-steps", "1",
+                                      "--sglang-extra-args", f"--foo {ARGV_KEY}"])
+    args.sglang_api_key = ARGV_KEY
+    record = run_record(args)
+    assert record["sglang_api_key"] == REDACTED and record["sglang_extra_args"] == f"--foo {REDACTED}"
+    assert ARGV_KEY not in json.dumps(record) and args.sglang_api_key == ARGV_KEY  # args itself is untouched
+    args.sglang_api_key = None
+    assert run_record(args)["sglang_api_key"] is None  # no key: nothing to hide, the record says so
+
+
+def test_wandb_files_hold_no_key_given_on_the_command_line(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["megatron_dapo.train", "--sglang-api-key", ARGV_KEY])
+    args = build_parser().parse_args(sys.argv[1:] + ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-steps", "1"])
+    logger = MetricsLogger(tmp_path / "log", total_steps=1, config=run_record(args), progress=False,
+                           private_argv=True)
+    logger.log(1, {"x": 1.0})
+    logger.close()
+    assert any((tmp_path / "log" / "wandb").rglob("*.wandb"))
+    assert files_holding(tmp_path, (ARGV_KEY,)) == []
