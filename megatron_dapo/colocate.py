@@ -1,6 +1,13 @@
 """Colocated (hybrid) mode, --colocate: the actor and SGLang take turns on the same GPUs every step.
 
+    start-up: engines up, released --> actor built (+ checkpoint loaded) --(to_generation)--> generation
     generation --(to_training)--> training --(to_generation)--> generation ...
+  start-up:      rank 0 starts (or attaches to) the engines and every engine releases weights, KV cache and CUDA
+                 graphs (release_engines, inside start_up_section: the other ranks wait) before any rank builds its
+                 actor, so the actor's build (bf16 weights, a transient second copy while DDP fills its param
+                 buffer, the fp32 grad buffer, main-param shards) and a resume's load (Adam state, load buffers)
+                 never sit next to a resident engine; the first to_generation pushes the actor's weights (the
+                 release dropped the engines' own). The planner's "start-up" rows size this moment.
   to_training:   SGLang /release_memory_occupation (weights, KV cache, CUDA graphs); the actor onloads its
                  optimizer state (host -> device) and re-allocates its grad buffers (zeroed).
   to_generation: the actor offloads optimizer state to host and frees its grad buffers, empties the CUDA
@@ -213,6 +220,31 @@ class ActorOffloader:
 
 
 # ---- the phases ------------------------------------------------------------------------------------------
+def release_engines(engine, sync: Callable[[str], AbstractContextManager[None]] | None = None,
+                    what: str = "while SGLang released its GPU memory") -> None:
+    """Every engine frees its weights, KV cache and CUDA graphs (rank 0's `engine`; None elsewhere), inside
+    `sync(what)` when given: the ranks meet after it, so none allocates next to an engine still holding its share."""
+    with sync(what) if sync is not None else nullcontext():
+        if engine is not None:
+            engine.release_memory_occupation(RELEASE_TAGS)
+
+
+def start_up_section(timeout_h: float) -> Callable[[str], AbstractContextManager[None]] | None:
+    """A status barrier over every rank for the start-up, before the Trainer's wait group exists (a collective:
+    every rank makes the gloo group; None in a world of one). Its timeout is --rollout-timeout: rank 0 may spend
+    minutes starting the engines while the others wait in it."""
+    import torch.distributed as dist
+
+    from megatron_dapo import comm
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=timeout_h))
+    return lambda what: comm.section(what, group)
+
+
 def device_resident_bytes() -> int:
     """What this process holds now: CUDA memory allocated on its device, else (CPU) its RSS."""
     if torch.cuda.is_available():
@@ -245,9 +277,7 @@ class PhaseSwitcher:
         if self.phase != "generation":
             raise RuntimeError(f"PhaseSwitcher.to_training from phase {self.phase!r}")
         t0 = time.perf_counter()
-        with self._sync("while SGLang released its GPU memory"):
-            if self.engine is not None:
-                self.engine.release_memory_occupation(RELEASE_TAGS)
+        release_engines(self.engine, self.section)
         with self._sync("while the actor onloaded its optimizer state"):
             metrics = self.offloader.onload()
         self.phase = "training"
@@ -278,7 +308,10 @@ class PhaseSwitcher:
                           "colocate/actor_resident_gib_generation": resident / 2**30}
 
     def start(self) -> dict[str, float]:
-        """At start-up the actor holds everything and the engines have their initial weights: offload only."""
+        """Engines that were never released (still holding their initial weights) and a resident actor: offload
+        only. train.py does not start this way (see the module docstring: the engines are released before the
+        actor is built, and the first to_generation pushes); this is for a driver that manages the engines'
+        memory itself (tools/gpu_smoke.py's stand-in)."""
         with self._sync("while the actor offloaded its optimizer state"):
             metrics = self.offloader.offload()
         self.phase = "generation"

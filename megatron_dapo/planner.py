@@ -37,6 +37,12 @@ Colocated (--colocate): every GPU holds an actor rank and a shard of an SGLang e
   - generation: the actor's leftovers after it offloaded grads and optimizer state (its bf16 weights, the
     source of the next weight push, and its CUDA context), SGLang's static pool (weights + KV cache =
     --mem-fraction-static x GPU memory) and its runtime outside that pool (SGLANG_RUNTIME_GIB, assumed).
+  - start-up (startup_lines): the engines come up and release everything before the actor is built
+    (colocate.py), so the worst start-up moment is the actor's build (bf16 weights plus a transient second
+    copy while DDP fills its param buffer, the fp32 grad buffer) or its resume (Adam state and the load's
+    buffers) next to the released engines. The old order built the actor next to resident engines: SGLang's
+    static pool and runtime on top: at the 32B colocated launcher 82.9 GiB per 80 GB GPU while building,
+    88.6 GiB while resuming, against 19.3 / 25.0 GiB now.
 SGLang 0.5.23 sizes its KV pool as (free memory at start) x mem_fraction_static - its weights
 (mem_cache/kv_cache_configurator._profile_available_bytes); free <= GPU memory, so frac x GPU memory bounds it.
 The computed --mem-fraction-static is the largest (in 0.01 steps) that keeps the generation phase under
@@ -419,6 +425,41 @@ def generation_lines(share: SGLangShare) -> dict[str, float]:
             "SGLang runtime: CUDA graphs, activations (assumed)": SGLANG_RUNTIME_GIB * GIB}
 
 
+def startup_lines(plan: StagePlan, inputs: PlanInputs, use_distributed_optimizer: bool | None = None
+                  ) -> dict[str, tuple[float, float]]:
+    """Component -> (bytes at the actor's build, bytes at a resume) on one GPU during a colocated start-up, the
+    engines released first (SGLANG_RELEASED_GIB each).
+
+    Build: megatron-core DDP allocates its bf16 param buffer and fp32 grad buffer, then copies every parameter
+    in and frees the original, so it briefly holds 2 x weights + grads; the optimizer's fp32 main-param shards
+    (4 B/param / DP shards, bf16 only) come after that copy is freed: the larger of the two moments. Resume: weights,
+    grads, the whole optimizer shard (main params + Adam moments) and the load's buffers (assumed: the tensors
+    read from the checkpoint before they are copied in, one copy of the weights and optimizer shard)."""
+    weights = next(v for k, v in plan.lines.items() if k.startswith("weights"))
+    grads = plan.lines["grads (fp32 DDP buffer)"]
+    optimizer = next(v for k, v in plan.lines.items() if k.startswith("optimizer"))
+    main = optimizer / 3 if weights * 2 == grads else 0.0  # bf16: 4 of the 12 B/param are main params
+    copy, build_opt = (weights, 0.0) if weights >= main else (0.0, main)
+    return {"SGLang (colocated, released)": (inputs.sglang_gib * GIB,) * 2,
+            f"weights ({inputs.params_dtype})": (weights, weights),
+            "DDP param buffer's transient copy of the weights": (copy, 0.0),
+            "grads (fp32 DDP buffer)": (grads, grads),
+            "optimizer (main params; + Adam on resume)": (build_opt, optimizer),
+            "checkpoint load buffers (assumed)": (0.0, weights + optimizer),
+            "CUDA context, NCCL, workspaces (assumed)": (FRAMEWORK_OVERHEAD_GIB * GIB,) * 2}
+
+
+def startup_peaks(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
+                  ) -> tuple[float, float]:
+    """(new order, old order) bytes of the fullest GPU at its worst start-up moment: the engines released before
+    the actor allocates, against the actor built and loaded next to engines holding their static pool
+    (--mem-fraction-static x GPU memory) and runtime (SGLANG_RUNTIME_GIB) in place of the released share."""
+    share = sglang_share(arch, plans, inputs, bytes_per_element)
+    new = max(sum(col) for p in plans for col in zip(*startup_lines(p, inputs).values()))
+    resident = share.static + SGLANG_RUNTIME_GIB * GIB - inputs.sglang_gib * GIB
+    return new, new + resident
+
+
 # ---- --dry-run ---------------------------------------------------------------------------------------
 def world_size_from_args(args: argparse.Namespace) -> int:
     """--world-size, else $WORLD_SIZE, else one model replica (TP x PP x CP)."""
@@ -520,6 +561,17 @@ def colocated_lines(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs,
     for key, value in gen.items():
         lines.append(f"{key:<48}{value / GIB:>10.2f}")
     lines.append(f"{'total':<48}{sum(gen.values()) / GIB:>10.2f}")
+    worst = max(plans, key=lambda p: max(sum(c) for c in zip(*startup_lines(p, inputs).values())))
+    start = startup_lines(worst, inputs)
+    lines.append(f"phase: start-up, stage {worst.stage} (engines released before the actor is built){'build':>10}"
+                 f"{'resume':>10}")
+    for key, (build, resume) in start.items():
+        lines.append(f"{key:<48}{build / GIB:>10.2f}{resume / GIB:>10.2f}")
+    new, old = startup_peaks(arch, plans, inputs, spec.bytes_per_element)
+    lines.append(f"{'total':<48}{sum(b for b, _ in start.values()) / GIB:>10.2f}"
+                 f"{sum(r for _, r in start.values()) / GIB:>10.2f}")
+    lines.append(f"start-up: worst {new / GIB:.2f} GiB per GPU; the old order (actor built next to resident "
+                 f"engines) held {old / GIB:.2f} GiB")
     lines.append(
         f"SGLang share: --mem-fraction-static {share.mem_fraction_static:.2f} "
         f"({'computed from this plan' if share.computed else 'given'}) = {share.static / GIB:.2f} GiB of "
@@ -547,6 +599,9 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         lines = format_plan(arch, layout, inputs, spec)
         phases = phase_peaks_gib(arch, layout, inputs, spec)
         peak = max(phases.values())
+        if inputs.colocate:  # the start-up's worst moment counts too (printed above the phases line)
+            peak = max(peak, startup_peaks(arch, plan_stages(arch, layout, inputs, spec), inputs,
+                                           spec.bytes_per_element)[0] / GIB)
     except (ValueError, FileNotFoundError) as exc:
         print(f"plan: error: {exc}", file=out)
         return 2

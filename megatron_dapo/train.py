@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,8 @@ def train(args: argparse.Namespace) -> None:
     eos = tuple(sorted({t for t in (tokenizer.eos_token_id,) if t is not None}))
     actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
     init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
+    if args.colocate:  # the engines free their GPU memory before the actor allocates any (colocate.py)
+        engine = start_colocated_engines(args, tokenizer, rank0)
     actor = build_actor(args, inputs.arch, actor_cfg, layout, init_ckpt)
     sampler = ResumableSampler(max(len(train_prompts), 1), seed=args.seed)
     if rank0 and engine is None:
@@ -472,9 +475,8 @@ def train(args: argparse.Namespace) -> None:
         trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.section)
     try:
         if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
-            if trainer.phases is not None:  # --colocate: push with the actor offloaded
-                trainer.phases.start()
-            trainer.sync_weights(0)
+            if trainer.phases is None:  # --colocate: Trainer.run pushes as the released engines resume
+                trainer.sync_weights(0)
         else:
             resume(args, trainer, sampler)
         trainer.run()
@@ -497,6 +499,26 @@ def train(args: argparse.Namespace) -> None:
 
             comm.barrier()
             dist.destroy_process_group()
+
+
+def start_colocated_engines(args: argparse.Namespace, tokenizer, rank0: bool):
+    """--colocate, before any rank builds its actor: rank 0 starts (or attaches to) the engines and every engine
+    releases its weights, KV cache and CUDA graphs; the other ranks wait in the start-up section (a failure on
+    rank 0 reaches them there). Returns rank 0's engine, None elsewhere.
+
+    Why first: an engine holds --mem-fraction-static x GPU memory plus its runtime (0.77 x 80 GB + ~4 GiB at the
+    32B launcher) until released, and the actor's build peaks at twice its bf16 weights plus the fp32 grad buffer
+    (planner.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
+    first, SGLang would have sized its KV pool from less free memory than planned."""
+    from megatron_dapo.colocate import release_engines, start_up_section
+
+    engine, sync = None, start_up_section(args.rollout_timeout)
+    what = "while rank 0 started the colocated engines and released their GPU memory"
+    with sync(what) if sync is not None else nullcontext():
+        if rank0:
+            engine = make_rollout_engine(args, tokenizer)
+            release_engines(engine)
+    return engine
 
 
 def make_colocated(args: argparse.Namespace, actor, engine, section):
@@ -566,9 +588,8 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
                       f"partial-rollout groups; without --partial-rollout they are dropped", file=sys.stderr)
         trainer.step = int(extra["step"])
         trainer.restore_state(extra)  # --async-rollout: the batch of step + 1, generated before the save
-    if trainer.phases is not None:  # --colocate: push with the actor offloaded, not next to the full engine
-        trainer.phases.start()
-    trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
+    if trainer.phases is None:  # --colocate: Trainer.run pushes as the released engines resume, the actor offloaded
+        trainer.sync_weights(trainer.step)  # the engine still holds the initial weights
     if rank0:
         print(f"[megatron-dapo] resumed from {args.load} at step {trainer.step}")
 

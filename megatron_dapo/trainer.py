@@ -160,8 +160,8 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
-        if self.phases is not None and self.phases.phase == "training":
-            self.phases.start()                                    # colocated: the engines generate first
+        if self.phases is not None and self.phases.phase == "training":  # colocated, engines released at start-up:
+            self.phases.to_generation(lambda: self.sync_weights(self.step))  # they resume, get the actor's weights
         if cfg.eval_interval and self.step == 0:
             self._log_step(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):

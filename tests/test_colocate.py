@@ -235,3 +235,73 @@ def test_memory_server_args_for_launched_cuda_servers():
         ("--mem-fraction-static", "0.8")
     assert memory_server_args(parse(base), cuda=True) == ()
     assert memory_server_args(parse(base + ["--colocate"]), cuda=False) == ()
+
+
+# ---- start-up order (train.py) ----------------------------------------------------------------------------
+class _Stop(Exception):
+    """Ends the run where the first training step would begin."""
+
+
+class _StartupEngine(_Recorder):
+    def shutdown(self):
+        self.log.append("shutdown")
+
+
+def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
+    """train.train(--colocate) in this process with the heavy parts faked, recording the start-up events: the
+    engine coming up and its memory calls, the actor's build, the checkpoint load, the offload and the push."""
+    from types import SimpleNamespace
+
+    from megatron_dapo import actor as actor_mod
+    from megatron_dapo import checkpoint
+    from megatron_dapo import train as train_mod
+    from megatron_dapo.arguments import build_parser
+    from megatron_dapo.collect import Prompt
+    from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.trainer import Trainer
+
+    layout, _, arch = world
+    log: list = []
+    tokenizer = SimpleNamespace(eos_token_id=1, decode=lambda ids, **kw: "")
+    monkeypatch.setattr(train_mod, "load_inputs", lambda args, with_data: train_mod.Inputs(
+        arch=arch, tokenizer=tokenizer, train_prompts=[Prompt(prompt_ids=[2, 3], ground_truth="1", index=0)]))
+    monkeypatch.setattr(actor_mod, "init_parallel", lambda **kw: layout)
+    monkeypatch.setattr(train_mod, "make_rollout_engine", lambda args, tok: log.append("engine up") or
+                        _StartupEngine(log))
+    monkeypatch.setattr(train_mod, "build_actor", lambda *a: log.append("build actor") or
+                        SimpleNamespace(chunks=[], optimizer=SimpleNamespace()))
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda load, actor: log.append("load checkpoint") or
+                        {"sampler": ResumableSampler(1, seed=7).state_dict(), "step": 1})
+    monkeypatch.setattr(ActorOffloader, "offload", lambda self: log.append("offload") or {})
+    monkeypatch.setattr(Trainer, "sync_weights", lambda self, v: log.append(("push", v)) or {})
+
+    def first_step(self, step):
+        log.append(("step", step))
+        raise _Stop
+
+    monkeypatch.setattr(Trainer, "rank0_batch", first_step)
+    # the fixture's one-rank process group outlives this run: train's own `dist` sees none to destroy
+    monkeypatch.setattr(train_mod, "dist", SimpleNamespace(is_initialized=lambda: False, get_rank=lambda: 0))
+    argv = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "2", "--colocate",
+            "--rollout-engine", "sglang", "--log-dir", str(tmp_path / "log"), "--no-wandb", "--no-progress",
+            "--seed", "7", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2"]
+    if resume:
+        argv += ["--load", str(tmp_path / "ckpt")]
+    with pytest.raises(_Stop):
+        train_mod.train(build_parser().parse_args(argv))
+    return log
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_engines_are_released_before_the_actor_allocates(world, tmp_path, monkeypatch, resume):
+    """--colocate start-up: the engines come up and release weights, KV cache and CUDA graphs before the actor is
+    built (and, resuming, before the checkpoint's optimizer state is loaded); the first generation phase then
+    offloads the actor, resumes the engines' weights, pushes the actor's (the release dropped theirs), and
+    resumes KV cache and CUDA graphs. The old order built the actor next to resident engines and pushed nothing
+    on a fresh start."""
+    log = _run_startup(world, tmp_path, monkeypatch, resume=resume)
+    released = ("release", ("weights", "kv_cache", "cuda_graph"))
+    step = 1 if resume else 0
+    assert log == ["engine up", released, "build actor", *(["load checkpoint"] if resume else []), "offload",
+                   ("resume", ("weights",)), ("push", step), ("resume", ("kv_cache", "cuda_graph")),
+                   ("step", step + 1), "shutdown"]

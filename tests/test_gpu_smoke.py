@@ -69,6 +69,9 @@ def test_dry_run_reports_every_part_with_numbers(dry_run):
     assert [r["step"] for r in colocate["rows"]] == [1, 2]
     assert all(r["offloaded_gib"] > 0 and _number(r["to_generation_s"]) for r in colocate["rows"])
 
+    ipc = parts["ipc"]  # CPU: the bucket crosses through /dev/shm to the receiver process, bytes equal
+    assert [r["bucket"] for r in ipc["rows"]] == ["ipc_pool"] and ipc["rows"][0]["opened_in_receiver"]
+
     md = (out / "gpu_smoke.md").read_text()
     for part in gpu_smoke.PARTS:
         assert f"## {part}: ok" in md

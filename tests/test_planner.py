@@ -336,3 +336,27 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
     rc, lines = _dry_run(_launcher_train_args(tmp_path, *LAUNCHERS[1].values))
     host = next(line for line in lines if line.startswith("rank 0 host memory"))
     assert "weight-sync host copy 61.03 GiB" in host and "--weight-sync-mode distributed" in host, host
+
+
+def test_colocated_startup_rows_by_hand(tmp_path):
+    """The start-up rows of the 32B colocated launcher, written out: stage 1 holds P = 32 layers' TP8 shard + the
+    final norm + the padded head's shard; build = 2 x bf16 weights (DDP's transient copy) + fp32 grads, resume =
+    weights + grads + optimizer (12 B/P / DP 8) + load buffers (weights + optimizer), each next to the released
+    engine (2 GiB) and the context (2 GiB). The old order adds SGLang's static pool (0.77 x 80 GiB) and runtime
+    (4 GiB) in place of the released 2 GiB."""
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
+    assert rc == 0, "\n".join(lines)
+    h, q, kv, f = 5120, 5120, 1024, 27648
+    per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f) // 8 + 2 * h
+    P = 32 * per_layer + h + -(-152064 // 1024) * 1024 * h // 8
+    gib = planner.GIB
+    build = 2 * (2 * P) + 4 * P + 4 * gib
+    resume = 2 * P + 4 * P + 12 * P / 8 + (2 * P + 12 * P / 8) + 4 * gib
+    old = resume + 0.77 * 80 * gib + 4 * gib - 2 * gib
+    table = lines.index(next(line for line in lines if line.startswith("phase: start-up, stage 1")))
+    total = lines[table + 8].split()
+    assert total[0] == "total" and [float(x) for x in total[1:]] == [round(build / gib, 2), round(resume / gib, 2)]
+    worst = next(line for line in lines if line.startswith("start-up: worst"))
+    assert worst == f"start-up: worst {resume / gib:.2f} GiB per GPU; the old order (actor built next to resident " \
+                    f"engines) held {old / gib:.2f} GiB"
+    assert old / gib > 80 > 72 > resume / gib  # the old order overflowed the GPU; the new one fits with headroom

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import pickle
 from collections import namedtuple
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -97,3 +98,47 @@ def test_engine_checks_shm_before_the_update_session(monkeypatch):
         engine.shutdown()
         server.shutdown()
         server.server_close()
+
+
+class _RecordingPool(tensor_ipc.IpcBucketPool):
+    """IpcBucketPool whose torch.cuda.MemPool / use_mem_pool are fakes that record; allocations land on the CPU."""
+
+    def __init__(self, log: list):
+        def make_pool():
+            log.append("make_pool")
+            return "pool"
+
+        @contextmanager
+        def use_pool(pool, device):
+            log.append(("enter", pool, str(device)))
+            yield
+            log.append("exit")
+
+        super().__init__(make_pool=make_pool, use_pool=use_pool)
+        self.log = log
+
+    def empty(self, numel, dtype, device):
+        self.log.append(("empty", numel, dtype, str(device)))
+        return super().empty(numel, dtype, torch.device("cpu"))  # no GPU here: the same code path on the CPU
+
+
+def test_cuda_bucket_is_copied_into_the_ipc_pool():
+    """A CUDA bucket is copied into the private pool (allocated inside use_mem_pool, the pool made once, on the
+    first bucket) instead of being shared from the trainer's allocator, whose expandable segments need
+    pidfd_getfd (ptrace) to open in SGLang; the copy holds the same bytes. The CPU path never touches a pool."""
+    log: list = []
+    pool = _RecordingPool(log)
+    assert log == []  # nothing allocated before the first CUDA bucket (free on CPU runs)
+    flat = torch.arange(12, dtype=torch.float32)
+    staged = stage_bucket(flat, cuda=True, pool=pool, current_cuda=lambda: 2)
+    assert staged.data_ptr() != flat.data_ptr() and torch.equal(staged, flat)
+    stage_bucket(flat[:5], cuda=True, pool=pool, current_cuda=lambda: 2)
+    assert log == [("empty", 12, torch.float32, "cuda:2"), "make_pool", ("enter", "pool", "cpu"), "exit",
+                   ("empty", 5, torch.float32, "cuda:2"), ("enter", "pool", "cpu"), "exit"]
+    pool.release()
+    assert pool._pool is None
+    with pytest.raises(ValueError, match="IpcBucketPool"):
+        stage_bucket(flat, cuda=True, current_cuda=lambda: 0)
+    log.clear()
+    shm = stage_bucket(flat, cuda=False, pool=pool)
+    assert log == [] and shm.is_shared() and torch.equal(shm, flat)

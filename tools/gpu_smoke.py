@@ -7,6 +7,7 @@ and OUT/gpu_smoke.md.
     python tools/gpu_smoke.py kernels --out runs/gpu_smoke     # log-prob/entropy kernels at V=152064 vs fp64
     python tools/gpu_smoke.py scale --out runs/gpu_smoke       # ~1.5B Qwen2: memory, tokens/s, MFU
     python tools/gpu_smoke.py colocate --out runs/gpu_smoke    # ~1.5B actor's phase switch: resident memory
+    python tools/gpu_smoke.py ipc --out runs/gpu_smoke         # a tensor-mode bucket opened by a 2nd process
     python tools/gpu_smoke.py report --out runs/gpu_smoke
 
 --dry runs the same plumbing with tiny sizes on CPU (gloo, the torch kernel backend): the test of this
@@ -17,6 +18,7 @@ imports: TE's wheels are far over the 64 MiB that travels with the working tree 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -28,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-PARTS = ("hf_logits", "trainer", "kernels", "scale", "colocate")
+PARTS = ("hf_logits", "trainer", "kernels", "scale", "colocate", "ipc")
 # bf16 dense tensor-core peak per GPU (FLOP/s), by a substring of torch.cuda.get_device_name().
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12}
 QWEN2_5_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -529,6 +531,85 @@ def part_colocate(dry: bool, out: Path) -> dict:
             "notes": notes, "rows": rows}
 
 
+IPC_RECEIVER = """
+import base64, hashlib, sys
+import torch, torch.multiprocessing
+from multiprocessing.reduction import ForkingPickler
+torch.multiprocessing.set_sharing_strategy("file_system")
+for line in sys.stdin:
+    try:
+        [(name, t)] = ForkingPickler.loads(base64.b64decode(line.strip()))
+        data = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        print(name, hashlib.sha256(data).hexdigest(), flush=True)
+    except Exception as e:
+        print(name if "name" in dir() else "?", "error", type(e).__name__, str(e).splitlines()[0][:200], flush=True)
+"""
+
+
+def _segment_expandable(ptr: int) -> bool | None:
+    """Whether the CUDA caching allocator segment holding `ptr` is an expandable one (None: not found)."""
+    import torch
+
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return bool(seg.get("is_expandable"))
+    return None
+
+
+def part_ipc(dry: bool, out: Path) -> dict:
+    """Tensor-mode weight sync's CUDA IPC (megatron_dapo/rollout/tensor_ipc.py) between two processes on one GPU,
+    this one running with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (gpu_smoke.sh exports it, as the
+    launchers do): a bucket staged in the IpcBucketPool must open in a second process (its sha256 equal), its
+    segment must not be expandable. The same bytes in the trainer's own allocator (an expandable segment) are
+    tried too, for the record only: that import needs pidfd_getfd, i.e. ptrace permission, which this machine
+    may or may not grant. Dry: CPU buckets through /dev/shm (the protocol, not the allocator)."""
+    import hashlib
+
+    import torch
+
+    from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, serialize_named_tensors, stage_bucket
+
+    cuda = torch.cuda.is_available()
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    notes = [f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r}"]
+    if not cuda:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(1 << (10 if dry else 26), generator=gen).to(torch.bfloat16)  # 128 MiB on the GPU
+    flat = src.cuda() if cuda else src
+    pool = IpcBucketPool()
+    staged = stage_bucket(flat, cuda=cuda, pool=pool, shm_dir=str(out))
+    buckets = {"ipc_pool": staged}
+    if cuda:
+        buckets["default_allocator"] = flat  # the old path: the trainer's own (expandable) block
+    want = hashlib.sha256(src.view(torch.uint8).numpy().tobytes()).hexdigest()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", IPC_RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    rows = []
+    try:
+        for name, t in buckets.items():
+            handle = serialize_named_tensors([(name, t)], uuid_of=lambda index: index)  # plain torch handle
+            proc.stdin.write(handle + "\n")
+            proc.stdin.flush()
+            reply = proc.stdout.readline().split(maxsplit=1)
+            got = reply[1].strip() if len(reply) == 2 else "no reply"
+            rows.append({"bucket": name, "bytes": t.numel() * t.element_size(),
+                         "expandable_segment": _segment_expandable(t.data_ptr()) if cuda else None,
+                         "opened_in_receiver": got == want, "receiver": "sha256 equal" if got == want else got})
+    finally:
+        with contextlib.suppress(BrokenPipeError):  # the receiver died on a handle: its row says so
+            proc.stdin.close()
+        proc.wait(timeout=60)
+        del staged
+        pool.release()
+    pooled = rows[0]
+    ok = pooled["opened_in_receiver"] and (not cuda or pooled["expandable_segment"] is False)
+    if cuda and "expandable_segments:True" not in alloc_conf.replace(" ", ""):
+        notes.append("expandable segments were off in this run: the pool's advantage is not exercised")
+    return {"status": "ok" if ok else "fail", **_device_info(), "notes": notes, "rows": rows}
+
+
 # ---- report -----------------------------------------------------------------------------------------------
 
 def _fmt(v) -> str:
@@ -600,8 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         result = part_kernels(a.dry)
     elif a.part == "scale":
         result = part_scale(a.dry, a.out)
-    else:
+    elif a.part == "colocate":
         result = part_colocate(a.dry, a.out)
+    else:
+        result = part_ipc(a.dry, a.out)
     result["seconds"] = time.perf_counter() - t0
     _write(a.out, a.part, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs")}, default=str))

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megatron_dapo import comm
 from megatron_dapo.rollout.buckets import Bucket, iter_buckets
-from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_tensors, stage_bucket
+from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,12 +127,13 @@ class ColocatedPusher:
             torch.multiprocessing.set_sharing_strategy("file_system")
             check_shm_space(self.bucket_bytes)
         t0, nbytes = time.perf_counter(), 0
+        pool = IpcBucketPool()  # CUDA: buckets outside the expandable segments (tensor_ipc.py), none on CPU
         with self._section(f"starting a weight update of {self.groups.url}"):
             if self.posts:
                 self._post("/begin_weight_update", {})
         try:
             for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                flat = stage_bucket(bucket.flat, cuda=cuda)
+                flat = stage_bucket(bucket.flat, cuda=cuda, pool=pool)
                 handle = serialize_named_tensors(Bucket(flat=flat, metas=bucket.metas).named_tensors())
                 handles = self._gather(handle)
                 with self._section(f"posting a weight bucket to {self.groups.url}"):
@@ -146,6 +147,7 @@ class ColocatedPusher:
                 if cuda:
                     torch.cuda.ipc_collect()
         finally:
+            pool.release()
             if self.posts:
                 self._post("/end_weight_update", {})
         if self.posts:  # drop prefix-cache entries computed with the old weights (its reply is plain text)

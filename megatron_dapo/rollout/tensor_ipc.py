@@ -6,12 +6,22 @@ format); the bytes stay where they are:
   the handle is replaced by the GPU's UUID, which SGLang's `monkey_patch_torch_reductions` (applied before
   every deserialization, sglang/srt/utils/patch_torch.py) maps back to its own device index, since the
   server numbers GPUs by its own CUDA_VISIBLE_DEVICES. The server must see that GPU: colocated servers do.
+  The bucket is copied into a private `torch.cuda.MemPool` (IpcBucketPool), not left in the trainer's
+  allocator: the launchers set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and a tensor in an
+  expandable segment is shared by a POSIX file descriptor that the receiver imports with pidfd_getfd, which
+  needs ptrace permission over the sender (refused under Yama ptrace_scope >= 1 between sibling processes
+  and in containers without CAP_SYS_PTRACE: pytorch issue 165685, verl issue 3377). torch's caching
+  allocator never uses expandable segments for a private pool (CUDACachingAllocator alloc_block: "our
+  checkpointing logic for private pools doesn't support the expandable_segments_ structure"), so a pool's
+  block is a plain cudaMalloc segment, shared with cudaIpcGetMemHandle like any pre-2.x torch tensor.
 - CPU: the bucket is copied to shared memory (a file in /dev/shm, `file_system` sharing strategy) and
   travels as that file's name. Containers default to a 64 MB /dev/shm, so the free space is checked first.
 
-Cost at the production setting (Qwen2.5-32B, 64 GiB of bf16 weights, 512 MiB buckets): on CUDA, one extra
-bucket (512 MiB; the 1.5 GiB embedding gets its own bucket) of GPU memory on global rank 0 while a bucket
-is being read, no host copy; on CPU, the same bytes in /dev/shm.
+Cost at the production setting (Qwen2.5-32B, 64 GiB of bf16 weights, 512 MiB buckets): on CUDA, the bucket
+and its copy in the IPC pool (2 x 512 MiB; 2 x 1.5 GiB for the embedding, which gets its own bucket) of GPU
+memory on each pushing rank while a bucket is being read, one device copy per bucket (~1 ms), no host copy;
+the pool's cached segment is returned to the driver when the push ends (IpcBucketPool.release). On CPU, the
+same bytes in /dev/shm.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import base64
 import io
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -97,10 +108,49 @@ def check_shm_space(nbytes: int, shm_dir: str = SHM_DIR,
         )
 
 
-def stage_bucket(flat: torch.Tensor, *, cuda: bool, shm_dir: str = SHM_DIR) -> torch.Tensor:
-    """`flat` where SGLang can map it: on the GPU (CUDA IPC), or copied into shared memory on CPU."""
-    device = bucket_device(flat.device, cuda=cuda)
+class IpcBucketPool:
+    """GPU memory for tensor-mode buckets that another process can open with a plain cudaIpcOpenMemHandle:
+    a private torch.cuda.MemPool (plain cudaMalloc segments even when the process runs with expandable
+    segments; see the module docstring), made on the first CUDA allocation, so building one costs nothing on
+    CPU. One pool per push: `release()` at its end drops the pool and returns its cached segment (the
+    largest bucket, up to 1.5 GiB at 32B) before SGLang takes its KV cache back.
+
+    `make_pool` / `use_pool`: torch.cuda.MemPool / torch.cuda.use_mem_pool (injected by CPU tests)."""
+
+    def __init__(self, make_pool: Callable[[], object] | None = None,
+                 use_pool: Callable[..., AbstractContextManager] | None = None) -> None:
+        self._make_pool = make_pool or torch.cuda.MemPool
+        self._use_pool = use_pool or torch.cuda.use_mem_pool
+        self._pool: object | None = None
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised 1-D CUDA tensor allocated in the pool."""
+        if self._pool is None:
+            self._pool = self._make_pool()
+        with self._use_pool(self._pool, device):
+            return torch.empty(numel, dtype=dtype, device=device)
+
+    def release(self) -> None:
+        """Drops the pool (its blocks go back to the driver once no tensor and no receiver holds them)."""
+        if self._pool is None:
+            return
+        self._pool = None
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+
+
+def stage_bucket(flat: torch.Tensor, *, cuda: bool, shm_dir: str = SHM_DIR, pool: IpcBucketPool | None = None,
+                 current_cuda: Callable[[], int] = torch.cuda.current_device) -> torch.Tensor:
+    """`flat` where SGLang can map it: copied into `pool` on the GPU (CUDA IPC without pidfd_getfd), or into
+    shared memory on CPU. `pool` is required on CUDA (the caller releases it when its push ends)."""
+    device = bucket_device(flat.device, cuda=cuda, current_cuda=current_cuda)
     if device.type == "cuda":
-        return flat.detach().to(device).contiguous()
+        if pool is None:
+            raise ValueError("stage_bucket: a CUDA bucket needs an IpcBucketPool (expandable segments cannot be "
+                             "shared without ptrace permission)")
+        staged = pool.empty(flat.numel(), flat.dtype, device)
+        staged.copy_(flat.detach().reshape(-1))
+        return staged
     check_shm_space(flat.numel() * flat.element_size(), shm_dir)
     return flat.detach().cpu().contiguous().share_memory_()

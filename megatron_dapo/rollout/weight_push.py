@@ -35,7 +35,7 @@ import torch
 from megatron_dapo.rollout.buckets import Bucket, iter_buckets
 from megatron_dapo.rollout.server_setup import server_info, sync_group_layout, sync_ranks
 from megatron_dapo.rollout.sglang_protocol import CALL_MARGIN_S, ServerDied
-from megatron_dapo.rollout.tensor_ipc import check_shm_space, serialize_named_tensors, stage_bucket
+from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
 _SYNC_GROUP_IDS = itertools.count(1)
 """Names of the weight-sync broadcast groups of this process (a name can be registered only once)."""
@@ -197,12 +197,13 @@ class WeightPush:
             torch.multiprocessing.set_sharing_strategy("file_system")
             check_shm_space(self.client.bucket_bytes)  # before the servers enter their update session
         lost: set[int] = set()
+        pool = IpcBucketPool()  # CUDA: buckets outside the expandable segments (tensor_ipc.py), none on CPU
         live = self._send(targets, "/begin_weight_update", {}, lost)
         try:
             for bucket in buckets:
                 if not live:
                     break
-                flat = stage_bucket(bucket.flat, cuda=cuda)
+                flat = stage_bucket(bucket.flat, cuda=cuda, pool=pool)
                 views = Bucket(flat=flat, metas=bucket.metas).named_tensors()
                 # One payload per server TP rank: each rank's deserialization takes one IPC reference.
                 by_tp = {}
@@ -217,6 +218,7 @@ class WeightPush:
                 if cuda:
                     torch.cuda.ipc_collect()  # free the bucket's GPU block now that no server holds it
         finally:
+            pool.release()
             live = self._send(live, "/end_weight_update", {}, lost)
         self._flush(live)
         return lost
