@@ -286,7 +286,7 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
             "--rollout-engine", "sglang", "--log-dir", str(tmp_path / "log"), "--no-wandb", "--no-progress",
             "--seed", "7", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2"]
     if resume:
-        argv += ["--load", str(tmp_path / "ckpt")]
+        argv += ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]  # the launchers' pattern
     with pytest.raises(_Stop):
         train_mod.train(build_parser().parse_args(argv))
     return log
