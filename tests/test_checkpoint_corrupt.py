@@ -82,18 +82,23 @@ def _fallback_messages(record) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, CheckpointFallbackWarning)]
 
 
-@pytest.mark.parametrize("how", ["truncate-distcp", "truncate-common", "flip-byte", "delete"])
-def test_damaged_newest_step_falls_back_with_a_warning(saved, tmp_path, how):
-    make_actor, pristine = saved
-    root = tmp_path / "ckpt"
-    shutil.copytree(pristine, root)
-    victim = _damage(root / "step_0000002", how)
+def _assert_falls_back_to_step_1(root, make_actor, victim: str) -> None:
+    """load_checkpoint(root) skips step 2, warning with `victim` (the damaged file) and both steps' names."""
     actor = make_actor()
     with pytest.warns(CheckpointFallbackWarning, match=victim) as record:
         extra = load_checkpoint(root, actor)
     assert extra == {"step": 1, "tag": 1}
     skipped = _fallback_messages(record)[0]
     assert "step_0000002" in skipped and "step_0000001" in skipped
+
+
+@pytest.mark.parametrize("how", ["truncate-distcp", "truncate-common", "flip-byte", "delete"])
+def test_damaged_newest_step_falls_back_with_a_warning(saved, tmp_path, how):
+    make_actor, pristine = saved
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    victim = _damage(root / "step_0000002", how)
+    _assert_falls_back_to_step_1(root, make_actor, victim)
 
 
 def test_every_step_damaged_is_a_clear_error(saved, tmp_path):
@@ -128,12 +133,7 @@ def test_damaged_newest_step_without_manifest_falls_back_with_a_warning(saved, t
         victim = ".metadata"
     else:
         victim = _damage(step, how)
-    actor = make_actor()
-    with pytest.warns(CheckpointFallbackWarning, match=victim) as record:
-        extra = load_checkpoint(root, actor)
-    assert extra == {"step": 1, "tag": 1}
-    skipped = _fallback_messages(record)[0]
-    assert "step_0000002" in skipped and "step_0000001" in skipped
+    _assert_falls_back_to_step_1(root, make_actor, victim)
 
 
 def test_unverified_step_that_fails_to_read_falls_back(saved, tmp_path, monkeypatch):
