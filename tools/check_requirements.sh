@@ -14,7 +14,7 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
 python3 -m venv "$tmp/venv"
-"$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check packaging
+"$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check packaging 2> >(grep -v "^WARNING: Location" >&2)
 "$tmp/venv/bin/python" -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
   --report "$tmp/report.json" -r "$REQS" 2> >(grep -v "^WARNING: Location" >&2)
 status=0
