@@ -50,6 +50,7 @@ import httpx
 
 from megatron_dapo.rollout.buckets import DEFAULT_BUCKET_BYTES, Bucket
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.fd_limit import HTTP_POOL_EXTRA
 from megatron_dapo.rollout.server_setup import check_attached
 from megatron_dapo.rollout.sglang_protocol import (  # ServerDied: re-exported, raised here
     CALL_MARGIN_S,
@@ -215,7 +216,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
     # ---- plumbing ------------------------------------------------------------------------------
 
     async def _make_client(self) -> httpx.AsyncClient:
-        limits = httpx.Limits(max_connections=self.client.max_concurrency + 16)
+        limits = httpx.Limits(max_connections=self.client.max_concurrency + HTTP_POOL_EXTRA)  # fd_limit counts it
         self._sem = asyncio.Semaphore(self.client.max_concurrency)
         return httpx.AsyncClient(limits=limits, timeout=self.client.http_timeout_s, headers=self._headers)
 
