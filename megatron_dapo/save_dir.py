@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.stale_dirs import pid_alive
 
 LOCK_FILE = ".megatron_dapo.lock"
 STEP_PREFIX = "step_"
@@ -72,14 +73,7 @@ def _holder_text(content: str) -> tuple[str, bool]:
         host, pid, started = str(info["host"]), int(info["pid"]), str(info.get("started", "?"))
     except (ValueError, KeyError, TypeError):
         return "a process that has not written its name yet", False
-    dead = False
-    if host == socket.gethostname():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            dead = True
-        except PermissionError:
-            pass  # it exists, run by another user
+    dead = host == socket.gethostname() and not pid_alive(pid)
     return f"pid {pid} on host {host} (started {started})", dead
 
 
