@@ -3,7 +3,7 @@
 The temporary sibling is `.<name>.tmp-<host>-<pid>`. An error or a SIGINT/SIGTERM (the CLI turns
 SIGTERM into SystemExit) removes it; a SIGKILL cannot be caught, so every run first removes the
 temporaries that runs on this host left behind when their pid is no longer alive (a converted 32B
-model leaves ~64 GB there otherwise; megatron_dapo/stale_dirs.py). A half-written checkpoint never
+model leaves ~64 GB there otherwise; megatron_dapo/distributed/stale_dirs.py). A half-written checkpoint never
 appears under the final name.
 """
 
@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from megatron_dapo.stale_dirs import owner_tag, remove_dead_owners
+from megatron_dapo.distributed.stale_dirs import owner_tag, remove_dead_owners
 
 _TMP = re.compile(r"^\..+\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)$")
 

@@ -26,10 +26,8 @@ from typing import Any
 import torch
 
 from checkpoint_convert.atomic_dir import atomic_output_dir
-from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
-from megatron_dapo.weights.ckpt_config import check_dtype, config_dtype, read_hf_config
-from megatron_dapo.weights.dist_ckpt import (
+from megatron_dapo.checkpoint.ckpt_config import check_dtype, config_dtype, read_hf_config
+from megatron_dapo.checkpoint.dist_ckpt import (
     FORMAT,
     ITERATION_DIR,
     PAGE,
@@ -40,6 +38,8 @@ from megatron_dapo.weights.dist_ckpt import (
     write_dist_checkpoint,
     write_tracker,
 )
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names

@@ -30,13 +30,13 @@ import torch
 
 from checkpoint_convert.atomic_dir import atomic_output_dir
 from checkpoint_convert.hf_to_mcore import ASSETS_DIR, DTYPES
-from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.weights.ckpt_config import (
+from megatron_dapo.checkpoint.ckpt_config import (
     check_global_shapes,
     check_same_arch,
     read_hf_config,
 )
-from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
+from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names

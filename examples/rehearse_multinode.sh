@@ -50,7 +50,7 @@ if [[ -z "${TINY_BASE:-}" ]]; then
 fi
 MODEL="$BASE/model"
 
-# The CPU form of examples/launch_sglang_servers.sh's command (megatron_dapo/rollout/sglang_server.py,
+# The CPU form of examples/launch_sglang_servers.sh's command (megatron_dapo/rollout/sglang/server.py,
 # shared/notes/sglang-on-cpu.md), bound to 127.0.0.1. At TP 2 SGLang's CPU backend binds one core per rank.
 start_server() {  # i tp -> starts server i on BASE_PORT + i, records its pid in $RUN_DIR/sglang-i.pid
     local i=$1 tp=$2 bind=()

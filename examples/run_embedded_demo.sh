@@ -60,7 +60,7 @@ echo "== the exported HF policy on the held-out sums (tools/eval.py, any engine)
 
 "$PY" - "$RUN_DIR/metrics.jsonl" "$BASE_DIR/base_report.json" "$RUN_DIR/eval_hf.json" <<'PY'
 import json, sys
-from megatron_dapo.metrics_log import read_metrics
+from megatron_dapo.trainer.metrics_log import read_metrics
 records = [r for r in read_metrics(sys.argv[1]) if "eval/avg@4" in r]
 base = json.load(open(sys.argv[2]))
 first, last = records[0], records[-1]

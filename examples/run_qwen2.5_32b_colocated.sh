@@ -2,7 +2,7 @@
 # DAPO's own setting for Qwen2.5-32B (arXiv 2503.14476, Sec. 4.1; the flags of run_qwen2.5_32b_multinode.sh) in
 # colocated (hybrid) mode, as DAPO ran it: 16 nodes x 8 GPUs, every GPU both an actor rank (TP 8 x PP 2, DP 8)
 # and a shard of an SGLang engine (--rollout-num-gpus-per-engine 4: two engines per node, 32 in all). Every
-# step the two take turns (megatron_dapo/colocate.py): SGLang releases its weights and KV cache for training,
+# step the two take turns (megatron_dapo/trainer/colocate.py): SGLang releases its weights and KV cache for training,
 # the actor offloads grads and optimizer state for generation. README "Colocate or split" says when to use it.
 #
 # Each node starts its own two engines on its own GPUs (examples/launch_sglang_servers.sh, with

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_dapo.actor.config import LR_DECAY_STYLES
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
 from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
-
-LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
-"""--lr-decay-style choices (megatron-core's OptimizerParamScheduler names), checked by ActorConfig too."""
 
 
 class DeprecatedAlias(argparse.Action):
@@ -164,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=False,
                    help="groups still generating (or finished behind the cut) when a step's batch is full keep "
                         "their responses so far and resume first at the next step, instead of being thrown away; "
-                        "prefix tokens come from older weights (pair with --use-tis); megatron_dapo/partial_rollout.py")
+                        "prefix tokens come from older weights (pair with --use-tis); "
+                        "megatron_dapo/rollout/partial_rollout.py")
     g.add_argument("--partial-rollout-max-staleness", type=int, default=None, metavar="N",
                    help="with --partial-rollout: a carried group whose oldest token is more than N weight versions "
                         "behind the engine at the step that would resume it is dropped instead (tokens counted in "
@@ -174,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one-step-off-policy: 1 = global rank 0 generates step k+1's batch (engine on the weights "
                         "before step k) while every rank trains step k; the weight push after step k waits for "
                         "that batch. Turns --use-tis on unless --no-use-tis is given. On CPU the embedded engine "
-                        "runs in its own process. 0 = synchronous (megatron_dapo/async_rollout.py)")
+                        "runs in its own process. 0 = synchronous (megatron_dapo/rollout/async_rollout.py)")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout); a failure of "
@@ -196,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid mode: the SGLang engines run on the actor's own GPUs (engine i on GPUs i x "
                         "--rollout-num-gpus-per-engine ...) and the two take turns every step: SGLang releases its "
                         "weights and KV cache for training, the actor offloads grads and optimizer state for "
-                        "generation (megatron_dapo/colocate.py); --dry-run plans both phases")
+                        "generation (megatron_dapo/trainer/colocate.py); --dry-run plans both phases")
     g.add_argument("--sglang-colocate", action=DeprecatedAlias, dest="colocate", nargs=0, target="--colocate",
                    help="deprecated alias of --colocate (warns)")
     g.add_argument("--mem-fraction-static", type=float, default=None,
@@ -214,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "servers; generation goes through it while every server serves, weight sync, aborts "
                         "and retries go to each server directly")
     g.add_argument("--sglang-max-concurrency", type=int, default=256,
-                   help="requests in flight; rank 0 raises its open-file limit to match (rollout/fd_limit.py)")
+                   help="requests in flight; rank 0 raises its open-file limit to match (rollout/sglang/fd_limit.py)")
     g.add_argument("--sglang-api-key", default=None,
                    help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
                         "api_key) and sent on every call; required to launch on a non-loopback --sglang-host. "
@@ -252,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of global rank 0 as the servers see it (distributed mode); at PP > 1 the other "
                         "stages' source ranks use MEGATRON_DAPO_WEIGHT_SYNC_ADDR set on their node, else this "
                         "address on rank 0's host, else their address on the route to this one, then their "
-                        "hostname's, whichever is not loopback (rollout/stage_sync.py)")
+                        "hostname's, whichever is not loopback (weight_sync/stage_sync.py)")
     g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
     g = p.add_argument_group("DAPO")

@@ -31,7 +31,7 @@ Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuild
 micro-batch) during its backward; selective recompute drops the core-attention internals.
 
 Colocated (--colocate): every GPU holds an actor rank and a shard of an SGLang engine of
---rollout-num-gpus-per-engine GPUs, in two phases per step (megatron_dapo/colocate.py):
+--rollout-num-gpus-per-engine GPUs, in two phases per step (megatron_dapo/trainer/colocate.py):
   - training: the actor's plan above, plus what SGLang keeps after /release_memory_occupation of its
     weights, KV cache and CUDA graphs (its CUDA context and allocator slack: SGLANG_RELEASED_GIB, assumed);
   - generation: the actor's leftovers after it offloaded grads and optimizer state (its bf16 weights, the
@@ -57,8 +57,8 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
 
 GIB = 1 << 30
 FRAMEWORK_OVERHEAD_GIB = 2.0
@@ -607,7 +607,7 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     for line in lines:
         print(line, file=out)
-    from megatron_dapo.rollout.server_setup import weight_sync_mode
+    from megatron_dapo.rollout.sglang.setup import weight_sync_mode
 
     mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
     print(host_copy_line(arch, mode=mode, colocate=args.colocate, bytes_per_element=spec.bytes_per_element),

@@ -2,7 +2,7 @@
 
 Builds the pieces from flags (see megatron_dapo/arguments.py), loads the HF policy into the Megatron
 actor, starts the rollout engine on global rank 0, resumes from --load when a checkpoint exists, and
-runs `Trainer.run` (megatron_dapo/trainer.py).
+runs `Trainer.run` (megatron_dapo/trainer/loop.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import torch.distributed as dist
 
 from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, OverlongConfig, PolicyLossConfig
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.collect import CollectConfig, Prompt, RewardFn
+from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn
 from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.validation import (
+from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
     check_model_layout,
@@ -43,7 +43,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
     The LR schedule counts rollout steps: warmup over --lr-warmup-steps of them, decay (when not
     constant) reaching --min-lr at --lr-decay-steps (default --num-steps)."""
     from megatron_dapo.actor import ActorConfig
-    from megatron_dapo.trainer import TrainerConfig
+    from megatron_dapo.trainer.loop import TrainerConfig
 
     decay_steps = None
     if args.lr_decay_style != "constant":
@@ -101,7 +101,7 @@ def use_tis(args: argparse.Namespace) -> bool:
 def max_staleness(args: argparse.Namespace) -> int | None:
     """--partial-rollout-max-staleness as given; unset: partial_rollout.DEFAULT_MAX_STALENESS with
     --partial-rollout, None without it (nothing is carried)."""
-    from megatron_dapo.partial_rollout import DEFAULT_MAX_STALENESS
+    from megatron_dapo.rollout.partial_rollout import DEFAULT_MAX_STALENESS
 
     given = args.partial_rollout_max_staleness
     return given if given is not None or not args.partial_rollout else DEFAULT_MAX_STALENESS
@@ -222,9 +222,9 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
 
             return ProcessEngine(args.hf_checkpoint, **(kwargs | {"tokenizer": args.tokenizer or args.hf_checkpoint}))
         return make_engine("embedded", args.hf_checkpoint, **kwargs)
-    from megatron_dapo.rollout import server_setup
-    from megatron_dapo.rollout.sglang_engine import ClientConfig
-    from megatron_dapo.rollout.sglang_server import ServerConfig
+    from megatron_dapo.rollout.sglang import setup as server_setup
+    from megatron_dapo.rollout.sglang.engine import ClientConfig
+    from megatron_dapo.rollout.sglang.server import ServerConfig
 
     attach = bool(args.sglang_server_urls)
     if args.sglang_router_url and not attach:
@@ -248,7 +248,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
         sync_master_address=args.weight_sync_master_addr, sync_master_port=args.weight_sync_master_port,
     )
     if client.update_mode == "tensor" and not cuda:
-        from megatron_dapo.rollout.tensor_ipc import check_shm_space
+        from megatron_dapo.weight_sync.tensor_ipc import check_shm_space
 
         check_shm_space(client.bucket_bytes)  # before minutes of server start-up
     if attach:  # the engine first checks that every URL is SGLang (UserError naming the one that is not)
@@ -298,8 +298,8 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
     """
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
     from megatron_dapo.reward import get_reward_fn
-    from megatron_dapo.rollout.api_key import resolve_api_key
-    from megatron_dapo.rollout.sglang_server import check_bind
+    from megatron_dapo.rollout.sglang.api_key import resolve_api_key
+    from megatron_dapo.rollout.sglang.server import check_bind
 
     try:
         build_configs(args)
@@ -317,7 +317,7 @@ def check_flags(args: argparse.Namespace) -> RewardFn:
                             pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
     check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
                            global_batch_size=args.global_batch_size, dp=dp)
-    from megatron_dapo.colocate import check_colocate_flags
+    from megatron_dapo.trainer.colocate import check_colocate_flags
 
     local = os.environ.get("LOCAL_WORLD_SIZE")
     try:
@@ -357,7 +357,7 @@ def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
     if not with_data:
         return inputs
     if args.export_hf:
-        from megatron_dapo.hf_export import check_export_target
+        from megatron_dapo.checkpoint.hf_export import check_export_target
 
         check_export_target(args.export_hf)
     limits = dict(prompt_format=args.prompt_format, max_prompt_length=args.max_prompt_length,
@@ -393,12 +393,12 @@ def main(argv: list[str] | None = None) -> None:
 def train(args: argparse.Namespace) -> None:
     """validate flags -> read inputs (rank 0) -> build -> generate/reward/filter/train/sync/eval/save (Trainer)."""
     from megatron_dapo.actor import init_parallel
-    from megatron_dapo.checkpoint import CheckpointSaver
+    from megatron_dapo.checkpoint.dist_load import initial_checkpoint
+    from megatron_dapo.checkpoint.save_dir import prepare_run_dirs
+    from megatron_dapo.checkpoint.training import CheckpointSaver
     from megatron_dapo.data import ResumableSampler
-    from megatron_dapo.rollout.fd_limit import ensure_fd_limit
-    from megatron_dapo.save_dir import prepare_run_dirs
-    from megatron_dapo.trainer import Trainer
-    from megatron_dapo.weights.dist_load import initial_checkpoint
+    from megatron_dapo.rollout.sglang.fd_limit import ensure_fd_limit
+    from megatron_dapo.trainer.loop import Trainer
 
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
@@ -409,7 +409,8 @@ def train(args: argparse.Namespace) -> None:
     engine, inputs, verdict = None, None, None
     if rank0:  # only rank 0 checks --load and --save (and locks --save for the run) and reads the prompt files
         try:
-            prepare_run_dirs(args)  # milliseconds, before anything is started or built (megatron_dapo/save_dir.py)
+            # milliseconds, before anything is started or built (megatron_dapo/checkpoint/save_dir.py)
+            prepare_run_dirs(args)
             if rollout_engine_kind(args) == "sglang":  # rank 0 holds the HTTP connections to the servers
                 ensure_fd_limit(args.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
             if args.async_rollout and rollout_engine_kind(args) == "embedded":
@@ -456,7 +457,8 @@ def train(args: argparse.Namespace) -> None:
                             async_save=args.async_save) if args.save else None
 
     def save(step: int) -> None:
-        from megatron_dapo import comm, partial_rollout
+        from megatron_dapo.distributed import comm
+        from megatron_dapo.rollout import partial_rollout
 
         with trainer.section("while preparing the checkpoint's sampler state"):  # rank 0's; a failure reaches all
             state = {"sampler": sampler.state_dict()}
@@ -483,7 +485,7 @@ def train(args: argparse.Namespace) -> None:
         if saver is not None:
             saver.close()  # an --async-save in flight is finished and renamed here
         if args.export_hf:
-            from megatron_dapo.hf_export import export_hf
+            from megatron_dapo.checkpoint.hf_export import export_hf
 
             path = export_hf(actor, args.export_hf, args.hf_checkpoint)
             if path is not None:
@@ -495,7 +497,7 @@ def train(args: argparse.Namespace) -> None:
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():
-            from megatron_dapo import comm
+            from megatron_dapo.distributed import comm
 
             comm.barrier()
             dist.destroy_process_group()
@@ -510,7 +512,7 @@ def start_colocated_engines(args: argparse.Namespace, tokenizer, rank0: bool):
     32B launcher) until released, and the actor's build peaks at twice its bf16 weights plus the fp32 grad buffer
     (planner.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
     first, SGLang would have sized its KV pool from less free memory than planned."""
-    from megatron_dapo.colocate import release_engines, start_up_section
+    from megatron_dapo.trainer.colocate import release_engines, start_up_section
 
     engine, sync = None, start_up_section(args.rollout_timeout)
     what = "while rank 0 started the colocated engines and released their GPU memory"
@@ -525,8 +527,8 @@ def make_colocated(args: argparse.Namespace, actor, engine, section):
     """--colocate: this rank's PhaseSwitcher and ColocatedPusher (a collective: every rank makes every engine's
     group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port).
     `section`: Trainer.section, the phase switches' status barrier on the wait group."""
-    from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher
-    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+    from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 
     urls = args.sglang_server_urls or [f"http://{args.sglang_host}:{args.sglang_base_port + i}"
                                        for i in range(args.sglang_num_servers)]
@@ -542,7 +544,7 @@ def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, in
     (`init_ckpt`, converter output passed as --load: iteration 0, fresh optimizer), else --hf-checkpoint
     re-sharded."""
     from megatron_dapo.actor import MegatronActor
-    from megatron_dapo.weights.dist_load import load_model_weights
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
 
     actor = MegatronActor(arch, actor_cfg, layout)
     if init_ckpt is not None:
@@ -556,8 +558,8 @@ def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, in
 
 def make_logger(args: argparse.Namespace):
     """Rank 0's metrics logger; args.json records the run's flags next to metrics.jsonl, secrets redacted."""
-    from megatron_dapo.metrics_log import MetricsLogger
-    from megatron_dapo.run_record import argv_has_secret, run_record
+    from megatron_dapo.trainer.metrics_log import MetricsLogger
+    from megatron_dapo.trainer.run_record import argv_has_secret, run_record
 
     record = run_record(args)  # the one record of the run: no API key in args.json or wandb's config
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -569,8 +571,8 @@ def make_logger(args: argparse.Namespace):
 
 def resume(args: argparse.Namespace, trainer, sampler) -> None:
     """With --load and a checkpoint in it: actor state, rank 0's sampler, the step; the engine gets the weights."""
-    from megatron_dapo import partial_rollout
-    from megatron_dapo.checkpoint import load_checkpoint
+    from megatron_dapo.checkpoint.training import load_checkpoint
+    from megatron_dapo.rollout import partial_rollout
 
     if not args.load:
         return
@@ -595,8 +597,8 @@ def resume(args: argparse.Namespace, trainer, sampler) -> None:
 
 
 def _write_report(log_dir: Path) -> None:
-    from megatron_dapo.metrics_log import read_metrics
-    from megatron_dapo.report import plot
+    from megatron_dapo.trainer.metrics_log import read_metrics
+    from megatron_dapo.trainer.report import plot
 
     records = read_metrics(log_dir / "metrics.jsonl")
     if records:

@@ -26,8 +26,8 @@ import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from megatron_dapo.collect import Prompt
 from megatron_dapo.reward import RewardResult
+from megatron_dapo.rollout.collect import Prompt
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, validate_layout
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.plan import stage_tensors, virtual_stage
 from tests.dist.actor_common import (

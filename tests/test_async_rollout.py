@@ -19,12 +19,12 @@ import torch
 from megatron_dapo.actor import ActorConfig, MegatronActor
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.async_rollout import AheadBatch, batch_from_state, batch_state, check_staleness
-from megatron_dapo.collect import CollectConfig, Prompt, ScoredGroup
+from megatron_dapo.rollout.async_rollout import AheadBatch, batch_from_state, batch_state, check_staleness
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, ScoredGroup
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 from megatron_dapo.train import build_configs
-from megatron_dapo.trainer import Trainer, TrainerConfig
+from megatron_dapo.trainer.loop import Trainer, TrainerConfig
 from tests.dist.actor_common import load_hf_weights, single_process_world
 from tests.sim_engine import decode, reward
 

@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.checkpoint import (
+from megatron_dapo.checkpoint.training import (
     CheckpointCorruptError,
     CheckpointFallbackWarning,
     load_checkpoint,
@@ -139,7 +139,7 @@ def test_damaged_newest_step_without_manifest_falls_back_with_a_warning(saved, t
 def test_unverified_step_that_fails_to_read_falls_back(saved, tmp_path, monkeypatch):
     """Damage the `.metadata` check cannot see (a flipped byte inside a tensor's pickle) fails the read itself:
     for a step without a manifest that read error skips it like a failed verification, the warning naming it."""
-    from megatron_dapo import checkpoint
+    from megatron_dapo.checkpoint import training as checkpoint
 
     make_actor, pristine = saved
     root = tmp_path / "ckpt"

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.checkpoint import CheckpointSaver
+from megatron_dapo.checkpoint.training import CheckpointSaver
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import Qwen2Arch
 from tests.dist.actor_common import load_hf_weights, tiny_hf_model

@@ -134,7 +134,7 @@ def test_hf_export_from_te_actor_equals_hf(te_world):
 def test_converter_checkpoint_into_te_actor(te_world, tmp_path):
     """hf-to-mcore output (torch_dist, TE key names) as --load into a TE-spec actor: train.build_actor's path."""
     from checkpoint_convert.cli import main as convert
-    from megatron_dapo.weights.dist_load import load_model_weights
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
 
     _, hf, arch, hf_dir, make_actor = te_world
     assert convert(["hf-to-mcore", "--hf-path", str(hf_dir), "--save", str(tmp_path / "mc")]) == 0
@@ -148,7 +148,7 @@ def test_converter_checkpoint_into_te_actor(te_world, tmp_path):
 
 def test_dist_checkpoint_of_local_spec_resumes_into_te_spec(te_world, tmp_path):
     """--save from a local-spec run, --load into a TE-spec run: megatron maps the norms to TE keys."""
-    from megatron_dapo.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_dapo.checkpoint.training import load_checkpoint, save_checkpoint
 
     _, hf, _, hf_dir, make_actor = te_world
     local = _hf_loaded(make_actor, hf_dir, False)
@@ -194,7 +194,7 @@ def test_checkpoint_without_extra_state_loads_into_te_actor(te_world, tmp_path):
     import importlib
 
     from checkpoint_convert.cli import main as convert
-    from megatron_dapo.weights.dist_load import load_model_weights
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
 
     hf_to_mcore = importlib.import_module("checkpoint_convert.hf_to_mcore")  # the package re-exports a function
     _, hf, arch, hf_dir, make_actor = te_world

@@ -17,10 +17,10 @@ from megatron_dapo.algorithm import (
     GenerationBudgetExhausted,
     OverlongConfig,
 )
-from megatron_dapo.collect import CollectConfig, Prompt, collect_batch, request_seed
-from megatron_dapo.evaluation import evaluate, pass_at_k
 from megatron_dapo.reward import get_reward_fn
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch, request_seed
 from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.evaluation import evaluate, pass_at_k
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 from tests import sim_engine as sim
 from tests.sim_engine import LengthLatencyEngine, cycling

@@ -12,9 +12,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
-from megatron_dapo.collect import CollectConfig, CollectResult, Prompt, collect_batch
 from megatron_dapo.data.sampler import ResumableSampler
-from megatron_dapo.partial_rollout import CarriedGroup, staleness_of
+from megatron_dapo.rollout.collect import CollectConfig, CollectResult, Prompt, collect_batch
+from megatron_dapo.rollout.partial_rollout import CarriedGroup, staleness_of
 from megatron_dapo.rollout.types import Sample, SamplingParams
 from tests import sim_engine as sim
 

@@ -1,4 +1,4 @@
-"""Colocated mode (megatron_dapo/colocate.py): the actor's offload/onload is exact, the phase switch talks to
+"""Colocated mode (megatron_dapo/trainer/colocate.py): the actor's offload/onload is exact, the phase switch talks to
 SGLang in the right order, the flag combinations fail with errors naming the flags."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor
-from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, check_colocate_flags, engine_of_rank
+from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, check_colocate_flags, engine_of_rank
 from tests.dist.actor_common import load_hf_weights, make_samples, single_process_world
 
 
@@ -180,9 +180,9 @@ def test_engine_release_resume_and_push_against_the_fake_server(world):
     """SGLangEngine's release/resume and ColocatedPusher at world size 1 against tests/sglang/fake_server.py
     (no SGLang needed): generation is refused while released, the push needs the weights resumed and lands
     whole (begin, buckets, end, flush), and the engine's samples carry the pushed version."""
-    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
-    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
     from tests.sglang.fake_server import serve
 
     server, state = serve()
@@ -253,12 +253,12 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     from types import SimpleNamespace
 
     from megatron_dapo import actor as actor_mod
-    from megatron_dapo import checkpoint
     from megatron_dapo import train as train_mod
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.collect import Prompt
+    from megatron_dapo.checkpoint import training as checkpoint
     from megatron_dapo.data import ResumableSampler
-    from megatron_dapo.trainer import Trainer
+    from megatron_dapo.rollout.collect import Prompt
+    from megatron_dapo.trainer.loop import Trainer
 
     layout, _, arch = world
     log: list = []

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.rollout.sglang_server import ServerGroup
+from megatron_dapo.rollout.sglang.server import ServerGroup
 from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.ports import free_port_block
 from tests.sglang.real_server import MARKS, cpu_server_config

@@ -1,4 +1,4 @@
-"""megatron_dapo/comm.py picks the device of a group's backend, and every collective of the trainer goes
+"""megatron_dapo/distributed/comm.py picks the device of a group's backend, and every collective of the trainer goes
 through it (an NCCL group fed CPU tensors crashes at DP > 1; gloo tests cannot see it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import comm
+from megatron_dapo.distributed import comm
 
 REPO = Path(__file__).resolve().parent.parent
 COLLECTIVES = {"all_reduce", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object",
@@ -20,7 +20,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "broadcast_object_list", "all_gather",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",
                "isend", "irecv", "barrier", "monitored_barrier", "batch_isend_irecv"}
 EXEMPT = {
-    "megatron_dapo/comm.py": "the wrappers themselves",
+    "megatron_dapo/distributed/comm.py": "the wrappers themselves",
     "megatron_dapo/ops/fused_linear.py": "TP all-reduce of d_hidden in the autograd backward, made on hidden's device",
     "megatron_dapo/ops/vocab_parallel.py": "TP all-reduces of row statistics of the logits (forward), on their device",
     "megatron_dapo/actor/logprob.py": "TP all-reduces of the entropy's max and sums (no_grad), made from the logits",
@@ -56,9 +56,9 @@ def direct_collective_calls(source: str) -> list[str]:
 
 @pytest.mark.parametrize("path", ROUTED)
 def test_no_direct_collective_calls(path):
-    """Static: these modules call no torch.distributed collective except through megatron_dapo.comm."""
+    """Static: these modules call no torch.distributed collective except through megatron_dapo.distributed.comm."""
     found = direct_collective_calls((REPO / path).read_text())
-    assert not found, f"{path} bypasses megatron_dapo.comm: {found}"
+    assert not found, f"{path} bypasses megatron_dapo.distributed.comm: {found}"
 
 
 def test_the_static_check_finds_each_spelling():
@@ -67,7 +67,7 @@ def test_the_static_check_finds_each_spelling():
     source = (
         "import torch\nimport torch.distributed as dist\nimport torch.distributed as tdist\n"
         "from torch import distributed as D\nfrom torch.distributed import barrier\n"
-        "from megatron_dapo import comm\n"
+        "from megatron_dapo.distributed import comm\n"
         "dist.all_gather_object(a, b)\ntorch.distributed.broadcast(t, src=0)\ntdist.gather_object(o, l)\n"
         "D.barrier()\ntorch.distributed.distributed_c10d.all_reduce(t)\n"
         "comm.broadcast(t, 0)\nx.gather(1, i)\nasyncio.gather(f)\nconn.send(b)\ndist.new_group([0])\n")
@@ -79,9 +79,10 @@ def test_the_static_check_finds_each_spelling():
 
 def test_the_routed_modules_include_the_collective_callers():
     """The modules that once called collectives directly are among those checked (not exempted by a rename)."""
-    assert {"megatron_dapo/checkpoint.py", "megatron_dapo/validation.py", "megatron_dapo/rollout/colocated_push.py",
-            "megatron_dapo/rollout/sync_group.py", "megatron_dapo/rollout/sglang_engine.py",
-            "megatron_dapo/trainer.py", "megatron_dapo/dataplane.py"} <= set(ROUTED)
+    assert {"megatron_dapo/checkpoint/training.py", "megatron_dapo/trainer/validation.py",
+            "megatron_dapo/weight_sync/colocated_push.py", "megatron_dapo/weight_sync/sync_group.py",
+            "megatron_dapo/rollout/sglang/engine.py", "megatron_dapo/trainer/loop.py",
+            "megatron_dapo/trainer/dataplane.py"} <= set(ROUTED)
     assert all((REPO / path).is_file() for path in EXEMPT)
 
 

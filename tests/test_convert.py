@@ -135,7 +135,7 @@ def test_sharded_ids_match_megatron_core() -> None:
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_dapo.weights.dist_ckpt import MEGATRON_CONFIG, sharded_object_key
+    from megatron_dapo.checkpoint.dist_ckpt import MEGATRON_CONFIG, sharded_object_key
 
     obj = ShardedObject("decoder.layers.mlp.linear_fc1._extra_state", None, (64,), (3,), replica_id=0)
     assert sharded_object_key(obj.key, (3,), (64,)) == obj.unique_key
@@ -199,7 +199,7 @@ def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
     import weakref
 
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
-    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
 
     make_tiny_hf(tmp_path / "hf", tied=False)
     real, lock, live, peak, produced = hf_format.HFCheckpointReader.map_rows, threading.Lock(), [0], [0], [0]
@@ -325,7 +325,7 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
 def test_mcore_to_hf_copies_converter_output_in_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block of converter output is one byte range of one stored chunk: copied by copy_file_range, no
     block is read into the process; a --dtype cast, and blocks across stored chunks, are read and pwritten."""
-    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
     from megatron_dapo.weights.safetensors_io import PositionalSafetensorsWriter
 
     make_tiny_hf(tmp_path / "hf", tied=False)
@@ -356,7 +356,7 @@ def test_mcore_to_hf_copies_converter_output_in_the_kernel(tmp_path: Path, monke
 
 def test_byte_range_is_none_across_stored_chunks(tmp_path: Path) -> None:
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
-    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
 
     make_tiny_hf(tmp_path / "hf", tied=False)
     cfg = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))
@@ -397,7 +397,7 @@ def test_jobs_are_scheduled_round_robin_over_the_output_shards(tmp_path: Path) -
     blocks running at once write different files instead of taking turns on one file's lock."""
     import importlib
 
-    from megatron_dapo.weights.dist_ckpt import DistCheckpointReader
+    from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
     from megatron_dapo.weights.plan import hf_tensor_specs
 
     m2h = importlib.import_module("checkpoint_convert.mcore_to_hf")
@@ -611,8 +611,8 @@ def test_stored_config_and_shapes_are_checked_before_reading(
 
 
 def test_geometry_checks_name_the_config_field() -> None:
+    from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, expected_global_shapes
     from megatron_dapo.weights import CheckpointError
-    from megatron_dapo.weights.ckpt_config import check_global_shapes, expected_global_shapes
 
     arch = Qwen2Arch.from_hf({**TINY, "model_type": "qwen2"})
     good = expected_global_shapes(arch, 256)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from checkpoint_convert.cli import main
-from megatron_dapo.weights import dist_ckpt, safetensors_io
+from megatron_dapo.checkpoint import dist_ckpt
+from megatron_dapo.weights import safetensors_io
 from tests.disk_full import fill_disk_after, raise_enospc
 from tests.test_convert import make_tiny_hf
 

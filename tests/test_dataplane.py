@@ -1,4 +1,4 @@
-"""The rollout rows as tensors (megatron_dapo/dataplane.py): pack -> unpack gives back every field exactly,
+"""The rollout rows as tensors (megatron_dapo/trainer/dataplane.py): pack -> unpack gives back every field exactly,
 the --rollout-timeout flag reaches the trainer config, an abort carries what failed, and a rank 0 whose engine
 fails mid-push still runs the weight export (a collective) to the end. The multi-process failure paths are in
 tests/test_dataplane_dist.py."""
@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_dapo import trainer as trainer_module
 from megatron_dapo.actor import TrainSample
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.collect import CollectConfig
-from megatron_dapo.dataplane import ABORT, abort_reason, abort_share, pack, unpack
+from megatron_dapo.rollout.collect import CollectConfig
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.train import build_configs
-from megatron_dapo.trainer import Rollout, Trainer, TrainerConfig
+from megatron_dapo.trainer import loop as trainer_module
+from megatron_dapo.trainer.dataplane import ABORT, abort_reason, abort_share, pack, unpack
+from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
 
 FLAGS = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
          "--max-response-length", "16", "--overlong-buffer-length", "4"]

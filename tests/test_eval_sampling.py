@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.evaluation import evaluate
+from megatron_dapo.rollout.evaluation import evaluate
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 from megatron_dapo.train import build_configs
-from megatron_dapo.trainer import Trainer
+from megatron_dapo.trainer.loop import Trainer
 from tests import sim_engine as sim
 from tests.sim_engine import LengthLatencyEngine
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rollout.fd_limit import fds_needed
+from megatron_dapo.rollout.sglang.fd_limit import fds_needed
 from tests.test_validation import error_lines, make_model_dir
 from tests.torchrun import REPO, subprocess_env
 
 OPEN_ALL = textwrap.dedent("""
     import os, resource, sys
-    from megatron_dapo.rollout.fd_limit import ensure_fd_limit
+    from megatron_dapo.rollout.sglang.fd_limit import ensure_fd_limit
     concurrency, world = int(sys.argv[1]), int(sys.argv[2])
     print(ensure_fd_limit(concurrency, world), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(concurrency)]  # the connections rank 0 opens
@@ -76,7 +76,7 @@ def test_a_hard_limit_below_the_need_is_an_error_naming_the_flag_and_ulimit(tmp_
 
 @pytest.mark.parametrize("hard", [pytest.param(200, id="nothing-fits")])
 def test_no_concurrency_fits_says_only_raise(hard):
-    code = "from megatron_dapo.rollout.fd_limit import ensure_fd_limit; ensure_fd_limit(64, 1)"
+    code = "from megatron_dapo.rollout.sglang.fd_limit import ensure_fd_limit; ensure_fd_limit(64, 1)"
     out = _run([sys.executable, "-c", code], hard=hard)
     assert out.returncode != 0 and "lower --sglang-max-concurrency" not in out.stderr
     assert "but the hard limit is 200: raise the limit (`ulimit -n 338`" in out.stderr

@@ -26,15 +26,16 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 """A --flag token; underscored ones (torchrun's --nproc_per_node) are never ours and do not match."""
 
 EXTERNAL: dict[str, set[str]] = {
-    "megatron_dapo/rollout/sglang_server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config",
+    "megatron_dapo/rollout/sglang/server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config",
                                                "--enable-memory-saver"},
-    "megatron_dapo/rollout/api_key.py": {"--config"},  # sglang.launch_server's own
-    "megatron_dapo/rollout/sglang_router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
-    "megatron_dapo/rollout/sglang_engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
+    "megatron_dapo/rollout/sglang/api_key.py": {"--config"},  # sglang.launch_server's own
+    "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
+    "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
     "megatron_dapo/train.py": {"--enable-memory-saver"},  # passed to launched colocated servers
 }
 """file (relative to the repo) -> flags of another program that the file names on purpose."""
-CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/")
+CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
+                     "megatron_dapo/checkpoint/ckpt_config.py")
 """Files whose messages may name checkpoint_convert's flags (the converter is their command line)."""
 
 

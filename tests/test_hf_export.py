@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_dapo import hf_export
+from megatron_dapo.checkpoint import hf_export
+from megatron_dapo.checkpoint.hf_export import EXPORT_MARKER, check_export_target, export_hf
 from megatron_dapo.errors import UserError
-from megatron_dapo.hf_export import EXPORT_MARKER, check_export_target, export_hf
 from megatron_dapo.weights import safetensors_io
 from tests.disk_full import fill_disk_after
 

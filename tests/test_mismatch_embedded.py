@@ -10,7 +10,7 @@ from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
 from megatron_dapo.algorithm import OffPolicyConfig, PolicyLossConfig, policy_loss
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
-from megatron_dapo.trainer import Rollout, Trainer, TrainerConfig
+from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
 from tests.dist.actor_common import (
     TINY,
     load_hf_weights,

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_dapo.actor import destroy_parallel, init_parallel
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models import (
     Qwen2Arch,
     build_gpt_model,
@@ -14,7 +15,6 @@ from megatron_dapo.models import (
     te_available,
     transformer_config_from_arch,
 )
-from megatron_dapo.parallel import padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
 
 

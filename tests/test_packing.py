@@ -20,8 +20,8 @@ from megatron_dapo.actor.batching import (
     packed_length,
     plan_micro_batches,
 )
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from tests.dist.actor_common import (
     load_hf_weights,
     make_samples,
@@ -182,8 +182,8 @@ def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
     """32B at TP8, 24576 tokens, bf16: [T, V/tp] logits + grad (2 x 2 B per entry) vs one chunk block
     (bf16 + fp32 temporaries) plus the fp32 [V/tp, h] d weight accumulator, written out."""
     from megatron_dapo import planner
+    from megatron_dapo.distributed.parallel import ParallelLayout
     from megatron_dapo.ops.fused_linear import DEFAULT_CHUNK_LOGITS
-    from megatron_dapo.parallel import ParallelLayout
     from tests.torchrun import REPO
 
     arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
@@ -207,7 +207,7 @@ def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
 def test_planner_packed_row_length_terms_use_the_whole_row():
     """Local spec: a packed micro-batch of T tokens is one row, so its mask is T^2 bytes (padded: s^2)."""
     from megatron_dapo import planner
-    from megatron_dapo.parallel import ParallelLayout
+    from megatron_dapo.distributed.parallel import ParallelLayout
 
     arch = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16)

@@ -8,10 +8,10 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
 from megatron_dapo.models import spec
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size, validate_layout
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 ARCH = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,

@@ -13,11 +13,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
-from megatron_dapo.collect import CollectConfig, Prompt, collect_batch
-from megatron_dapo.partial_rollout import CarriedGroup, continuation_request, extend, from_state, settle, state
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.rollout.partial_rollout import CarriedGroup, continuation_request, extend, from_state, settle, state
 from megatron_dapo.rollout.sampling import row_seed
-from megatron_dapo.rollout.sglang_protocol import generate_payload
+from megatron_dapo.rollout.sglang.protocol import generate_payload
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 from tests.rewards import length_parity
 

@@ -10,9 +10,9 @@ import copy
 import pytest
 
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.collect import CollectConfig, Prompt, collect_batch
-from megatron_dapo.partial_rollout import from_state, state
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.rollout.partial_rollout import from_state, state
 from megatron_dapo.train import build_configs
 from tests.rewards import length_parity
 from tests.test_partial_rollout import Counting, _config, _decode, _model, _prompts, _tokens

@@ -11,8 +11,8 @@ import torch
 
 from megatron_dapo import planner
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout
 from tests.test_examples import REPO, launcher_args
 
 # ---- Korthikanti et al. 2022, Sec. 4 (fp16 activations, 1-byte dropout masks), written out ------------
@@ -314,7 +314,7 @@ def test_colocated_fraction_too_small_names_the_flag():
 def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
     """The plan's rank-0 host line equals the bytes SGLangEngine holds after a push of the whole HF model (fp32
     tiny model, tied and untied), and HF's own parameter count; at 32B it is one bf16 version, 61 GiB."""
-    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from tests.dist.actor_common import tiny_hf_model
     from tests.sglang.fake_server import serve
 

@@ -1,5 +1,5 @@
 """Where launched SGLang servers run, how weights reach them, and seeded-rollout reproducibility
-(megatron_dapo/rollout/server_setup.py and train.make_rollout_engine on a simulated CUDA machine)."""
+(megatron_dapo/rollout/sglang/setup.py and train.make_rollout_engine on a simulated CUDA machine)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 import megatron_dapo.rollout as rollout_pkg
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.rollout.server_setup import (
+from megatron_dapo.rollout.sglang.setup import (
     DETERMINISTIC_FLAG,
     attached_determinism_warnings,
     deterministic_server_args,

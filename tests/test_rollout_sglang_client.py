@@ -17,11 +17,11 @@ import torch
 import yaml
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.buckets import iter_buckets
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.sglang_protocol import generate_payload, parse_generate_response, sample_rid
-from megatron_dapo.rollout.sglang_server import ServerConfig
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.protocol import generate_payload, parse_generate_response, sample_rid
+from megatron_dapo.rollout.sglang.server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from megatron_dapo.weight_sync.buckets import iter_buckets
 from tests.ports import free_port_block
 from tests.procs import running
 from tests.sglang.fake_server import fake_logprob, fake_token, kill, serve
@@ -227,7 +227,7 @@ def test_taken_port_is_refused_before_any_server_starts(tmp_path):
     """A port of the group already listened on: start() names it and --sglang-base-port, and launches nothing."""
     import socket
 
-    from megatron_dapo.rollout.sglang_server import ServerGroup
+    from megatron_dapo.rollout.sglang.server import ServerGroup
 
     base = free_port_block(3)
     cfg = ServerConfig(model_path="m", num_servers=2, base_port=base, device="cpu", python=str(_fake_python(tmp_path)),
@@ -464,8 +464,8 @@ def test_launch_script_binds_loopback_and_needs_a_key_when_wide(tmp_path, host, 
 TRAINER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
-from megatron_dapo.rollout.sglang_server import ServerConfig
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import ServerConfig
 cfg = ServerConfig(model_path={model!r}, num_servers=2, router=False, base_port={port}, device="cpu",
                    python={python!r}, startup_timeout_s=30, log_dir={logs!r}, env={{"FAKE_SGLANG_LIFETIME": "60"}})
 engine = SGLangEngine(cfg)

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.sglang.fake_server import kill, serve
 

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from megatron_dapo.rollout.api_key import remove_server_key_file, write_server_key_file
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.sglang_server import ServerConfig
+from megatron_dapo.rollout.sglang.api_key import remove_server_key_file, write_server_key_file
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.ports import free_port_block
 from tests.procs import processes
@@ -72,7 +72,7 @@ def test_aborted_prefix_is_continued(served):
     their log-probs (finish 'abort'); prompt + prefix resubmitted (partial_rollout.continuation_request)
     generates the remaining budget, and prefix + continuation has the weights' log-probs at every token.
     Greedy, so every token must be the argmax of the teacher-forced logits (one uninterrupted greedy run)."""
-    from megatron_dapo.partial_rollout import continuation_request, extend, settle
+    from megatron_dapo.rollout.partial_rollout import continuation_request, extend, settle
 
     engine, model = served
     sp = SamplingParams(max_new_tokens=48, temperature=0.0, stop_token_ids=(1,))
@@ -106,7 +106,7 @@ def test_aborted_prefix_is_continued(served):
 
 def test_server_info_reports_deterministic_inference(served):
     """The field megatron_dapo reads to warn about attached servers that ignore sampling_seed."""
-    from megatron_dapo.rollout.server_setup import server_deterministic
+    from megatron_dapo.rollout.sglang.setup import server_deterministic
 
     engine, _ = served
     headers = engine.group.servers[0].headers
@@ -175,7 +175,7 @@ def test_router_round_robins(tmp_path):
     command line."""
     import httpx
 
-    from megatron_dapo.rollout.sglang_server import ServerProcess
+    from megatron_dapo.rollout.sglang.server import ServerProcess
     from tests.sglang.fake_server import serve
 
     fakes = [serve(api_key=API_KEY) for _ in range(2)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error, tiny_model
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.rollout.server_setup import sync_group_layout, sync_ranks
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.sglang.setup import sync_group_layout, sync_ranks
 from tests.ports import free_port
 from tests.sglang.fake_server import serve
 

@@ -1,4 +1,4 @@
-"""Tensor-mode weight sync handles (megatron_dapo/rollout/tensor_ipc.py): the /dev/shm check on CPU, the
+"""Tensor-mode weight sync handles (megatron_dapo/weight_sync/tensor_ipc.py): the /dev/shm check on CPU, the
 bucket's device, and CUDA IPC handles that name the GPU by UUID as SGLang's patched rebuild expects."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch.multiprocessing import reductions
 
-from megatron_dapo.rollout import tensor_ipc
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.tensor_ipc import (
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.weight_sync import tensor_ipc
+from megatron_dapo.weight_sync.tensor_ipc import (
     CUDA_DEVICE_ARG,
     bucket_device,
     check_shm_space,

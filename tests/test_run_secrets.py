@@ -1,7 +1,7 @@
 """No secret in any file a run writes: args.json, metrics, wandb's files, checkpoints, the HF export.
 
 The SGLang API key reaches the trainer through --sglang-api-key-file or SGLANG_API_KEY even when the
-rollout engine is the embedded one; megatron_dapo/run_record.py redacts it where the run record is made.
+rollout engine is the embedded one; megatron_dapo/trainer/run_record.py redacts it where the run record is made.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.metrics_log import MetricsLogger
-from megatron_dapo.run_record import REDACTED, run_record
+from megatron_dapo.trainer.metrics_log import MetricsLogger
+from megatron_dapo.trainer.run_record import REDACTED, run_record
 from tests.conftest import train_env
 
 FILE_KEY = "fileKEY-7f3a9c0d2b"

@@ -1,4 +1,4 @@
-"""--save and --load checks before anything is built (megatron_dapo/save_dir.py).
+"""--save and --load checks before anything is built (megatron_dapo/checkpoint/save_dir.py).
 
 One run per --save directory: a second launch on a locked directory stops at once with an error naming the
 holder's host and pid, a dead holder's lock is taken over. --load that names no checkpoint (a typo, a file, an
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo import save_dir
+from megatron_dapo.checkpoint import save_dir
+from megatron_dapo.checkpoint.save_dir import LOCK_FILE, check_load, check_save_writable, lock_save_dir
 from megatron_dapo.errors import UserError
-from megatron_dapo.save_dir import LOCK_FILE, check_load, check_save_writable, lock_save_dir
 from tests.conftest import REPO, train_env
 
-HOLD = ("import sys, time; from pathlib import Path; from megatron_dapo.save_dir import lock_save_dir; "
+HOLD = ("import sys, time; from pathlib import Path; from megatron_dapo.checkpoint.save_dir import lock_save_dir; "
         "lock_save_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)")
 
 
@@ -162,7 +162,7 @@ def test_load_of_checkpoints_and_of_converter_output_goes_on(tmp_path):
     (converted / "release" / ".metadata").write_bytes(b"")
     assert check_load(str(converted), str(tmp_path / "save")) is None
     assert check_load(str(converted / "release"), str(tmp_path / "save")) is None  # its iteration directory too
-    from megatron_dapo.weights.dist_load import initial_checkpoint
+    from megatron_dapo.checkpoint.dist_load import initial_checkpoint
 
     assert initial_checkpoint(str(converted / "release"), None) == str(converted / "release")
     assert initial_checkpoint(str(run), None) is None  # a run's --save directory resumes instead

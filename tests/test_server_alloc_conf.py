@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.rollout.sglang_server import ServerConfig, ServerGroup, server_env, without_expandable_segments
+from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup, server_env, without_expandable_segments
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDER = """#!/usr/bin/env python3

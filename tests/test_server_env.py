@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_dapo.rollout.sglang_server import server_env
+from megatron_dapo.rollout.sglang.server import server_env
 
 DUMP = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], 'w'))"
 

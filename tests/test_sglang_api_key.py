@@ -1,5 +1,5 @@
 """The SGLang API key stays off command lines: the trainer's --sglang-api-key-file, the 0600 file a launched
-server group hands the key over in (megatron_dapo/rollout/api_key.py), its removal on stop and on a failed
+server group hands the key over in (megatron_dapo/rollout/sglang/api_key.py), its removal on stop and on a failed
 start, and the router's entry point. Servers are tests/sglang/fake_server.py (which reads SGLang's --config)."""
 
 import os
@@ -15,15 +15,15 @@ import yaml
 import megatron_dapo.train as train_mod
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.api_key import (
+from megatron_dapo.rollout.sglang.api_key import (
     read_key_file,
     read_server_key_file,
     remove_server_key_file,
     resolve_api_key,
     write_server_key_file,
 )
-from megatron_dapo.rollout.sglang_router_launch import router_argv
-from megatron_dapo.rollout.sglang_server import ServerConfig, ServerGroup
+from megatron_dapo.rollout.sglang.router_launch import router_argv
+from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
 from tests.ports import free_port_block
 from tests.procs import processes
 
@@ -152,7 +152,7 @@ def test_commands_carry_a_key_file_never_the_key():
         with pytest.raises(ValueError, match="key_file"):
             build()
     # keyed: our entry point reads the file; keyless: sglang_router itself (megatron_dapo need not be importable)
-    assert cfg.router_command("/p/api_key.yaml")[2] == "megatron_dapo.rollout.sglang_router_launch"
+    assert cfg.router_command("/p/api_key.yaml")[2] == "megatron_dapo.rollout.sglang.router_launch"
     assert ServerConfig(model_path="m", num_servers=2).router_command()[2] == "sglang_router.launch_router"
     with pytest.raises(ValueError, match="--sglang-extra-args has --api-key.*--sglang-api-key-file"):
         ServerConfig(model_path="m", api_key="k", extra_args=("--api-key", "k"))

@@ -1,4 +1,4 @@
-"""Distributed weight sync from every pipeline stage at once (megatron_dapo/rollout/stage_sync.py).
+"""Distributed weight sync from every pipeline stage at once (megatron_dapo/weight_sync/stage_sync.py).
 
 One 4-rank torchrun launch (tests/dist/stage_sync.py) pushes a tiny Qwen2 at TP1 x PP2 x DP2 and TP2 x PP2 to
 two fake SGLang servers (TP1 and TP2, running in this process, one collective request at a time each as SGLang's
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.rollout.stage_sync import (
+from megatron_dapo.weight_sync.stage_sync import (
     SYNC_ADDR_ENV,
     StageOutcome,
     SyncPlan,
@@ -297,9 +297,9 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
 def test_rank0_holds_one_host_copy_during_a_per_stage_push():
     """Defect: the previous version's host copy stayed until every stage had arrived (130 GB on rank 0 at 32B).
     The engine must have dropped it by the time the stages push, and keep exactly the new version after."""
-    from megatron_dapo.rollout.buckets import Bucket
-    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-    from megatron_dapo.rollout.stage_sync import StagesOutcome
+    from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+    from megatron_dapo.weight_sync.buckets import Bucket
+    from megatron_dapo.weight_sync.stage_sync import StagesOutcome
 
     server, _ = serve(tp_size=1)
     engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],

@@ -1,5 +1,5 @@
 """The trainer at PP2 with a real SGLang 0.5.23 server (CPU) and distributed weight sync: every update goes out
-from both pipeline stages' source ranks (rollout/stage_sync.py), each over its own gloo group with the server.
+from both pipeline stages' source ranks (weight_sync/stage_sync.py), each over its own gloo group with the server.
 
 The rollout-vs-actor log-prob mismatch staying at fp32 noise on steps 2 and 3 shows the server serves exactly the
 actor's updated weights, both stages' halves of them (a stale or half-updated server differs by the size of an
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_dapo.rollout.sglang_server import ServerGroup
+from megatron_dapo.rollout.sglang.server import ServerGroup
 from tests.conftest import REPO, train_env
 from tests.rewards import PARITY_REWARD
 from tests.sglang.real_server import cpu_server_config

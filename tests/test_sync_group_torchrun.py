@@ -23,7 +23,7 @@ import textwrap
 
 import torch
 
-from megatron_dapo.rollout.sync_group import broadcast_tensors, init_weight_sync_group
+from megatron_dapo.weight_sync.sync_group import broadcast_tensors, init_weight_sync_group
 from tests.torchrun import REPO, free_port, subprocess_env
 
 PEER = textwrap.dedent("""

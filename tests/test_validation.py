@@ -1,6 +1,6 @@
 """Start-up validation of `python -m megatron_dapo.train`: every bad input stops before the model is built.
 
-Unit tests of the pure checks (megatron_dapo/validation.py), of the trainer's check_flags/load_inputs
+Unit tests of the pure checks (megatron_dapo/trainer/validation.py), of the trainer's check_flags/load_inputs
 on a model directory that has a config and a tokenizer but no weights (so reaching the model would
 fail differently), and subprocess runs of the entry point that must exit with status 2 and one line.
 """
@@ -18,11 +18,11 @@ import pytest
 
 from megatron_dapo import train as train_mod
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.checkpoint.hf_export import EXPORT_MARKER
 from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.errors import UserError
-from megatron_dapo.hf_export import EXPORT_MARKER
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.validation import (
+from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
     check_vocab,
@@ -223,7 +223,7 @@ def test_flags_named_in_errors_exist(tmp_path, model_dir, prompts):
     out = tmp_path / "export"
     out.mkdir()
     (out / "x").write_text("x")
-    from megatron_dapo.hf_export import check_export_target
+    from megatron_dapo.checkpoint.hf_export import check_export_target
 
     with pytest.raises(UserError) as info:
         check_export_target(out)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout
 from megatron_dapo.weights import (
     QWEN2_MAPPING,
     canonical_mcore_name,

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint_convert.cli import main as convert_main
+from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout
 from tests.test_convert import make_tiny_hf, read_all
 from tests.torchrun import run_torchrun
 
@@ -46,8 +46,8 @@ def _causal_forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_single_process_logits_and_export_match_hf(
     tmp_path: Path, parallel_1: ParallelLayout, tied: bool
 ) -> None:
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
     from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.weights.dist_load import load_model_weights
     from megatron_dapo.weights.export import iter_hf_weights
 
     hf_model = make_tiny_hf(tmp_path / "hf", tied=tied)
@@ -72,9 +72,9 @@ def test_single_process_logits_and_export_match_hf(
 
 
 def test_load_checks_the_stored_config_before_reading(tmp_path: Path, parallel_1: ParallelLayout) -> None:
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.weights import CheckpointError
-    from megatron_dapo.weights.dist_load import load_model_weights
 
     make_tiny_hf(tmp_path / "hf", tied=False)
     ckpt = _convert(tmp_path / "hf", tmp_path / "mc")

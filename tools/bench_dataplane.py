@@ -1,5 +1,5 @@
 """Bytes each rank receives for one rollout batch: pickled groups broadcast to every rank (before) vs
-each DP rank's rows as tensors (after, megatron_dapo/dataplane.py), and the Python heap each holds.
+each DP rank's rows as tensors (after, megatron_dapo/trainer/dataplane.py), and the Python heap each holds.
 
 Synthetic 32B setting: 512 prompts x 16 responses, response lengths lognormal (median --median-len,
 sigma --sigma) capped at 20480, prompt lengths lognormal around 200, token ids uniform over Qwen2.5's
@@ -36,10 +36,10 @@ import tracemalloc
 import torch
 
 from megatron_dapo.actor import TrainSample
-from megatron_dapo.collect import Prompt, ScoredGroup
-from megatron_dapo.dataplane import pack, unpack
+from megatron_dapo.rollout.collect import Prompt, ScoredGroup
 from megatron_dapo.rollout.types import Sample
-from megatron_dapo.trainer import Rollout
+from megatron_dapo.trainer.dataplane import pack, unpack
+from megatron_dapo.trainer.loop import Rollout
 
 VOCAB = 152064
 

@@ -5,7 +5,7 @@ does, so groups holding a truncated response finish last).
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_dynamic_sampling.py [--steps 40 --batch 512 --n 16]
 
 old: groups decided in completion order, each round asks ceil(over-sample x groups still needed).
-new: megatron_dapo.collect.collect_batch: decided in submission order, rounds sized by the keep rate
+new: megatron_dapo.rollout.collect.collect_batch: decided in submission order, rounds sized by the keep rate
      measured so far in the step (BatchFiller.round_size).
 
 Table 1 (bias): keep rate 0.9, over-sample 1.3; the share of groups holding a truncated response among all
@@ -34,7 +34,7 @@ from megatron_dapo.algorithm import (  # noqa: E402
     GenerationBudgetExhausted,
     OverlongConfig,
 )
-from megatron_dapo.collect import CollectConfig, collect_batch, score_group, seeded  # noqa: E402
+from megatron_dapo.rollout.collect import CollectConfig, collect_batch, score_group, seeded  # noqa: E402
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams  # noqa: E402
 from tests.sim_engine import LengthLatencyEngine, cycling, decode, prompts, reward  # noqa: E402
 

@@ -5,7 +5,7 @@ fake SGLang servers (tests/sglang/fake_server.py, in this process: real gloo gro
 a time per server as SGLang's scheduler) through both paths, alternating, --repeats times each:
 - before: every rank iterates iter_hf_weights (TP gather, then every tensor broadcast over PP) and global rank 0
   alone buckets and broadcasts the whole model to the servers (SGLangEngine.update_weights);
-- after: rollout/stage_sync.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
+- after: weight_sync/stage_sync.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
   group; stage 1's source then sends its host copy to rank 0 over PP.
 It prints the median seconds of each (rank 0's wall time of the whole update, servers' replies included) and
 the bytes each rank sent to the servers and over PP, then the same arithmetic at the production setting.
@@ -39,12 +39,12 @@ def _worker(path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dapo import comm
     from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+    from megatron_dapo.distributed import comm
+    from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
     from megatron_dapo.models.hf_config import Qwen2Arch
-    from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
-    from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-    from megatron_dapo.rollout.stage_sync import StageSync
+    from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+    from megatron_dapo.weight_sync.stage_sync import StageSync
     from megatron_dapo.weights.export import iter_hf_weights, iter_stage_hf_weights
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 

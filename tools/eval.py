@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from transformers import AutoTokenizer
 
-    from megatron_dapo.evaluation import evaluate
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout import make_engine
+    from megatron_dapo.rollout.evaluation import evaluate
     from megatron_dapo.train import load_prompt_set
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if args.engine == "embedded":
         engine = make_engine("embedded", args.model, tokenizer=tokenizer, seed=args.seed)
     else:
-        from megatron_dapo.rollout.sglang_server import ServerConfig
+        from megatron_dapo.rollout.sglang.server import ServerConfig
 
         server = ServerConfig(model_path=args.model, num_servers=args.sglang_num_servers,
                               tp_per_server=args.sglang_tp_size, base_port=args.sglang_base_port)

@@ -177,7 +177,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.models.hf_config import Qwen2Arch
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.train import build_configs, load_hf_into_actor, load_prompt_set, make_rollout_engine
-    from megatron_dapo.trainer import Trainer
+    from megatron_dapo.trainer.loop import Trainer
 
     args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
     layout = init_parallel(tp=1, pp=1, seed=args.seed)
@@ -343,7 +343,7 @@ def _recompute_flags() -> list[str] | None:
 def _init_layout(args):
     """init_parallel from the flags, as train.main does (layouts that carry recompute options included)."""
     from megatron_dapo.actor import init_parallel
-    from megatron_dapo.parallel import ParallelLayout
+    from megatron_dapo.distributed.parallel import ParallelLayout
 
     from_args = getattr(ParallelLayout, "options_from_args", None)
     if from_args is not None:
@@ -472,8 +472,8 @@ def part_colocate(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
     from megatron_dapo.train import build_configs
+    from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()
@@ -557,7 +557,7 @@ def _segment_expandable(ptr: int) -> bool | None:
 
 
 def part_ipc(dry: bool, out: Path) -> dict:
-    """Tensor-mode weight sync's CUDA IPC (megatron_dapo/rollout/tensor_ipc.py) between two processes on one GPU,
+    """Tensor-mode weight sync's CUDA IPC (megatron_dapo/weight_sync/tensor_ipc.py) between two processes on one GPU,
     this one running with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (gpu_smoke.sh exports it, as the
     launchers do): a bucket staged in the IpcBucketPool must open in a second process (its sha256 equal), its
     segment must not be expandable. The same bytes in the trainer's own allocator (an expandable segment) are
@@ -567,7 +567,7 @@ def part_ipc(dry: bool, out: Path) -> dict:
 
     import torch
 
-    from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, serialize_named_tensors, stage_bucket
+    from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, serialize_named_tensors, stage_bucket
 
     cuda = torch.cuda.is_available()
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")

@@ -105,9 +105,9 @@ def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperatu
     """Fraction of records answered correctly by one sample each (greedy when temperature == 0).
 
     The same engine and metric as the trainer's eval (seeded avg@1), so the numbers compare."""
-    from megatron_dapo.collect import Prompt
-    from megatron_dapo.evaluation import evaluate
+    from megatron_dapo.rollout.collect import Prompt
     from megatron_dapo.rollout.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.evaluation import evaluate
     from megatron_dapo.rollout.types import SamplingParams
 
     prompts = [Prompt(prompt_ids=render_prompt(r, tokenizer), ground_truth=r.ground_truth, index=r.index)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dapo.metrics_log import read_metrics  # noqa: E402
-from megatron_dapo.report import plot  # noqa: E402
+from megatron_dapo.trainer.metrics_log import read_metrics  # noqa: E402
+from megatron_dapo.trainer.report import plot  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from torch import Tensor
 
-from megatron_dapo import comm
 from megatron_dapo.actor.batching import (
     MicroBatch,
     gather_response,
@@ -40,10 +39,11 @@ from megatron_dapo.actor.batching import (
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
 from megatron_dapo.algorithm.loss import policy_loss
+from megatron_dapo.distributed import comm
+from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.models.spec import resolve_transformer_impl
-from megatron_dapo.parallel import ParallelLayout, validate_layout
 from megatron_dapo.weights.load import unwrap
 from megatron_dapo.weights.mapping import canonical_mcore_name
 

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dapo.algorithm.loss import PolicyLossConfig
-from megatron_dapo.arguments import LR_DECAY_STYLES
 
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
+"""megatron-core OptimizerParamScheduler's decay styles (--lr-decay-style)."""
 
 
 @dataclass(kw_only=True)

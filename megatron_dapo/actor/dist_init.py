@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dapo.compat import cpu
-from megatron_dapo.parallel import ParallelLayout
+from megatron_dapo.distributed.parallel import ParallelLayout
 
 
 def _free_port() -> int:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.models.spec import apex_wgrad_available, te_available
-from megatron_dapo.parallel import ParallelLayout, validate_layout
 
 # Kernels that need CUDA / apex: off on a CPU-only torch (the megatron-core-on-cpu note).
 CPU_ONLY_SETTINGS: dict[str, Any] = {

@@ -7,10 +7,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_dapo.compat import cpu
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.models.spec import get_layer_spec
-from megatron_dapo.parallel import padded_vocab_size
 
 
 def build_gpt_model(

@@ -21,7 +21,7 @@ def make_engine(kind: str, *args: Any, **kwargs: Any) -> RolloutEngine:
 
         return EmbeddedEngine(*args, **kwargs)
     if kind == "sglang":
-        from megatron_dapo.rollout.sglang_engine import SGLangEngine
+        from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine(*args, **kwargs)
     raise ValueError(f"--rollout-engine must be one of {ENGINE_KINDS}, got {kind!r}")

@@ -12,6 +12,16 @@ FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """A prompt ready for the engine: token ids plus what the verifier needs."""
+
+    prompt_ids: list[int]
+    ground_truth: str
+    index: int
+    """Position in the dataset (stable across resumes)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class SamplingParams:
     """How one request's responses are sampled (the same meaning as SGLang's `sampling_params`)."""

@@ -8,7 +8,7 @@ stage 0's tensors first. A consumer that sends from one rank only (e.g. global r
 drops the other ranks' tensors. Peak extra memory is one full parameter (plus its TP shards).
 
 `iter_stage_hf_weights` is the per-stage half used by distributed weight sync at PP > 1
-(megatron_dapo/rollout/stage_sync.py): only this stage's tensors, TP-gathered over the stage's TP group, no
+(megatron_dapo/weight_sync/stage_sync.py): only this stage's tensors, TP-gathered over the stage's TP group, no
 PP broadcast. Only the ranks of data-parallel replica 0 iterate it (one TP group per stage); the stage's
 (DP 0, TP 0) rank sends what it yields. At 32B (65 GB bf16, TP8 x PP2) each stage source yields ~32.5 GB,
 where `iter_hf_weights` moves 65 GB to every one of the 128 ranks (32.5 GB of it over PP).
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dapo import comm
+from megatron_dapo.distributed import comm
 from megatron_dapo.models.hf_config import Qwen2Arch
 from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf_tensors
 from megatron_dapo.weights.load import unwrap

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from megatron_dapo.weights.mapping import MappingEntry, resolve_mcore_name
 
 Shape = tuple[int, ...]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, validate_layout
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec

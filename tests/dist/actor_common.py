@@ -180,7 +180,7 @@ def load_hf_weights(actor, hf) -> None:
 
 def load_hf_state_dict(actor, state_dict: dict[str, torch.Tensor]) -> None:
     """load_hf_weights from an HF state dict (what torchrun workers receive instead of the model)."""
-    from megatron_dapo.parallel import padded_vocab_size
+    from megatron_dapo.distributed.parallel import padded_vocab_size
 
     full = hf_to_full_mcore(state_dict, actor.arch)
     actor.load_shards(mcore_shards_for_rank(full, actor.arch, tp=1, tp_rank=0, pp=1, pp_rank=0,

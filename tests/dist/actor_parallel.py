@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
 LAYOUTS = {"tp2": ParallelLayout(tp=2, pp=1, dp=1), "pp2": ParallelLayout(tp=1, pp=2, dp=1),

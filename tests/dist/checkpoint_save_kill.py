@@ -16,9 +16,9 @@ from pathlib import Path
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, init_parallel
-from megatron_dapo.checkpoint import CheckpointSaver
+from megatron_dapo.checkpoint.training import CheckpointSaver
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.checkpoint import CheckpointSaver, load_checkpoint
+from megatron_dapo.checkpoint.training import CheckpointSaver, load_checkpoint
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from tests.checkpoint_helpers import optimizer_state
 from tests.dist.actor_common import hf_to_full_mcore, load_hf_weights, make_samples, mcore_shards_for_rank, tiny_hf_model
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
-from megatron_dapo.dataplane import DataPlane
+from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
+from megatron_dapo.trainer.dataplane import DataPlane
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
-from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.weights.export import iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank

@@ -35,7 +35,7 @@ def theirs_gather(obj, dst: int, group=None) -> list | None:
 
 def verdict(error) -> str | None:
     from megatron_dapo.errors import UserError
-    from megatron_dapo.validation import share_verdict
+    from megatron_dapo.trainer.validation import share_verdict
 
     try:
         share_verdict(error)
@@ -54,7 +54,7 @@ def outcome(fn) -> str:
 
 
 def failing_section(rank: int) -> None:
-    from megatron_dapo import comm
+    from megatron_dapo.distributed import comm
 
     with comm.section("while testing"):
         if rank == 1:
@@ -62,7 +62,7 @@ def failing_section(rank: int) -> None:
 
 
 def failing_save(rank: int, out_dir: str) -> None:
-    from megatron_dapo.checkpoint import CheckpointSaver
+    from megatron_dapo.checkpoint.training import CheckpointSaver
 
     blocker = Path(out_dir, "not_a_dir")
     if rank == 0:
@@ -71,14 +71,14 @@ def failing_save(rank: int, out_dir: str) -> None:
 
 
 def failing_push(rank: int, url: str) -> None:
-    from megatron_dapo.rollout.colocated_push import ColocatedPusher, make_engine_groups
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 
     pusher = ColocatedPusher(make_engine_groups([url], 3), bucket_bytes=1 << 10, timeout_s=5)
     pusher.push([("w", torch.ones(4))], version=1)  # rank 0 posts /begin_weight_update to a port nobody holds
 
 
 def main() -> None:
-    from megatron_dapo import comm
+    from megatron_dapo.distributed import comm
     from megatron_dapo.errors import UserError
 
     dist.init_process_group("gloo")

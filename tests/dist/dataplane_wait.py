@@ -51,14 +51,14 @@ def main() -> None:
     rank = dist.get_rank()
     from megatron.core import parallel_state
 
-    from megatron_dapo import comm
+    from megatron_dapo.distributed import comm
     from megatron_dapo.actor import MegatronActor, init_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.dataplane import DataPlane, pack, unpack
+    from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
     from megatron_dapo.models.hf_config import Qwen2Arch
-    from megatron_dapo.parallel import padded_vocab_size
+    from megatron_dapo.distributed.parallel import padded_vocab_size
     from megatron_dapo.train import build_configs
-    from megatron_dapo.trainer import Rollout, Trainer
+    from megatron_dapo.trainer.loop import Rollout, Trainer
     from tests import sim_engine as sim
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
     from tests.test_dataplane import _rows

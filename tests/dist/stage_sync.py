@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dapo import comm
+from megatron_dapo.distributed import comm
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import ParallelLayout, padded_vocab_size
-from megatron_dapo.rollout.sglang_engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.stage_sync import StageSync
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.weight_sync.stage_sync import StageSync
 from megatron_dapo.weights.export import is_stage_source, iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from megatron_dapo.actor import destroy_parallel, init_parallel
 from megatron_dapo.models import Qwen2Arch, build_gpt_model
-from megatron_dapo.weights.dist_load import load_model_weights
+from megatron_dapo.checkpoint.dist_load import load_model_weights
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.hf_format import HFCheckpointReader
 

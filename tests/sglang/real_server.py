@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from megatron_dapo.rollout.sglang_server import ServerConfig
+from megatron_dapo.rollout.sglang.server import ServerConfig
 from tests.ports import free_port, free_port_block  # noqa: F401  (free_port re-exported)
 
 SGLANG_PY = Path(__file__).resolve().parents[2] / ".venv-sglang" / "bin" / "python"

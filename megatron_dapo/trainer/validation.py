@@ -91,7 +91,7 @@ def check_model_layout(arch, layout, *, hf_checkpoint: str) -> None:
     over `layout` (a ParallelLayout): heads, kv heads and ffn vs --tensor-model-parallel-size, layers vs
     --pipeline-model-parallel-size and the virtual stages, --recompute-num-layers vs a stage. The same check
     the actor makes when it is built, made here so it fails before any process group or model exists."""
-    from megatron_dapo.parallel import validate_layout
+    from megatron_dapo.distributed.parallel import validate_layout
 
     try:
         validate_layout(arch, layout)
@@ -110,7 +110,7 @@ def share_verdict(error: UserError | None) -> None:
     """
     import torch.distributed as dist
 
-    from megatron_dapo import comm
+    from megatron_dapo.distributed import comm
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:

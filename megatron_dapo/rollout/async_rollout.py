@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.collect import Prompt, ScoredGroup
+from megatron_dapo.rollout.collect import Prompt, ScoredGroup
 from megatron_dapo.rollout.types import Sample
 
 ASYNC_ROLLOUT_DEPTHS = (0, 1)

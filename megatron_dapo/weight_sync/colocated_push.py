@@ -30,9 +30,9 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import comm
-from megatron_dapo.rollout.buckets import Bucket, iter_buckets
-from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
+from megatron_dapo.distributed import comm
+from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
+from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
 
 @dataclass(frozen=True, kw_only=True)

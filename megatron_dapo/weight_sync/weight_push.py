@@ -1,10 +1,10 @@
 """The weight updates of SGLangEngine: the new version in flat buckets to every serving server, by one of three paths.
 
 - "tensor": /update_weights_from_tensor, buckets passed by handle: CUDA IPC on GPU (servers that see the
-  trainer's GPU, i.e. colocated), shared memory on CPU (megatron_dapo/rollout/tensor_ipc.py);
+  trainer's GPU, i.e. colocated), shared memory on CPU (megatron_dapo/weight_sync/tensor_ipc.py);
 - "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL) over the
-  group of megatron_dapo/rollout/sync_group.py; at PP > 1 each pipeline stage's source rank broadcasts its own
-  stage over a group of its own (update_weights_by_stage, megatron_dapo/rollout/stage_sync.py);
+  group of megatron_dapo/weight_sync/sync_group.py; at PP > 1 each pipeline stage's source rank broadcasts its own
+  stage over a group of its own (update_weights_by_stage, megatron_dapo/weight_sync/stage_sync.py);
 - "disk": safetensors shards + /update_weights_from_disk (fallback; any topology with a shared disk).
 The tensor and distributed paths are wrapped in /begin_weight_update ... /end_weight_update, which
 SGLang 0.5.23 requires.
@@ -32,10 +32,10 @@ from typing import Any
 import httpx
 import torch
 
-from megatron_dapo.rollout.buckets import Bucket, iter_buckets
-from megatron_dapo.rollout.server_setup import server_info, sync_group_layout, sync_ranks
-from megatron_dapo.rollout.sglang_protocol import CALL_MARGIN_S, ServerDied
-from megatron_dapo.rollout.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
+from megatron_dapo.rollout.sglang.protocol import CALL_MARGIN_S, ServerDied
+from megatron_dapo.rollout.sglang.setup import server_info, sync_group_layout, sync_ranks
+from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
+from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
 _SYNC_GROUP_IDS = itertools.count(1)
 """Names of the weight-sync broadcast groups of this process (a name can be registered only once)."""
@@ -81,7 +81,7 @@ class WeightPush:
 
     def update_weights_by_stage(self, version: int, push_stages: Callable[..., Any], *, stages: int) -> None:
         """Distributed mode at PP > 1: every pipeline stage's source rank sends its own stage over a group of its
-        own (megatron_dapo/rollout/stage_sync.py); this engine (global rank 0) decides the targets (the serving
+        own (megatron_dapo/weight_sync/stage_sync.py); this engine (global rank 0) decides the targets (the serving
         servers), opens and closes their update session around `push_stages`, keeps the whole version it gets
         back as the host copy, and, as update_weights does, re-pushes that copy to the survivors after a broken
         push and recovers the lost servers from it. The previous host copy is dropped before the push, so rank
@@ -189,7 +189,7 @@ class WeightPush:
         return ok
 
     def _push_tensor(self, targets: list[int], buckets: Iterable[Bucket], version: int) -> set[int]:
-        """Buckets by handle (megatron_dapo/rollout/tensor_ipc.py): CUDA IPC on GPU, /dev/shm on CPU.
+        """Buckets by handle (megatron_dapo/weight_sync/tensor_ipc.py): CUDA IPC on GPU, /dev/shm on CPU.
 
         Returns the servers lost on the way (the others got every bucket)."""
         cuda = torch.cuda.is_available()
@@ -228,7 +228,7 @@ class WeightPush:
         for a set of servers and rebuilt when that set changes (a server lost or re-synced alone). A server
         lost mid-broadcast breaks the collective: the rest of the version is kept, the group torn down, and
         the survivors get the whole version again over a fresh group."""
-        from megatron_dapo.rollout.sync_group import broadcast_tensors
+        from megatron_dapo.weight_sync.sync_group import broadcast_tensors
 
         lost: set[int] = set()
         if not targets:
@@ -288,7 +288,7 @@ class WeightPush:
 
     def _ensure_sync_group(self, targets: list[int]) -> str:
         """The broadcast group of exactly `targets` (rank 0 = this process, then each server's TP ranks)."""
-        from megatron_dapo.rollout.sync_group import init_weight_sync_group
+        from megatron_dapo.weight_sync.sync_group import init_weight_sync_group
 
         if self._sync_group is not None and self._sync_members == targets and not self._sync_dirty:
             return self._sync_name

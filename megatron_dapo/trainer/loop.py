@@ -2,14 +2,14 @@
 
 Every rank of the torchrun world runs this loop (SPMD). Global rank 0 owns the rollout engine and
 the prompt sampler; it collects each step's batch, computes advantages, loss masks and the DP partition,
-and sends each data-parallel rank only its rows as tensors (megatron_dapo/dataplane.py); the other ranks
+and sends each data-parallel rank only its rows as tensors (megatron_dapo/trainer/dataplane.py); the other ranks
 wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog. Each DP rank then
 trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
 through `weights.export.iter_hf_weights` (a collective every rank iterates), or, in distributed mode at
-PP > 1, from each pipeline stage's source rank at once (rollout/stage_sync.py). Every collective here
-goes through megatron_dapo/comm.py, which puts tensors on the device of the group's backend.
+PP > 1, from each pipeline stage's source rank at once (weight_sync/stage_sync.py). Every collective here
+goes through megatron_dapo/distributed/comm.py, which puts tensors on the device of the group's backend.
 With --async-rollout 1 rank 0 generates the next step's batch on a background thread while this step
-trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/async_rollout.py).
+trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/rollout/async_rollout.py).
 
 Where the other ranks wait for rank-0-only work (on the DataPlane's gloo group, up to --rollout-timeout hours),
 a failure of that work on rank 0 reaches them as an error at once: the rollout batch, its packing and the step's
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dapo import comm
 from megatron_dapo.actor import MegatronActor, TrainSample
 from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
 from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
@@ -42,7 +41,8 @@ from megatron_dapo.algorithm.mismatch import (
     off_policy_correction,
     reduce_mismatch,
 )
-from megatron_dapo.async_rollout import (
+from megatron_dapo.distributed import comm
+from megatron_dapo.rollout.async_rollout import (
     AheadBatch,
     batch_from_state,
     batch_state,
@@ -50,19 +50,19 @@ from megatron_dapo.async_rollout import (
     check_staleness,
     resume_note,
 )
-from megatron_dapo.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
-from megatron_dapo.dataplane import DataPlane, pack, unpack
-from megatron_dapo.evaluation import evaluate
-from megatron_dapo.metrics_log import MetricsLogger
-from megatron_dapo.partial_rollout import CarriedGroup
+from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.stage_sync import StageSync
+from megatron_dapo.rollout.evaluation import evaluate
+from megatron_dapo.rollout.partial_rollout import CarriedGroup
 from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
+from megatron_dapo.trainer.metrics_log import MetricsLogger
+from megatron_dapo.weight_sync.stage_sync import StageSync
 from megatron_dapo.weights.export import iter_hf_weights
 
 if TYPE_CHECKING:
-    from megatron_dapo.colocate import PhaseSwitcher
-    from megatron_dapo.rollout.colocated_push import ColocatedPusher
+    from megatron_dapo.trainer.colocate import PhaseSwitcher
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher
 
 
 @dataclass
@@ -93,7 +93,7 @@ class TrainerConfig:
     rollout_timeout_h: float = 12.0
     """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
     async_rollout: int = 0
-    """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/async_rollout.py)."""
+    """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/rollout/async_rollout.py)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -127,9 +127,9 @@ class Trainer:
     """Rank 0, --partial-rollout: groups cut at the end of the last step, resumed first by the next one (in the
     checkpoint: train.py's save)."""
     phases: PhaseSwitcher | None = None
-    """--colocate: the PhaseSwitcher (megatron_dapo/colocate.py) of this rank; None on separate GPUs."""
+    """--colocate: the PhaseSwitcher (megatron_dapo/trainer/colocate.py) of this rank; None on separate GPUs."""
     pusher: ColocatedPusher | None = None
-    """--colocate: this rank's ColocatedPusher (rollout/colocated_push.py), which replaces rank 0's push."""
+    """--colocate: this rank's ColocatedPusher (weight_sync/colocated_push.py), which replaces rank 0's push."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
     _stage_sync: StageSync | None = field(init=False, default=None)
@@ -231,7 +231,7 @@ class Trainer:
 
     def next_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Rank 0: the step's kept groups and rollout metrics, with `time/rollout_wait_s` (how long training
-        waited for them) and `async/staleness` (see megatron_dapo/async_rollout.py).
+        waited for them) and `async/staleness` (see megatron_dapo/rollout/async_rollout.py).
 
         Synchronous: generated now. --async-rollout 1: the batch generated during the previous step (at step 1 or
         after a resume without one: generated now), and batch step+1 starts on a background thread, on the
@@ -358,7 +358,7 @@ class Trainer:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the updated policy to the engine as full HF tensors (collective over all ranks). Distributed mode
-        at PP > 1: each stage's source rank sends its own stage (rollout/stage_sync.py).
+        at PP > 1: each stage's source rank sends its own stage (weight_sync/stage_sync.py).
 
         A section: the ranks meet after the push (one int64 all-reduce; they would wait for rank 0 at the next
         wait anyway), so an engine error on rank 0 (e.g. every server lost past --sglang-server-wait-s) makes them

@@ -1,8 +1,8 @@
 """sglang-router with its API key read from a file, not from its command line.
 
-`python -m megatron_dapo.rollout.sglang_router_launch --api-key-file PATH ROUTER_ARGS...` runs sglang_router
+`python -m megatron_dapo.rollout.sglang.router_launch --api-key-file PATH ROUTER_ARGS...` runs sglang_router
 0.3.2's launch_router with ROUTER_ARGS (sglang_router's own flags) plus the key from PATH, a server group's 0600
-key file (megatron_dapo.rollout.api_key.write_server_key_file). sglang_router takes the key only as a
+key file (megatron_dapo.rollout.sglang.api_key.write_server_key_file). sglang_router takes the key only as a
 command-line option (router_args.py), where every user of the node would read it with ps. Here the option is
 added to the parsed list in-process, so no process's command line carries it. The router then sends the key to
 its workers and refuses calls without it (401).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from megatron_dapo.rollout.api_key import read_server_key_file
+from megatron_dapo.rollout.sglang.api_key import read_server_key_file
 
 
 def router_argv(argv: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ copy), 12 B/param / DP 8 = 2.9 GiB of fp32 Adam state and main params copied eac
 pinned: ~0.12 s per switch; the 8 GPUs of a node share the host links: up to ~1 s); the bf16 weights (3.8 GiB)
 stay. SGLang's release/resume of its 15.3 GiB TP4 weight shard and 46 GiB KV cache are allocator calls
 (torch_memory_saver), well under 1 s; the weight push is then local to each GPU
-(megatron_dapo/rollout/colocated_push.py).
+(megatron_dapo/weight_sync/colocated_push.py).
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def start_up_section(timeout_h: float) -> Callable[[str], AbstractContextManager
     minutes starting the engines while the others wait in it."""
     import torch.distributed as dist
 
-    from megatron_dapo import comm
+    from megatron_dapo.distributed import comm
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None

@@ -77,14 +77,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
-
-if TYPE_CHECKING:  # collect imports this module
-    from megatron_dapo.collect import Prompt
+from megatron_dapo.rollout.types import Prompt, RolloutRequest, Sample, SamplingParams
 
 STATE_VERSION = 1
 """Layout version of `state()` (checked by `from_state`)."""
@@ -223,7 +220,7 @@ def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
 
 def from_state(data: dict[str, Any] | None, prompt_type: type) -> list[CarriedGroup]:
     """Inverse of `state` (None: a checkpoint written without --partial-rollout, nothing carried).
-    `prompt_type` is collect.Prompt."""
+    `prompt_type` is rollout.types.Prompt."""
     if data is None:
         return []
     if data.get("version") != STATE_VERSION:

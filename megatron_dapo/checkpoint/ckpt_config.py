@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.parallel import padded_vocab_size
 from megatron_dapo.weights.layout import global_shape
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, dist_key
 from megatron_dapo.weights.safetensors_io import CheckpointError

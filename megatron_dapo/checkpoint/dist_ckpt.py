@@ -17,7 +17,7 @@ list of chunks (global offset, shape, where its bytes lie in a file or a functio
 writer thread copies a chunk's bytes file to file in the kernel into the record torch.save would write
 (`record_template`), or produces it only when it reaches it, so memory holds at most one produced
 chunk per writer thread, not the model. Training
-checkpoints (`megatron_dapo.checkpoint`, `<save>/step_N/`) share the storage format; readers take the
+checkpoints (`megatron_dapo.checkpoint.training`, `<save>/step_N/`) share the storage format; readers take the
 model keys and ignore optimizer state.
 """
 
@@ -45,7 +45,7 @@ ITERATION_DIR = "release"
 METADATA_JSON = "metadata.json"
 COMMON_FILE = "common.pt"
 DCP_METADATA = ".metadata"
-TRAINING_LATEST = "latest"  # megatron_dapo.checkpoint's marker of the newest step_N
+TRAINING_LATEST = "latest"  # megatron_dapo.checkpoint.training's marker of the newest step_N
 FORMAT = "megatron_dapo.dist_ckpt/1"
 # megatron-core's CheckpointingConfig for torch_dist (dist_checkpointing/core.py), as metadata.json holds it
 MEGATRON_CONFIG = {
@@ -433,7 +433,7 @@ def resolve_iteration_dir(path: str | os.PathLike[str], *, flag: str = "--load")
             raise CheckpointError(f"{tracker} holds {text!r}; expected an iteration number or 'release'")
         found = root / ("release" if text == "release" else f"iter_{int(text):07d}")
     elif (root / TRAINING_LATEST).is_file() or any(root.glob("step_*")):
-        from megatron_dapo.checkpoint import candidate_step_dirs
+        from megatron_dapo.checkpoint.training import candidate_step_dirs
 
         # newest step with its torch_dist metadata (`--load` also verifies the manifest; this reads weights only)
         found = next((p for p in candidate_step_dirs(root) if (p / DCP_METADATA).is_file()), None)

@@ -3,7 +3,7 @@
 `train.py --load DIR` calls this when DIR has Megatron-LM's `latest_checkpointed_iteration.txt` (what
 `checkpoint_convert hf-to-mcore` writes), or is its `release/` directory: the model loads at the run's
 TP/PP (megatron-core reshards), and the run starts at iteration 0 with a fresh optimizer. Resuming a run
-(model + optimizer + step) is `megatron_dapo.checkpoint.load_checkpoint`'s job.
+(model + optimizer + step) is `megatron_dapo.checkpoint.training.load_checkpoint`'s job.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, check_same_arch
+from megatron_dapo.checkpoint.dist_ckpt import DCP_METADATA, TRACKER_FILE, DistCheckpointReader
 from megatron_dapo.models.hf_config import Qwen2Arch
-from megatron_dapo.weights.ckpt_config import check_global_shapes, check_same_arch
-from megatron_dapo.weights.dist_ckpt import DCP_METADATA, TRACKER_FILE, DistCheckpointReader
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 

@@ -24,7 +24,7 @@ the same way). What runs in parallel across stages is everything else: TP gather
 packing and the device-to-host copy of the host copy, while another stage's bucket is on the wire.
 
 The host copy for re-syncing a lost server stays whole on rank 0: after its push each source s > 0 sends its
-stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.comm), so
+stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.distributed.comm), so
 SGLangEngine's recovery (re-sync of one server, re-push to the survivors after a broken push) is unchanged.
 
 Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets):
@@ -57,10 +57,10 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import comm
-from megatron_dapo.rollout.buckets import Bucket, TensorMeta, iter_buckets
-from megatron_dapo.rollout.server_setup import sync_group_layout
-from megatron_dapo.rollout.sglang_protocol import ServerDied, read_reply
+from megatron_dapo.distributed import comm
+from megatron_dapo.rollout.sglang.protocol import ServerDied, read_reply
+from megatron_dapo.rollout.sglang.setup import sync_group_layout
+from megatron_dapo.weight_sync.buckets import Bucket, TensorMeta, iter_buckets
 
 SYNC_ADDR_ENV = "MEGATRON_DAPO_WEIGHT_SYNC_ADDR"
 """Set on the node of a stage source s > 0: the address the servers reach that node at (its group's master
@@ -335,7 +335,7 @@ class StageSender:
         name = plan.group_name(self.stage)
         if self.name == name:
             return
-        from megatron_dapo.rollout.sync_group import init_weight_sync_group
+        from megatron_dapo.weight_sync.sync_group import init_weight_sync_group
 
         self.drop(client, [i for i, u in enumerate(plan.urls) if u in self.members])
         world, offsets = sync_group_layout(plan.tps)
@@ -354,7 +354,7 @@ class StageSender:
         _settle(futures, out, plan.timeout_s)
 
     def _send_bucket(self, plan: SyncPlan, client: StageClient, bucket: Bucket, out: StageOutcome) -> None:
-        from megatron_dapo.rollout.sync_group import broadcast_tensors
+        from megatron_dapo.weight_sync.sync_group import broadcast_tensors
 
         body = {"names": [m.name for m in bucket.metas],
                 "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],

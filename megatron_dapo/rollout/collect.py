@@ -21,8 +21,8 @@ finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 
 
 With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
 carried to the next step and submitted there first, filling part of its first round (all of it when they are at
-least round_size: then no new prompt is drawn before round 2; megatron_dapo/partial_rollout.py), unless by then they are
-staler than --partial-rollout-max-staleness (then dropped, in discarded). Every response token's fate is
+least round_size: then no new prompt is drawn before round 2; megatron_dapo/rollout/partial_rollout.py), unless by
+then they are staler than --partial-rollout-max-staleness (then dropped, in discarded). Every response token's fate is
 counted: rollout/resumed_tokens + rollout/generated_tokens == kept + filtered + carried + discarded.
 """
 
@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.algorithm import BatchFiller, DynamicSamplingConfig, OverlongConfig, overlong_penalty
-from megatron_dapo.partial_rollout import (
+from megatron_dapo.rollout.engine import RolloutEngine
+from megatron_dapo.rollout.partial_rollout import (
     CarriedGroup,
     continuation_request,
     drop_stale,
@@ -45,21 +46,10 @@ from megatron_dapo.partial_rollout import (
     settle,
     staleness_metrics,
 )
-from megatron_dapo.rollout.engine import RolloutEngine
-from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+from megatron_dapo.rollout.types import Prompt, RolloutRequest, Sample, SamplingParams
 
 RewardFn = Callable[[str, str], Any]
 """(response text, ground truth) -> object with `score` (float) and `acc` (bool), e.g. math_dapo."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prompt:
-    """A prompt ready for the engine: token ids plus what the verifier needs."""
-
-    prompt_ids: list[int]
-    ground_truth: str
-    index: int
-    """Position in the dataset (stable across resumes)."""
 
 
 @dataclass
@@ -88,7 +78,7 @@ class CollectConfig:
     weights, the step and the prompts, so a resumed run regenerates exactly what it lost."""
     partial_rollout: bool = False
     """Carry the groups cut when the batch is full to the next step instead of dropping them
-    (--partial-rollout; megatron_dapo/partial_rollout.py)."""
+    (--partial-rollout; megatron_dapo/rollout/partial_rollout.py)."""
     partial_rollout_max_staleness: int | None = None
     """Carried groups whose oldest token is more than this many weight versions behind the engine at the step
     that would resume them are dropped instead (--partial-rollout-max-staleness); None: no cap (the command
@@ -267,7 +257,7 @@ def collect_batch(
 
     With config.partial_rollout, `carried` (the previous step's CollectResult.carried) are submitted first,
     ahead of the first round's new prompts, and the groups cut at the end of this step come back in
-    CollectResult.carried instead of being thrown away (megatron_dapo/partial_rollout.py). Carried groups staler
+    CollectResult.carried instead of being thrown away (megatron_dapo/rollout/partial_rollout.py). Carried groups staler
     than config.partial_rollout_max_staleness on the engine's current weights are dropped first, unsent (their
     tokens: resumed, then discarded).
     """

@@ -4,7 +4,7 @@ Requests go out one per sample from an asyncio loop on a background thread (boun
 the router, or round-robin to the servers. A sample whose server dies (connection error, 5xx) is retried
 on another server; the dead server is restarted (when this engine launched it) and re-synced before it
 takes work again, so no prompt is lost. Weight updates (tensor, distributed or disk, in flat buckets) are
-the methods of WeightPush (megatron_dapo/rollout/weight_push.py), which SGLangEngine inherits.
+the methods of WeightPush (megatron_dapo/weight_sync/weight_push.py), which SGLangEngine inherits.
 
 What survives what (tests/test_rollout_sglang_recovery.py kills real servers by pid):
 - A server that dies while generating (connection refused / reset, 5xx): its samples are retried on the
@@ -48,11 +48,9 @@ from typing import Any
 
 import httpx
 
-from megatron_dapo.rollout.buckets import DEFAULT_BUCKET_BYTES, Bucket
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
-from megatron_dapo.rollout.fd_limit import HTTP_POOL_EXTRA
-from megatron_dapo.rollout.server_setup import check_attached
-from megatron_dapo.rollout.sglang_protocol import (  # ServerDied: re-exported, raised here
+from megatron_dapo.rollout.sglang.fd_limit import HTTP_POOL_EXTRA
+from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, raised here
     CALL_MARGIN_S,
     ServerDied,
     aborted_sample,
@@ -62,9 +60,11 @@ from megatron_dapo.rollout.sglang_protocol import (  # ServerDied: re-exported, 
     sample_rid,
     to_sample,
 )
-from megatron_dapo.rollout.sglang_server import ServerConfig, ServerGroup
+from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
+from megatron_dapo.rollout.sglang.setup import check_attached
 from megatron_dapo.rollout.types import RolloutRequest, Sample
-from megatron_dapo.rollout.weight_push import WeightPush, _check_success
+from megatron_dapo.weight_sync.buckets import DEFAULT_BUCKET_BYTES, Bucket
+from megatron_dapo.weight_sync.weight_push import WeightPush, _check_success
 
 UPDATE_MODES = ("tensor", "distributed", "disk")
 
@@ -388,7 +388,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._control_serving("/continue_generation", {})
 
     def release_memory_occupation(self, tags: Sequence[str]) -> None:
-        """Colocated mode (megatron_dapo/colocate.py): every serving server frees the GPU memory of `tags`
+        """Colocated mode (megatron_dapo/trainer/colocate.py): every serving server frees the GPU memory of `tags`
         ('weights', 'kv_cache', 'cuda_graph'; servers launched with --enable-memory-saver). SGLang requires an
         idle server: a release that reaches a busy one kills its scheduler (an assertion, measured on CPU), so
         each server is first asked /flush_cache until it answers 200, which it does only when idle. On CPU
@@ -418,7 +418,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._control_serving("/resume_memory_occupation", {"tags": list(tags)})
 
     def set_weight_version(self, version: int) -> None:
-        """Colocated mode: the weights were pushed by every rank (rollout/colocated_push.py), not through
+        """Colocated mode: the weights were pushed by every rank (weight_sync/colocated_push.py), not through
         update_weights; samples from now on carry `version`. This engine keeps no copy of them, so a server
         lost afterwards cannot be re-synced from here (_resync refuses instead of serving old weights)."""
         if not isinstance(version, int) or version < 0:
@@ -587,7 +587,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
             # Back in rotation before the lock is released: the next update includes it.
             self._stale.discard(server)
 
-    # ---- before a weight update (the pushes themselves: megatron_dapo/rollout/weight_push.py) ----------
+    # ---- before a weight update (the pushes themselves: megatron_dapo/weight_sync/weight_push.py) ----------
 
     async def _lost_unseen(self) -> list[int]:
         """Serving servers that no longer hold the last pushed version: down now, or restarted without this

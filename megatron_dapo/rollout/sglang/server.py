@@ -12,7 +12,7 @@ The key is on no process's command line (which every user of the node can read w
 writes it to a 0600 file in a fresh 0700 directory (api_key.write_server_key_file) that servers read through
 SGLang's --config option (YAML merged into their arguments in-process; their scheduler / detokenizer children
 are multiprocessing spawns that get their arguments through a pipe) and the router through
-megatron_dapo.rollout.sglang_router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
+megatron_dapo.rollout.sglang.router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
 a trainer killed with SIGKILL leaves it behind, still readable by its owner only, until the next keyed start
 on that host removes it (api_key.remove_stale_key_dirs). SGLang logs its arguments,
 key included, so the logs of a keyed group are created 0600 too.
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from megatron_dapo.rollout.api_key import check_key, remove_server_key_file, write_server_key_file
+from megatron_dapo.rollout.sglang.api_key import check_key, remove_server_key_file, write_server_key_file
 
 
 @dataclass(kw_only=True)
@@ -146,10 +146,10 @@ class ServerConfig:
 
     def router_command(self, key_file: str | None = None) -> list[str]:
         """The router's command line: sglang_router itself without an API key; with one, through
-        megatron_dapo.rollout.sglang_router_launch, which reads the key from `key_file` (required then) and so
+        megatron_dapo.rollout.sglang.router_launch, which reads the key from `key_file` (required then) and so
         needs megatron_dapo importable in `python`."""
         urls = [self.server_url(i) for i in range(self.num_servers)]
-        entry = "sglang_router.launch_router" if self.api_key is None else "megatron_dapo.rollout.sglang_router_launch"
+        entry = "sglang_router.launch_router" if self.api_key is None else "megatron_dapo.rollout.sglang.router_launch"
         return [self.python, "-m", entry, *self._key_args(key_file, "--api-key-file"), "--host", self.host,
                 "--port", str(self.base_port + self.num_servers), "--policy", "round_robin", "--worker-urls", *urls]
 

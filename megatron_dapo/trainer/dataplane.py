@@ -40,8 +40,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import comm
 from megatron_dapo.actor import TrainSample
+from megatron_dapo.distributed import comm
 
 OK, ABORT = 0, 1
 

@@ -7,7 +7,7 @@ directly): they pick the device from `dist.get_backend`,
 copy the tensor there when it is elsewhere, run the collective and copy the result back in place, so a
 caller never has to know which backend Megatron gave a group. CPU data (the rollout batch, the sampler
 state) travels over gloo groups (`gloo_group`), which also carry their own timeout: the rollout wait
-group of megatron_dapo/dataplane.py is made with `--rollout-timeout` hours while Megatron's NCCL groups
+group of megatron_dapo/trainer/dataplane.py is made with `--rollout-timeout` hours while Megatron's NCCL groups
 keep their 30-minute watchdog.
 
 Cost: a CPU tensor reduced on an NCCL group pays one host->device and one device->host copy (the
@@ -136,7 +136,7 @@ def broadcast_object(obj, src: int, group: ProcessGroup = None):
     """Pickle `obj` on global rank `src`, return it on every rank of `group` (two broadcasts: size, bytes).
 
     For small control state (the sampler's state dict, a few hundred bytes); the rollout batch travels as
-    tensors (megatron_dapo/dataplane.py)."""
+    tensors (megatron_dapo/trainer/dataplane.py)."""
     rank = dist.get_rank()
     payload = _pickled(obj) if rank == src else None
     size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64)

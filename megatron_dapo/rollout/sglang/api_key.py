@@ -5,7 +5,7 @@ SGLang's weight endpoints unpickle what they receive, so whoever reads the key c
 GPUs. The trainer therefore reads it from --sglang-api-key-file (a file only its owner can read) or the
 SGLANG_API_KEY environment variable (/proc/<pid>/environ is readable by the owner only); --sglang-api-key
 still works but is visible in ps. Launched servers get it through a 0600 YAML file given to SGLang's
-own --config option, and the router through the same file (megatron_dapo.rollout.sglang_router_launch).
+own --config option, and the router through the same file (megatron_dapo.rollout.sglang.router_launch).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from megatron_dapo.stale_dirs import owner_tag, remove_dead_owners
+from megatron_dapo.distributed.stale_dirs import owner_tag, remove_dead_owners
 
 SERVER_KEY_FILE = "api_key.yaml"
 """Name of the key file in a server group's private directory (SGLang's --config wants a .yaml suffix)."""

@@ -4,7 +4,7 @@ An error, SIGINT or SIGTERM lets a process remove its own temporary directory; a
 So each such directory carries `<host>-<pid>` in its name, and the next process that makes one first removes
 those of this host whose pid is no longer alive (the converter's `.<name>.tmp-<host>-<pid>` siblings,
 checkpoint_convert/atomic_dir.py; the launched SGLang servers' `sglang_key-<host>-<pid>-*` key directories,
-megatron_dapo/rollout/api_key.py). A directory of a live process, this one's included, is never touched.
+megatron_dapo/rollout/sglang/api_key.py). A directory of a live process, this one's included, is never touched.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_dapo.distributed.stale_dirs import pid_alive
 from megatron_dapo.errors import UserError
-from megatron_dapo.stale_dirs import pid_alive
 
 LOCK_FILE = ".megatron_dapo.lock"
 STEP_PREFIX = "step_"
@@ -139,7 +139,7 @@ def _same_dir(a: str, b: str | None) -> bool:
 
 
 def _is_converter_output(path: Path) -> bool:
-    from megatron_dapo.weights.dist_load import is_megatron_lm_checkpoint
+    from megatron_dapo.checkpoint.dist_load import is_megatron_lm_checkpoint
 
     return is_megatron_lm_checkpoint(path)
 

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_dapo import comm
+from megatron_dapo.distributed import comm
 
 
 def init_weight_sync_group(

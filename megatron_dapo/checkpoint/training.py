@@ -52,7 +52,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_dapo import checkpoint_manifest, checkpoint_procs, comm
+from megatron_dapo.checkpoint import manifest as checkpoint_manifest
+from megatron_dapo.checkpoint import procs as checkpoint_procs
+from megatron_dapo.distributed import comm
 from megatron_dapo.errors import UserError, disk_full_error, is_disk_full
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 

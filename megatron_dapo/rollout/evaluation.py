@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from math import comb
 
-from megatron_dapo.collect import Prompt, RewardFn, seeded
+from megatron_dapo.rollout.collect import Prompt, RewardFn, seeded
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 

@@ -1,0 +1,1 @@
+"""Training checkpoints (torch_dist), their manifest, converter-format checkpoints and HF export."""

@@ -1,0 +1,1 @@
+"""Process groups and collectives: the parallel layout, device-aware collectives, process liveness."""

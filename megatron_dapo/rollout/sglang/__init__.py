@@ -1,0 +1,1 @@
+"""SGLang servers: launch, protocol, client engine, start-up choices."""

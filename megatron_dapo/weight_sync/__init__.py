@@ -1,0 +1,1 @@
+"""Weight sync from the actor to the rollout engine."""
