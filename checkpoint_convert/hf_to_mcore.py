@@ -39,7 +39,7 @@ from megatron_dapo.checkpoint.dist_ckpt import (
     write_tracker,
 )
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
@@ -117,7 +117,7 @@ def _row_chunks(
 
 
 def _entry_tensor(
-    reader: HFCheckpointReader, entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int,
+    reader: HFCheckpointReader, entry: MappingEntry, arch: ModelArch, padded_vocab: int,
     dtype: torch.dtype, chunk_bytes: int, planned: dict[str, int] | None = None,
 ) -> LazyTensor:
     """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks.
@@ -145,7 +145,7 @@ def _entry_tensor(
     return lazy
 
 
-def extra_state_objects(arch: Qwen2Arch) -> dict[str, Any]:
+def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
     """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
     Per layer, the four linears (megatron-core's local ones and TE's alike); once, the final norm, which on a
@@ -165,7 +165,7 @@ def extra_state_objects(arch: Qwen2Arch) -> dict[str, Any]:
     return objects
 
 
-def megatron_args(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
+def megatron_args(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
     """The Megatron-LM arguments that build this model (the names its check_checkpoint_args reads)."""
     return {
         "num_layers": arch.num_layers,
@@ -196,7 +196,7 @@ def megatron_args(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype) -
     }
 
 
-def common_state(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> dict:
+def common_state(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> dict:
     """common.pt: Megatron-LM's `args` (a Namespace), iteration 0, and the HF config for the way back."""
     return {
         "args": argparse.Namespace(**megatron_args(arch, layout, dtype)),
@@ -207,7 +207,7 @@ def common_state(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf
     }
 
 
-def describe(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> str:
+def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> str:
     """Megatron args and the global shape of every stored tensor, as printable text."""
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     args = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in megatron_args(arch, layout, dtype).items()}
@@ -226,7 +226,7 @@ def describe(arch: Qwen2Arch, layout: ParallelLayout, dtype: torch.dtype, hf_con
 def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
     """Convert; returns the common state written to common.pt (or that would be, for a dry run)."""
     hf_config = read_hf_config(cfg.hf_path, flag="--hf-path")
-    arch = Qwen2Arch.from_hf(hf_config)
+    arch = ModelArch.from_hf(hf_config)
     validate_layout(arch, cfg.layout)  # the one layout check: heads, kv heads, ffn vs TP; layers vs PP
     if cfg.dry_run:
         dtype = DTYPES[cfg.dtype or "bf16"]

@@ -36,7 +36,7 @@ from megatron_dapo.checkpoint.ckpt_config import (
     read_hf_config,
 )
 from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
@@ -105,12 +105,12 @@ def _resolve_config(cfg: McoreToHfConfig, reader: DistCheckpointReader) -> dict[
         return dict(stored)
     given = read_hf_config(cfg.hf_config, flag="--hf-config")
     if stored is not None:
-        check_same_arch(Qwen2Arch.from_hf(stored), Qwen2Arch.from_hf(given),
+        check_same_arch(ModelArch.from_hf(stored), ModelArch.from_hf(given),
                         stored_from=f"--load {cfg.load}", requested_from=f"--hf-config {cfg.hf_config}")
     return given
 
 
-def _model_dtype(reader: DistCheckpointReader, arch: Qwen2Arch) -> torch.dtype:
+def _model_dtype(reader: DistCheckpointReader, arch: ModelArch) -> torch.dtype:
     dtypes = {reader.dtype(dist_key(e)) for e in QWEN2_MAPPING if not (e.tied_hf and arch.tie_word_embeddings)}
     if len(dtypes) != 1:
         raise CheckpointError(f"{reader.dir} mixes dtypes {sorted(map(str, dtypes))} in its model; pass --dtype")
@@ -133,7 +133,7 @@ class Job:
         return hf_names(self.entry, layer=self.layer, tied=False)[self.hf_index]
 
 
-def _jobs(reader: DistCheckpointReader, arch: Qwen2Arch, chunk_bytes: int) -> list[Job]:
+def _jobs(reader: DistCheckpointReader, arch: ModelArch, chunk_bytes: int) -> list[Job]:
     """Row blocks of at most chunk_bytes in HF file order, each inside one `hf_row_segments` range (so one
     byte range of a stored chunk in converter output; qkv gives three ranges per query group)."""
     jobs: list[Job] = []
@@ -174,7 +174,7 @@ def interleave_by_shard(jobs: list[Job], shard_of: Callable[[Job], int]) -> list
 
 
 def write_hf_tensors(
-    reader: DistCheckpointReader, arch: Qwen2Arch, writer: HFShardedWriter, dtype: torch.dtype, threads: int,
+    reader: DistCheckpointReader, arch: ModelArch, writer: HFShardedWriter, dtype: torch.dtype, threads: int,
     chunk_bytes: int,
 ) -> None:
     """Convert and write every tensor as row blocks, `threads` at a time.
@@ -216,7 +216,7 @@ def mcore_to_hf(cfg: McoreToHfConfig) -> list[str]:
     """Convert; returns the HF tensor names written, in file order."""
     with DistCheckpointReader(cfg.load) as reader:
         hf_config = _resolve_config(cfg, reader)
-        arch = Qwen2Arch.from_hf(hf_config)
+        arch = ModelArch.from_hf(hf_config)
         shapes = {k: reader.shape(k) for k in reader.tensors}
         check_global_shapes(shapes, arch, source=f"--load {cfg.load}", against="the HF config")
         dtype = DTYPES[cfg.dtype] if cfg.dtype else _model_dtype(reader, arch)

@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 from typing import TextIO
 
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 
 GIB = 1 << 30
 FRAMEWORK_OVERHEAD_GIB = 2.0
@@ -104,7 +104,7 @@ class ActivationSpec:
     """An explicit [1, 1, s, s] bool mask is passed (local spec): s^2 bytes per micro-batch, shared."""
 
     @classmethod
-    def for_qwen2(cls, arch: Qwen2Arch, *, transformer_impl: str, bytes_per_element: int,
+    def for_qwen2(cls, arch: ModelArch, *, transformer_impl: str, bytes_per_element: int,
                   swiglu_fused: bool = False) -> ActivationSpec:
         te = transformer_impl == "transformer_engine"
         return cls(hidden=arch.hidden_size, ffn=arch.intermediate_size, heads=arch.num_heads, q=arch.q_size,
@@ -179,7 +179,7 @@ def micro_batch_extra_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tok
     return out
 
 
-def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_per_element: int,
+def logits_bytes(arch: ModelArch, layout: ParallelLayout, *, tokens: int, bytes_per_element: int,
                  fused_logprob: bool, fused_linear: bool = False) -> float:
     """Last stage, one micro-batch: vocab-parallel logits [b, s, V/tp] saved by the loss and their grad;
     the unfused log-prob adds an fp32 copy, log-softmax and fp32 grad (12 B per entry).
@@ -203,7 +203,7 @@ def logits_bytes(arch: Qwen2Arch, layout: ParallelLayout, *, tokens: int, bytes_
     return entries * (2 * bytes_per_element if fused_logprob else bytes_per_element + 12)
 
 
-def stage_parameters(arch: Qwen2Arch, layout: ParallelLayout, stage: int) -> int:
+def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
     """Parameters this TP rank holds on pipeline `stage` (norms replicated, the rest split over TP)."""
     h, t = arch.hidden_size, layout.tp
     qkv = arch.q_size + 2 * arch.kv_size
@@ -266,7 +266,7 @@ class StagePlan:
         return sum(v for k, v in self.lines.items() if not k.startswith("  "))
 
 
-def plan_stages(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
                 ) -> list[StagePlan]:
     """Bytes per component on each pipeline stage (this rank's share)."""
     validate_layout(arch, layout)
@@ -328,20 +328,20 @@ def peak_gib(plans: list[StagePlan]) -> float:
 
 
 # ---- colocated: the SGLang share and the generation phase -----------------------------------------------
-def sglang_weight_bytes(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
+def sglang_weight_bytes(arch: ModelArch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
     """Bytes of one SGLang TP rank's weights (bf16): the TP shard of every layer plus the vocab-padded
     embedding and head (32B at TP8: 8.2 GB)."""
     return stage_parameters(arch, ParallelLayout(tp=gpus_per_engine), 0) * bytes_per_element
 
 
-def host_copy_bytes(arch: Qwen2Arch, bytes_per_element: int = 2) -> int:
+def host_copy_bytes(arch: ModelArch, bytes_per_element: int = 2) -> int:
     """Bytes of rank 0's weight-sync host copy: one whole HF version, every tensor once (a tied lm_head is the
     embedding). SGLangEngine keeps exactly this after each tensor / distributed push and drops the previous
     version as the new one arrives, so it is also the peak (Qwen2.5-32B bf16: 65.5 GB = 61.0 GiB)."""
     return arch.num_parameters() * bytes_per_element
 
 
-def host_copy_line(arch: Qwen2Arch, *, mode: str, colocate: bool, bytes_per_element: int = 2) -> str:
+def host_copy_line(arch: ModelArch, *, mode: str, colocate: bool, bytes_per_element: int = 2) -> str:
     """The plan's rank-0 host-memory line for the weight-sync host copy (what re-syncs a lost server)."""
     if colocate:
         return "rank 0 host memory: no weight-sync host copy (--colocate: each rank hands its own GPU's buckets)"
@@ -351,7 +351,7 @@ def host_copy_line(arch: Qwen2Arch, *, mode: str, colocate: bool, bytes_per_elem
             f"(one version, --weight-sync-mode {mode}; the previous one is dropped as the new one arrives)")
 
 
-def kv_bytes_per_token(arch: Qwen2Arch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
+def kv_bytes_per_token(arch: ModelArch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
     """KV-cache bytes one token takes on one SGLang TP rank: K and V of every layer for its kv heads (SGLang
     replicates kv heads when TP > kv heads). 32B (8 kv heads x 128) at TP8: 2 x 64 x 1 x 128 x 2 = 32 KiB."""
     heads = max(1, arch.num_kv_heads // gpus_per_engine)
@@ -387,7 +387,7 @@ def actor_generation_lines(plan: StagePlan) -> dict[str, float]:
             "actor CUDA context, NCCL (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
 
 
-def sglang_share(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
+def sglang_share(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
                  ) -> SGLangShare:
     """The SGLang share of each GPU for --colocate: --mem-fraction-static computed as the largest multiple of
     0.01 that keeps (actor leftovers + frac x GPU + SGLANG_RUNTIME_GIB) under (1 - HEADROOM) x GPU memory, or
@@ -449,7 +449,7 @@ def startup_lines(plan: StagePlan, inputs: PlanInputs, use_distributed_optimizer
             "CUDA context, NCCL, workspaces (assumed)": (FRAMEWORK_OVERHEAD_GIB * GIB,) * 2}
 
 
-def startup_peaks(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
+def startup_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
                   ) -> tuple[float, float]:
     """(new order, old order) bytes of the fullest GPU at its worst start-up moment: the engines released before
     the actor allocates, against the actor built and loaded next to engines holding their static pool
@@ -470,9 +470,9 @@ def world_size_from_args(args: argparse.Namespace) -> int:
     return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
 
 
-def plan_from_args(args: argparse.Namespace) -> tuple[Qwen2Arch, ParallelLayout, PlanInputs, ActivationSpec]:
+def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout, PlanInputs, ActivationSpec]:
     """Flags -> what plan_stages needs; reads only --hf-checkpoint's config.json."""
-    arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+    arch = ModelArch.from_hf(args.hf_checkpoint)
     layout = ParallelLayout.from_args(args, world_size_from_args(args))
     impl = layout.transformer_impl or "transformer_engine"  # the dry run plans a GPU run
     params_dtype = args.params_dtype or "bfloat16"
@@ -490,7 +490,7 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Qwen2Arch, ParallelLayout,
     return arch, layout, inputs, spec
 
 
-def _suggestions(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+def _suggestions(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
                  ) -> list[tuple[str, float]]:
     """(flags to change, resulting peak GiB) for the single changes that lower the peak, most useful first."""
     tries: list[tuple[str, ParallelLayout, PlanInputs]] = []
@@ -516,7 +516,7 @@ def _suggestions(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, sp
     return out
 
 
-def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:
+def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:
     plans = plan_stages(arch, layout, inputs, spec)
     s = inputs.tokens_per_micro_batch if inputs.packed else min(inputs.max_seq_len, inputs.tokens_per_micro_batch)
     rec = layout.recompute_granularity or "off"
@@ -550,7 +550,7 @@ def format_plan(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spe
     return lines
 
 
-def colocated_lines(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs, spec: ActivationSpec
+def colocated_lines(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, spec: ActivationSpec
                     ) -> list[str]:
     """The generation phase and the SGLang share (the table above is the training phase)."""
     share = sglang_share(arch, plans, inputs, spec.bytes_per_element)
@@ -580,7 +580,7 @@ def colocated_lines(arch: Qwen2Arch, plans: list[StagePlan], inputs: PlanInputs,
     return lines
 
 
-def phase_peaks_gib(arch: Qwen2Arch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
+def phase_peaks_gib(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
                     ) -> dict[str, float]:
     """{'training': GiB, 'generation': GiB} of the fullest GPU (generation only with --colocate)."""
     plans = plan_stages(arch, layout, inputs, spec)

@@ -24,7 +24,7 @@ from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, Over
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.trainer.validation import (
@@ -285,7 +285,7 @@ QUIET_EXIT_DELAY_S = 2.0
 class Inputs:
     """What the run reads before any model exists; the prompt lists are filled on global rank 0 only."""
 
-    arch: Qwen2Arch
+    arch: ModelArch
     tokenizer: Any
     train_prompts: list[Prompt] = field(default_factory=list)
     eval_prompts: list[Prompt] = field(default_factory=list)
@@ -337,7 +337,7 @@ def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
     from transformers import AutoTokenizer
 
     try:
-        arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+        arch = ModelArch.from_hf(args.hf_checkpoint)
     except FileNotFoundError as err:
         raise UserError(f"--hf-checkpoint: {err}") from err
     tokenizer_dir = args.tokenizer or args.hf_checkpoint
@@ -425,7 +425,7 @@ def train(args: argparse.Namespace) -> None:
     num_layers = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         try:
-            arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+            arch = ModelArch.from_hf(args.hf_checkpoint)
         except FileNotFoundError as err:
             raise UserError(f"--hf-checkpoint: {err}") from err
         try:  # init_parallel cuts the layers into virtual stages: the same verdict on every rank, one prints it
@@ -539,7 +539,7 @@ def make_colocated(args: argparse.Namespace, actor, engine, section):
                          section=section), pusher
 
 
-def build_actor(args: argparse.Namespace, arch: Qwen2Arch, actor_cfg, layout, init_ckpt: str | None):
+def build_actor(args: argparse.Namespace, arch: ModelArch, actor_cfg, layout, init_ckpt: str | None):
     """The Megatron actor with its initial weights: a torch_dist checkpoint's model weights at any TP/PP
     (`init_ckpt`, converter output passed as --load: iteration 0, fresh optimizer), else --hf-checkpoint
     re-sharded."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import (
     load_hf_state_dict,
     make_samples,
@@ -26,7 +26,7 @@ CONFIG = ActorConfig(lr=1e-3, lr_warmup_steps=1, clip_grad=1.0, max_tokens_per_m
 
 
 def _single_process(data: dict) -> dict:
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     layout = init_parallel(seed=data["seed"])
     try:
         actor = MegatronActor(arch, data["config"], layout)
@@ -40,10 +40,10 @@ def _single_process(data: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[dict, dict[str, list[dict]], Qwen2Arch]:
+def runs(tmp_path_factory) -> tuple[dict, dict[str, list[dict]], ModelArch]:
     tmp = tmp_path_factory.mktemp("actor_parallel")
     hf = tiny_hf_model(tie=False, seed=1)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     data = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(), "config": CONFIG, "seed": 7,
             "samples": make_samples(10, seed=3), "steps": STEPS, "layouts": list(LAYOUTS)}
     torch.save(data, tmp / "input.pt")

@@ -11,7 +11,7 @@ import torch
 
 from megatron_dapo import planner
 from megatron_dapo.actor import ActorConfig
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.dist.actor_sp import LAYOUTS
 from tests.torchrun import REPO, run_torchrun
@@ -25,13 +25,13 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     hf = tiny_hf_model(tie=False, seed=2)
     samples = make_samples(7, seed=9)
     assert any(len(s.tokens) % 2 for s in samples)  # odd lengths: SP must pad s to a multiple of TP
-    data = {"arch": dataclasses.asdict(Qwen2Arch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(),
+    data = {"arch": dataclasses.asdict(ModelArch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(),
             "config": ActorConfig(lr=1e-3, clip_grad=1.0, max_tokens_per_micro_batch=48, use_fused_logprob=False),
             "seed": 5, "samples": samples, "steps": 2}
     torch.save(data, tmp / "input.pt")
     run_torchrun(REPO / "tests/dist/actor_sp.py", str(tmp / "input.pt"), str(tmp))
     return {name: [torch.load(Path(tmp) / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
-            for name in ("tp2", *VARIANTS)} | {"arch": Qwen2Arch.from_hf(hf.config)}
+            for name in ("tp2", *VARIANTS)} | {"arch": ModelArch.from_hf(hf.config)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

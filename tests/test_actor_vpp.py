@@ -11,7 +11,7 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.plan import stage_tensors, virtual_stage
 from tests.dist.actor_common import (
@@ -28,7 +28,7 @@ METRICS = ("pg_loss", "approx_kl", "ratio", "entropy", "clipfrac_low", "clipfrac
 
 
 def _single_process(data: dict) -> dict:
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     layout = init_parallel(seed=data["seed"])
     try:
         actor = MegatronActor(arch, data["config"], layout)
@@ -45,7 +45,7 @@ def _single_process(data: dict) -> dict:
 def runs(tmp_path_factory) -> tuple[dict, list[dict]]:
     tmp = tmp_path_factory.mktemp("actor_vpp")
     hf = tiny_hf_model(tie=False, seed=1, num_hidden_layers=4)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     hf.save_pretrained(tmp / "hf")
     data = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(), "config": CONFIG, "seed": 7,
             "samples": make_samples(10, seed=3), "steps": STEPS, "hf_dir": str(tmp / "hf")}
@@ -90,7 +90,7 @@ def test_vpp_checkpoint_round_trip_and_plain_pp_load(runs):
 
 
 def test_vpp_layout_validation():
-    arch = Qwen2Arch.from_hf(tiny_hf_model(num_hidden_layers=4).config)
+    arch = ModelArch.from_hf(tiny_hf_model(num_hidden_layers=4).config)
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage needs --pipeline-model"):
         ParallelLayout(pp=1, layers_per_virtual_stage=1)
     with pytest.raises(ValueError, match=r"--pipeline-model-parallel-size \(2\) x --num-layers-per-virtual"):
@@ -102,7 +102,7 @@ def test_vpp_layout_validation():
 def test_virtual_stage_layers():
     """Chunk c of PP rank r holds global layers of virtual stage c * pp + r (megatron-core's
     get_transformer_layer_offset: (c * pp + r) * layers per virtual stage)."""
-    arch = Qwen2Arch.from_hf(tiny_hf_model(num_hidden_layers=8).config)
+    arch = ModelArch.from_hf(tiny_hf_model(num_hidden_layers=8).config)
     layout = ParallelLayout(pp=2, layers_per_virtual_stage=2)
     got = {}
     for r in range(2):

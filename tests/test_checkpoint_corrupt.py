@@ -20,7 +20,7 @@ from megatron_dapo.checkpoint.training import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import (
     load_hf_weights,
     make_samples,
@@ -33,7 +33,7 @@ def saved(tmp_path_factory):
     """(make_actor, pristine checkpoint dir with steps 1 and 2)."""
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=8)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
 
     def make_actor() -> MegatronActor:
         actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)

@@ -13,7 +13,7 @@ import torch
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import load_checkpoint, save_checkpoint
 from megatron_dapo.distributed.parallel import padded_vocab_size
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.checkpoint_helpers import optimizer_state
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
@@ -22,7 +22,7 @@ from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards
 def world():
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=6)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     shards = mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
                                    padded_vocab=padded_vocab_size(arch.vocab_size, 1))
     yield layout, arch, shards

@@ -15,7 +15,7 @@ import pytest
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import load_hf_weights, tiny_hf_model
 
 
@@ -23,7 +23,7 @@ from tests.dist.actor_common import load_hf_weights, tiny_hf_model
 def actor():
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=3)
-    actor = MegatronActor(Qwen2Arch.from_hf(hf.config), ActorConfig(lr=1e-3), layout)
+    actor = MegatronActor(ModelArch.from_hf(hf.config), ActorConfig(lr=1e-3), layout)
     load_hf_weights(actor, hf)
     yield actor
     destroy_parallel()

@@ -18,7 +18,7 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_response_log_probs, make_samples, tiny_hf_model
 
 
@@ -72,7 +72,7 @@ def te_world(tmp_path_factory):
     hf = tiny_hf_model(seed=3)
     hf_dir = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(hf_dir, safe_serialization=True)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpt_layer_specs, "TESpecProvider", CpuTESpecProvider, raising=False)
         te_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()

@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.rollout.sglang.server import ServerGroup
 from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.ports import free_port_block
@@ -33,7 +33,7 @@ pytestmark = [*MARKS, pytest.mark.slow]
 def test_colocated_run_equals_separate_server_run(tmp_path):
     hf = tiny_hf_model(seed=3)
     hf.save_pretrained(tmp_path / "model")
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     torch.save({"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(),
                 "steps": [make_samples(6, seed=20 + k) for k in range(2)],
                 "prompts": [[5, 6, 7 + i] for i in range(3)]}, tmp_path / "in.pt")

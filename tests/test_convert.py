@@ -17,7 +17,7 @@ import transformers
 from safetensors import safe_open
 
 from checkpoint_convert.cli import main
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights import hf_format
 from megatron_dapo.weights.safetensors_io import SafetensorsFile
 from tests.dist.actor_common import hf_to_full_mcore
@@ -103,7 +103,7 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, tp: int, pp:
     assert args.untie_embeddings_and_output_weights == (not tied) and common["iteration"] == 0
     # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping, layers stacked.
     stored = dcp_tensors(release)
-    full = hf_to_full_mcore(model.state_dict(), Qwen2Arch.from_hf(tmp_path / "hf"))
+    full = hf_to_full_mcore(model.state_dict(), ModelArch.from_hf(tmp_path / "hf"))
     emb = stored["embedding.word_embeddings.weight"]
     assert emb.shape == (256, 32) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
     assert not emb[200:].any()  # padding rows are zero
@@ -150,7 +150,7 @@ def test_large_tensors_are_stored_in_row_chunks(tmp_path: Path) -> None:
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, _entry_tensor
     from megatron_dapo.weights.mapping import QWEN2_MAPPING
 
-    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    arch = ModelArch.from_hf(tmp_path / "hf")
     HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))  # validates
     with hf_format.HFCheckpointReader(tmp_path / "hf") as reader:
         emb = _entry_tensor(reader, QWEN2_MAPPING[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
@@ -271,7 +271,7 @@ def test_copied_chunks_are_torch_save_records_equal_to_hf(
     target = torch.bfloat16 if dtype else torch.float32
     release = tmp_path / "mc" / "release"
     stored = dcp_tensors(release)
-    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    arch = ModelArch.from_hf(tmp_path / "hf")
     full = {k: v.to(target) for k, v in hf_to_full_mcore(model.state_dict(), arch).items()}
     emb = stored["embedding.word_embeddings.weight"]
     assert emb.dtype == target and emb.shape == (256, 32) and not emb[200:].any()
@@ -403,7 +403,7 @@ def test_jobs_are_scheduled_round_robin_over_the_output_shards(tmp_path: Path) -
     m2h = importlib.import_module("checkpoint_convert.mcore_to_hf")
     make_tiny_hf(tmp_path / "hf", tied=False)
     convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
-    arch = Qwen2Arch.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    arch = ModelArch.from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     (tmp_path / "out").mkdir()
     writer = hf_format.HFShardedWriter(tmp_path / "out", hf_tensor_specs(arch, torch.float32), 30_000)
     try:
@@ -614,7 +614,7 @@ def test_geometry_checks_name_the_config_field() -> None:
     from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, expected_global_shapes
     from megatron_dapo.weights import CheckpointError
 
-    arch = Qwen2Arch.from_hf({**TINY, "model_type": "qwen2"})
+    arch = ModelArch.from_hf({**TINY, "model_type": "qwen2"})
     good = expected_global_shapes(arch, 256)
     assert check_global_shapes(good, arch, source="ckpt", against="cfg") == 256
     assert check_global_shapes({**good, "embedding.word_embeddings.weight": (1024, 32),
@@ -630,7 +630,7 @@ def test_geometry_checks_name_the_config_field() -> None:
         shapes = {k: v for k, v in {**good, **change}.items() if v is not None}
         with pytest.raises(CheckpointError, match=__import__("re").escape(message)):
             check_global_shapes(shapes, arch, source="ckpt", against="cfg")
-    tied = Qwen2Arch.from_hf({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})
+    tied = ModelArch.from_hf({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})
     with pytest.raises(CheckpointError, match="untied output layer, cfg has tie_word_embeddings=true"):
         check_global_shapes(good, tied, source="ckpt", against="cfg")
 

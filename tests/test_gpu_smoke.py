@@ -15,7 +15,7 @@ from tests.torchrun import REPO, subprocess_env
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_smoke  # noqa: E402
 
-from megatron_dapo.models.hf_config import Qwen2Arch  # noqa: E402
+from megatron_dapo.models.hf_config import ModelArch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_report_keeps_the_other_parts_when_one_fails(dry_run, tmp_path):
 
 def test_training_flops_formula():
     """Qwen2.5-1.5B at 2048 tokens per row, written out: 6 x matmul params + 12 x L x s x (heads x head_dim)."""
-    arch = Qwen2Arch.from_hf(gpu_smoke.QWEN2_5_1_5B)
+    arch = ModelArch.from_hf(gpu_smoke.QWEN2_5_1_5B)
     h, f, layers, q, kv, v = 1536, 8960, 28, 12 * 128, 2 * 128, 151936
     matmul = layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + v * h
     assert gpu_smoke.train_flops_per_token(arch, 2048) == 6 * matmul + 12 * layers * 2048 * q

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron_dapo.actor import destroy_parallel, init_parallel
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models import (
-    Qwen2Arch,
+    ModelArch,
     build_gpt_model,
     get_layer_spec,
     te_available,
@@ -19,7 +19,7 @@ from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tin
 
 
 def test_transformer_config_maps_every_qwen2_field():
-    arch = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
+    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=5e5)
     cfg = transformer_config_from_arch(arch, tp=2, pp=2, calculate_per_token_loss=True)
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 96)
@@ -32,7 +32,7 @@ def test_transformer_config_maps_every_qwen2_field():
 
 
 def test_transformer_config_rejects_bad_layout_and_fields():
-    arch = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size"):
         transformer_config_from_arch(arch, pp=2)
@@ -53,7 +53,7 @@ def test_layer_spec_choice():
 
 
 def test_build_gpt_model_needs_parallel_state():
-    arch = Qwen2Arch.from_hf(tiny_hf_model().config)
+    arch = ModelArch.from_hf(tiny_hf_model().config)
     with pytest.raises(RuntimeError, match="init_parallel"):
         build_gpt_model(arch)
 
@@ -61,7 +61,7 @@ def test_build_gpt_model_needs_parallel_state():
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_logits_match_hf_qwen2(tie):
     hf = tiny_hf_model(tie=tie, seed=2)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     init_parallel(seed=0)
     try:
         model = build_gpt_model(arch)

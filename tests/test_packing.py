@@ -21,7 +21,7 @@ from megatron_dapo.actor.batching import (
     plan_micro_batches,
 )
 from megatron_dapo.distributed.parallel import padded_vocab_size
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import (
     load_hf_weights,
     make_samples,
@@ -98,7 +98,7 @@ def world():
 def _actor(world, hf=None, **overrides) -> MegatronActor:
     layout, default_hf, _ = world
     hf = hf or default_hf
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
     load_hf_weights(actor, hf)
     return actor
@@ -186,7 +186,7 @@ def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
     from megatron_dapo.ops.fused_linear import DEFAULT_CHUNK_LOGITS
     from tests.torchrun import REPO
 
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
     v_local = padded_vocab_size(arch.vocab_size, 8) // 8
     kw = dict(tokens=24576, bytes_per_element=2, fused_logprob=True)
@@ -209,7 +209,7 @@ def test_planner_packed_row_length_terms_use_the_whole_row():
     from megatron_dapo import planner
     from megatron_dapo.distributed.parallel import ParallelLayout
 
-    arch = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
     kw = dict(first=True, last=True, recompute=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.dist.packing_parallel import WORLDS
 from tests.torchrun import REPO, run_torchrun
@@ -26,7 +26,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     hf = tiny_hf_model(tie=False, seed=3)
     samples = make_samples(9, seed=12)
     assert any(len(s.tokens) % 2 for s in samples)  # SP pads packed rows to a multiple of TP
-    data = {"arch": dataclasses.asdict(Qwen2Arch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(),
+    data = {"arch": dataclasses.asdict(ModelArch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(),
             "config": ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=48), "seed": 5,
             "samples": samples}
     torch.save(data, tmp / "input.pt")

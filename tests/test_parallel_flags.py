@@ -11,10 +11,10 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
 from megatron_dapo.models import spec
 from megatron_dapo.models.config import transformer_config_from_arch
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
-ARCH = Qwen2Arch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
+ARCH = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
                  num_kv_heads=4, head_dim=8)
 
 
@@ -80,7 +80,7 @@ def test_transformer_engine_is_required_on_cuda(monkeypatch):
 def world():
     init_parallel(seed=0)
     hf = tiny_hf_model(seed=4)
-    yield hf, Qwen2Arch.from_hf(hf.config)
+    yield hf, ModelArch.from_hf(hf.config)
     destroy_parallel()
 
 

@@ -12,7 +12,7 @@ import torch
 from megatron_dapo import planner
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.test_examples import REPO, launcher_args
 
 # ---- Korthikanti et al. 2022, Sec. 4 (fp16 activations, 1-byte dropout masks), written out ------------
@@ -59,7 +59,7 @@ def test_layer_activations_match_korthikanti(s, b, h, a, t, sp):
 def test_flash_attention_has_no_quadratic_term():
     """TE's fused attention keeps O(s) per row: doubling the row length at a fixed token budget leaves the
     layer's bytes unchanged, except the RoPE tables (4 s d), while the local spec's grow by a s^2 b."""
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, sp=True)
     te = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     local = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=2)
@@ -76,7 +76,7 @@ def test_flash_attention_has_no_quadratic_term():
 
 # ---- against the tensors megatron-core actually saves (CPU, local spec, fp32) ----------------------------
 
-TINY = Qwen2Arch(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+TINY = ModelArch(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16)
 RECOMPUTE = {
     "none": {},
@@ -131,7 +131,7 @@ def test_planner_matches_saved_tensors(world, name):
 
 
 def test_stage_parameters_add_up_to_the_hf_count():
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
     assert 32.7e9 < arch.num_parameters() < 32.8e9  # "32.5B" (31.0B non-embedding) per the model card
     # TP splits everything but the 2h norm weights per layer and the final norm
@@ -143,7 +143,7 @@ def test_stage_parameters_add_up_to_the_hf_count():
 def test_static_memory_closed_form():
     """bf16 weights 2 B, fp32 grads 4 B, Adam 12 B / DP per parameter (16.5 B/param at DP 8: Megatron's
     distributed-optimizer table)."""
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-7B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")
     layout = ParallelLayout(tp=4, dp=8)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=8192,
@@ -211,7 +211,7 @@ def test_dry_run_rejects_a_bad_layout(tmp_path):
 
 def test_planned_bytes_per_component_are_itemised():
     """Each printed row is one component and the total is their sum (details excluded)."""
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     plans = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
@@ -226,7 +226,7 @@ def test_planned_bytes_per_component_are_itemised():
 def test_interleaved_activations_match_korthikanti_factor():
     """--num-layers-per-virtual-pipeline-stage: stage 0 holds L (1 + (p - 1) / (p v)) layers of activations
     (Korthikanti et al. 2022, section 4.2.3) against L for plain 1F1B."""
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-7B")  # 28 layers
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")  # 28 layers
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     inputs = planner.PlanInputs(tokens_per_micro_batch=4096, max_seq_len=4096)
     p, v = 2, 7  # 2 layers per virtual stage
@@ -281,7 +281,7 @@ def test_colocated_launcher_fits_80gb_in_both_phases(tmp_path):
 def test_colocated_share_by_hand():
     """The SGLang share written out: weights = the TP4 shard's parameters x 2 B, KV = frac x 80 GiB - weights,
     tokens = KV / (2 x 64 layers x 2 kv heads x 128 x 2 B); frac = floor((72 - actor leftovers - 4) / 80)."""
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True, recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
@@ -300,7 +300,7 @@ def test_colocated_share_by_hand():
 
 
 def test_colocated_fraction_too_small_names_the_flag():
-    arch = Qwen2Arch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True)
     spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
@@ -320,7 +320,7 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
 
     for tied in (False, True):
         hf = tiny_hf_model(seed=1, tie=tied)
-        arch = Qwen2Arch.from_hf(hf.config)
+        arch = ModelArch.from_hf(hf.config)
         assert planner.host_copy_bytes(arch, 4) == hf.num_parameters() * 4
         server, _ = serve(tp_size=1)
         engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weight_sync.stage_sync import (
     SYNC_ADDR_ENV,
     StageOutcome,
@@ -61,7 +61,7 @@ def pushed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stage_sync")
     hf = tiny_hf_model(seed=3, num_hidden_layers=4)
     servers = [serve(tp_size=1), serve(tp_size=2)]
-    data = {"arch": vars(Qwen2Arch.from_hf(hf.config)),
+    data = {"arch": vars(ModelArch.from_hf(hf.config)),
             "hf_state_dict": {k: v.clone() for k, v in hf.state_dict().items()}, "layouts": LAYOUTS,
             "urls": [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers], "bucket_bytes": 64 << 10,
             "ports": free_ports(len(LAYOUTS))}
@@ -271,7 +271,7 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
             while _stats(url) is None and time.monotonic() < deadline:
                 time.sleep(0.1)
         watcher.start()
-        data = {"arch": vars(Qwen2Arch.from_hf(hf.config)), "layouts": ["tp1pp2"], "urls": urls, "kill": True,
+        data = {"arch": vars(ModelArch.from_hf(hf.config)), "layouts": ["tp1pp2"], "urls": urls, "kill": True,
                 "hf_state_dict": {k: v.clone() for k, v in hf.state_dict().items()}, "bucket_bytes": 32 << 10,
                 "ports": [sync_base]}
         torch.save(data, tmp_path / "in.pt")

@@ -21,7 +21,7 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.checkpoint.hf_export import EXPORT_MARKER
 from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
@@ -153,10 +153,10 @@ def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, w
         train_mod.load_inputs(parse(model_dir, prompts), with_data=False)
     (model_dir / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(UserError, match=rf"^{path} is not UTF-8 text \(byte offset 0"):
-        Qwen2Arch.from_hf(model_dir)
+        ModelArch.from_hf(model_dir)
     (model_dir / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UserError, match=rf"^{path}: model_type 'llama' is not supported"):
-        Qwen2Arch.from_hf(model_dir)
+        ModelArch.from_hf(model_dir)
 
 
 def test_global_batch_size_3_of_4_responses_fails_in_check_flags(model_dir, prompts, capsys):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_dapo.distributed.parallel import ParallelLayout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights import (
     QWEN2_MAPPING,
     canonical_mcore_name,
@@ -17,7 +17,7 @@ from megatron_dapo.weights import (
 )
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes, mcore_shard_shape
 
-ARCH = Qwen2Arch(
+ARCH = ModelArch(
     vocab_size=300,
     hidden_size=16,
     intermediate_size=24,
@@ -148,7 +148,7 @@ def test_te_aliases_resolve_to_local_spec_names() -> None:
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("pp", [1, 2])
 def test_stage_tensors_place_embedding_head_and_local_layers(pp: int, tied: bool) -> None:
-    arch = Qwen2Arch(**{**ARCH.to_dict(), "tie_word_embeddings": tied})
+    arch = ModelArch(**{**ARCH.to_dict(), "tie_word_embeddings": tied})
     stages = [stage_tensors(arch, ParallelLayout(pp=pp), s) for s in range(pp)]
     names = [[t.mcore_name for t in s] for s in stages]
     assert names[0][0] == "embedding.word_embeddings.weight"

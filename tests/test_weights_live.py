@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from checkpoint_convert.cli import main as convert_main
 from megatron_dapo.distributed.parallel import ParallelLayout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from tests.test_convert import make_tiny_hf, read_all
 from tests.torchrun import run_torchrun
 
@@ -51,7 +51,7 @@ def test_single_process_logits_and_export_match_hf(
     from megatron_dapo.weights.export import iter_hf_weights
 
     hf_model = make_tiny_hf(tmp_path / "hf", tied=tied)
-    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    arch = ModelArch.from_hf(tmp_path / "hf")
     model = build_gpt_model(arch).eval()
     # written for TP=2 (vocab padded to 256 either way): the checkpoint is layout-independent
     ckpt = _convert(tmp_path / "hf", tmp_path / "mc", "--tp", "2")
@@ -78,10 +78,10 @@ def test_load_checks_the_stored_config_before_reading(tmp_path: Path, parallel_1
 
     make_tiny_hf(tmp_path / "hf", tied=False)
     ckpt = _convert(tmp_path / "hf", tmp_path / "mc")
-    arch = Qwen2Arch.from_hf(tmp_path / "hf")
+    arch = ModelArch.from_hf(tmp_path / "hf")
     model = build_gpt_model(arch)
     for field, value, stored in [("rope_theta", 1e4, 1e6), ("tie_word_embeddings", True, False)]:
-        other = Qwen2Arch(**{**arch.to_dict(), field: value})
+        other = ModelArch(**{**arch.to_dict(), field: value})
         with pytest.raises(CheckpointError, match=rf"{field}: --load {ckpt} has {stored!r}, "
                                                   rf"--hf-checkpoint config.json has {value!r}"):
             load_model_weights(model, ckpt, other)

@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFShardedWriter
 from megatron_dapo.weights.plan import hf_tensor_specs
 
@@ -115,7 +115,7 @@ M2H = ("assert main(['mcore-to-hf', '--load', {src!r}, '--save', {out!r}, '--thr
        "'--chunk-mb', '{chunk_mb}', '--max-shard-size', '{shard_bytes}']) == 0")
 
 
-def layer_bytes(arch: Qwen2Arch) -> int:
+def layer_bytes(arch: ModelArch) -> int:
     """bf16 bytes of one decoder layer (everything but embedding, head and final norm, per layer)."""
     outer = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
     return (arch.num_parameters() - outer) * 2 // arch.num_layers
@@ -123,7 +123,7 @@ def layer_bytes(arch: Qwen2Arch) -> int:
 
 def synthetic_config(size_gb: float, pp: int) -> dict:
     """BASE with as many layers (a multiple of pp) as make about size_gb of bf16 weights."""
-    arch = Qwen2Arch.from_hf({**BASE, "num_hidden_layers": 1})
+    arch = ModelArch.from_hf({**BASE, "num_hidden_layers": 1})
     outer = arch.num_parameters() * 2 - layer_bytes(arch)
     stages = max(1, round((size_gb * 1e9 - outer) / layer_bytes(arch) / pp))
     return {**BASE, "num_hidden_layers": stages * pp}
@@ -132,7 +132,7 @@ def synthetic_config(size_gb: float, pp: int) -> dict:
 def write_synthetic_hf(out_dir: str, config: dict, shard_bytes: int) -> int:
     """Stream random bf16 tensors into HF shards; returns total bytes."""
     os.makedirs(out_dir)
-    arch = Qwen2Arch.from_hf(config)
+    arch = ModelArch.from_hf(config)
     specs = hf_tensor_specs(arch, torch.bfloat16)
     writer = HFShardedWriter(out_dir, specs, shard_bytes)
     gen = torch.Generator().manual_seed(0)
@@ -218,7 +218,7 @@ def main() -> None:
     shutil.rmtree(ns.workdir, ignore_errors=True)
     paths = {k: os.path.join(ns.workdir, k) for k in ("hf", "mc", "mc_out", "hf_out", "copy")}
     config = synthetic_config(ns.size_gb, ns.pp)
-    arch = Qwen2Arch.from_hf(config)
+    arch = ModelArch.from_hf(config)
     shard_bytes = int(ns.shard_gb * 1e9)
     opts = dict(tp=ns.tp, pp=ns.pp, threads=ns.threads, chunk_mb=ns.chunk_mb, shard_bytes=shard_bytes)
     io = dict(cold=ns.cold, fsync=ns.fsync)

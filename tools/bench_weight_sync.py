@@ -42,14 +42,14 @@ def _worker(path: str) -> None:
     from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
     from megatron_dapo.distributed import comm
     from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
-    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from megatron_dapo.weight_sync.stage_sync import StageSync
     from megatron_dapo.weights.export import iter_hf_weights, iter_stage_hf_weights
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
     data = torch.load(path, weights_only=False)
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     layout = ParallelLayout(tp=data["tp"], pp=2, dp=1)
     init_parallel(layout, seed=0)
     actor = MegatronActor(arch, ActorConfig(lr=1e-3, use_fused_logprob=False), layout)
@@ -134,7 +134,7 @@ def main() -> None:
     if args.worker:
         _worker(args.worker)
         return
-    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.models.hf_config import ModelArch
     from tests.dist.actor_common import tiny_hf_model
     from tests.sglang.fake_server import serve
     from tests.torchrun import free_port, subprocess_env
@@ -143,7 +143,7 @@ def main() -> None:
                        num_hidden_layers=args.num_layers, vocab_size=args.vocab_size)
     servers = [serve(tp_size=args.server_tp) for _ in range(args.servers)]
     with tempfile.TemporaryDirectory() as tmp:
-        data = {"arch": vars(Qwen2Arch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(), "tp": args.tp,
+        data = {"arch": vars(ModelArch.from_hf(hf.config)), "hf_state_dict": hf.state_dict(), "tp": args.tp,
                 "urls": [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers], "port": args.port,
                 "bucket_bytes": int(args.bucket_mb * 2**20), "repeats": args.repeats, "out": tmp}
         torch.save(data, f"{tmp}/in.pt")

@@ -97,7 +97,7 @@ def part_hf_logits(dry: bool) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megatron_dapo.actor import destroy_parallel, init_parallel
-    from megatron_dapo.models import Qwen2Arch, build_gpt_model
+    from megatron_dapo.models import ModelArch, build_gpt_model
     from megatron_dapo.weights import iter_mcore_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
 
@@ -108,7 +108,7 @@ def part_hf_logits(dry: bool) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
-        arch = Qwen2Arch.from_hf(tmp)
+        arch = ModelArch.from_hf(tmp)
         layout = init_parallel(seed=0)
         b, s = size["hf_tokens"]
         ids = torch.randint(0, arch.vocab_size, (b, s), generator=torch.Generator().manual_seed(1)).to(dev)
@@ -174,14 +174,14 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.actor import MegatronActor, TrainSample, init_parallel
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.data import ResumableSampler
-    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.train import build_configs, load_hf_into_actor, load_prompt_set, make_rollout_engine
     from megatron_dapo.trainer.loop import Trainer
 
     args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
     layout = init_parallel(tp=1, pp=1, seed=args.seed)
-    arch = Qwen2Arch.from_hf(args.hf_checkpoint)
+    arch = ModelArch.from_hf(args.hf_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
@@ -352,12 +352,12 @@ def _init_layout(args):
 
 
 def _config_only_model(model_dir: Path, config: dict):
-    """A model directory holding only config.json (the actor initialises its weights) and its Qwen2Arch."""
-    from megatron_dapo.models.hf_config import Qwen2Arch
+    """A model directory holding only config.json (the actor initialises its weights) and its ModelArch."""
+    from megatron_dapo.models.hf_config import ModelArch
 
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(config))
-    return model_dir, Qwen2Arch.from_hf(model_dir)
+    return model_dir, ModelArch.from_hf(model_dir)
 
 
 def part_scale(dry: bool, out: Path) -> dict:

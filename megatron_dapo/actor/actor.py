@@ -42,7 +42,7 @@ from megatron_dapo.algorithm.loss import policy_loss
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.gpt import build_gpt_model
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.spec import resolve_transformer_impl
 from megatron_dapo.weights.load import unwrap
 from megatron_dapo.weights.mapping import canonical_mcore_name
@@ -61,7 +61,7 @@ def _device() -> torch.device:
 class MegatronActor:
     """This rank's stage/shard of the policy, its optimizer and LR schedule."""
 
-    def __init__(self, arch: Qwen2Arch, config: ActorConfig, layout: ParallelLayout) -> None:
+    def __init__(self, arch: ModelArch, config: ActorConfig, layout: ParallelLayout) -> None:
         validate_layout(arch, layout)
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronActor needs parallel state: call "

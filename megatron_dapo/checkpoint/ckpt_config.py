@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.distributed.parallel import padded_vocab_size
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import global_shape
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, dist_key
 from megatron_dapo.weights.safetensors_io import CheckpointError
@@ -27,7 +27,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 # (label, function of the arch): every arch field that changes the forward pass.
-_FIELDS: tuple[tuple[str, Callable[[Qwen2Arch], Any]], ...] = (
+_FIELDS: tuple[tuple[str, Callable[[ModelArch], Any]], ...] = (
     ("vocab_size", lambda a: a.vocab_size),
     ("hidden_size", lambda a: a.hidden_size),
     ("intermediate_size", lambda a: a.intermediate_size),
@@ -70,7 +70,7 @@ def config_dtype(hf_config: dict[str, Any]) -> torch.dtype | None:
     return DTYPE_NAMES.get(name) if isinstance(name, str) else None
 
 
-def check_same_arch(stored: Qwen2Arch, requested: Qwen2Arch, *, stored_from: str, requested_from: str) -> None:
+def check_same_arch(stored: ModelArch, requested: ModelArch, *, stored_from: str, requested_from: str) -> None:
     """Raise CheckpointError listing every architecture field where the two configs differ."""
     wrong = [
         f"{label}: {stored_from} has {get(stored)!r}, {requested_from} has {get(requested)!r}"
@@ -90,7 +90,7 @@ def check_dtype(declared: torch.dtype | None, actual: torch.dtype, *, declared_f
         )
 
 
-def expected_global_shapes(arch: Qwen2Arch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
+def expected_global_shapes(arch: ModelArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
     """dist-checkpoint key -> global shape of every model tensor of `arch` (tied: no output layer)."""
     return {
         dist_key(e): global_shape(e, arch, padded_vocab)
@@ -99,7 +99,7 @@ def expected_global_shapes(arch: Qwen2Arch, padded_vocab: int) -> dict[str, tupl
     }
 
 
-def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: Qwen2Arch, *, source: str, against: str) -> int:
+def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, source: str, against: str) -> int:
     """Check a dist checkpoint's tensor shapes (from metadata) against `arch`; return its padded vocab.
 
     The vocab may be padded to any multiple of 128 at or above vocab_size (megatron-core reshards the

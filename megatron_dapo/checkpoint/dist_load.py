@@ -18,7 +18,7 @@ import torch
 
 from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, check_same_arch
 from megatron_dapo.checkpoint.dist_ckpt import DCP_METADATA, TRACKER_FILE, DistCheckpointReader
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 
 
@@ -45,7 +45,7 @@ def initial_checkpoint(load: str | None, mcore_checkpoint: str | None) -> str | 
     return load if load and is_megatron_lm_checkpoint(load) else None
 
 
-def check_checkpoint_config(path: str | os.PathLike[str], arch: Qwen2Arch, *, flag: str = "--load") -> Path:
+def check_checkpoint_config(path: str | os.PathLike[str], arch: ModelArch, *, flag: str = "--load") -> Path:
     """Compare a checkpoint's stored HF config and tensor shapes with `arch`, reading no tensor data.
 
     Returns the iteration directory. Raises CheckpointError naming both values of each mismatch.
@@ -53,14 +53,14 @@ def check_checkpoint_config(path: str | os.PathLike[str], arch: Qwen2Arch, *, fl
     with DistCheckpointReader(path, flag=flag) as reader:
         stored = reader.common.get("hf_config")
         if stored is not None:
-            check_same_arch(Qwen2Arch.from_hf(stored), arch, stored_from=f"{flag} {path}",
+            check_same_arch(ModelArch.from_hf(stored), arch, stored_from=f"{flag} {path}",
                             requested_from="--hf-checkpoint config.json")
         check_global_shapes({k: reader.shape(k) for k in reader.tensors}, arch, source=f"{flag} {path}",
                             against="--hf-checkpoint config.json")
         return reader.dir
 
 
-def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arch: Qwen2Arch,
+def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arch: ModelArch,
                        *, flag: str = "--load") -> Path:
     """Load the model tensors of a torch_dist checkpoint into this rank's model (all ranks call it).
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 
 VOCAB_DIVISIBLE_BY = 128
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -154,7 +154,7 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISI
     return -(-vocab_size // multiple) * multiple
 
 
-def validate_layout(arch: Qwen2Arch, layout: ParallelLayout) -> None:
+def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
     """Raise ValueError naming the flag when `arch` cannot be split over `layout`."""
     if arch.num_heads % layout.tp:
         raise ValueError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 
 _LAZY = {
     "transformer_config_from_arch": "megatron_dapo.models.config",
@@ -18,7 +18,7 @@ _LAZY = {
     "build_gpt_model": "megatron_dapo.models.gpt",
 }
 
-__all__ = ["Qwen2Arch", *_LAZY]
+__all__ = ["ModelArch", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""Qwen2Arch -> megatron-core TransformerConfig (one mapping of HF fields to Megatron fields)."""
+"""ModelArch -> megatron-core TransformerConfig (one mapping of HF fields to Megatron fields)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.spec import apex_wgrad_available, te_available
 
 # Kernels that need CUDA / apex: off on a CPU-only torch (the megatron-core-on-cpu note).
@@ -28,7 +28,7 @@ _DTYPE_FLAGS = {torch.float32: {}, torch.bfloat16: {"bf16": True}, torch.float16
 
 
 def transformer_config_from_arch(
-    arch: Qwen2Arch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
+    arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
     layout: ParallelLayout | None = None, **overrides: Any
 ) -> TransformerConfig:
     """Megatron TransformerConfig of a Qwen2 decoder split over tp x pp ranks.

@@ -9,12 +9,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron_dapo.compat import cpu
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.config import transformer_config_from_arch
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.spec import get_layer_spec
 
 
 def build_gpt_model(
-    arch: Qwen2Arch,
+    arch: ModelArch,
     *,
     tp: int | None = None,
     pp: int | None = None,

@@ -1,6 +1,6 @@
 """The architecture facts of an HF Qwen2 / Qwen2.5 checkpoint, read once from its config.json.
 
-Every other module (model provider, converter, weight sync, rollout) takes a `Qwen2Arch` rather
+Every other module (model provider, converter, weight sync, rollout) takes a `ModelArch` rather
 than a raw HF config, so a field is parsed and validated in one place.
 """
 
@@ -17,8 +17,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2",)
 
 
 @dataclass(frozen=True, kw_only=True)
-class Qwen2Arch:
-    """Qwen2-family decoder: RMSNorm, SwiGLU MLP, RoPE, GQA attention with q/k/v bias only."""
+class ModelArch:
+    """A dense decoder (today the Qwen2 family): RMSNorm, SwiGLU MLP, RoPE, GQA attention with q/k/v bias only."""
 
     vocab_size: int
     """Rows of the HF embedding (before any TP padding)."""
@@ -75,7 +75,7 @@ class Qwen2Arch:
         return asdict(self)
 
     @classmethod
-    def from_hf(cls, config: Any) -> Qwen2Arch:
+    def from_hf(cls, config: Any) -> ModelArch:
         """Build from an HF config: a dict, a `PretrainedConfig`, a config.json path or its directory.
 
         A file that is missing raises FileNotFoundError; one that is not a JSON object, or whose fields do
@@ -97,7 +97,7 @@ class Qwen2Arch:
             raise UserError(f"{where}: {err}") from err
 
     @classmethod
-    def _from_dict(cls, config: dict[str, Any]) -> Qwen2Arch:
+    def _from_dict(cls, config: dict[str, Any]) -> ModelArch:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")

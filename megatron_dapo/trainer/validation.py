@@ -87,7 +87,7 @@ def check_vocab(*, tokenizer_size: int, vocab_size: int, tokenizer_dir: str, hf_
 
 
 def check_model_layout(arch, layout, *, hf_checkpoint: str) -> None:
-    """Raise UserError naming the flag when the model of `hf_checkpoint` (`arch`, a Qwen2Arch) does not split
+    """Raise UserError naming the flag when the model of `hf_checkpoint` (`arch`, a ModelArch) does not split
     over `layout` (a ParallelLayout): heads, kv heads and ffn vs --tensor-model-parallel-size, layers vs
     --pipeline-model-parallel-size and the virtual stages, --recompute-num-layers vs a stage. The same check
     the actor makes when it is built, made here so it fails before any process group or model exists."""

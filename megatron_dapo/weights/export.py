@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.distributed import comm
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf_tensors
 from megatron_dapo.weights.load import unwrap
 from megatron_dapo.weights.mapping import resolve_mcore_name
@@ -32,7 +32,7 @@ Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 def _local_params(
-    chunks: Sequence[torch.nn.Module], arch: Qwen2Arch
+    chunks: Sequence[torch.nn.Module], arch: ModelArch
 ) -> list[tuple[str, str, torch.nn.Parameter]]:
     """(kind, mcore name with the global layer number, param) for each exported param of this stage."""
     out = []
@@ -49,7 +49,7 @@ def _local_params(
     return out
 
 
-def _manifest(params: list[tuple[str, str, torch.nn.Parameter]], arch: Qwen2Arch) -> Manifest:
+def _manifest(params: list[tuple[str, str, torch.nn.Parameter]], arch: ModelArch) -> Manifest:
     """HF names, shapes and dtypes this stage will produce, in order, computed from the table alone."""
     manifest: Manifest = []
     for _, name, param in params:
@@ -67,7 +67,7 @@ def _gather_tp(kind: str, param: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _stage_tensors(
-    params: list[tuple[str, str, torch.nn.Parameter]], arch: Qwen2Arch
+    params: list[tuple[str, str, torch.nn.Parameter]], arch: ModelArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for kind, name, param in params:
         storage = param.untyped_storage().data_ptr()
@@ -78,7 +78,7 @@ def _stage_tensors(
 
 
 def iter_hf_weights(
-    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: Qwen2Arch
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: ModelArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every model-parallel rank (see module doc).
 
@@ -112,7 +112,7 @@ def iter_hf_weights(
 
 
 def iter_stage_hf_weights(
-    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: Qwen2Arch
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module], arch: ModelArch
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) of this pipeline stage's parameters only (TP-gathered; no PP traffic).
 

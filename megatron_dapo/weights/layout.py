@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_dapo.distributed.parallel import padded_vocab_size
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.mapping import MappingEntry, resolve_mcore_name
 
 Shape = tuple[int, ...]
 
 
-def hf_shapes(entry: MappingEntry, arch: Qwen2Arch) -> tuple[Shape, ...]:
+def hf_shapes(entry: MappingEntry, arch: ModelArch) -> tuple[Shape, ...]:
     """Shapes of the HF tensors feeding `entry`, in the order of `entry.hf`."""
     h, f = arch.hidden_size, arch.intermediate_size
     name = entry.mcore
@@ -39,7 +39,7 @@ def hf_shapes(entry: MappingEntry, arch: Qwen2Arch) -> tuple[Shape, ...]:
     raise KeyError(f"weights/layout.py has no shape rule for {name} (kind {entry.kind})")
 
 
-def mcore_shard_shape(entry: MappingEntry, arch: Qwen2Arch, tp: int) -> Shape:
+def mcore_shard_shape(entry: MappingEntry, arch: ModelArch, tp: int) -> Shape:
     """Shape of one TP rank's shard of `entry` (all ranks hold the same shape)."""
     shapes = hf_shapes(entry, arch)
     if entry.kind == "replicated":
@@ -54,7 +54,7 @@ def mcore_shard_shape(entry: MappingEntry, arch: Qwen2Arch, tp: int) -> Shape:
     return (shapes[0][0], shapes[0][1] // tp)  # row
 
 
-def global_shape(entry: MappingEntry, arch: Qwen2Arch, padded_vocab: int) -> Shape:
+def global_shape(entry: MappingEntry, arch: ModelArch, padded_vocab: int) -> Shape:
     """Shape of `entry` in a dist checkpoint: the TP=1 tensor, layers stacked on a leading axis.
 
     Layout-independent except the vocab rows, which megatron-core pads per TP and reshards at load.
@@ -80,7 +80,7 @@ class RowSegment:
         return self.hf_hi - self.hf_lo
 
 
-def hf_row_segments(entry: MappingEntry, arch: Qwen2Arch) -> list[RowSegment]:
+def hf_row_segments(entry: MappingEntry, arch: ModelArch) -> list[RowSegment]:
     """Where every HF row of `entry` sits on dim 0 of its global (TP=1) tensor, in global row order.
 
     Each kind is a permutation of contiguous HF row blocks: one block per HF tensor (fc1 = [gate; up],
@@ -108,7 +108,7 @@ def hf_row_segments(entry: MappingEntry, arch: Qwen2Arch) -> list[RowSegment]:
     return segments
 
 
-def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor:
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch) -> torch.Tensor:
     """[q_size, *t], [kv_size, *t] x2 -> [groups * (heads_per_group + 2) * head_dim, *t].
 
     Per query group g: its heads_per_group q heads, then k head g, then v head g. TP rank r then owns
@@ -122,7 +122,7 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Qwe
     return torch.cat([q, k, v], dim=1).reshape(-1, *trailing)
 
 
-def _split_qkv(fused: torch.Tensor, arch: Qwen2Arch) -> list[torch.Tensor]:
+def _split_qkv(fused: torch.Tensor, arch: ModelArch) -> list[torch.Tensor]:
     """Inverse of `_interleave_qkv`: the full fused tensor -> [q, k, v] in HF layout."""
     g, d = arch.num_kv_heads, arch.head_dim
     trailing = fused.shape[1:]
@@ -141,7 +141,7 @@ def _check_hf(kind: str, hf_tensors: Sequence[torch.Tensor], count: int) -> None
 
 
 def hf_to_mcore_tensor(
-    kind: str, hf_tensors: Sequence[torch.Tensor], arch: Qwen2Arch, tp: int
+    kind: str, hf_tensors: Sequence[torch.Tensor], arch: ModelArch, tp: int
 ) -> list[torch.Tensor]:
     """HF tensor(s) of one parameter -> its `tp` megatron-core shards (index = TP rank).
 
@@ -186,7 +186,7 @@ def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
-def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch) -> list[torch.Tensor]:
+def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
     """Inverse of `hf_to_mcore_tensor`: TP shards (index = rank) -> HF tensor(s) in table order.
 
     With one shard (TP=1) the results are views of it where the layout allows (all but qkv).
@@ -215,7 +215,7 @@ def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch) 
 
 
 def mcore_to_hf_tensors(
-    name: str, shards: Sequence[torch.Tensor], arch: Qwen2Arch, *, layer_offset: int = 0
+    name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *, layer_offset: int = 0
 ) -> list[tuple[str, torch.Tensor]]:
     """A megatron-core parameter's TP shards -> [(HF name, tensor)].
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
 from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec
@@ -31,7 +31,7 @@ class StageTensor:
     """HF sources, global layer numbers; for a tied output layer, the embedding."""
 
 
-def stage_tensors(arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int) -> list[StageTensor]:
+def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int) -> list[StageTensor]:
     """The parameters stage `pp_rank` holds, in file order."""
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
@@ -82,7 +82,7 @@ def virtual_stage(layout: ParallelLayout, num_layers: int, pp_rank: int, chunk: 
     return replace(layout, pp=layout.pp * vpp, layers_per_virtual_stage=None), chunk * layout.pp + pp_rank
 
 
-def hf_tensor_specs(arch: Qwen2Arch, dtype: torch.dtype) -> list[TensorSpec]:
+def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
     """Every tensor of the HF checkpoint in layer order (tied models have no lm_head.weight)."""
     specs: list[TensorSpec] = []
     seen: set[str] = set()
@@ -97,7 +97,7 @@ def hf_tensor_specs(arch: Qwen2Arch, dtype: torch.dtype) -> list[TensorSpec]:
 
 
 def iter_mcore_shards(
-    get_hf_tensor: Callable[[str], torch.Tensor], arch: Qwen2Arch, layout: ParallelLayout, pp_rank: int
+    get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, pp_rank: int
 ) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """Yield (stage-local mcore name, [shard for TP rank 0..tp-1]) for stage `pp_rank`.
 

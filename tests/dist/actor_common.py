@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256)
@@ -31,7 +31,7 @@ def tiny_hf_model(*, tie: bool = False, seed: int = 0, **overrides):
     return model
 
 
-def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: Qwen2Arch) -> dict[str, torch.Tensor]:
+def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF state dict -> TP=1 megatron names (global layers), unpadded vocab."""
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
                                     "decoder.final_layernorm.weight": sd["model.norm.weight"]}
@@ -63,7 +63,7 @@ def _kind(name: str) -> str:
     return "column"  # qkv (groups are contiguous), vocab rows, fc1 halves
 
 
-def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: Qwen2Arch, *, tp: int, tp_rank: int, pp: int,
+def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp: int, tp_rank: int, pp: int,
                           pp_rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
     """This (tp_rank, pp_rank)'s stage-local megatron state from `hf_to_full_mcore` output."""
     per_stage = arch.num_layers // pp
@@ -100,7 +100,7 @@ def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: Qwen2Arch, *, tp:
     return out
 
 
-def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: Qwen2Arch, *, tp: int,
+def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, *, tp: int,
                       pp: int) -> dict[str, torch.Tensor]:
     """{(tp_rank, pp_rank): stage-local state} -> TP=1 names, global layers, fc1 [gate; up], no vocab pad."""
     per_stage = arch.num_layers // pp
@@ -169,7 +169,7 @@ def single_process_world(hf_seed: int):
 
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=hf_seed)
-    yield layout, hf, Qwen2Arch.from_hf(hf.config)
+    yield layout, hf, ModelArch.from_hf(hf.config)
     destroy_parallel()
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
@@ -23,7 +23,7 @@ LAYOUTS = {"tp2": ParallelLayout(tp=2, pp=1, dp=1), "pp2": ParallelLayout(tp=1, 
 
 
 def run_layout(name: str, layout: ParallelLayout, data: dict, out_dir: str) -> None:
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     init_parallel(layout, seed=data["seed"])
     config: ActorConfig = data["config"]
     if layout.dp > 1:  # the distributed optimizer only shards anything with DP > 1

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 from tests.test_planner import saved_activation_bytes
@@ -29,7 +29,7 @@ LAYOUTS = {
 
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     init_parallel(LAYOUTS["tp2"], seed=data["seed"])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     full = hf_to_full_mcore(data["hf_state_dict"], arch)

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import load_checkpoint, save_checkpoint
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.train import load_hf_into_actor
 from megatron_dapo.weights.export import iter_hf_weights
@@ -35,7 +35,7 @@ def export(actor: MegatronActor) -> dict[str, torch.Tensor]:
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
     out_dir = sys.argv[2]
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     init_parallel(VPP, seed=data["seed"], num_layers=arch.num_layers)
     actor = MegatronActor(arch, data["config"], VPP)
     assert len(actor.chunks) == 2

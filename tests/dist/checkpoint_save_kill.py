@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
@@ -55,7 +55,7 @@ def main(out: Path, mode: str, slow: bool) -> None:
         FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_write)
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=1)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
     actor.load_shards(mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0, pp=1,
                                             pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1)))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver, load_checkpoint
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from tests.checkpoint_helpers import optimizer_state
 from tests.dist.actor_common import hf_to_full_mcore, load_hf_weights, make_samples, mcore_shards_for_rank, tiny_hf_model
@@ -48,7 +48,7 @@ def main(out_dir: Path) -> None:
     layout = init_parallel(seed=0)
     rank = dist.get_rank()
     hf = tiny_hf_model(seed=2)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
 
     def make_actor() -> MegatronActor:
         actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)

@@ -23,7 +23,7 @@ from megatron.core import parallel_state
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
 from megatron_dapo.trainer.dataplane import DataPlane
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
@@ -34,7 +34,7 @@ from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 BUCKET = 40_000  # bytes: several buckets for the tiny model, so the per-bucket hand-over runs many times
 
 
-def make_actor(arch: Qwen2Arch, state_dict, layout: ParallelLayout) -> MegatronActor:
+def make_actor(arch: ModelArch, state_dict, layout: ParallelLayout) -> MegatronActor:
     actor = MegatronActor(arch, ActorConfig(lr=1e-3, max_tokens_per_micro_batch=64), layout)
     full = hf_to_full_mcore(state_dict, arch)
     actor.load_shards(mcore_shards_for_rank(full, arch, tp=2, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -51,7 +51,7 @@ def generate(engine, prompts) -> list:
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
     out_dir, url = sys.argv[2], sys.argv[3]
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     layout = init_parallel(ParallelLayout(tp=2), seed=0)
     rank = dist.get_rank()
     engine = SGLangEngine(server_urls=[url], client=ClientConfig(update_mode="tensor", bucket_bytes=BUCKET,

@@ -55,7 +55,7 @@ def main() -> None:
     from megatron_dapo.actor import MegatronActor, init_parallel
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
-    from megatron_dapo.models.hf_config import Qwen2Arch
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.distributed.parallel import padded_vocab_size
     from megatron_dapo.train import build_configs
     from megatron_dapo.trainer.loop import Rollout, Trainer
@@ -89,7 +89,7 @@ def main() -> None:
 
     # C. a trainer step whose generation outlasts the default group's timeout
     hf = tiny_hf_model(seed=3)
-    arch = Qwen2Arch.from_hf(hf.config)
+    arch = ModelArch.from_hf(hf.config)
     args = build_parser().parse_args([
         "--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "4", "--no-dynamic-sampling", "--max-response-length", "8",

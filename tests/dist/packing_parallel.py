@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
@@ -33,7 +33,7 @@ WORLDS = {
 
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     full = hf_to_full_mcore(data["hf_state_dict"], arch)
     for variants in WORLDS.values():
         first = next(iter(variants.values()))[0]

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from megatron_dapo.distributed import comm
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import Qwen2Arch
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.weight_sync.stage_sync import StageSync
@@ -33,7 +33,7 @@ LAYOUTS = {"tp1pp2dp2": ParallelLayout(tp=1, pp=2, dp=2), "tp2pp2": ParallelLayo
 
 def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
     layout = LAYOUTS[name]
-    arch = Qwen2Arch(**data["arch"])
+    arch = ModelArch(**data["arch"])
     init_parallel(layout, seed=0)
     actor = MegatronActor(arch, ActorConfig(lr=1e-3, use_fused_logprob=False), layout)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -18,13 +18,13 @@ from megatron.core import dist_checkpointing, parallel_state
 from safetensors.torch import load_file
 
 from megatron_dapo.actor import destroy_parallel, init_parallel
-from megatron_dapo.models import Qwen2Arch, build_gpt_model
+from megatron_dapo.models import ModelArch, build_gpt_model
 from megatron_dapo.checkpoint.dist_load import load_model_weights
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.hf_format import HFCheckpointReader
 
 
-def pipelined_logits(model, ids: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor | None:
+def pipelined_logits(model, ids: torch.Tensor, arch: ModelArch) -> torch.Tensor | None:
     """Full-vocab logits [b, s, vocab] on last-stage ranks (None elsewhere): stage by stage, TP-gathered."""
     b, s = ids.shape
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(diagonal=1)
@@ -48,7 +48,7 @@ def pipelined_logits(model, ids: torch.Tensor, arch: Qwen2Arch) -> torch.Tensor 
 def check_layout(work: str, tp: int, pp: int, save_training: bool) -> None:
     init_parallel(tp=tp, pp=pp)
     for tie in ("untied", "tied"):
-        arch = Qwen2Arch.from_hf(os.path.join(work, f"hf_{tie}"))
+        arch = ModelArch.from_hf(os.path.join(work, f"hf_{tie}"))
         model = build_gpt_model(arch).eval()
         load_model_weights(model, os.path.join(work, f"mc_{tie}"), arch)
         ref = load_file(os.path.join(work, f"ref_{tie}.safetensors"))
