@@ -3,7 +3,7 @@
 # colocated (hybrid) mode, as DAPO ran it: 16 nodes x 8 GPUs, every GPU both an actor rank (TP 8 x PP 2, DP 8)
 # and a shard of an SGLang engine (--rollout-num-gpus-per-engine 4: two engines per node, 32 in all). Every
 # step the two take turns (megatron_dapo/trainer/colocate.py): SGLang releases its weights and KV cache for training,
-# the actor offloads grads and optimizer state for generation. README "Colocate or split" says when to use it.
+# the actor offloads grads and optimizer state for generation. docs/PARALLELISM.md "Colocate or split" says when to use it.
 #
 # Each node starts its own two engines on its own GPUs (examples/launch_sglang_servers.sh, with
 # --enable-memory-saver so that release/resume frees GPU memory, and the planned --mem-fraction-static), then

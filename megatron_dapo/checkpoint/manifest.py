@@ -7,7 +7,7 @@ would fail on them with a bare EOFError / zip error that names no file. A step w
 checked against its own torch_dist index instead (`check_unverified`).
 
 Checksum: CRC-32 (zlib), not SHA-256. It detects truncation and accidental corruption (checkpoints
-are trusted input, see README: nothing here defends against a crafted file), and is ~3x faster:
+are trusted input, see docs/CHECKPOINTS.md: nothing here defends against a crafted file), and is ~3x faster:
 measured 2.5 GB/s (crc32) vs 0.77 GB/s (sha256) on one core here. The work is split, never
 centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote itself (rank 0 also
 the small common files); at load the files are verified round-robin over all ranks.
