@@ -11,8 +11,9 @@ Deviations, all off by default or numerically motivated:
 - the log-ratio is clamped to [-20, 20] before exp, so one badly off token cannot overflow;
 - optional dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A < 0 the loss is
   capped at -c * A, c > 1. DAPO does not use it (dual_clip_c=None);
-- two other aggregations are kept for comparison: `seq-mean-token-mean` (GRPO, Eq. 4 of the paper) and
-  `seq-mean-token-sum` (Dr. GRPO style, no length normalisation inside a sequence).
+- two other aggregations are kept for comparison (--loss-agg-mode): `seq-mean-token-mean` (GRPO, Eq. 4 of
+  the paper; also --policy-loss grpo) and `seq-mean-token-sum` (Dr. GRPO style, no length normalisation
+  inside a sequence; --policy-loss dr_grpo further divides by L_max).
 
 Why the loss is returned as (numerator, denominator) rather than a mean: a mini-batch is split into
 micro-batches (and, with PP, pipelined; with DP, spread over ranks). The token-level mean needs the
