@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, OverlongConfig, PolicyLossConfig
+from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, OverlongConfig
+from megatron_dapo.algorithm.registry import get_advantage_estimator, policy_loss_config
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
@@ -57,8 +58,9 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         use_fused_logprob=args.use_fused_logprob, pack_sequences=args.pack_sequences,
         fused_linear_logprob=args.fused_linear_logprob,
         params_dtype=args.params_dtype or ("bfloat16" if torch.cuda.is_available() else "float32"),
-        loss=PolicyLossConfig(eps_low=args.clip_ratio_low, eps_high=args.clip_ratio_high,
-                              dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode),
+        loss=policy_loss_config(args.policy_loss, eps_low=args.clip_ratio_low, eps_high=args.clip_ratio_high,
+                                dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode,
+                                max_response_length=args.max_response_length),
     )
     sampling = _sampling("--max-response-length, --rollout-temperature, --rollout-top-p, --rollout-top-k",
                          max_new_tokens=args.max_response_length, temperature=args.rollout_temperature,
@@ -88,6 +90,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         async_rollout=args.async_rollout,
         off_policy=OffPolicyConfig(use_tis=use_tis(args), tis_cap=args.tis_cap, mis_mode=args.mis_mode,
                                    mis_threshold=args.mis_threshold),
+        advantage_estimator=get_advantage_estimator(args.advantage_estimator),
     )
     return actor, collect, trainer
 

@@ -38,7 +38,6 @@ from megatron_dapo.actor.batching import (
 )
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
-from megatron_dapo.algorithm.loss import policy_loss
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.gpt import build_gpt_model
@@ -309,8 +308,9 @@ class MegatronActor:
     def _loss_fn(self, mb: MicroBatch, logits: Tensor):
         logp, entropy = self._token_log_probs(mb, logits, compute_entropy=True)
         old = torch.where(mb.has_old.unsqueeze(-1), mb.old_log_probs, logp.detach())
-        out = policy_loss(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy,
-                          is_weights=mb.is_weights)
+        # --policy-loss (algorithm/registry.py), chosen when the config was built
+        out = self.config.loss.fn(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy,
+                                  is_weights=mb.is_weights)
         # megatron sums this int count over micro-batches and DP ranks and scales grads by 1 / total.
         metrics = {k: v.detach() for k, v in out.metrics.items()}
         return out.loss_sum, out.denominator.round().to(torch.int), metrics

@@ -1,10 +1,15 @@
-"""DAPO maths on plain tensors: policy loss, advantages, dynamic sampling, overlong shaping, off-policy
-correction.
+"""DAPO maths on plain tensors: policy losses, advantages, dynamic sampling, overlong shaping, off-policy
+correction; the loss and advantage registries (--policy-loss, --advantage-estimator) in registry.py.
 
 No Megatron, no I/O: everything here is a pure function or a small stateful accumulator.
 """
 
-from megatron_dapo.algorithm.advantages import broadcast_to_tokens, group_advantages
+from megatron_dapo.algorithm.advantages import (
+    broadcast_to_tokens,
+    dr_grpo_advantages,
+    group_advantages,
+    grpo_advantages,
+)
 from megatron_dapo.algorithm.dynamic_sampling import (
     KEEP_RATE_FLOOR,
     ON_EXHAUSTED,
@@ -13,6 +18,8 @@ from megatron_dapo.algorithm.dynamic_sampling import (
     GenerationBudgetExhausted,
     group_is_informative,
 )
+from megatron_dapo.algorithm.grpo_loss import dr_grpo_loss, grpo_loss
+from megatron_dapo.algorithm.gspo import gspo_loss
 from megatron_dapo.algorithm.loss import (
     AGG_MODES,
     PolicyLossConfig,
@@ -51,7 +58,12 @@ __all__ = [
     "PolicyLossOutput",
     "aggregate",
     "broadcast_to_tokens",
+    "dr_grpo_advantages",
+    "dr_grpo_loss",
     "group_advantages",
+    "grpo_advantages",
+    "grpo_loss",
+    "gspo_loss",
     "group_is_informative",
     "mis_keep_mask",
     "mismatch_sums",

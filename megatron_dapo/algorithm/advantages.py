@@ -8,16 +8,25 @@ it (`torch.std` in `compute_grpo_outcome_advantage`); the paper's Eq. 9 writes "
 The population std (`unbiased=False`, divide by G) would make every advantage sqrt(G / (G - 1)) larger,
 1.033x at G = 16. Groups of size 1 get advantage 0 (verl: the raw score; unreachable with dynamic
 sampling, which needs G >= 2).
+
+Registered estimators (--advantage-estimator, algorithm/registry.py), each fn(rewards, group_ids) -> [N]:
+- grpo: the formula above (`grpo_advantages`); GSPO (arXiv 2507.18071, Sec. 4.1) uses it unchanged;
+- dr_grpo: Dr. GRPO (arXiv 2503.20783, Sec. 3.2), A_i = R_i - mean({R_j}): no division by the group's std,
+  which the paper shows weights questions by their difficulty (`dr_grpo_advantages`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
 
 ADV_EPS = 1e-6
+
+AdvantageFn = Callable[[Tensor, Sequence[Hashable]], Tensor]
+"""fn(rewards: Tensor [N] float64, group_ids: Sequence[Hashable] [N]) -> Tensor [N]: one advantage per response,
+broadcast over its response tokens; the signature of every --advantage-estimator (docs/ALGORITHMS.md)."""
 
 
 def group_advantages(
@@ -51,6 +60,18 @@ def group_advantages(
             centred = centred / (group.std(unbiased=unbiased) + eps)
         adv[idx] = centred
     return adv.float()
+
+
+def grpo_advantages(rewards: Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> Tensor:
+    """GRPO / DAPO Eq. 9: (R_i - mean) / (std + 1e-6) within each prompt group, unbiased std
+    (--advantage-estimator grpo, the default; also GSPO's)."""
+    return group_advantages(rewards, group_ids)
+
+
+def dr_grpo_advantages(rewards: Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> Tensor:
+    """Dr. GRPO (arXiv 2503.20783, Sec. 3.2): R_i - mean within each prompt group, no std normalisation
+    (--advantage-estimator dr_grpo)."""
+    return group_advantages(rewards, group_ids, normalize_std=False)
 
 
 def broadcast_to_tokens(advantages: Tensor, response_lengths: Sequence[int]) -> list[Tensor]:

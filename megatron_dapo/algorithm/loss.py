@@ -11,8 +11,9 @@ Deviations, all off by default or numerically motivated:
 - the log-ratio is clamped to [-20, 20] before exp, so one badly off token cannot overflow;
 - optional dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"): for A < 0 the loss is
   capped at -c * A, c > 1. DAPO does not use it (dual_clip_c=None);
-- two other aggregations are kept for comparison: `seq-mean-token-mean` (GRPO, Eq. 4 of the paper) and
-  `seq-mean-token-sum` (Dr. GRPO style, no length normalisation inside a sequence).
+- two other aggregations are kept for comparison (--loss-agg-mode): `seq-mean-token-mean` (GRPO, Eq. 4 of
+  the paper; also --policy-loss grpo) and `seq-mean-token-sum` (Dr. GRPO style, no length normalisation
+  inside a sequence; --policy-loss dr_grpo further divides by L_max).
 
 Why the loss is returned as (numerator, denominator) rather than a mean: a mini-batch is split into
 micro-batches (and, with PP, pipelined; with DP, spread over ranks). The token-level mean needs the
@@ -23,12 +24,18 @@ per-item terms divided by a count of items (tokens or sequences), so each micro-
     loss = sum over micro-batches and DP ranks of loss_sum / sum of denominator
 
 is exactly the single-batch loss for any split. Megatron's `calculate_per_token_loss=True` performs
-precisely this reduction when the loss function returns (loss_sum, denominator, metrics). Callers that
-know the global count up front may instead divide by it (`aggregate(..., normalizer=N)`).
+precisely this reduction when the loss function returns (loss_sum, denominator, metrics); it sums the
+denominator as an integer, so every denominator here counts something (tokens or sequences).
+
+This module also holds what every registered loss shares (docs/ALGORITHMS.md): the config, the output
+type, `aggregate`, and the per-token clipped surrogate `clipped_token_loss` that GRPO and Dr. GRPO
+(algorithm/grpo_loss.py) reuse. GSPO is in algorithm/gspo.py; names map to functions in
+algorithm/registry.py (--policy-loss).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,8 +55,16 @@ class PolicyLossConfig:
     """Upper clip range: ratio is clipped at 1 + eps_high (--clip-ratio-high). DAPO's Clip-Higher."""
     dual_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages (--clip-ratio-c); None disables it, as in DAPO."""
-    agg_mode: AggMode = "token-mean"
-    """How token losses become one number (--loss-agg-mode); token-mean is DAPO's token-level loss."""
+    agg_mode: AggMode | None = None
+    """How DAPO's loss turns token losses into one number (--loss-agg-mode); None = token-mean, DAPO's
+    token-level loss. The other registered losses fix their own aggregation and reject a different one."""
+    max_response_length: int | None = None
+    """L_max (--max-response-length): the constant Dr. GRPO divides token sums by; only dr_grpo reads it."""
+    name: str = "dapo"
+    """The --policy-loss value (a registered name or a dotted path): what `fn` is, for messages."""
+    fn: PolicyLossFn | None = field(default=None, repr=False, compare=False)
+    """The loss function, chosen once when the run is built (algorithm.registry.policy_loss_config);
+    None = DAPO's `policy_loss` (name must then be 'dapo'). The actor calls `config.fn(..., config)`."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
@@ -58,8 +73,24 @@ class PolicyLossConfig:
             raise ValueError(f"eps_high (--clip-ratio-high) must be >= 0, got {self.eps_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
             raise ValueError(f"dual_clip_c (--clip-ratio-c) must be > 1 or unset, got {self.dual_clip_c}")
-        if self.agg_mode not in AGG_MODES:
+        if self.agg_mode is not None and self.agg_mode not in AGG_MODES:
             raise ValueError(f"agg_mode (--loss-agg-mode) must be one of {AGG_MODES}, got {self.agg_mode!r}")
+        if self.max_response_length is not None and self.max_response_length < 1:
+            raise ValueError(f"max_response_length (--max-response-length) must be >= 1, got "
+                             f"{self.max_response_length}")
+        if self.fn is None:
+            if self.name != "dapo":
+                raise ValueError(f"PolicyLossConfig(name={self.name!r}) needs its fn: build it with "
+                                 "megatron_dapo.algorithm.registry.policy_loss_config (--policy-loss)")
+            object.__setattr__(self, "fn", policy_loss)  # frozen: set once, here
+
+    def require_agg_mode(self, own: str) -> None:
+        """Raise ValueError naming --loss-agg-mode and --policy-loss when --loss-agg-mode was set to something
+        other than `own`, the aggregation that loss `self.name` is defined with (never ignore a flag)."""
+        if self.agg_mode is not None and self.agg_mode != own:
+            raise ValueError(f"--loss-agg-mode {self.agg_mode} contradicts --policy-loss {self.name}, which "
+                             f"aggregates {own} by definition; drop --loss-agg-mode, or use --policy-loss dapo "
+                             f"--loss-agg-mode {self.agg_mode}")
 
 
 @dataclass
@@ -67,9 +98,15 @@ class PolicyLossOutput:
     loss_sum: Tensor
     """Scalar numerator of this micro-batch's share of the loss."""
     denominator: Tensor
-    """Scalar: this micro-batch's share of the normaliser (tokens or sequences, by agg_mode)."""
+    """Scalar: this micro-batch's share of the normaliser, an integer count (tokens or sequences, by agg_mode);
+    megatron sums it as an int over micro-batches and DP ranks."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
     """Sums over loss tokens (divide by metrics['tokens'] for a mean); reduce by summing."""
+
+
+PolicyLossFn = Callable[..., PolicyLossOutput]
+"""fn(log_probs, old_log_probs, advantages, mask, config: PolicyLossConfig, *, entropy=None, is_weights=None)
+-> PolicyLossOutput: the signature of every --policy-loss (docs/ALGORITHMS.md)."""
 
 
 def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Tensor, Tensor]:
@@ -78,8 +115,11 @@ def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Te
     token-mean:           sum_{b,t} m*x            / sum_{b,t} m
     seq-mean-token-mean:  sum_b (sum_t m*x / sum_t m) / #sequences with >= 1 token
     seq-mean-token-sum:   sum_b  sum_t m*x            / #sequences with >= 1 token
-    Sums of numerators over any partition of the rows, divided by the summed denominators, equal the
-    value for the whole batch: that is what makes every mode micro-batch, PP and DP invariant.
+    Each row is one whole sequence (micro-batches never split one; packed ones are unpacked into rows
+    before the loss) and both numerator and denominator are sums of per-row terms, so sums of numerators
+    over any partition of the rows, divided by the summed denominators, equal the value for the whole
+    batch. Micro-batching, DP (rows on other ranks) and PP (only the last stage computes the loss, on
+    whole micro-batches) are such partitions: every mode is invariant to them.
     """
     mask = mask.to(token_values.dtype)
     masked = token_values * mask
@@ -107,7 +147,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     is_weights: Tensor | None = None,
 ) -> PolicyLossOutput:
-    """DAPO clipped surrogate on a micro-batch.
+    """DAPO clipped surrogate on a micro-batch (--policy-loss dapo), aggregated by --loss-agg-mode.
 
     Args:
         log_probs: [B, S] log pi_theta of the sampled tokens (differentiable).
@@ -118,11 +158,34 @@ def policy_loss(
         is_weights: optional [B, S] rollout-correction weights (TIS, algorithm/mismatch.py), detached here;
             each token's clipped loss is multiplied by its weight; the denominator is unchanged.
     Returns:
-        PolicyLossOutput(loss_sum, denominator, metrics). Metric sums over masked tokens: pg_loss,
-        clipfrac_high (ratio clipped at 1+eps_high with A > 0), clipfrac_low (clipped at 1-eps_low with
-        A < 0), clipfrac_dual (dual clip active), approx_kl (k1 estimator old_logp - logp, as a mean it is
-        an estimate of KL(pi_old || pi_theta)), ratio, entropy; 'tokens' = number of masked tokens.
+        PolicyLossOutput(loss_sum, denominator, metrics). The denominator counts loss tokens (token-mean)
+        or sequences with >= 1 loss token (seq-mean-*): see `aggregate` for why any split is exact.
+        Metric sums over masked tokens: pg_loss, clipfrac_high (ratio clipped at 1+eps_high with A > 0),
+        clipfrac_low (clipped at 1-eps_low with A < 0), clipfrac_dual (dual clip active), approx_kl (k1
+        estimator old_logp - logp, as a mean it is an estimate of KL(pi_old || pi_theta)), ratio, entropy;
+        'tokens' = number of masked tokens.
     """
+    token_loss, terms = clipped_token_loss(log_probs, old_log_probs, advantages, mask, config, is_weights=is_weights)
+    loss_sum, denominator = aggregate(token_loss, terms.mask, config.agg_mode or "token-mean")
+    return PolicyLossOutput(loss_sum=loss_sum, denominator=denominator,
+                            metrics=token_metrics(token_loss, terms, config, entropy))
+
+
+@dataclass
+class SurrogateTerms:
+    """The per-token pieces of a clipped surrogate that the metrics read ([B, S] each, computation dtype)."""
+
+    ratio: Tensor
+    log_ratio: Tensor
+    advantages: Tensor
+    mask: Tensor
+    dual_active: Tensor
+
+
+def prepare_inputs(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Check the [B, S] shapes, broadcast [B] advantages over tokens, and cast to >= fp32 (bf16 log-probs
+    would make ratios of 1 +- 0.008 steps); old log-probs and advantages come back detached."""
     if log_probs.shape != old_log_probs.shape or log_probs.shape != mask.shape:
         raise ValueError(
             f"log_probs {tuple(log_probs.shape)}, old_log_probs {tuple(old_log_probs.shape)} and mask "
@@ -132,13 +195,18 @@ def policy_loss(
         advantages = advantages.unsqueeze(-1).expand_as(log_probs)
     elif advantages.shape != log_probs.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, S] like log_probs")
-    # compute in at least fp32 (bf16 log-probs would make ratios of 1 +- 0.008 steps)
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
-    log_probs = log_probs.to(dtype)
-    old_log_probs = old_log_probs.detach().to(dtype)
-    advantages = advantages.detach().to(dtype)
-    maskf = mask.to(dtype)
+    return (log_probs.to(dtype), old_log_probs.detach().to(dtype), advantages.detach().to(dtype),
+            mask.to(dtype))
 
+
+def clipped_token_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+                       config: PolicyLossConfig, *, is_weights: Tensor | None = None
+                       ) -> tuple[Tensor, SurrogateTerms]:
+    """Per-token -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) [B, S], r = exp(logp - old_logp), then
+    the dual-clip cap for A < 0 and the TIS weights: PPO's surrogate with DAPO's decoupled clip (Eq. 10),
+    the token term of DAPO, GRPO and Dr. GRPO alike. Returns it with the terms the metrics need."""
+    log_probs, old_log_probs, advantages, maskf = prepare_inputs(log_probs, old_log_probs, advantages, mask)
     log_ratio = torch.clamp(log_probs - old_log_probs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -149,13 +217,26 @@ def policy_loss(
         cap = -advantages * config.dual_clip_c  # positive where A < 0
         dual_active = (advantages < 0) & (token_loss > cap)
         token_loss = torch.where(dual_active, cap, token_loss)
-    if is_weights is not None:
-        if is_weights.shape != log_probs.shape:
-            raise ValueError(f"is_weights {tuple(is_weights.shape)} must have the [B, S] shape of log_probs "
-                             f"{tuple(log_probs.shape)}")
-        token_loss = token_loss * is_weights.detach().to(dtype)
+    token_loss = apply_is_weights(token_loss, is_weights)
+    return token_loss, SurrogateTerms(ratio=ratio, log_ratio=log_ratio, advantages=advantages, mask=maskf,
+                                      dual_active=dual_active)
 
-    loss_sum, denominator = aggregate(token_loss, maskf, config.agg_mode)
+
+def apply_is_weights(token_loss: Tensor, is_weights: Tensor | None) -> Tensor:
+    """Multiply each token's loss by its detached rollout-correction weight (identity for None)."""
+    if is_weights is None:
+        return token_loss
+    if is_weights.shape != token_loss.shape:
+        raise ValueError(f"is_weights {tuple(is_weights.shape)} must have the [B, S] shape of log_probs "
+                         f"{tuple(token_loss.shape)}")
+    return token_loss * is_weights.detach().to(token_loss.dtype)
+
+
+def token_metrics(token_loss: Tensor, terms: SurrogateTerms, config: PolicyLossConfig,
+                  entropy: Tensor | None = None) -> dict[str, Tensor]:
+    """Token sums of the loss diagnostics (see policy_loss's Returns); `terms.ratio` is whatever ratio the
+    loss clips (per token, or a sequence's ratio repeated over its tokens)."""
+    maskf, ratio, advantages = terms.mask, terms.ratio, terms.advantages
     with torch.no_grad():
         clip_high = (ratio > 1.0 + config.eps_high) & (advantages > 0)
         clip_low = (ratio < 1.0 - config.eps_low) & (advantages < 0)
@@ -163,14 +244,14 @@ def policy_loss(
             "pg_loss": (token_loss * maskf).sum(),
             "clipfrac_high": (clip_high.float() * maskf).sum(),
             "clipfrac_low": (clip_low.float() * maskf).sum(),
-            "clipfrac_dual": (dual_active.float() * maskf).sum(),
-            "approx_kl": (-log_ratio * maskf).sum(),
+            "clipfrac_dual": (terms.dual_active.float() * maskf).sum(),
+            "approx_kl": (-terms.log_ratio * maskf).sum(),
             "ratio": (ratio * maskf).sum(),
             "tokens": maskf.sum(),
         }
         if entropy is not None:
-            metrics["entropy"] = (entropy.detach().to(dtype) * maskf).sum()
-    return PolicyLossOutput(loss_sum=loss_sum, denominator=denominator, metrics=metrics)
+            metrics["entropy"] = (entropy.detach().to(maskf.dtype) * maskf).sum()
+    return metrics
 
 
 def reduce_metrics(metric_sums: list[dict[str, Tensor]] | dict[str, Tensor]) -> dict[str, float]:

@@ -32,7 +32,8 @@ from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, TrainSample
 from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
-from megatron_dapo.algorithm import group_advantages, overlong_keep_mask
+from megatron_dapo.algorithm import grpo_advantages, overlong_keep_mask
+from megatron_dapo.algorithm.advantages import AdvantageFn
 from megatron_dapo.algorithm.mismatch import (
     MAX_KEYS,
     SUM_KEYS,
@@ -94,6 +95,8 @@ class TrainerConfig:
     """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
     async_rollout: int = 0
     """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/rollout/async_rollout.py)."""
+    advantage_estimator: AdvantageFn = grpo_advantages
+    """Per-response advantages from rewards and group ids (--advantage-estimator; algorithm/registry.py)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -305,7 +308,8 @@ class Trainer:
         """Rank 0: group-normalised advantages -> TrainSamples, split into mini-batches, then each mini-batch
         into the DP ranks' shares: [dp][minibatch][row]."""
         flat = [(g_idx, s, r) for g_idx, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
-        adv = group_advantages([r for _, _, r in flat], [g for g, _, _ in flat])
+        adv = self.config.advantage_estimator(torch.tensor([r for _, _, r in flat], dtype=torch.float64),
+                                              [g for g, _, _ in flat])
         keep = overlong_keep_mask([s.truncated for _, s, _ in flat], self.collect.overlong)
         rollouts = [
             Rollout(
