@@ -8,10 +8,10 @@ is a `RewardResult`, a float (acc = score > 0), or a dict with "score" and optio
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 
+from megatron_dapo.dotted_path import import_callable
 from megatron_dapo.reward.math_dapo import compute_score, compute_score_boxed
 from megatron_dapo.reward.result import RewardResult
 
@@ -45,31 +45,6 @@ def _coerce(value: object, origin: str) -> RewardResult:
     )
 
 
-def _import_callable(path: str) -> Callable:
-    """Resolve 'pkg.module:attr' or 'pkg.module.attr' to the object it names."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"--reward-fn {path!r} is not a known name or a dotted path; {_HELP}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(
-            f"--reward-fn {path!r}: cannot import module {module_name!r} ({err}); "
-            "check the spelling and that the package is on PYTHONPATH"
-        ) from err
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"--reward-fn {path!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--reward-fn {path!r} names a {type(obj).__name__}, not a function")
-    return obj
-
-
 def get_reward_fn(name_or_dotted_path: str) -> RewardFn:
     """Return the reward function `fn(solution_str, ground_truth) -> RewardResult` named here."""
     if not isinstance(name_or_dotted_path, str) or not name_or_dotted_path.strip():
@@ -79,7 +54,7 @@ def get_reward_fn(name_or_dotted_path: str) -> RewardFn:
         return BUILTIN_REWARD_FNS[name]
     if "." not in name and ":" not in name:
         raise ValueError(f"--reward-fn {name!r} is not a known reward function; {_HELP}")
-    fn = _import_callable(name)
+    fn = import_callable(name, "--reward-fn", _HELP)
     try:
         inspect.signature(fn).bind("solution", "truth")
     except TypeError as err:
