@@ -1,0 +1,76 @@
+"""ModelFamily: everything the library needs to know about one HF model family, in one object.
+
+A family is one folder `models/<model_type>/` whose `__init__.py` defines `FAMILY = ModelFamily(...)`,
+plus its module path in `registry.FAMILY_MODULES` (docs/MODELS.md). Every other module takes a
+`ModelArch` and reaches the family through `arch.family`; none names a family.
+
+Hooks (functions of the arch, so a family option such as `qk_layernorm` or a rope scaling reaches
+megatron-core without code outside the folder):
+
+- `parse(config) -> ModelArch`: the config.json dict -> the architecture; an unsupported value is a
+  ValueError naming the config.json field (`hf_config.dense_decoder_fields` reads the common ones);
+- `transformer_config_fields(arch)`: the family's TransformerConfig fields (norm, activation, biases,
+  dropout, qk_layernorm, ...); sizes and parallelism are added by `models/config.py`;
+- `layer_spec_options(arch)`: keyword arguments of megatron-core's GPT layer-spec builders
+  (`get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`, e.g. qk_layernorm);
+- `model_kwargs(arch)`: GPTModel keyword arguments for positions (rope type, base, scaling);
+- `activation_terms(arch)`: the planner's `ActivationSpec` fields that depend on the model (gated MLP,
+  dropout, rope), next to the ones the layer implementation decides;
+- `mapping`: the HF <-> megatron-core name table (`weights/mapping.py` entries; data);
+- `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
+  build (`hf_causal_lm()`, `hf_config()`);
+- `tiny_config`: a small config.json dict the shared tests build random models from (docs/MODELS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.weights.mapping import MappingEntry
+
+ARCH_OPTIONS = ("qkv_bias", "qk_layernorm")
+"""ModelArch fields a family fills (its `arch_defaults` give them when a ModelArch is built directly)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    model_type: str
+    """HF config.json `model_type` this family is registered under."""
+    hf_model_class: str
+    """transformers causal-LM class name (the embedded engine and the tests build it)."""
+    hf_config_class: str
+    """transformers config class name."""
+    mapping: tuple[MappingEntry, ...]
+    """HF <-> megatron-core name table (entries with `requires` exist only under that arch option)."""
+    parse: Callable[[dict[str, Any]], ModelArch]
+    """config.json dict -> ModelArch; ValueError naming the field on an unsupported value."""
+    transformer_config_fields: Callable[[ModelArch], dict[str, Any]]
+    layer_spec_options: Callable[[ModelArch], dict[str, Any]]
+    model_kwargs: Callable[[ModelArch], dict[str, Any]]
+    activation_terms: Callable[[ModelArch], dict[str, Any]]
+    arch_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
+    tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    """A tiny config.json (without model_type) the family-parametrized tests build random HF models from."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.arch_defaults) - set(ARCH_OPTIONS))
+        if unknown:
+            raise ValueError(f"family {self.model_type}: arch_defaults {unknown} are not ModelArch options "
+                             f"{ARCH_OPTIONS}")
+
+    def hf_causal_lm(self) -> type:
+        """The transformers causal-LM class (imports transformers)."""
+        import transformers
+
+        return getattr(transformers, self.hf_model_class)
+
+    def hf_config(self, **fields: Any) -> Any:
+        """A transformers config of this family from config.json fields."""
+        import transformers
+
+        return getattr(transformers, self.hf_config_class)(**fields)
