@@ -1,4 +1,5 @@
-"""ModelFamily: everything the library needs to know about one HF model family, in one object.
+"""ModelFamily: everything the library needs to know about one HF model family, in one object;
+MappingEntry: one row of a family's HF <-> megatron-core name table (read by `weights/mapping.py`).
 
 A family is one folder `models/<model_type>/` whose `__init__.py` defines `FAMILY = ModelFamily(...)`,
 plus its module path in `registry.FAMILY_MODULES` (docs/MODELS.md). Every other module takes a
@@ -26,11 +27,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from megatron_dapo.models.hf_config import ModelArch
-    from megatron_dapo.weights.mapping import MappingEntry
+LayoutKind = Literal["replicated", "column", "row", "qkv", "fc1", "vocab"]
+Stage = Literal["first", "layer", "last"]
+LAYOUT_KINDS: tuple[str, ...] = ("replicated", "column", "row", "qkv", "fc1", "vocab")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MappingEntry:
+    mcore: str
+    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module)."""
+    hf: tuple[str, ...]
+    """HF name template(s) in the order the layout function takes them; `{layer}` is global."""
+    kind: LayoutKind
+    stage: Stage
+    """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
+    aliases: tuple[str, ...] = ()
+    """Other megatron-core names for the same tensor (the Transformer Engine spec), accepted on read."""
+    shapes: tuple[tuple[str, ...], ...]
+    """Shape of each HF tensor in `hf`, one ModelArch attribute name per dim (e.g. ("q_size", "hidden_size"))."""
+    tied_hf: tuple[str, ...] = ()
+    """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
+    requires: str | None = None
+    """A boolean ModelArch field the entry exists under (e.g. "qkv_bias"); None: always present."""
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.hf):
+            raise ValueError(f"mapping entry {self.mcore}: {len(self.hf)} HF tensors but {len(self.shapes)} shapes")
+        if self.kind not in LAYOUT_KINDS:
+            raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
+        if ("{layer}" in self.mcore) != (self.stage == "layer"):
+            raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
+
 
 ARCH_OPTIONS = ("qkv_bias", "qk_layernorm")
 """ModelArch fields a family fills (its `arch_defaults` give them when a ModelArch is built directly)."""
@@ -46,12 +75,14 @@ class ModelFamily:
     """transformers config class name."""
     mapping: tuple[MappingEntry, ...]
     """HF <-> megatron-core name table (entries with `requires` exist only under that arch option)."""
-    parse: Callable[[dict[str, Any]], ModelArch]
+    # The hooks take / return a `models.hf_config.ModelArch` (typed Any here: hf_config reaches the family
+    # through the registry, so this module cannot import it without an import cycle).
+    parse: Callable[[dict[str, Any]], Any]
     """config.json dict -> ModelArch; ValueError naming the field on an unsupported value."""
-    transformer_config_fields: Callable[[ModelArch], dict[str, Any]]
-    layer_spec_options: Callable[[ModelArch], dict[str, Any]]
-    model_kwargs: Callable[[ModelArch], dict[str, Any]]
-    activation_terms: Callable[[ModelArch], dict[str, Any]]
+    transformer_config_fields: Callable[[Any], dict[str, Any]]
+    layer_spec_options: Callable[[Any], dict[str, Any]]
+    model_kwargs: Callable[[Any], dict[str, Any]]
+    activation_terms: Callable[[Any], dict[str, Any]]
     arch_defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
     tiny_config: Mapping[str, Any] = field(default_factory=dict)

@@ -1,8 +1,9 @@
-"""The HF <-> Megatron-core name table's entry type and the functions that read a table.
+"""The functions that read a model family's HF <-> Megatron-core name table.
 
 Each model family's table (`models/<family>/mapping.py`, reached through `arch.family.mapping`) is data: a
-tuple of `MappingEntry`. Each entry names a megatron-core parameter (local layer spec, `{layer}` = layer number), the HF
-tensor(s) it is built from, and a layout kind that says how it is split over TP ranks:
+tuple of `MappingEntry` (defined with the family in `models/family.py`). Each entry names a megatron-core
+parameter (local layer spec, `{layer}` = layer number), the HF tensor(s) it is built from, and a layout
+kind that says how it is split over TP ranks:
 
 - ``replicated``: the same tensor on every TP rank (norms).
 - ``column``: split along dim 0 (output features).
@@ -19,44 +20,16 @@ that interpret the kinds live in `layout.py`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from megatron_dapo.models.family import LAYOUT_KINDS, LayoutKind, MappingEntry, Stage
 
 if TYPE_CHECKING:
     from megatron_dapo.models.hf_config import ModelArch
 
-LayoutKind = Literal["replicated", "column", "row", "qkv", "fc1", "vocab"]
-Stage = Literal["first", "layer", "last"]
-LAYOUT_KINDS: tuple[str, ...] = ("replicated", "column", "row", "qkv", "fc1", "vocab")
-
-
-@dataclass(frozen=True, kw_only=True)
-class MappingEntry:
-    mcore: str
-    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module)."""
-    hf: tuple[str, ...]
-    """HF name template(s) in the order the layout function takes them; `{layer}` is global."""
-    kind: LayoutKind
-    stage: Stage
-    """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
-    aliases: tuple[str, ...] = ()
-    """Other megatron-core names for the same tensor (the Transformer Engine spec), accepted on read."""
-    shapes: tuple[tuple[str, ...], ...]
-    """Shape of each HF tensor in `hf`, one ModelArch attribute name per dim (e.g. ("q_size", "hidden_size"))."""
-    tied_hf: tuple[str, ...] = ()
-    """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
-    requires: str | None = None
-    """A boolean ModelArch field the entry exists under (e.g. "qkv_bias"); None: always present."""
-
-    def __post_init__(self) -> None:
-        if len(self.shapes) != len(self.hf):
-            raise ValueError(f"mapping entry {self.mcore}: {len(self.hf)} HF tensors but {len(self.shapes)} shapes")
-        if self.kind not in LAYOUT_KINDS:
-            raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
-        if ("{layer}" in self.mcore) != (self.stage == "layer"):
-            raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
-
+__all__ = ["LAYOUT_KINDS", "LayoutKind", "MappingEntry", "Stage", "arch_mapping", "canonical_mcore_name", "dist_key",
+           "has_output_layer", "hf_names", "resolve_mcore_name"]
 
 def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")

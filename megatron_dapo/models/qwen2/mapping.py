@@ -6,7 +6,7 @@ exists under `arch.qkv_bias`, which every Qwen2 model sets.
 
 from __future__ import annotations
 
-from megatron_dapo.weights.mapping import MappingEntry
+from megatron_dapo.models.family import MappingEntry
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
