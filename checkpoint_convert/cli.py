@@ -16,8 +16,8 @@ from megatron_dapo.errors import disk_full_error, is_disk_full
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m checkpoint_convert",
-        description="Convert Qwen2/Qwen2.5 checkpoints between HF safetensors and megatron-core dist "
-        "checkpoints (torch_dist, Megatron-LM layout; loads at any TP/PP), streaming chunk by chunk.",
+        description="Convert checkpoints of the registered model families between HF safetensors and megatron-core "
+        "dist checkpoints (torch_dist, Megatron-LM layout; loads at any TP/PP), streaming chunk by chunk.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,4 +1,4 @@
-"""HF Qwen2 safetensors -> a megatron-core dist checkpoint (torch_dist) that `--load` opens at any TP/PP.
+"""HF safetensors (a registered model family) -> a megatron-core dist checkpoint that `--load` opens at any TP/PP.
 
 No model is built: each tensor goes through the mapping table to its dist-checkpoint key and global
 shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV interleave is three ranges
@@ -42,7 +42,7 @@ from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
-from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
+from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -154,7 +154,7 @@ def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
     modules ignore it, TE's accept None. Loading tolerates an absent one anyway (weights/extra_state.py).
     """
     modules = sorted({
-        dist_key(e).rsplit(".", 1)[0] for e in QWEN2_MAPPING if e.stage == "layer" and e.kind != "replicated"
+        dist_key(e).rsplit(".", 1)[0] for e in arch_mapping(arch) if e.stage == "layer" and e.kind != "replicated"
     })
     objects = {
         sharded_object_key(f"{m}._extra_state", (layer,), (arch.num_layers,)): serialized_object(None)
@@ -184,7 +184,8 @@ def megatron_args(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype) -
         "rotary_base": arch.rope_theta,
         "norm_epsilon": arch.rms_norm_eps,
         "untie_embeddings_and_output_weights": not arch.tie_word_embeddings,
-        "add_qkv_bias": True,
+        "add_qkv_bias": arch.qkv_bias,
+        "qk_layernorm": arch.qk_layernorm,
         "add_bias_linear": False,
         "swiglu": True,
         "normalization": "RMSNorm",
@@ -213,7 +214,7 @@ def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_con
     args = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in megatron_args(arch, layout, dtype).items()}
     lines = ["megatron args:", json.dumps(args, indent=2), f"tensors ({dtype}, global shapes, layer axis first):"]
     total = 0
-    for e in QWEN2_MAPPING:
+    for e in arch_mapping(arch):
         if e.tied_hf and arch.tie_word_embeddings:
             continue
         shape = global_shape(e, arch, padded)
@@ -246,7 +247,7 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         tensors = {
             dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes, planned)
-            for e in QWEN2_MAPPING
+            for e in arch_mapping(arch)
             if not (e.tied_hf and arch.tie_word_embeddings)
         }
         common = common_state(arch, cfg.layout, dtype, hf_config)

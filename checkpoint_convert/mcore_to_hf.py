@@ -39,7 +39,7 @@ from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes
-from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, dist_key, hf_names
+from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, dist_key, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
@@ -111,7 +111,7 @@ def _resolve_config(cfg: McoreToHfConfig, reader: DistCheckpointReader) -> dict[
 
 
 def _model_dtype(reader: DistCheckpointReader, arch: ModelArch) -> torch.dtype:
-    dtypes = {reader.dtype(dist_key(e)) for e in QWEN2_MAPPING if not (e.tied_hf and arch.tie_word_embeddings)}
+    dtypes = {reader.dtype(dist_key(e)) for e in arch_mapping(arch) if not (e.tied_hf and arch.tie_word_embeddings)}
     if len(dtypes) != 1:
         raise CheckpointError(f"{reader.dir} mixes dtypes {sorted(map(str, dtypes))} in its model; pass --dtype")
     return dtypes.pop()
@@ -138,7 +138,7 @@ def _jobs(reader: DistCheckpointReader, arch: ModelArch, chunk_bytes: int) -> li
     byte range of a stored chunk in converter output; qkv gives three ranges per query group)."""
     jobs: list[Job] = []
     for stage in ("first", "layer", "last"):
-        entries = [e for e in QWEN2_MAPPING if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
+        entries = [e for e in arch_mapping(arch) if e.stage == stage and not (e.tied_hf and arch.tie_word_embeddings)]
         layers: list[int | None] = list(range(arch.num_layers)) if stage == "layer" else [None]
         for layer in layers:
             for e in entries:

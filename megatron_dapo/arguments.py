@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--hf-checkpoint", required=True,
-                   help="HF Qwen2/Qwen2.5 directory (config.json, safetensors, tokenizer): the initial "
-                        "policy and the architecture")
+                   help="HF model directory (config.json, safetensors, tokenizer) of a registered model family "
+                        "(docs/MODELS.md): the initial policy and the architecture")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --hf-checkpoint)")
     g.add_argument("--mcore-checkpoint", default=None,
                    help="deprecated: pass `checkpoint_convert hf-to-mcore` output as --load instead")

@@ -86,7 +86,7 @@ class ActivationSpec:
     """query groups x head_dim (= q without GQA)."""
     head_dim: int
     gated: bool = True
-    """SwiGLU (Qwen2) vs a plain two-matrix MLP (GPT: ffn = 4h, GeLU input and output saved)."""
+    """SwiGLU (the registered families) vs a plain two-matrix MLP (GPT: ffn = 4h, GeLU input and output saved)."""
     swiglu_fused: bool = False
     """bias_swiglu fusion keeps only fc1's output (f instead of 3f for the activation)."""
     attention: str = "flash"
@@ -96,7 +96,7 @@ class ActivationSpec:
     norm_stats_bytes: int = 4
     """Bytes per token per norm of saved statistics (fp32 rstd); 0 in the paper's count."""
     dropout: bool = False
-    """Attention-prob and hidden dropout (GPT); Qwen2 has none (p = 0 saves nothing)."""
+    """Attention-prob and hidden dropout (GPT); the registered families have none (p = 0 saves nothing)."""
     rope: str = "unfused"
     """'unfused' (cos/sin saved per layer), 'fused' or 'none' (GPT: learned positions)."""
     bytes_per_element: int = 2
@@ -104,13 +104,15 @@ class ActivationSpec:
     """An explicit [1, 1, s, s] bool mask is passed (local spec): s^2 bytes per micro-batch, shared."""
 
     @classmethod
-    def for_qwen2(cls, arch: ModelArch, *, transformer_impl: str, bytes_per_element: int,
-                  swiglu_fused: bool = False) -> ActivationSpec:
+    def for_arch(cls, arch: ModelArch, *, transformer_impl: str, bytes_per_element: int,
+                 swiglu_fused: bool = False) -> ActivationSpec:
+        """The spec of `arch`: sizes from the arch, the model's terms (gated MLP, dropout, rope) from its family
+        (`arch.family.activation_terms`), attention and norm tensors from the layer implementation."""
         te = transformer_impl == "transformer_engine"
         return cls(hidden=arch.hidden_size, ffn=arch.intermediate_size, heads=arch.num_heads, q=arch.q_size,
                    kv=arch.kv_size, head_dim=arch.head_dim, swiglu_fused=swiglu_fused,
                    attention="flash" if te else "unfused", norm_tensors=2 if te else 3,
-                   bytes_per_element=bytes_per_element, causal_mask=not te)
+                   bytes_per_element=bytes_per_element, causal_mask=not te, **arch.family.activation_terms(arch))
 
 
 def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, seq_len: int,
@@ -485,8 +487,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout,
                         colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
                         mem_fraction_static=args.mem_fraction_static,
                         sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0)
-    spec = ActivationSpec.for_qwen2(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
-                                    "bfloat16" else 4)
+    spec = ActivationSpec.for_arch(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
+                                   "bfloat16" else 4)
     return arch, layout, inputs, spec
 
 

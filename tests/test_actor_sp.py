@@ -61,7 +61,7 @@ def test_sequence_parallel_tags_every_norm_weight(runs):
 def test_planner_matches_saved_tensors_at_tp2(runs, name):
     """The planner's TP / SP division against the bytes megatron-core saves per rank: exact."""
     arch, layout = runs["arch"], LAYOUTS[name]
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
     inputs = planner.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
     (plan,) = planner.plan_stages(arch, layout, inputs, spec)
     for rank in range(2):

@@ -148,13 +148,13 @@ def test_large_tensors_are_stored_in_row_chunks(tmp_path: Path) -> None:
     make_tiny_hf(tmp_path / "hf", tied=False)
     # Every tiny tensor fits one default chunk: split with chunks of a few rows (fp32, hidden 32).
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, _entry_tensor
-    from megatron_dapo.weights.mapping import QWEN2_MAPPING
+    from megatron_dapo.weights.mapping import arch_mapping
 
     arch = ModelArch.from_hf(tmp_path / "hf")
     HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))  # validates
     with hf_format.HFCheckpointReader(tmp_path / "hf") as reader:
-        emb = _entry_tensor(reader, QWEN2_MAPPING[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
-        fc1 = _entry_tensor(reader, QWEN2_MAPPING[6], arch, 256, torch.float32, chunk_bytes=32 * 4 * 20)
+        emb = _entry_tensor(reader, arch_mapping(arch)[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
+        fc1 = _entry_tensor(reader, arch_mapping(arch)[6], arch, 256, torch.float32, chunk_bytes=32 * 4 * 20)
         # 200 vocab rows in 64-row chunks + one zero chunk of the 56 padding rows
         assert [(c.offset, c.shape) for c in emb.chunks] == [
             ((0, 0), (64, 32)), ((64, 0), (64, 32)), ((128, 0), (64, 32)), ((192, 0), (8, 32)),

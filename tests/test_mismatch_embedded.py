@@ -46,7 +46,8 @@ def _rollouts(world, engine: EmbeddedEngine) -> list[Rollout]:
 
 def test_embedded_engine_step1_ratio_is_one_and_tis_changes_nothing(world):
     _, hf, _ = world
-    engine = EmbeddedEngine(dict(TINY, tie_word_embeddings=False), state_dict=hf.state_dict(), max_batch_size=8)
+    engine = EmbeddedEngine(dict(TINY, model_type="qwen2", tie_word_embeddings=False), state_dict=hf.state_dict(),
+                            max_batch_size=8)
     off_policy = OffPolicyConfig(use_tis=True, tis_cap=2.0, mis_mode="sequence", mis_threshold=1.001)
     actor = _actor(world, max_tokens_per_micro_batch=64)
     trainer = Trainer(config=TrainerConfig(num_steps=1, off_policy=off_policy), collect=None, actor=actor,

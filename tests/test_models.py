@@ -19,7 +19,8 @@ from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tin
 
 
 def test_transformer_config_maps_every_qwen2_field():
-    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
+    arch = ModelArch(model_type="qwen2",
+                     vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
                      num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=5e5)
     cfg = transformer_config_from_arch(arch, tp=2, pp=2, calculate_per_token_loss=True)
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (4, 64, 96)
@@ -32,7 +33,8 @@ def test_transformer_config_maps_every_qwen2_field():
 
 
 def test_transformer_config_rejects_bad_layout_and_fields():
-    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+    arch = ModelArch(model_type="qwen2",
+                     vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="--pipeline-model-parallel-size"):
         transformer_config_from_arch(arch, pp=2)

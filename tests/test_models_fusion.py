@@ -10,7 +10,7 @@ from megatron_dapo.models import ModelArch
 from megatron_dapo.models import config as config_module
 from megatron_dapo.models.config import FUSIONS, fusion_settings, transformer_config_from_arch
 
-ARCH = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+ARCH = ModelArch(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16)
 
 

@@ -195,7 +195,7 @@ def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
     gathered_hidden = 24576 * arch.hidden_size * 2 * (1 - 1 / 8)  # SP: the head saves [T, h], not [T / 8, h]
     assert planner.logits_bytes(arch, layout, **kw, fused_linear=True) == pytest.approx(
         chunk * v_local * 6 + v_local * arch.hidden_size * 4 + gathered_hidden)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     base = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
     plain, head = (planner.plan_stages(arch, layout, base, spec)[-1],
                    planner.plan_stages(arch, layout, planner.PlanInputs(
@@ -209,9 +209,10 @@ def test_planner_packed_row_length_terms_use_the_whole_row():
     from megatron_dapo import planner
     from megatron_dapo.distributed.parallel import ParallelLayout
 
-    arch = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    arch = ModelArch(model_type="qwen2",
+                     vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=4)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
     kw = dict(first=True, last=True, recompute=False)
     padded = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=24, **kw)
     packed = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=96, **kw)

@@ -14,7 +14,7 @@ from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
-ARCH = ModelArch(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
+ARCH = ModelArch(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
                  num_kv_heads=4, head_dim=8)
 
 

@@ -61,8 +61,8 @@ def test_flash_attention_has_no_quadratic_term():
     layer's bytes unchanged, except the RoPE tables (4 s d), while the local spec's grow by a s^2 b."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, sp=True)
-    te = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    local = planner.ActivationSpec.for_qwen2(arch, transformer_impl="local", bytes_per_element=2)
+    te = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    local = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=2)
     short, long = 4096, 16384
     rope = 4 * (long - short) * arch.head_dim * 2
     d_te = (planner.layer_activation_bytes(te, layout, tokens=16384, seq_len=long)
@@ -76,7 +76,7 @@ def test_flash_attention_has_no_quadratic_term():
 
 # ---- against the tensors megatron-core actually saves (CPU, local spec, fp32) ----------------------------
 
-TINY = ModelArch(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
+TINY = ModelArch(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4,
                  num_kv_heads=2, head_dim=16)
 RECOMPUTE = {
     "none": {},
@@ -121,7 +121,7 @@ def test_planner_matches_saved_tensors(world, name):
     model = build_gpt_model(TINY, layout=layout, use_te=False)
     b, s = 3, 40
     measured = saved_activation_bytes(model, torch.randint(0, TINY.vocab_size, (b, s)))
-    spec = planner.ActivationSpec.for_qwen2(TINY, transformer_impl="local", bytes_per_element=4)
+    spec = planner.ActivationSpec.for_arch(TINY, transformer_impl="local", bytes_per_element=4)
     inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32")
     (plan,) = planner.plan_stages(TINY, layout, inputs, spec)
     predicted = plan.lines["  activations per micro-batch"]
@@ -145,7 +145,7 @@ def test_static_memory_closed_form():
     distributed-optimizer table)."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")
     layout = ParallelLayout(tp=4, dp=8)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=8192,
                                                                    max_seq_len=8192), spec)
     n = planner.stage_parameters(arch, layout, 0)
@@ -213,7 +213,7 @@ def test_planned_bytes_per_component_are_itemised():
     """Each printed row is one component and the total is their sum (details excluded)."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     plans = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
                                                                  max_seq_len=22528), spec)
     assert [p.in_flight for p in plans] == [2, 1]
@@ -227,7 +227,7 @@ def test_interleaved_activations_match_korthikanti_factor():
     """--num-layers-per-virtual-pipeline-stage: stage 0 holds L (1 + (p - 1) / (p v)) layers of activations
     (Korthikanti et al. 2022, section 4.2.3) against L for plain 1F1B."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")  # 28 layers
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     inputs = planner.PlanInputs(tokens_per_micro_batch=4096, max_seq_len=4096)
     p, v = 2, 7  # 2 layers per virtual stage
     layer = planner.layer_activation_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096)
@@ -284,7 +284,7 @@ def test_colocated_share_by_hand():
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True, recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
                                 rollout_gpus_per_engine=4, sglang_gib=planner.SGLANG_RELEASED_GIB)
     plans = planner.plan_stages(arch, layout, inputs, spec)
@@ -302,7 +302,7 @@ def test_colocated_share_by_hand():
 def test_colocated_fraction_too_small_names_the_flag():
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True)
-    spec = planner.ActivationSpec.for_qwen2(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
                                 rollout_gpus_per_engine=4, mem_fraction_static=0.2)
     with pytest.raises(ValueError, match="--mem-fraction-static 0.20 .given.*--rollout-num-gpus-per-engine"):

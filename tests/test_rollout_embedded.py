@@ -9,6 +9,7 @@ from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 
 CFG = dict(
+    model_type="qwen2",
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=1,
     rope_theta=10000.0,

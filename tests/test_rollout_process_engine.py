@@ -19,7 +19,7 @@ from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.conftest import REPO, train_env
 from tests.dist.actor_common import TINY
 
-CONFIG = dict(TINY, tie_word_embeddings=False)
+CONFIG = dict(TINY, model_type="qwen2", tie_word_embeddings=False)
 
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
@@ -89,7 +89,7 @@ CHILD = """
 import sys, time
 from megatron_dapo.rollout.process_engine import ProcessEngine
 from tests.dist.actor_common import TINY
-engine = ProcessEngine(dict(TINY, tie_word_embeddings=False), max_batch_size=2)
+engine = ProcessEngine(dict(TINY, model_type="qwen2", tie_word_embeddings=False), max_batch_size=2)
 print(engine.pid, flush=True)
 time.sleep(600)
 """

@@ -8,7 +8,7 @@ import torch
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights import (
-    QWEN2_MAPPING,
+    arch_mapping,
     canonical_mcore_name,
     hf_to_mcore_tensor,
     merge_tp_shards,
@@ -18,6 +18,7 @@ from megatron_dapo.weights import (
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes, mcore_shard_shape
 
 ARCH = ModelArch(
+    model_type="qwen2",
     vocab_size=300,
     hidden_size=16,
     intermediate_size=24,
@@ -56,7 +57,7 @@ def test_qkv_interleave_matches_per_group_reference(tp: int, bias: bool) -> None
     assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v]))
 
 
-@pytest.mark.parametrize("entry", [e for e in QWEN2_MAPPING if not e.tied_hf], ids=lambda e: e.mcore)
+@pytest.mark.parametrize("entry", [e for e in arch_mapping(ARCH) if not e.tied_hf], ids=lambda e: e.mcore)
 def test_row_segments_rebuild_every_layout_bit_exact(entry) -> None:
     """Copying the HF rows of each segment into place (what the converters do, file to file) gives the
     TP=1 tensor of the reference `hf_to_mcore_tensor` bit for bit, and reading them back gives merge_tp_shards'."""
@@ -102,7 +103,7 @@ def test_vocab_pads_to_multiple_of_128_tp_with_zero_rows(tp: int) -> None:
     assert padded.shape[0] % multiple == 0 and padded.shape[0] - multiple < ARCH.vocab_size <= padded.shape[0]
     assert torch.equal(padded[: ARCH.vocab_size], table)
     assert not padded[ARCH.vocab_size :].any()
-    assert tuple(shards[0].shape) == mcore_shard_shape(QWEN2_MAPPING[0], ARCH, tp)
+    assert tuple(shards[0].shape) == mcore_shard_shape(arch_mapping(ARCH)[0], ARCH, tp)
     (back,) = merge_tp_shards("vocab", shards, ARCH)
     assert torch.equal(back, table) and back.dtype == torch.bfloat16
 
@@ -129,20 +130,20 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 def test_te_aliases_resolve_to_local_spec_names() -> None:
     assert (
-        canonical_mcore_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight")
+        canonical_mcore_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", ARCH)
         == "decoder.layers.3.input_layernorm.weight"
     )
-    assert canonical_mcore_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == (
+    assert canonical_mcore_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", ARCH) == (
         "decoder.layers.0.pre_mlp_layernorm.weight"
     )
-    entry, layer = resolve_mcore_name("decoder.layers.12.mlp.linear_fc1.weight")
+    entry, layer = resolve_mcore_name("decoder.layers.12.mlp.linear_fc1.weight", ARCH)
     assert (entry.kind, layer, entry.hf[1].format(layer=layer)) == (
         "fc1",
         12,
         "model.layers.12.mlp.up_proj.weight",
     )
-    with pytest.raises(KeyError, match="not a Qwen2 megatron-core parameter"):
-        resolve_mcore_name("decoder.layers.0.mlp.router.weight")
+    with pytest.raises(KeyError, match="not a megatron-core parameter of a 'qwen2' model"):
+        resolve_mcore_name("decoder.layers.0.mlp.router.weight", ARCH)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -369,7 +369,8 @@ class MegatronActor:
         `input_layernorm.weight` / `pre_mlp_layernorm.weight`, so both specs export the same keys.
         `chunk`: which model chunk under --num-layers-per-virtual-pipeline-stage (names local to it).
         """
-        return {canonical_mcore_name(name): p.detach() for name, p in self.modules[chunk].named_parameters()}
+        return {canonical_mcore_name(name, self.arch): p.detach()
+                for name, p in self.modules[chunk].named_parameters()}
 
     @torch.no_grad()
     def load_shards(self, shards: Mapping[str, Tensor], chunk: int = 0, *, reload: bool = True) -> None:
@@ -381,7 +382,7 @@ class MegatronActor:
         --num-layers-per-virtual-pipeline-stage; its shards are those of a non-interleaved layout with
         pp x chunks stages at stage chunk * pp + pp_rank (`weights.plan.virtual_stage`).
         """
-        params = {canonical_mcore_name(name): p for name, p in self.modules[chunk].named_parameters()}
+        params = {canonical_mcore_name(name, self.arch): p for name, p in self.modules[chunk].named_parameters()}
         missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))
         if missing or unexpected:
             raise KeyError(f"load_shards: missing {missing}, unexpected {unexpected}")

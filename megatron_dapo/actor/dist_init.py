@@ -88,7 +88,7 @@ def init_parallel(
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
-        # model_parallel_cuda_manual_seed touches CUDA RNG; with dropout 0 (Qwen2) the tracker only
+        # model_parallel_cuda_manual_seed touches CUDA RNG; with dropout 0 (every registered family) the tracker only
         # needs to exist, and the inference tracker ignores per-region seeds.
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     return layout

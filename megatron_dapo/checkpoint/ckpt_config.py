@@ -18,7 +18,7 @@ import torch
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import global_shape
-from megatron_dapo.weights.mapping import QWEN2_MAPPING, dist_key
+from megatron_dapo.weights.mapping import arch_mapping, dist_key
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -28,6 +28,7 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 # (label, function of the arch): every arch field that changes the forward pass.
 _FIELDS: tuple[tuple[str, Callable[[ModelArch], Any]], ...] = (
+    ("model_type", lambda a: a.model_type),
     ("vocab_size", lambda a: a.vocab_size),
     ("hidden_size", lambda a: a.hidden_size),
     ("intermediate_size", lambda a: a.intermediate_size),
@@ -38,6 +39,9 @@ _FIELDS: tuple[tuple[str, Callable[[ModelArch], Any]], ...] = (
     ("rope_theta", lambda a: a.rope_theta),
     ("rms_norm_eps", lambda a: a.rms_norm_eps),
     ("tie_word_embeddings", lambda a: a.tie_word_embeddings),
+    ("qkv_bias", lambda a: a.qkv_bias),
+    ("qk_layernorm", lambda a: a.qk_layernorm),
+    ("family_options", lambda a: a.family_options),
 )
 
 
@@ -94,7 +98,7 @@ def expected_global_shapes(arch: ModelArch, padded_vocab: int) -> dict[str, tupl
     """dist-checkpoint key -> global shape of every model tensor of `arch` (tied: no output layer)."""
     return {
         dist_key(e): global_shape(e, arch, padded_vocab)
-        for e in QWEN2_MAPPING
+        for e in arch_mapping(arch)
         if not (e.tied_hf and arch.tie_word_embeddings)
     }
 
@@ -106,9 +110,10 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
     padding at load); every other shape must match exactly. Names the config field behind a mismatch:
     qkv rows -> num_key_value_heads, a missing bias -> qkv bias, an output layer -> tie_word_embeddings.
     """
-    emb = shapes.get(dist_key(QWEN2_MAPPING[0]))
+    embedding = next(e for e in arch_mapping(arch) if e.kind == "vocab" and e.stage == "first")
+    emb = shapes.get(dist_key(embedding))
     if emb is None:
-        raise CheckpointError(f"{source} has no {dist_key(QWEN2_MAPPING[0])}: not a Qwen2 model checkpoint")
+        raise CheckpointError(f"{source} has no {dist_key(embedding)}: not a {arch.model_type} model checkpoint")
     padded = emb[0]
     if padded < arch.vocab_size or padded % 128:
         raise CheckpointError(
@@ -120,7 +125,8 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
     for key, want in expected.items():
         have = shapes.get(key)
         if have is None:
-            hint = " (qkv bias: Qwen2 models have one)" if key.endswith("linear_qkv.bias") else ""
+            hint = (f" (qkv bias: {arch.model_type} models have one)" if key.endswith("linear_qkv.bias")
+                    else "")
             problems.append(f"{key}: missing in {source}{hint}")
         elif tuple(have) != want:
             problems.append(f"{key}: {source} has {list(have)}, {against} implies {list(want)}")

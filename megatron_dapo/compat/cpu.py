@@ -156,7 +156,7 @@ def install() -> bool:
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.synchronize = lambda device=None: None
         # --recompute-granularity: CheckpointFunction saves and restores the CUDA RNG around the
-        # recomputed forward; there is no CUDA generator (and Qwen2 has no dropout), so nothing to keep.
+        # recomputed forward; there is no CUDA generator (and no registered family has dropout), so nothing to keep.
         from megatron.core.tensor_parallel import random as mcore_random
 
         _original["get_rng_state"] = torch.cuda.random.get_rng_state

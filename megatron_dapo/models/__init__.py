@@ -1,6 +1,8 @@
-"""Qwen2 / Qwen2.5 on megatron-core: HF config -> TransformerConfig, layer spec, GPTModel.
+"""HF decoder families on megatron-core: HF config -> TransformerConfig, layer spec, GPTModel.
 
-`hf_config` stays importable without megatron-core (rollout and converter environments import it);
+Each family is a plug-in folder (`models/<model_type>/`, registered in `registry.py`; docs/MODELS.md).
+`hf_config`, `family` and `registry` stay importable without megatron-core (rollout and converter environments
+import them);
 the megatron-backed names below are loaded on first access.
 """
 
@@ -9,7 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_dapo.models.family import ModelFamily
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import families, family
 
 _LAZY = {
     "transformer_config_from_arch": "megatron_dapo.models.config",
@@ -18,7 +22,7 @@ _LAZY = {
     "build_gpt_model": "megatron_dapo.models.gpt",
 }
 
-__all__ = ["ModelArch", *_LAZY]
+__all__ = ["ModelArch", "ModelFamily", "families", "family", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

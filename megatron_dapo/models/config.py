@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
@@ -31,10 +30,11 @@ def transformer_config_from_arch(
     arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32,
     layout: ParallelLayout | None = None, **overrides: Any
 ) -> TransformerConfig:
-    """Megatron TransformerConfig of a Qwen2 decoder split over tp x pp ranks.
+    """Megatron TransformerConfig of `arch`'s decoder split over tp x pp ranks.
 
-    Qwen2: RMSNorm(eps), SwiGLU (gated silu), GQA with `num_kv_heads` query groups, bias on q/k/v only,
-    no dropout. `layout` (when given, its tp/pp must equal tp/pp) adds context parallelism, sequence
+    Sizes, GQA (`num_kv_heads` query groups), head_dim and the norm epsilon come from the arch; the norm,
+    activation, biases, dropout and qk_layernorm from its family (`arch.family.transformer_config_fields`).
+    `layout` (when given, its tp/pp must equal tp/pp) adds context parallelism, sequence
     parallelism and activation recomputation. `overrides` are TransformerConfig fields set last
     (e.g. calculate_per_token_loss=True).
     """
@@ -53,14 +53,8 @@ def transformer_config_from_arch(
         num_attention_heads=arch.num_heads,
         num_query_groups=arch.num_kv_heads,
         kv_channels=arch.head_dim,
-        normalization="RMSNorm",
         layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **arch.family.transformer_config_fields(arch),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         params_dtype=params_dtype,

@@ -1,4 +1,4 @@
-"""The model provider: a megatron-core GPTModel stage of a Qwen2 decoder."""
+"""The model provider: a megatron-core GPTModel stage of a decoder of any registered family."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def build_gpt_model(
     config = transformer_config_from_arch(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(use_te, config),
+        transformer_layer_spec=get_layer_spec(use_te, config, arch.family.layer_spec_options(arch)),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -59,10 +59,8 @@ def build_gpt_model(
                       if post_process is None else post_process),
         parallel_output=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=arch.rope_theta,
         vp_stage=vp_stage,
+        **arch.family.model_kwargs(arch),  # positions: rope type, base, scaling
     )
     if params_dtype != torch.float32:
         # Megatron-LM's Float16Module casts the whole model: the local spec's torch RMSNorms are built

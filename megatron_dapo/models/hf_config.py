@@ -1,7 +1,8 @@
-"""The architecture facts of an HF Qwen2 / Qwen2.5 checkpoint, read once from its config.json.
+"""The architecture facts of an HF checkpoint, read once from its config.json by its model family.
 
 Every other module (model provider, converter, weight sync, rollout) takes a `ModelArch` rather
-than a raw HF config, so a field is parsed and validated in one place.
+than a raw HF config, so a field is parsed and validated in one place: the family registered under
+the config's `model_type` (`models/registry.py`) parses it, and `arch.family` gives its other hooks.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("qwen2",)
+if TYPE_CHECKING:
+    from megatron_dapo.models.family import ModelFamily
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
-    """A dense decoder (today the Qwen2 family): RMSNorm, SwiGLU MLP, RoPE, GQA attention with q/k/v bias only."""
+    """A dense decoder: RMSNorm, SwiGLU MLP, RoPE, GQA attention; the family's options say the rest."""
 
+    model_type: str
+    """HF config.json model_type: the registered family (`models/registry.py`) whose hooks build the model."""
     vocab_size: int
     """Rows of the HF embedding (before any TP padding)."""
     hidden_size: int
@@ -34,8 +38,22 @@ class ModelArch:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
+    qkv_bias: bool | None = None
+    """Bias on the q/k/v projections (no other linear has one). None: the family's default."""
+    qk_layernorm: bool | None = None
+    """RMSNorm on each head's q and k before RoPE. None: the family's default."""
+    family_options: tuple[tuple[str, Any], ...] = ()
+    """Further (name, value) facts only the family's own hooks read (e.g. a rope scaling); compared on resume."""
 
     def __post_init__(self) -> None:
+        from megatron_dapo.models.registry import family
+
+        defaults = family(self.model_type).arch_defaults
+        # a JSON round trip of to_dict() turns the pairs into lists
+        object.__setattr__(self, "family_options", tuple((str(k), v) for k, v in self.family_options))
+        for name in ("qkv_bias", "qk_layernorm"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, bool(defaults.get(name, False)))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             value = getattr(self, name)
@@ -53,6 +71,17 @@ class ModelArch:
             raise ValueError(f"max_position_embeddings must be a positive integer, got {context!r}")
 
     @property
+    def family(self) -> ModelFamily:
+        """The registered family of `model_type` (its mapping table and hooks)."""
+        from megatron_dapo.models.registry import family
+
+        return family(self.model_type)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The value of family option `name` (`family_options`), or `default`."""
+        return dict(self.family_options).get(name, default)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -67,8 +96,9 @@ class ModelArch:
     def num_parameters(self) -> int:
         """Parameter count of the HF model (untied head counted once more when untied)."""
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + (self.q_size + 2 * self.kv_size) + self.q_size * h
-        layer = attn + 3 * h * f + 2 * h
+        qkv = self.q_size + 2 * self.kv_size
+        attn = h * qkv + (qkv if self.qkv_bias else 0) + self.q_size * h
+        layer = attn + 3 * h * f + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
         return self.num_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,30 +128,38 @@ class ModelArch:
 
     @classmethod
     def _from_dict(cls, config: dict[str, Any]) -> ModelArch:
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if k not in config]
-        if missing:
-            raise ValueError(f"missing {missing}")
-        num_heads = config["num_attention_heads"]
-        rope_theta = config.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-            rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=config.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
+        from megatron_dapo.models.registry import family
+
+        return family(config.get("model_type")).parse(config)
+
+
+def dense_decoder_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The ModelArch fields every dense-decoder config.json spells the same way (a family's parse starts here).
+
+    Raises ValueError naming the missing fields.
+    """
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in config]
+    if missing:
+        raise ValueError(f"missing {missing}")
+    num_heads = config["num_attention_heads"]
+    rope_theta = config.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
+        rope_theta = (config.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    return dict(
+        model_type=config.get("model_type"),
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=config.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
 
 
 def read_config_json(path: str | os.PathLike[str]) -> dict[str, Any]:

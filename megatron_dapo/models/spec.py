@@ -60,7 +60,7 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def _local_sequence_parallel_spec(config: Any) -> ModuleSpec:
+def _local_sequence_parallel_spec(config: Any, options: dict[str, Any]) -> ModuleSpec:
     """The local layer spec with SP-aware norms, as a block spec so the final norm is one too."""
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.transformer_block import (
@@ -69,7 +69,7 @@ def _local_sequence_parallel_spec(config: Any) -> ModuleSpec:
         get_num_layers_to_build,
     )
 
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
     layer.submodules.input_layernorm = SequenceParallelRMSNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     layers = [layer] * get_num_layers_to_build(config)
@@ -77,15 +77,19 @@ def _local_sequence_parallel_spec(config: Any) -> ModuleSpec:
                       submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
 
 
-def get_layer_spec(use_te: bool | None = None, config: Any = None) -> ModuleSpec:
-    """Qwen2 decoder-layer spec (RMSNorm, SwiGLU, GQA attention).
+def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict[str, Any] | None = None
+                   ) -> ModuleSpec:
+    """Decoder-layer spec (RMSNorm, SwiGLU, GQA attention) with the family's `options`.
 
+    options: keyword arguments of megatron-core's spec builders from `arch.family.layer_spec_options(arch)`
+    (e.g. qk_layernorm); None: the builders' defaults.
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
     True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
     TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    options = dict(options or {})
     if use_te is None:
         use_te = resolve_transformer_impl(None) == "transformer_engine"
     if use_te:
@@ -96,10 +100,10 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None) -> ModuleSpec
             )
         # TE fuses the pre-attention / pre-MLP RMSNorm into linear_qkv / linear_fc1; the norm type
         # comes from TransformerConfig.normalization.
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     if config is not None and config.sequence_parallel:
-        return _local_sequence_parallel_spec(config)
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return _local_sequence_parallel_spec(config, options)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
 
 
 def apex_wgrad_available() -> bool:

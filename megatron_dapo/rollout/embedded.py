@@ -1,4 +1,4 @@
-"""EmbeddedEngine: an in-process rollout engine over an HF Qwen2ForCausalLM (the default on CPU).
+"""EmbeddedEngine: an in-process rollout engine over a registered family's HF causal LM (the default on CPU).
 
 The decode loop is our own (rather than `generate`) so that each sampled token's log-prob is read
 from the raw fp32 logits of the very forward pass that produced it, the quantity SGLang's return_logprob
@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
+from megatron_dapo.models.family import ModelFamily
+from megatron_dapo.models.hf_config import read_config_json
+from megatron_dapo.models.registry import family
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.sampling import row_seed, sample_tokens, skip_draws
 from megatron_dapo.rollout.types import FinishReason, RolloutRequest, Sample
@@ -37,8 +40,17 @@ class _Row:
     finish: FinishReason | None = None
 
 
+def _family(model_type: Any, where: str) -> ModelFamily:
+    try:
+        return family(model_type)
+    except ValueError as err:
+        raise ValueError(f"EmbeddedEngine: {where}: {err}") from None
+
+
 def _build_model(source: Any, state_dict: dict[str, torch.Tensor] | None, dtype: torch.dtype, seed: int):
-    if isinstance(source, Qwen2ForCausalLM):
+    """The HF causal LM of the family registered under the source's model_type."""
+    if isinstance(source, PreTrainedModel):
+        _family(source.config.model_type, "the model's config")
         if state_dict is not None:
             raise ValueError("EmbeddedEngine: pass state_dict only with a config, not with a model instance")
         return source.to(dtype)
@@ -47,24 +59,26 @@ def _build_model(source: Any, state_dict: dict[str, torch.Tensor] | None, dtype:
             raise ValueError("EmbeddedEngine: pass state_dict only with a config, not with a model directory")
         if not (Path(source) / "config.json").is_file():
             raise FileNotFoundError(f"EmbeddedEngine: {source} has no config.json (expected an HF model dir)")
-        return Qwen2ForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        config = Path(source) / "config.json"
+        cls = _family(read_config_json(config).get("model_type"), str(config)).hf_causal_lm()
+        return cls.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     if isinstance(source, dict):
-        source = Qwen2Config(**source)
+        source = _family(source.get("model_type"), "the config dict").hf_config(**source)
     if not isinstance(source, PretrainedConfig):
         raise TypeError(
             "EmbeddedEngine: model_dir_or_config must be an HF model dir, a config dict / PretrainedConfig, "
-            f"or a Qwen2ForCausalLM; got {type(source).__name__}"
+            f"or an HF causal LM of a registered family; got {type(source).__name__}"
         )
     source._attn_implementation = "sdpa"
     with torch.random.fork_rng():
         torch.manual_seed(seed)  # random init only matters when no state_dict follows; keep it reproducible
-        model = Qwen2ForCausalLM(source).to(dtype)
+        model = _family(source.model_type, "the config").hf_causal_lm()(source).to(dtype)
     if state_dict is not None:
         load_named_tensors(model, state_dict.items())
     return model
 
 
-def _eos_ids(model: Qwen2ForCausalLM, tokenizer: Any) -> frozenset[int]:
+def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     for src in (model.config, getattr(model, "generation_config", None), tokenizer):
         eos = getattr(src, "eos_token_id", None) if src is not None else None
@@ -79,7 +93,8 @@ class EmbeddedEngine(RolloutEngine):
     """Batched sampling with KV cache on the local CPU (or any torch device) in this process.
 
     model_dir_or_config: HF model directory, config dict / PretrainedConfig (+ `state_dict` with HF names),
-    or a ready Qwen2ForCausalLM. `max_batch_size` bounds rows (samples) per forward pass.
+    or a ready HF causal LM; the config's model_type picks the family (`models/registry.py`).
+    `max_batch_size` bounds rows (samples) per forward pass.
     `seed` drives samples whose request has no seed, and the random init when no weights are given.
     """
 

@@ -41,7 +41,7 @@ def _local_params(
         # layer_number is megatron-core's 1-based global index, right under any PP / VPP split.
         to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
         for name, param in model.named_parameters():
-            entry, layer = resolve_mcore_name(name)
+            entry, layer = resolve_mcore_name(name, arch)
             if entry.tied_hf and arch.tie_word_embeddings:
                 continue  # the last stage's copy of a tied embedding; stage 0 exports the original
             global_name = entry.mcore.format(layer=to_global[layer]) if layer is not None else entry.mcore
@@ -53,7 +53,7 @@ def _manifest(params: list[tuple[str, str, torch.nn.Parameter]], arch: ModelArch
     """HF names, shapes and dtypes this stage will produce, in order, computed from the table alone."""
     manifest: Manifest = []
     for _, name, param in params:
-        entry, layer = resolve_mcore_name(name)
+        entry, layer = resolve_mcore_name(name, arch)
         names = [t.format(layer=layer) for t in entry.hf] if layer is not None else list(entry.hf)
         manifest += [(n, s, param.dtype) for n, s in zip(names, hf_shapes(entry, arch))]
     return manifest

@@ -20,23 +20,8 @@ Shape = tuple[int, ...]
 
 
 def hf_shapes(entry: MappingEntry, arch: ModelArch) -> tuple[Shape, ...]:
-    """Shapes of the HF tensors feeding `entry`, in the order of `entry.hf`."""
-    h, f = arch.hidden_size, arch.intermediate_size
-    name = entry.mcore
-    if entry.kind == "vocab":
-        return ((arch.vocab_size, h),)
-    if entry.kind == "replicated":
-        return ((h,),)
-    if entry.kind == "qkv":
-        trailing = (h,) if name.endswith(".weight") else ()
-        return ((arch.q_size, *trailing), (arch.kv_size, *trailing), (arch.kv_size, *trailing))
-    if entry.kind == "fc1":
-        return ((f, h), (f, h))
-    if name.endswith("linear_proj.weight"):
-        return ((h, arch.q_size),)
-    if name.endswith("linear_fc2.weight"):
-        return ((h, f),)
-    raise KeyError(f"weights/layout.py has no shape rule for {name} (kind {entry.kind})")
+    """Shapes of the HF tensors feeding `entry`, in the order of `entry.hf` (the table's `shapes`, read off `arch`)."""
+    return tuple(tuple(getattr(arch, dim) for dim in shape) for shape in entry.shapes)
 
 
 def mcore_shard_shape(entry: MappingEntry, arch: ModelArch, tp: int) -> Shape:
@@ -87,7 +72,7 @@ def hf_row_segments(entry: MappingEntry, arch: ModelArch) -> list[RowSegment]:
     the vocab then zero rows up to the padded size, which no segment covers), or, for qkv, three per
     query group g: q rows of its heads_per_group heads, k rows of head g, v rows of head g. A converter
     copies each block as one byte range (memory-mapped or in-kernel), never building a fused copy.
-    At Qwen2.5-32B a qkv weight layer (73 MB) is 8 groups x (6.25 MiB q + 1.25 MiB k + 1.25 MiB v).
+    At the 32B launcher a qkv weight layer (73 MB) is 8 groups x (6.25 MiB q + 1.25 MiB k + 1.25 MiB v).
     """
     if entry.kind != "qkv":
         segments, row = [], 0
@@ -222,7 +207,7 @@ def mcore_to_hf_tensors(
     `name` is a megatron-core name (canonical or alias) whose layer number plus `layer_offset` is
     the global layer. Tied models have no HF tensor for `output_layer.weight`: it returns [].
     """
-    entry, layer = resolve_mcore_name(name)
+    entry, layer = resolve_mcore_name(name, arch)
     if entry.tied_hf and arch.tie_word_embeddings:
         return []
     global_layer = None if layer is None else layer + layer_offset

@@ -1,7 +1,9 @@
-"""The one HF <-> Megatron-core name table for Qwen2 / Qwen2.5, as data.
+"""The functions that read a model family's HF <-> Megatron-core name table.
 
-Each entry names a megatron-core parameter (local layer spec, `{layer}` = layer number), the HF
-tensor(s) it is built from, and a layout kind that says how it is split over TP ranks:
+Each model family's table (`models/<family>/mapping.py`, reached through `arch.family.mapping`) is data: a
+tuple of `MappingEntry` (defined with the family in `models/family.py`). Each entry names a megatron-core
+parameter (local layer spec, `{layer}` = layer number), the HF tensor(s) it is built from, and a layout
+kind that says how it is split over TP ranks:
 
 - ``replicated``: the same tensor on every TP rank (norms).
 - ``column``: split along dim 0 (output features).
@@ -10,130 +12,62 @@ tensor(s) it is built from, and a layout kind that says how it is split over TP 
 - ``fc1``: HF gate and up; TP shard r = [gate chunk r; up chunk r].
 - ``vocab``: rows padded to a multiple of 128 x TP, then dim 0 split.
 
-The converter, the checkpoint loader and weight sync all read this table, so a model family is
-added here and nowhere else. The functions that interpret the kinds live in `layout.py`.
+The converter, the checkpoint loader and weight sync all read the table of the arch they are given
+(`arch_mapping`), so a model family adds its table in its own folder and nothing here. The functions
+that interpret the kinds live in `layout.py`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Literal
+from functools import cache
+from typing import TYPE_CHECKING
 
-LayoutKind = Literal["replicated", "column", "row", "qkv", "fc1", "vocab"]
-Stage = Literal["first", "layer", "last"]
-LAYOUT_KINDS: tuple[str, ...] = ("replicated", "column", "row", "qkv", "fc1", "vocab")
+from megatron_dapo.models.family import LAYOUT_KINDS, LayoutKind, MappingEntry, Stage
 
+if TYPE_CHECKING:
+    from megatron_dapo.models.hf_config import ModelArch
 
-@dataclass(frozen=True, kw_only=True)
-class MappingEntry:
-    mcore: str
-    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module)."""
-    hf: tuple[str, ...]
-    """HF name template(s) in the order the layout function takes them; `{layer}` is global."""
-    kind: LayoutKind
-    stage: Stage
-    """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
-    aliases: tuple[str, ...] = ()
-    """Other megatron-core names for the same tensor (the Transformer Engine spec), accepted on read."""
-    tied_hf: tuple[str, ...] = ()
-    """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in LAYOUT_KINDS:
-            raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
-        if ("{layer}" in self.mcore) != (self.stage == "layer"):
-            raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
-
-
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-
-QWEN2_MAPPING: tuple[MappingEntry, ...] = (
-    MappingEntry(
-        mcore="embedding.word_embeddings.weight",
-        hf=("model.embed_tokens.weight",),
-        kind="vocab",
-        stage="first",
-    ),
-    MappingEntry(
-        mcore=_L + "input_layernorm.weight",
-        hf=(_H + "input_layernorm.weight",),
-        kind="replicated",
-        stage="layer",
-        aliases=(_L + "self_attention.linear_qkv.layer_norm_weight",),
-    ),
-    MappingEntry(
-        mcore=_L + "self_attention.linear_qkv.weight",
-        hf=(_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-        kind="qkv",
-        stage="layer",
-    ),
-    MappingEntry(
-        mcore=_L + "self_attention.linear_qkv.bias",
-        hf=(_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
-        kind="qkv",
-        stage="layer",
-    ),
-    MappingEntry(
-        mcore=_L + "self_attention.linear_proj.weight",
-        hf=(_H + "self_attn.o_proj.weight",),
-        kind="row",
-        stage="layer",
-    ),
-    MappingEntry(
-        mcore=_L + "pre_mlp_layernorm.weight",
-        hf=(_H + "post_attention_layernorm.weight",),
-        kind="replicated",
-        stage="layer",
-        aliases=(_L + "mlp.linear_fc1.layer_norm_weight",),
-    ),
-    MappingEntry(
-        mcore=_L + "mlp.linear_fc1.weight",
-        hf=(_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
-        kind="fc1",
-        stage="layer",
-    ),
-    MappingEntry(
-        mcore=_L + "mlp.linear_fc2.weight", hf=(_H + "mlp.down_proj.weight",), kind="row", stage="layer"
-    ),
-    MappingEntry(
-        mcore="decoder.final_layernorm.weight", hf=("model.norm.weight",), kind="replicated", stage="last"
-    ),
-    MappingEntry(
-        mcore="output_layer.weight",
-        hf=("lm_head.weight",),
-        kind="vocab",
-        stage="last",
-        tied_hf=("model.embed_tokens.weight",),
-    ),
-)
-
+__all__ = ["LAYOUT_KINDS", "LayoutKind", "MappingEntry", "Stage", "arch_mapping", "canonical_mcore_name", "dist_key",
+           "has_output_layer", "hf_names", "resolve_mcore_name"]
 
 def _template_regex(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
 
 
-_LOOKUP: tuple[tuple[re.Pattern[str], MappingEntry], ...] = tuple(
-    (_template_regex(name), entry) for entry in QWEN2_MAPPING for name in (entry.mcore, *entry.aliases)
-)
+def arch_mapping(arch: ModelArch) -> tuple[MappingEntry, ...]:
+    """The entries of `arch`'s family table that exist for `arch` (those whose `requires` field is set)."""
+    table = arch.family.mapping
+    present = tuple(sorted({e.requires for e in table if e.requires and getattr(arch, e.requires)}))
+    return _filter(table, present)
 
 
-def resolve_mcore_name(name: str) -> tuple[MappingEntry, int | None]:
-    """Find the table entry of a megatron-core name (canonical or alias) and its layer number.
+@cache
+def _filter(table: tuple[MappingEntry, ...], present: tuple[str, ...]) -> tuple[MappingEntry, ...]:
+    return tuple(e for e in table if e.requires is None or e.requires in present)
 
-    Raises KeyError naming the tensor when the table has no such parameter.
+
+@cache
+def _lookup(table: tuple[MappingEntry, ...]) -> tuple[tuple[re.Pattern[str], MappingEntry], ...]:
+    return tuple((_template_regex(name), entry) for entry in table for name in (entry.mcore, *entry.aliases))
+
+
+def resolve_mcore_name(name: str, arch: ModelArch) -> tuple[MappingEntry, int | None]:
+    """Find the entry of `arch`'s table for a megatron-core name (canonical or alias) and its layer number.
+
+    Raises KeyError naming the tensor and the model type when the table has no such parameter.
     """
-    for pattern, entry in _LOOKUP:
+    for pattern, entry in _lookup(arch_mapping(arch)):
         match = pattern.match(name)
         if match:
             return entry, int(match.group(1)) if match.groups() else None
-    raise KeyError(f"{name!r} is not a Qwen2 megatron-core parameter known to weights/mapping.py")
+    raise KeyError(f"{name!r} is not a megatron-core parameter of a {arch.model_type!r} model "
+                   f"(models/{arch.model_type}/mapping.py)")
 
 
-def canonical_mcore_name(name: str) -> str:
+def canonical_mcore_name(name: str, arch: ModelArch) -> str:
     """The local-spec name of a megatron-core parameter given any accepted alias."""
-    entry, layer = resolve_mcore_name(name)
+    entry, layer = resolve_mcore_name(name, arch)
     return entry.mcore.format(layer=layer) if layer is not None else entry.mcore
 
 

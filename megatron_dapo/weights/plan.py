@@ -15,7 +15,7 @@ import torch
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
-from megatron_dapo.weights.mapping import QWEN2_MAPPING, MappingEntry, has_output_layer, hf_names
+from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec
 
 
@@ -41,7 +41,7 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int) -> list
     tied = arch.tie_word_embeddings
     out: list[StageTensor] = []
     for stage in ("first", "layer", "last"):
-        for entry in QWEN2_MAPPING:
+        for entry in arch_mapping(arch):
             if entry.stage != stage:
                 continue
             if stage == "first" and not first:

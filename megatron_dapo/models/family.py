@@ -1,0 +1,107 @@
+"""ModelFamily: everything the library needs to know about one HF model family, in one object;
+MappingEntry: one row of a family's HF <-> megatron-core name table (read by `weights/mapping.py`).
+
+A family is one folder `models/<model_type>/` whose `__init__.py` defines `FAMILY = ModelFamily(...)`,
+plus its module path in `registry.FAMILY_MODULES` (docs/MODELS.md). Every other module takes a
+`ModelArch` and reaches the family through `arch.family`; none names a family.
+
+Hooks (functions of the arch, so a family option such as `qk_layernorm` or a rope scaling reaches
+megatron-core without code outside the folder):
+
+- `parse(config) -> ModelArch`: the config.json dict -> the architecture; an unsupported value is a
+  ValueError naming the config.json field (`hf_config.dense_decoder_fields` reads the common ones);
+- `transformer_config_fields(arch)`: the family's TransformerConfig fields (norm, activation, biases,
+  dropout, qk_layernorm, ...); sizes and parallelism are added by `models/config.py`;
+- `layer_spec_options(arch)`: keyword arguments of megatron-core's GPT layer-spec builders
+  (`get_gpt_layer_local_spec` / `get_gpt_layer_with_transformer_engine_spec`, e.g. qk_layernorm);
+- `model_kwargs(arch)`: GPTModel keyword arguments for positions (rope type, base, scaling);
+- `activation_terms(arch)`: the planner's `ActivationSpec` fields that depend on the model (gated MLP,
+  dropout, rope), next to the ones the layer implementation decides;
+- `mapping`: the HF <-> megatron-core name table (`weights/mapping.py` entries; data);
+- `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
+  build (`hf_causal_lm()`, `hf_config()`);
+- `tiny_config`: a small config.json dict the shared tests build random models from (docs/MODELS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+LayoutKind = Literal["replicated", "column", "row", "qkv", "fc1", "vocab"]
+Stage = Literal["first", "layer", "last"]
+LAYOUT_KINDS: tuple[str, ...] = ("replicated", "column", "row", "qkv", "fc1", "vocab")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MappingEntry:
+    mcore: str
+    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module)."""
+    hf: tuple[str, ...]
+    """HF name template(s) in the order the layout function takes them; `{layer}` is global."""
+    kind: LayoutKind
+    stage: Stage
+    """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
+    aliases: tuple[str, ...] = ()
+    """Other megatron-core names for the same tensor (the Transformer Engine spec), accepted on read."""
+    shapes: tuple[tuple[str, ...], ...]
+    """Shape of each HF tensor in `hf`, one ModelArch attribute name per dim (e.g. ("q_size", "hidden_size"))."""
+    tied_hf: tuple[str, ...] = ()
+    """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
+    requires: str | None = None
+    """A boolean ModelArch field the entry exists under (e.g. "qkv_bias"); None: always present."""
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.hf):
+            raise ValueError(f"mapping entry {self.mcore}: {len(self.hf)} HF tensors but {len(self.shapes)} shapes")
+        if self.kind not in LAYOUT_KINDS:
+            raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
+        if ("{layer}" in self.mcore) != (self.stage == "layer"):
+            raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
+
+
+ARCH_OPTIONS = ("qkv_bias", "qk_layernorm")
+"""ModelArch fields a family fills (its `arch_defaults` give them when a ModelArch is built directly)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    model_type: str
+    """HF config.json `model_type` this family is registered under."""
+    hf_model_class: str
+    """transformers causal-LM class name (the embedded engine and the tests build it)."""
+    hf_config_class: str
+    """transformers config class name."""
+    mapping: tuple[MappingEntry, ...]
+    """HF <-> megatron-core name table (entries with `requires` exist only under that arch option)."""
+    # The hooks take / return a `models.hf_config.ModelArch` (typed Any here: hf_config reaches the family
+    # through the registry, so this module cannot import it without an import cycle).
+    parse: Callable[[dict[str, Any]], Any]
+    """config.json dict -> ModelArch; ValueError naming the field on an unsupported value."""
+    transformer_config_fields: Callable[[Any], dict[str, Any]]
+    layer_spec_options: Callable[[Any], dict[str, Any]]
+    model_kwargs: Callable[[Any], dict[str, Any]]
+    activation_terms: Callable[[Any], dict[str, Any]]
+    arch_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
+    tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    """A tiny config.json (without model_type) the family-parametrized tests build random HF models from."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.arch_defaults) - set(ARCH_OPTIONS))
+        if unknown:
+            raise ValueError(f"family {self.model_type}: arch_defaults {unknown} are not ModelArch options "
+                             f"{ARCH_OPTIONS}")
+
+    def hf_causal_lm(self) -> type:
+        """The transformers causal-LM class (imports transformers)."""
+        import transformers
+
+        return getattr(transformers, self.hf_model_class)
+
+    def hf_config(self, **fields: Any) -> Any:
+        """A transformers config of this family from config.json fields."""
+        import transformers
+
+        return getattr(transformers, self.hf_config_class)(**fields)

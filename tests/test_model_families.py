@@ -1,0 +1,101 @@
+"""Model families as plug-ins: every registered family against HF transformers, and no family named outside its folder.
+
+Parametrized over `registry.families()`, so a new family gets these checks by registering (docs/MODELS.md).
+"""
+
+from __future__ import annotations
+
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import FAMILY_MODULES, families, family
+from megatron_dapo.planner import ActivationSpec
+from megatron_dapo.weights.plan import hf_tensor_specs
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = sorted(families())
+LIBRARY = ("megatron_dapo", "checkpoint_convert")
+
+
+def _hf_model(model_type: str, *, tied: bool):
+    fam = family(model_type)
+    torch.manual_seed(0)
+    config = fam.hf_config(**fam.tiny_config, tie_word_embeddings=tied)
+    return fam.hf_causal_lm()(config).eval()
+
+
+def test_every_family_module_registers_its_model_type():
+    assert len(FAMILY_MODULES) == len(families())
+    for path in FAMILY_MODULES:
+        assert path == f"megatron_dapo.models.{path.rsplit('.', 1)[1]}"  # one folder per family
+        assert path.rsplit(".", 1)[1] in families()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_mapping_names_shapes_and_count_match_the_hf_model(model_type: str, tied: bool):
+    """The family's table, read for the parsed arch, lists exactly the HF model's tensors with their shapes."""
+    hf = _hf_model(model_type, tied=tied)
+    arch = ModelArch.from_hf(hf.config)
+    assert arch.model_type == model_type and arch.family is family(model_type)
+    want = {name: tuple(t.shape) for name, t in hf.state_dict().items() if not (tied and name == "lm_head.weight")}
+    got = {spec.name: tuple(spec.shape) for spec in hf_tensor_specs(arch, torch.float32)}
+    assert got == want
+    assert arch.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_arch_defaults_match_the_parsed_options(model_type: str):
+    """A ModelArch built directly (as tests do) has the options parse gives the family's tiny config."""
+    parsed = ModelArch.from_hf({**family(model_type).tiny_config, "model_type": model_type})
+    fields = {k: v for k, v in parsed.to_dict().items() if k not in ("qkv_bias", "qk_layernorm")}
+    assert ModelArch(**fields) == parsed
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_planner_spec_takes_the_family_terms(model_type: str):
+    arch = ModelArch.from_hf({**family(model_type).tiny_config, "model_type": model_type})
+    spec = ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    terms = arch.family.activation_terms(arch)
+    assert {k: getattr(spec, k) for k in terms} == terms
+    assert (spec.hidden, spec.q, spec.kv) == (arch.hidden_size, arch.q_size, arch.kv_size)
+
+
+def test_unknown_model_type_names_the_field_and_the_supported_ones():
+    with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported; supported: \("):
+        ModelArch(model_type="gpt2", vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=1,
+                  num_kv_heads=1, head_dim=4)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    pytest.param("hidden_act", "gelu", id="hidden_act"),
+    pytest.param("use_sliding_window", True, id="sliding-window"),
+    pytest.param("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, id="rope-scaling"),
+    pytest.param("attention_dropout", 0.1, id="attention-dropout"),
+])
+def test_qwen2_rejects_values_it_would_ignore_naming_the_field(field, value):
+    config = {**family("qwen2").tiny_config, "model_type": "qwen2", field: value}
+    with pytest.raises(UserError, match=rf"config.json: {field}"):
+        ModelArch.from_hf(config)
+
+
+def _names_in_code(path: Path) -> list[tuple[int, str]]:
+    """Identifiers (NAME tokens: not strings, comments or docstrings) in one source file."""
+    return [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            if tok.type == tokenize.NAME]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_no_library_code_names_a_family_outside_its_folder(model_type: str):
+    """Style rule 18: a family is one folder and one registration (`registry.FAMILY_MODULES`, a string)."""
+    folder = REPO / "megatron_dapo" / "models" / model_type
+    hits = [f"{path.relative_to(REPO)}:{line} {name}"
+            for root in LIBRARY for path in sorted((REPO / root).rglob("*.py")) if folder not in path.parents
+            for line, name in _names_in_code(path) if model_type in name.lower()]
+    assert not hits, f"{model_type} named outside {folder.relative_to(REPO)}: {hits}"
