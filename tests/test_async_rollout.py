@@ -23,8 +23,8 @@ from megatron_dapo.rollout.async_rollout import AheadBatch, batch_from_state, ba
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, ScoredGroup
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
-from megatron_dapo.train import build_configs
 from megatron_dapo.trainer.loop import Trainer, TrainerConfig
+from megatron_dapo.trainer.run_config import build_configs
 from tests.dist.actor_common import load_hf_weights, single_process_world
 from tests.sim_engine import decode, reward
 
@@ -238,7 +238,7 @@ def test_resume_says_what_happens_to_the_batch_generated_ahead(capsys, depth, nu
     trainer = Trainer(config=TrainerConfig(num_steps=num_steps, async_rollout=depth), collect=None, actor=None,
                       engine=engine, next_prompts=lambda k: [], eval_prompts=[], decode=decode, reward_fn=reward,
                       logger=None, step=2)
-    trainer.restore_state({"async_batch": batch_state(AheadBatch.from_checkpoint(3, 1, groups, {"rollout/x": 1.0}))})
+    trainer.ahead.load_state_dict(batch_state(AheadBatch.from_checkpoint(3, 1, groups, {"rollout/x": 1.0})))
     printed = capsys.readouterr().out.strip()
     assert printed == (f"[megatron-dapo] {says}" if says else "")
     if num_steps >= 3 and depth == 0:

@@ -91,7 +91,7 @@ def te_world(tmp_path_factory):
 
 
 def _hf_loaded(make_actor, hf_dir, te: bool) -> MegatronActor:
-    from megatron_dapo.train import load_hf_into_actor
+    from megatron_dapo.trainer.build import load_hf_into_actor
 
     actor = make_actor(te)
     load_hf_into_actor(actor, str(hf_dir))

@@ -258,17 +258,18 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     from megatron_dapo.checkpoint import training as checkpoint
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.rollout.collect import Prompt
+    from megatron_dapo.trainer import build
     from megatron_dapo.trainer.loop import Trainer
 
     layout, _, arch = world
     log: list = []
     tokenizer = SimpleNamespace(eos_token_id=1, decode=lambda ids, **kw: "")
-    monkeypatch.setattr(train_mod, "load_inputs", lambda args, with_data: train_mod.Inputs(
+    monkeypatch.setattr(build, "load_inputs", lambda args, with_data: build.Inputs(
         arch=arch, tokenizer=tokenizer, train_prompts=[Prompt(prompt_ids=[2, 3], ground_truth="1", index=0)]))
     monkeypatch.setattr(actor_mod, "init_parallel", lambda **kw: layout)
     monkeypatch.setattr(train_mod, "make_rollout_engine", lambda args, tok: log.append("engine up") or
                         _StartupEngine(log))
-    monkeypatch.setattr(train_mod, "build_actor", lambda *a: log.append("build actor") or
+    monkeypatch.setattr(build, "build_actor", lambda *a: log.append("build actor") or
                         SimpleNamespace(chunks=[], optimizer=SimpleNamespace()))
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda load, actor: log.append("load checkpoint") or
                         {"sampler": ResumableSampler(1, seed=7).state_dict(), "step": 1})

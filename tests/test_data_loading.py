@@ -246,7 +246,7 @@ class SpyTokenizer:
 
 
 def test_a_50mb_prompt_is_skipped_without_being_tokenized(tmp_path, capsys):
-    from megatron_dapo.train import load_prompt_set
+    from megatron_dapo.data.prompt_set import load_prompt_set
 
     huge = "1" * (50 * 2**20)
     path = tmp_path / "huge.jsonl"
@@ -262,7 +262,7 @@ def test_a_50mb_prompt_is_skipped_without_being_tokenized(tmp_path, capsys):
 
 
 def test_a_long_prompt_with_on_long_prompt_error_names_file_row_and_flag(tmp_path):
-    from megatron_dapo.train import load_prompt_set
+    from megatron_dapo.data.prompt_set import load_prompt_set
 
     path = tmp_path / "long.jsonl"
     rows = [{"prompt": [{"role": "user", "content": c}], "reward_model": {"ground_truth": "2"}}

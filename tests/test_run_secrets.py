@@ -1,4 +1,4 @@
-"""No secret in any file a run writes: args.json, metrics, wandb's files, checkpoints, the HF export.
+"""No secret in any file a run writes: run_config.json (the run record), metrics, wandb files, checkpoints, HF export.
 
 The SGLang API key reaches the trainer through --sglang-api-key-file or SGLANG_API_KEY even when the
 rollout engine is the embedded one; megatron_dapo/trainer/run_record.py redacts it where the run record is made.
@@ -45,10 +45,10 @@ def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=train_env() | {"SGLANG_API_KEY": ENV_KEY}, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert (run / "log" / "args.json").is_file() and any((run / "ckpt").iterdir()) and (run / "hf").is_dir()
+    assert (run / "log" / "run_config.json").is_file() and any((run / "ckpt").iterdir()) and (run / "hf").is_dir()
     assert FILE_KEY not in proc.stdout + proc.stderr
     assert files_holding(tmp_path, (FILE_KEY, ENV_KEY)) == [str(key_file)]  # only the user's own key file
-    record = json.loads((run / "log" / "args.json").read_text())
+    record = json.loads((run / "log" / "run_config.json").read_text())
     assert record["sglang_api_key"] == REDACTED and record["sglang_api_key_file"] == str(key_file)
 
 

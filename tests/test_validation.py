@@ -19,9 +19,11 @@ import pytest
 from megatron_dapo import train as train_mod
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.checkpoint.hf_export import EXPORT_MARKER
+from megatron_dapo.data import prompt_set
 from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.trainer import build
 from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
@@ -129,15 +131,15 @@ def test_tokenizer_larger_than_the_model_vocab_fails_at_start_up(tmp_path, promp
     model = make_model_dir(tmp_path, vocab_size=CHAR_VOCAB - 10)
     with pytest.raises(UserError, match=rf"has {CHAR_VOCAB} tokens but the model of {model} has vocab_size "
                                         rf"{CHAR_VOCAB - 10}"):
-        train_mod.load_inputs(parse(model, prompts), with_data=False)
+        build.load_inputs(parse(model, prompts), with_data=False)
 
 
 def test_prompt_plus_response_over_the_context_fails_at_start_up(tmp_path, prompts):
     model = make_model_dir(tmp_path, max_position_embeddings=20)
     with pytest.raises(UserError, match=r"--max-prompt-length 16 \+ --max-response-length 8 = 24 tokens exceeds "
                                         r"the model's context of 20"):
-        train_mod.load_inputs(parse(model, prompts), with_data=False)
-    inputs = train_mod.load_inputs(parse(model, prompts, "--allow-exceed-context"), with_data=True)
+        build.load_inputs(parse(model, prompts), with_data=False)
+    inputs = build.load_inputs(parse(model, prompts, "--allow-exceed-context"), with_data=True)
     assert len(inputs.train_prompts) == 8 and inputs.arch.max_position_embeddings == 20
 
 
@@ -150,7 +152,7 @@ def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, w
     (model_dir / "config.json").write_text(text)
     path = re.escape(str(model_dir / "config.json"))
     with pytest.raises(UserError, match=rf"^{path} is not valid JSON \(.*: {where}\)"):
-        train_mod.load_inputs(parse(model_dir, prompts), with_data=False)
+        build.load_inputs(parse(model_dir, prompts), with_data=False)
     (model_dir / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(UserError, match=rf"^{path} is not UTF-8 text \(byte offset 0"):
         ModelArch.from_hf(model_dir)
@@ -194,7 +196,7 @@ def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path
     train_mod.check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
     with pytest.raises(UserError, match=rf"^the model of --hf-checkpoint {model} does not split over this layout: "
                                         rf"{message}$"):
-        train_mod.load_inputs(args, with_data=False)
+        build.load_inputs(args, with_data=False)
 
 
 def test_config_dataclass_errors_become_one_line_errors(model_dir, prompts):
@@ -212,9 +214,9 @@ def test_flags_named_in_errors_exist(tmp_path, model_dir, prompts):
         lambda: check_context(max_prompt_length=10, max_response_length=10, context=8, allow_exceed=False),
         lambda: check_vocab(tokenizer_size=9, vocab_size=8, tokenizer_dir="t", hf_checkpoint="m"),
         lambda: data_parallel_size(3, tp=2, pp=1),
-        lambda: train_mod.load_prompt_set(str(prompts), build_char_tokenizer(), prompt_format="raw",
+        lambda: prompt_set.load_prompt_set(str(prompts), build_char_tokenizer(), prompt_format="raw",
                                           max_prompt_length=2, on_long_prompt="error", flag="--prompt-data"),
-        lambda: train_mod.load_prompt_set(str(prompts), build_char_tokenizer(), prompt_format="raw",
+        lambda: prompt_set.load_prompt_set(str(prompts), build_char_tokenizer(), prompt_format="raw",
                                           max_prompt_length=2, flag="--eval-prompt-data"),
     ):
         with pytest.raises(UserError) as info:

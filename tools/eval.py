@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     from transformers import AutoTokenizer
 
+    from megatron_dapo.data.prompt_set import load_prompt_set
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout import make_engine
     from megatron_dapo.rollout.evaluation import evaluate
-    from megatron_dapo.train import load_prompt_set
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = load_prompt_set(args.data, tokenizer, prompt_format=args.prompt_format,

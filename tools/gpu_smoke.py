@@ -174,10 +174,13 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.actor import MegatronActor, TrainSample, init_parallel
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.data.prompt_set import load_prompt_set
     from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.reward import get_reward_fn
-    from megatron_dapo.train import build_configs, load_hf_into_actor, load_prompt_set, make_rollout_engine
+    from megatron_dapo.train import make_rollout_engine
+    from megatron_dapo.trainer.build import load_hf_into_actor
     from megatron_dapo.trainer.loop import Trainer
+    from megatron_dapo.trainer.run_config import build_configs
 
     args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
     layout = init_parallel(tp=1, pp=1, seed=args.seed)
@@ -370,7 +373,7 @@ def part_scale(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.train import build_configs
+    from megatron_dapo.trainer.run_config import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()
@@ -472,8 +475,8 @@ def part_colocate(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.train import build_configs
     from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
+    from megatron_dapo.trainer.run_config import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()

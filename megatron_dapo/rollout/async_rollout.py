@@ -252,3 +252,30 @@ def batch_from_state(data: dict[str, Any]) -> AheadBatch:
         groups.append(ScoredGroup(prompt=prompt, samples=samples[i:i + n], **{k: v[g] for k, v in other.items()}))
         i += n
     return AheadBatch.from_checkpoint(int(data["step"]), int(data["weight_version"]), groups, dict(data["metrics"]))
+
+
+class BatchAhead:
+    """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint), a
+    checkpointed component (megatron_dapo/checkpoint/checkpointer.py, name "ahead", extra["async_batch"]).
+
+    After step k the checkpoint holds weights k; batch k+1 came from weights k-1, so it is saved itself (up to
+    ~0.7 GB at 32B, see `batch_state`). `depth` and `num_steps` (--async-rollout, --num-steps) only shape the line
+    a resume prints about it (`resume_note`)."""
+
+    def __init__(self, *, depth: int, num_steps: int) -> None:
+        self.depth, self.num_steps = depth, num_steps
+        self.job: AheadBatch | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """`batch_state` of a finished batch; {} when there is none, it is still generating, or it failed (the
+        checkpoint then holds no "async_batch": the resumed run generates that step's batch itself)."""
+        job = self.job
+        if job is None or not job.done or job.failed:
+            return {}
+        return batch_state(job)
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        job = batch_from_state(data)
+        if note := resume_note(job, depth=self.depth, num_steps=self.num_steps):
+            print(f"[megatron-dapo] {note}")
+        self.job = job

@@ -241,3 +241,28 @@ def from_state(data: dict[str, Any] | None, prompt_type: type) -> list[CarriedGr
                                   token_versions=[] if uniform else versions))
         groups.append(CarriedGroup(prompt=prompt, samples=samples, seed=g["seed"], first_step=int(g["first_step"])))
     return groups
+
+
+@dataclass
+class CarriedGroups:
+    """Rank 0's groups cut at the end of the last step, resumed first by the next one: a checkpointed component
+    (megatron_dapo/checkpoint/checkpointer.py, name "carried"; 12 B per carried token, see `state`).
+
+    `enabled` is --partial-rollout: without it nothing is carried, nothing is saved, and a checkpoint's groups are
+    dropped with a warning."""
+
+    enabled: bool = False
+    groups: list[CarriedGroup] = dataclasses.field(default_factory=list)
+
+    def state_dict(self) -> dict[str, Any]:
+        """`state(groups)`; {} without --partial-rollout (the checkpoint then holds no "carried")."""
+        return state(self.groups) if self.enabled else {}
+
+    def load_state_dict(self, data: dict[str, Any]) -> None:
+        if self.enabled:
+            self.groups = from_state(data, Prompt)
+        elif data.get("groups"):
+            import sys
+
+            print(f"[megatron-dapo] warning: the checkpoint carries {len(data['groups'])} partial-rollout groups; "
+                  f"without --partial-rollout they are dropped", file=sys.stderr)

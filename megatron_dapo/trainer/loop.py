@@ -14,7 +14,8 @@ trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/roll
 Where the other ranks wait for rank-0-only work (on the DataPlane's gloo group, up to --rollout-timeout hours),
 a failure of that work on rank 0 reaches them as an error at once: the rollout batch, its packing and the step's
 metrics log abort the next `exchange`; the weight sync and the evaluation are `section`s (a status barrier, one
-int64), as are rank 0's parts of a save and a resume (train.py) and the colocated phase switches. See `DataPlane`.
+int64), as are rank 0's parts of a save and a resume (checkpoint/checkpointer.py) and the colocated phase
+switches. See `DataPlane`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,18 +45,11 @@ from megatron_dapo.algorithm.mismatch import (
     reduce_mismatch,
 )
 from megatron_dapo.distributed import comm
-from megatron_dapo.rollout.async_rollout import (
-    AheadBatch,
-    batch_from_state,
-    batch_state,
-    check_depth,
-    check_staleness,
-    resume_note,
-)
+from megatron_dapo.rollout.async_rollout import AheadBatch, BatchAhead, check_depth, check_staleness
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.evaluation import evaluate
-from megatron_dapo.rollout.partial_rollout import CarriedGroup
+from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
@@ -62,6 +57,7 @@ from megatron_dapo.weight_sync.stage_sync import StageSync
 from megatron_dapo.weights.export import iter_hf_weights
 
 if TYPE_CHECKING:
+    from megatron_dapo.checkpoint.checkpointer import Checkpointer
     from megatron_dapo.trainer.colocate import PhaseSwitcher
     from megatron_dapo.weight_sync.colocated_push import ColocatedPusher
 
@@ -123,12 +119,10 @@ class Trainer:
     decode: Callable[[list[int]], str]
     reward_fn: RewardFn
     logger: MetricsLogger | None
-    save_fn: Callable[[int], None] | None = None
+    checkpointer: Checkpointer | None = None
+    """Saves this trainer's step with the other components (--save; megatron_dapo/checkpoint/checkpointer.py)."""
     step: int = 0
-    """Last completed step (set by a resume)."""
-    carried: list[CarriedGroup] = field(default_factory=list)
-    """Rank 0, --partial-rollout: groups cut at the end of the last step, resumed first by the next one (in the
-    checkpoint: train.py's save)."""
+    """Last completed step (restored by `load_state_dict`)."""
     phases: PhaseSwitcher | None = None
     """--colocate: the PhaseSwitcher (megatron_dapo/trainer/colocate.py) of this rank; None on separate GPUs."""
     pusher: ColocatedPusher | None = None
@@ -136,8 +130,6 @@ class Trainer:
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
     _stage_sync: StageSync | None = field(init=False, default=None)
-    _ahead: AheadBatch | None = field(init=False, default=None)
-    """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint)."""
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -148,6 +140,23 @@ class Trainer:
                                     timeout=timedelta(hours=self.config.rollout_timeout_h))
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage sends its own weights
                 self._stage_sync = StageSync(self.wait_group)
+
+    @cached_property
+    def carried(self) -> CarriedGroups:
+        """Rank 0, --partial-rollout: the groups cut at the end of the last step, resumed first by the next one."""
+        return CarriedGroups(enabled=self.collect.partial_rollout)
+
+    @cached_property
+    def ahead(self) -> BatchAhead:
+        """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint)."""
+        return BatchAhead(depth=self.config.async_rollout, num_steps=self.config.num_steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's progress: the last completed step (every rank holds the same)."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
 
     @property
     def wait_group(self):
@@ -163,6 +172,10 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         cfg = self.config
+        job = self.ahead.job
+        if job is not None and job.step != self.step + 1:  # restored with the step by the checkpointer
+            raise ValueError(f"the checkpoint of step {self.step} holds a batch for step {job.step}, expected "
+                             f"{self.step + 1}")
         if self.phases is not None and self.phases.phase == "training":  # colocated, engines released at start-up:
             self.phases.to_generation(lambda: self.sync_weights(self.step))  # they resume, get the actor's weights
         if cfg.eval_interval and self.step == 0:
@@ -239,7 +252,7 @@ class Trainer:
         Synchronous: generated now. --async-rollout 1: the batch generated during the previous step (at step 1 or
         after a resume without one: generated now), and batch step+1 starts on a background thread, on the
         weights the engine holds now, before this returns."""
-        depth, job = self.config.async_rollout, self._ahead
+        depth, job = self.config.async_rollout, self.ahead.job
         if job is None and depth == 0:
             t0 = time.perf_counter()
             groups, metrics = self.rollout(step)
@@ -249,12 +262,12 @@ class Trainer:
         if job.step != step:
             raise RuntimeError(f"the batch generated ahead is for step {job.step}, the trainer is at step {step}")
         t0 = time.perf_counter()
-        self._ahead = None
+        self.ahead.job = None
         groups, metrics = job.result()
         waited = time.perf_counter() - t0
         staleness = check_staleness(job, train_step=step, depth=depth)
         if depth and step < self.config.num_steps:
-            self._ahead = AheadBatch.start(step + 1, self.rollout, lambda: self.engine.weight_version)
+            self.ahead.job = AheadBatch.start(step + 1, self.rollout, lambda: self.engine.weight_version)
         return groups, metrics | {"time/rollout_wait_s": waited, "async/staleness": float(staleness)}
 
     def finish_ahead(self) -> dict[str, float]:
@@ -262,40 +275,18 @@ class Trainer:
         the weight push that follows never overlaps generation. `time/push_wait_s`: how long the trained weights
         waited for it; `time/overlap_s`: generation time that ran while this step trained. A failed batch raises
         at the next step's rollout (rank0_batch), where the other ranks are told."""
-        job = self._ahead
+        job = self.ahead.job
         if job is None:
             return {}
         trained = time.perf_counter()
         waited = job.wait()
         return {"time/push_wait_s": waited, "time/overlap_s": max(0.0, min(job.finished, trained) - job.started)}
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Rank 0's share of the checkpoint's extra state: the batch generated ahead (`async_batch`), if any.
-
-        After step k the checkpoint holds weights k; batch k+1 came from weights k-1, so it is saved itself."""
-        job = self._ahead
-        if job is None or not job.done or job.failed:
-            return {}
-        return {"async_batch": batch_state(job)}
-
-    def restore_state(self, extra: dict[str, Any]) -> None:
-        """Rank 0, after a resume to `self.step`: take back the batch generated ahead, if the checkpoint has one."""
-        data = extra.get("async_batch")
-        if data is None or not self._is_rank0:
-            return
-        job = batch_from_state(data)
-        if job.step != self.step + 1:
-            raise ValueError(f"the checkpoint of step {self.step} holds a batch for step {job.step}, expected "
-                             f"{self.step + 1}")
-        if note := resume_note(job, depth=self.config.async_rollout, num_steps=self.config.num_steps):
-            print(f"[megatron-dapo] {note}")
-        self._ahead = job
-
     def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Rank 0 collects the step's kept groups."""
         result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
-                               step=step, carried=self.carried)
-        self.carried = result.carried
+                               step=step, carried=self.carried.groups)
+        self.carried.groups = result.carried
         if self.logger is not None:  # which prompts each step saw: audit trail and resume check
             record = {"step": step, "requested": result.requested, "kept": [g.prompt.index for g in result.groups]}
             if self.collect.partial_rollout:
@@ -412,12 +403,13 @@ class Trainer:
         return metrics
 
     def save(self, step: int) -> None:
-        if self.save_fn is None:
+        """Checkpoint step `step` through the checkpointer (every rank)."""
+        if self.checkpointer is None:
             return
         offloaded = self.phases is not None and self.phases.offloader.offloaded
         if offloaded:  # colocated: the optimizer state is on the host between steps; the checkpoint needs it
             self.phases.offloader.onload()
-        self.save_fn(step)
+        self.checkpointer.save(step)
         if offloaded:
             self.phases.offloader.offload()
 

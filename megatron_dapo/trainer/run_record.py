@@ -1,4 +1,4 @@
-"""The run record (args.json, wandb's config): the run's flags with every secret redacted.
+"""The redaction of the run record (run_config.json, wandb's config): the run's flags with every secret redacted.
 
 A secret is the value of a SECRET_FIELDS attribute of the parsed args (the SGLang API key, however it was
 given: --sglang-api-key, --sglang-api-key-file or SGLANG_API_KEY, all resolved into one attribute by
@@ -40,7 +40,7 @@ def redact(value: Any, secrets: Sequence[str]) -> Any:
 
 
 def run_record(args: argparse.Namespace) -> dict[str, Any]:
-    """vars(args) for args.json and wandb's config, secrets redacted (`args` itself is not modified)."""
+    """vars(args) for the run record (run_config.py) and wandb's config, secrets redacted (`args` is not modified)."""
     secrets = secrets_of(args)
     record = {k: redact(v, secrets) for k, v in vars(args).items()}
     for name in SECRET_FIELDS:

@@ -1,0 +1,168 @@
+"""Builders of the run's components from its flags and config: the inputs read before any model exists, the
+actor with its initial weights, rank 0's metrics logger and report. The entry point (megatron_dapo/train.py) calls
+them in start-up order."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_dapo.data.prompt_set import load_prompt_set
+from megatron_dapo.distributed.parallel import ParallelLayout
+from megatron_dapo.errors import UserError
+from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.rollout.types import Prompt
+from megatron_dapo.trainer.run_config import RunConfig
+from megatron_dapo.trainer.validation import check_context, check_model_layout, check_vocab
+
+
+@dataclass
+class Inputs:
+    """What the run reads before any model exists; the prompt lists are filled on global rank 0 only."""
+
+    arch: ModelArch
+    tokenizer: Any
+    train_prompts: list[Prompt] = field(default_factory=list)
+    eval_prompts: list[Prompt] = field(default_factory=list)
+
+
+def load_inputs(args: argparse.Namespace, *, with_data: bool) -> Inputs:
+    """config.json, the tokenizer against the model's vocab, the context; with_data: --export-hf and every prompt."""
+    from transformers import AutoTokenizer
+
+    try:
+        arch = ModelArch.from_hf(args.hf_checkpoint)
+    except FileNotFoundError as err:
+        raise UserError(f"--hf-checkpoint: {err}") from err
+    tokenizer_dir = args.tokenizer or args.hf_checkpoint
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"no tokenizer loads from {tokenizer_dir} (--tokenizer, default --hf-checkpoint): "
+                        f"{first_line}") from err
+    check_vocab(tokenizer_size=len(tokenizer), vocab_size=arch.vocab_size, tokenizer_dir=tokenizer_dir,
+                hf_checkpoint=args.hf_checkpoint)
+    check_context(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
+                  context=arch.max_position_embeddings, allow_exceed=args.allow_exceed_context)
+    check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                       hf_checkpoint=args.hf_checkpoint)
+    inputs = Inputs(arch=arch, tokenizer=tokenizer)
+    if not with_data:
+        return inputs
+    if args.export_hf:
+        from megatron_dapo.checkpoint.hf_export import check_export_target
+
+        check_export_target(args.export_hf)
+    limits = dict(prompt_format=args.prompt_format, max_prompt_length=args.max_prompt_length,
+                  max_prompt_chars=args.max_prompt_chars, on_long_prompt=args.on_long_prompt)
+    inputs.train_prompts = load_prompt_set(args.prompt_data, tokenizer, **limits, flag="--prompt-data")
+    if args.eval_prompt_data and args.eval_interval:
+        inputs.eval_prompts = load_prompt_set(args.eval_prompt_data, tokenizer, **limits, flag="--eval-prompt-data",
+                                              limit=args.eval_max_prompts or None)
+    return inputs
+
+
+def load_hf_into_actor(actor, hf_dir: str) -> None:
+    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table.
+
+    The shards carry local-spec names; `MegatronActor.load_shards` matches them to the model's own
+    parameter names (local or Transformer Engine spec) through `weights.mapping.canonical_mcore_name`.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_dapo.weights import iter_mcore_shards
+    from megatron_dapo.weights.hf_format import HFCheckpointReader
+    from megatron_dapo.weights.plan import virtual_stage
+    from megatron_dapo.weights.safetensors_io import CheckpointError
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    dtype = actor.config.torch_params_dtype
+    try:
+        reader = HFCheckpointReader(hf_dir)
+    except CheckpointError as err:  # a damaged file: every rank parses the same headers, rank 0 prints
+        raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+    with reader:
+        for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
+            layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
+            try:
+                shards = {name: per_tp[tp_rank].to(dtype)
+                          for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+            except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
+                raise UserError(f"--hf-checkpoint: {err}") from err
+            actor.load_shards(shards, chunk, reload=False)
+    actor.optimizer.reload_model_params()
+
+
+def build_actor(args: argparse.Namespace, arch: ModelArch, actor_cfg, layout, init_ckpt: str | None):
+    """The Megatron actor with its initial weights: a torch_dist checkpoint's model weights at any TP/PP
+    (`init_ckpt`, converter output passed as --load: iteration 0, fresh optimizer), else --hf-checkpoint
+    re-sharded."""
+    from megatron_dapo.actor import MegatronActor
+    from megatron_dapo.checkpoint.dist_load import load_model_weights
+
+    actor = MegatronActor(arch, actor_cfg, layout)
+    if init_ckpt is not None:
+        for module in actor.modules:  # one chunk, or several under --num-layers-per-virtual-pipeline-stage
+            load_model_weights(module, init_ckpt, arch)
+        actor.optimizer.reload_model_params()  # the weights changed outside the optimizer
+    else:
+        load_hf_into_actor(actor, args.hf_checkpoint)
+    return actor
+
+
+def make_logger(run: RunConfig):
+    """Rank 0's metrics logger; the run record (run_config.json next to metrics.jsonl, and wandb's config) says
+    what ran, secrets redacted."""
+    from megatron_dapo.trainer.metrics_log import MetricsLogger
+    from megatron_dapo.trainer.run_record import argv_has_secret
+
+    args = run.flags
+    run.write(args.log_dir)
+    return MetricsLogger(args.log_dir, total_steps=run.trainer.num_steps, wandb_project=args.wandb_project,
+                         run_name=args.wandb_run_name, config=run.record(), use_wandb=not args.no_wandb,
+                         progress=not args.no_progress, private_argv=argv_has_secret(args))
+
+
+def write_report(log_dir: str | Path) -> None:
+    """report.png of metrics.jsonl in `log_dir` (rank 0, at the end of the run)."""
+    from megatron_dapo.trainer.metrics_log import read_metrics
+    from megatron_dapo.trainer.report import plot
+
+    log_dir = Path(log_dir)
+    records = read_metrics(log_dir / "metrics.jsonl")
+    if records:
+        plot(records, log_dir / "report.png", title=str(log_dir))
+        print(f"[megatron-dapo] report: {log_dir / 'report.png'}")
+
+
+def virtual_stage_layers(args: argparse.Namespace, *, echo: bool) -> int | None:
+    """--num-layers-per-virtual-pipeline-stage: the model's layer count, by which init_parallel sizes the virtual
+    stages (every rank reads config.json; a layout that does not cut is the same verdict on every rank, printed by
+    the one with `echo`). None without it."""
+    if args.num_layers_per_virtual_pipeline_stage is None:
+        return None
+    try:
+        arch = ModelArch.from_hf(args.hf_checkpoint)
+    except FileNotFoundError as err:
+        raise UserError(f"--hf-checkpoint: {err}") from err
+    try:
+        check_model_layout(arch, ParallelLayout.from_args(args, int(os.environ.get("WORLD_SIZE", "1"))),
+                           hf_checkpoint=args.hf_checkpoint)
+    except UserError as err:
+        err.echo = echo
+        raise
+    return arch.num_layers
+
+
+def export_hf(actor, export_dir: str, hf_checkpoint: str, step: int) -> None:
+    """--export-hf: the trained policy as an HF checkpoint (megatron_dapo/checkpoint/hf_export.py)."""
+    from megatron_dapo.checkpoint.hf_export import export_hf as export
+
+    path = export(actor, export_dir, hf_checkpoint)
+    if path is not None:
+        print(f"[megatron-dapo] exported step {step} as an HF checkpoint: {path}")
