@@ -469,12 +469,14 @@ def train(args: argparse.Namespace) -> None:
             state = comm.broadcast_object(state, 0, group=trainer.wait_group)
         saver.save(step, actor, extra=state | ahead)
 
+    phases, weight_sync = make_colocated(args, actor, engine) if args.colocate else (None, None)
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=next_prompts if rank0 else None, eval_prompts=inputs.eval_prompts,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None)
-    if args.colocate:
-        trainer.phases, trainer.pusher = make_colocated(args, actor, engine, trainer.section)
+                      reward_fn=reward_fn, logger=logger, save_fn=save if args.save else None,
+                      phases=phases, weight_sync=weight_sync)  # weight_sync None: built from the engine, once
+    if phases is not None:
+        phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     try:
         if init_ckpt is not None:  # torch_dist weights at iteration 0: the engine was started from --hf-checkpoint
             if trainer.phases is None:  # --colocate: Trainer.run pushes as the released engines resume
@@ -523,11 +525,13 @@ def start_colocated_engines(args: argparse.Namespace, tokenizer, rank0: bool):
     return engine
 
 
-def make_colocated(args: argparse.Namespace, actor, engine, section):
-    """--colocate: this rank's PhaseSwitcher and ColocatedPusher (a collective: every rank makes every engine's
-    group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host, --sglang-base-port).
-    `section`: Trainer.section, the phase switches' status barrier on the wait group."""
+def make_colocated(args: argparse.Namespace, actor, engine):
+    """--colocate: this rank's PhaseSwitcher (its `section` is set once the Trainer exists) and its weight sync,
+    ColocatedSync (build_weight_sync with this rank's ColocatedPusher; a collective: every rank makes every
+    engine's group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host,
+    --sglang-base-port)."""
     from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher
+    from megatron_dapo.weight_sync.build import build_weight_sync
     from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 
     urls = args.sglang_server_urls or [f"http://{args.sglang_host}:{args.sglang_base_port + i}"
@@ -535,8 +539,8 @@ def make_colocated(args: argparse.Namespace, actor, engine, section):
     groups = make_engine_groups(urls, args.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
                              api_key=args.sglang_api_key, http_timeout_s=args.sglang_http_timeout)
-    return PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine,
-                         section=section), pusher
+    return (PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine),
+            build_weight_sync(engine, wait_group=None, colocated=pusher))
 
 
 def build_actor(args: argparse.Namespace, arch: ModelArch, actor_cfg, layout, init_ckpt: str | None):
