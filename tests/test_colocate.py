@@ -246,6 +246,9 @@ class _StartupEngine(_Recorder):
     def shutdown(self):
         self.log.append("shutdown")
 
+    def attach_sync(self, sync):  # SGLangEngine's: the colocated sync it would call to recover a lost server
+        self.weight_sync = sync
+
 
 def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     """train.train(--colocate) in this process with the heavy parts faked, recording the start-up events: the

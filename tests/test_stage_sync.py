@@ -137,7 +137,7 @@ def test_only_stage_sources_send_to_the_servers_and_nobody_else_moves_the_model(
 def test_the_path_is_chosen_once_at_build_and_no_push_broadcasts_a_path_decision(pushed):
     """Every rank holds the implementation build_weight_sync chose from rank 0's engine (sent once, at build): a
     per-stage push broadcasts exactly one object, the plan (rank 0's targets and ports), and a full push at the same
-    PP 2 (tensor mode) broadcasts none; the old StageSync sent ("full", None) to every rank at every such push."""
+    PP 2 (disk mode) broadcasts none; the old StageSync sent ("full", None) to every rank at every such push."""
     data, hf, states, ranks = pushed
     for name in LAYOUTS:
         for rank, out in enumerate(ranks[name]):

@@ -4,8 +4,8 @@ One torchrun launch (gloo, CPU) of a random tiny Qwen2 at TP --tp x PP2 pushes t
 fake SGLang servers (tests/sglang/fake_server.py, in this process: real gloo groups, one collective request at
 a time per server as SGLang's scheduler) through both paths, alternating, --repeats times each:
 - before: every rank iterates iter_hf_weights (TP gather, then every tensor broadcast over PP) and global rank 0
-  alone buckets and broadcasts the whole model to the servers (SGLangEngine.update_weights);
-- after: weight_sync/stage_sync.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
+  alone buckets and broadcasts the whole model to the servers (ServerPush.update, weight_sync/server_push.py);
+- after: weight_sync/stage_push.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
   group; stage 1's source then sends its host copy to rank 0 over PP.
 It prints the median seconds of each (rank 0's wall time of the whole update, servers' replies included) and
 the bytes each rank sent to the servers and over PP, then the same arithmetic at the production setting.

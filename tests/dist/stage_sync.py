@@ -51,19 +51,22 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
             update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
             sync_master_port=data["ports"][version - 1], control_timeout_s=60, server_wait_s=60))
     sync = build_weight_sync(engine, wait_group=wait_group, lock_timeout_s=120)  # rank 0's facts, sent once
-    pushed, broadcasts = _counting_broadcasts(lambda: sync.push(actor, version))
+    pushed, broadcasts = _counting_broadcasts(lambda: sync.push(actor, version), wait_group)
     metrics = {k: v for k, v in pushed.items() if k.startswith("sync/stage")}  # the stages' own seconds
     assert pushed["time/sync_s"] > 0
     out = {"stage": pp_rank, "tp_rank": tp_rank, "dp_rank": parallel_state.get_data_parallel_rank(),
            "source": is_stage_source(), "stats": sync.stats, "metrics": metrics, "sync": type(sync).__name__,
            "broadcasts": broadcasts}
-    if version == 1:  # the same PP 2 run in tensor mode: the full push, chosen at build; no object broadcast per push
+    if version == 1 and not data.get("kill"):  # the same PP 2 run in disk mode: the full push, chosen at build;
+        # no object broadcast per push
         full_engine = None
-        if rank == 0:
+        if rank == 0:  # (not tensor mode: torch's shm manager would outlive this launch, holding its stdout)
             full_engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
-                update_mode="tensor", bucket_bytes=data["bucket_bytes"], control_timeout_s=60))
+                update_mode="disk", disk_dir=f"{out_dir}/disk", bucket_bytes=data["bucket_bytes"],
+                control_timeout_s=60))
         full_sync = build_weight_sync(full_engine, wait_group=wait_group)
-        _, full_broadcasts = _counting_broadcasts(lambda: [full_sync.push(actor, 100 + k) for k in range(2)])
+        _, full_broadcasts = _counting_broadcasts(lambda: [full_sync.push(actor, 100 + k) for k in range(2)],
+                                                  wait_group)
         out |= {"full_sync": type(full_sync).__name__, "full_broadcasts": full_broadcasts}
         if full_engine is not None:
             full_engine.shutdown()
@@ -82,15 +85,17 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
     destroy_parallel(keep_process_group=True)
 
 
-def _counting_broadcasts(run):
-    """run()'s result and the Python objects broadcast (sent or received: a tuple's first item, else its type name)
-    through comm.broadcast_object meanwhile."""
+def _counting_broadcasts(run, wait_group):
+    """run()'s result and the Python objects broadcast over the trainer's wait group (the group rank 0 decided the
+    path on, before) through comm.broadcast_object meanwhile: sent or received, a tuple's first item, else its
+    type name. (The export's own manifest broadcasts over the pipeline group are not counted.)"""
     seen = []
     real = comm.broadcast_object
 
     def counting(obj, src, group=None):
         got = real(obj, src, group)
-        seen.append(got[0] if isinstance(got, tuple) else type(got).__name__)
+        if group is wait_group:
+            seen.append(got[0] if isinstance(got, tuple) else type(got).__name__)
         return got
 
     comm.broadcast_object = counting

@@ -246,14 +246,11 @@ class SGLangEngine(RolloutEngine):
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
         return read_reply(resp, url, path)
 
-    def _serving(self) -> list[int]:
-        return [i for i in range(len(self.urls)) if i not in self._stale]
-
     async def _pick_server(self, avoid: set[int]) -> int:
         """A serving server not in `avoid` (else any serving one); waits for a recovery when none serves."""
         while True:
             self._raise_fatal()
-            serving = self._serving()
+            serving = self.serving()
             if serving:
                 choices = [i for i in serving if i not in avoid] or serving
                 return choices[next(self._rr) % len(choices)]
@@ -383,7 +380,7 @@ class SGLangEngine(RolloutEngine):
             bodies = [{"abort_all": True}] if ids else []
         else:
             bodies = [{"rid": rid} for rid in rids]
-        urls = [self.urls[i] for i in self._serving()]
+        urls = [self.urls[i] for i in self.serving()]
 
         async def send():
             await asyncio.gather(*(self._post(u, "/abort_request", b) for u in urls for b in bodies),
@@ -416,7 +413,7 @@ class SGLangEngine(RolloutEngine):
         request); at most ClientConfig.control_timeout_s."""
         async def go():
             deadline = time.monotonic() + self.client.control_timeout_s
-            for i in self._serving():
+            for i in self.serving():
                 while True:
                     resp = await self._http.post(f"{self.urls[i]}/flush_cache", timeout=self.client.http_timeout_s)
                     if resp.status_code == 200:
@@ -445,7 +442,7 @@ class SGLangEngine(RolloutEngine):
         self._check_open()
 
         async def go():
-            targets = self._serving()
+            targets = self.serving()
             replies = await asyncio.gather(*(self._post(self.urls[i], path, body) for i in targets),
                                            return_exceptions=True)
             for i, reply in zip(targets, replies):
@@ -612,7 +609,7 @@ class SGLangEngine(RolloutEngine):
             self._call(self._start_recoveries(unseen), self.client.control_timeout_s)
         with self.weights_lock:
             start = time.perf_counter()
-            session = UpdateSession(targets=self._serving())
+            session = UpdateSession(targets=self.serving())
             yield session
             self._version = version
             self._sync_report(version, time.perf_counter() - start, len(session.targets) - len(session.lost),
@@ -642,7 +639,7 @@ class SGLangEngine(RolloutEngine):
 
     def serving(self) -> list[int]:
         """The servers in rotation now (not dead, restarting or re-syncing)."""
-        return self._serving()
+        return [i for i in range(len(self.urls)) if i not in self._stale]
 
     def send(self, targets: list[int], path: str, body: dict, lost: set[int]) -> list[int]:
         """POSTs `body` to each target at once; returns those that answered. A ServerDied adds the server to
@@ -726,7 +723,7 @@ class SGLangEngine(RolloutEngine):
                 return resp.status_code >= 500
             return str(resp.json().get("weight_version")) != str(self._version)
 
-        serving = self._serving()
+        serving = self.serving()
         flags = await asyncio.gather(*(lost(i) for i in serving))
         return [i for i, f in zip(serving, flags) if f]
 
