@@ -15,7 +15,7 @@ from megatron_dapo.algorithm.gspo import gspo_loss
 from megatron_dapo.algorithm.registry import get_advantage_estimator, policy_loss_config
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.errors import UserError
-from megatron_dapo.train import build_configs
+from megatron_dapo.trainer.run_config import build_configs
 from tests.conftest import REPO
 
 

@@ -218,7 +218,7 @@ def test_memory_server_args_for_launched_cuda_servers():
     """Launched CUDA servers get --mem-fraction-static (given, or the planner's with --colocate) and, colocated,
     --enable-memory-saver; CPU servers nothing."""
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.train import memory_server_args
+    from megatron_dapo.rollout.build import memory_server_args
     from tests.test_planner import REPO
 
     base = ["--hf-checkpoint", str(REPO / "examples/models/qwen2.5-32B"), "--prompt-data", "x", "--num-steps", "1",
@@ -246,6 +246,9 @@ class _StartupEngine(_Recorder):
     def shutdown(self):
         self.log.append("shutdown")
 
+    def attach_sync(self, sync):  # SGLangEngine's: the colocated sync it would call to recover a lost server
+        self.weight_sync = sync
+
 
 def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     """train.train(--colocate) in this process with the heavy parts faked, recording the start-up events: the
@@ -257,6 +260,7 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.checkpoint import training as checkpoint
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.rollout import build as rollout_build
     from megatron_dapo.rollout.collect import Prompt
     from megatron_dapo.trainer import build
     from megatron_dapo.trainer.loop import Trainer
@@ -267,7 +271,7 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
     monkeypatch.setattr(build, "load_inputs", lambda args, with_data: build.Inputs(
         arch=arch, tokenizer=tokenizer, train_prompts=[Prompt(prompt_ids=[2, 3], ground_truth="1", index=0)]))
     monkeypatch.setattr(actor_mod, "init_parallel", lambda **kw: layout)
-    monkeypatch.setattr(train_mod, "make_rollout_engine", lambda args, tok: log.append("engine up") or
+    monkeypatch.setattr(rollout_build, "make_rollout_engine", lambda args, tok: log.append("engine up") or
                         _StartupEngine(log))
     monkeypatch.setattr(build, "build_actor", lambda *a: log.append("build actor") or
                         SimpleNamespace(chunks=[], optimizer=SimpleNamespace()))

@@ -15,10 +15,10 @@ from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.rollout.collect import CollectConfig
 from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.trainer import loop as trainer_module
 from megatron_dapo.trainer.dataplane import ABORT, abort_reason, abort_share, pack, unpack
 from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
 from megatron_dapo.trainer.run_config import build_configs
+from megatron_dapo.weights import export as export_module
 
 FLAGS = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
          "--max-response-length", "16", "--overlong-buffer-length", "4"]
@@ -93,7 +93,7 @@ def test_a_push_that_fails_still_runs_the_export_to_the_end(monkeypatch):
             next(iter(named))
             raise RuntimeError("every server lost past --sglang-server-wait-s")
 
-    monkeypatch.setattr(trainer_module, "iter_hf_weights", export)
+    monkeypatch.setattr(export_module, "iter_hf_weights", export)
     collect = CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3),
                             dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1, enabled=False),
                             overlong=OverlongConfig(max_response_length=3))

@@ -316,6 +316,7 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
     tiny model, tied and untied), and HF's own parameter count; at 32B it is one bf16 version, 61 GiB."""
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from tests.dist.actor_common import tiny_hf_model
+    from tests.sglang import full_push
     from tests.sglang.fake_server import serve
 
     for tied in (False, True):
@@ -327,8 +328,8 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
                               client=ClientConfig(update_mode="tensor", bucket_bytes=4096))
         try:
             named = [(n, t) for n, t in hf.state_dict().items() if not (tied and n == "lm_head.weight")]
-            engine.update_weights(iter(named), version=1)
-            assert sum(b.nbytes for b in engine._kept) == planner.host_copy_bytes(arch, 4), tied
+            full_push(engine).update(iter(named), version=1)
+            assert sum(b.nbytes for b in full_push(engine).kept) == planner.host_copy_bytes(arch, 4), tied
         finally:
             engine.shutdown()
             server.shutdown()

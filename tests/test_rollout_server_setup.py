@@ -9,6 +9,7 @@ import torch
 
 import megatron_dapo.rollout as rollout_pkg
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.rollout.build import make_rollout_engine
 from megatron_dapo.rollout.sglang.setup import (
     DETERMINISTIC_FLAG,
     attached_determinism_warnings,
@@ -18,7 +19,6 @@ from megatron_dapo.rollout.sglang.setup import (
     server_deterministic,
     weight_sync_mode,
 )
-from megatron_dapo.train import make_rollout_engine
 
 BASE = ["--hf-checkpoint", "/models/fake", "--prompt-data", "p.jsonl", "--num-steps", "1",
         "--rollout-engine", "sglang"]

@@ -24,6 +24,7 @@ from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.weight_sync.buckets import iter_buckets
 from tests.ports import free_port_block
 from tests.procs import running
+from tests.sglang import full_push
 from tests.sglang.fake_server import fake_logprob, fake_token, kill, serve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +141,7 @@ def test_weight_update_buckets_reach_server(fakes, mode, tmp_path):
                                                                 disk_dir=str(tmp_path)))
     named = [(f"model.layers.{i}.w", torch.randn(8, 8)) for i in range(3)]
     named.append(("lm_head.weight", torch.randn(5)))
-    engine.update_weights(iter(named), version=4)
+    full_push(engine).update(iter(named), version=4)
     assert engine.weight_version == 4
     for _, state in fakes:
         for name, t in named:
@@ -168,7 +169,7 @@ def test_attach_mode_generates_through_the_router_and_syncs_each_server(fakes, t
         groups = engine.generate(_reqs(4, n=2))
         assert sum(len(g) for g in groups) == 8
         assert len(router_state.rids) == 8 and [len(st.rids) for _, st in fakes] == [0, 0]
-        engine.update_weights(iter([("lm_head.weight", torch.randn(5))]), version=2)
+        full_push(engine).update(iter([("lm_head.weight", torch.randn(5))]), version=2)
         assert "/update_weights_from_disk" not in router_state.calls
         assert [st.calls["/update_weights_from_disk"] for _, st in fakes] == [1, 1]
         assert engine.generate(_reqs(1, n=1))[0][0].weight_version == 2
@@ -199,7 +200,7 @@ def test_launch_restart_and_resync(tmp_path):
     engine = SGLangEngine(cfg, client=ClientConfig(update_mode="disk", disk_dir=str(tmp_path / "w")))
     try:
         assert engine.health()
-        engine.update_weights([("w", torch.ones(3))], version=2)
+        full_push(engine).update([("w", torch.ones(3))], version=2)
         engine.group.servers[0].proc.kill()
         engine.group.servers[0].proc.wait()
         groups = engine.generate(_reqs(3, n=2))
@@ -304,7 +305,7 @@ def test_attached_server_dies_while_generating_and_comes_back():
     engine = SGLangEngine(server_urls=[_url(server)], client=ClientConfig(max_concurrency=8, bucket_bytes=64,
                                                                            server_wait_s=30))
     named = _weights()
-    engine.update_weights(iter(named), version=3)
+    full_push(engine).update(iter(named), version=3)
     engine.take_metrics()
     revived = []
 
@@ -341,7 +342,7 @@ def test_attached_server_lost_during_update_catches_up(fakes, mode, tmp_path):
                                                                 disk_dir=str(tmp_path), server_wait_s=30))
     named = _weights(6, seed=1)
     port0 = fakes[0][0].server_address[1]
-    engine.update_weights(_killing(iter(named), 2, fakes[0]), version=5)
+    full_push(engine).update(_killing(iter(named), 2, fakes[0]), version=5)
     assert engine.weight_version == 5
     assert engine.take_metrics()["rollout/servers_lost"] == 1  # counted in the step that lost it
     for name, t in named:
@@ -373,7 +374,7 @@ def test_attached_server_that_never_returns_stops_the_run_naming_it():
         engine.generate(_reqs(2, n=1))
     assert time.monotonic() - t0 < 10
     with pytest.raises(RuntimeError, match="could not be recovered"):
-        engine.update_weights(iter(_weights()), version=1)
+        full_push(engine).update(iter(_weights()), version=1)
     engine.shutdown()
 
 
@@ -386,7 +387,7 @@ def test_client_sends_the_api_key_on_every_call():
     engine = SGLangEngine(server_urls=[url], client=ClientConfig(api_key="s3cret", bucket_bytes=64,
                                                               max_concurrency=2))
     assert engine.health()
-    engine.update_weights(iter(_weights()), version=1)
+    full_push(engine).update(iter(_weights()), version=1)
     for k, _ in enumerate(engine.stream(_reqs(4, n=2, max_new=20))):
         if k == 0:
             engine.abort()

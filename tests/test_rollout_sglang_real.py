@@ -16,6 +16,7 @@ from megatron_dapo.rollout.sglang.server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.ports import free_port_block
 from tests.procs import processes
+from tests.sglang import full_push
 from tests.sglang.real_server import MARKS, SGLANG_PY, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
@@ -163,7 +164,7 @@ def test_weight_update_paths(served, mode):
     engine.client = dataclasses.replace(engine.client, update_mode=mode)
     new = tiny_model({"tensor": 1, "distributed": 2, "disk": 3}[mode])
     version = engine.weight_version + 1
-    engine.update_weights(new.named_parameters(), version=version)
+    full_push(engine).update(new.named_parameters(), version=version)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=8, seed=4)) for s in g]
     assert {s.weight_version for s in samples} == {version}
     assert max_logprob_error(new, samples) < 1e-4

@@ -15,6 +15,7 @@ import pytest
 
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from tests.sglang import full_push
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error, tiny_model
 
 pytestmark = MARKS
@@ -76,7 +77,7 @@ def _kill_and_check(engine, old_pids, metrics):
 def test_server_killed_while_generating(served):
     engine = served
     current = tiny_model(1)
-    engine.update_weights(current.named_parameters(), version=1)
+    full_push(engine).update(current.named_parameters(), version=1)
     engine.take_metrics()
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
@@ -111,7 +112,7 @@ def test_server_killed_during_weight_update(served):
                 time.sleep(0.5)
             yield item
 
-    engine.update_weights(killing(), version=2)
+    full_push(engine).update(killing(), version=2)
     assert engine.weight_version == 2
     reqs = _reqs(4, n=2, max_new=16, tag="u", seed=4)
     groups = engine.generate(reqs)  # waits for the restart + re-sync
@@ -127,7 +128,7 @@ def test_distributed_mode_server_killed_while_generating(served):
     engine = served
     engine.client = dataclasses.replace(engine.client, update_mode="distributed")
     current = tiny_model(3)
-    engine.update_weights(current.named_parameters(), version=3)
+    full_push(engine).update(current.named_parameters(), version=3)
     engine.take_metrics()
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
@@ -144,6 +145,6 @@ def test_distributed_mode_server_killed_while_generating(served):
     assert metrics["rollout/retried_requests"] >= 1
     _kill_and_check(engine, old_pids, metrics)
     newer = tiny_model(4)
-    engine.update_weights(newer.named_parameters(), version=4)
+    full_push(engine).update(newer.named_parameters(), version=4)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=16, tag="e", seed=6)) for s in g]
     assert {s.weight_version for s in samples} == {4} and max_logprob_error(newer, samples) < 1e-4

@@ -8,6 +8,7 @@ import torch
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang.setup import sync_group_layout, sync_ranks
 from tests.ports import free_port
+from tests.sglang import full_push
 from tests.sglang.fake_server import serve
 
 
@@ -53,7 +54,7 @@ def test_mixed_tp_distributed_group_forms_with_disjoint_ranks_and_reports_metric
     try:
         assert engine.take_metrics()["sync/gbytes"] == 0.0
         named = _named()
-        engine.update_weights(iter(named), version=3)
+        full_push(engine).update(iter(named), version=3)
         inits = [state.group_inits for _, state in mixed]
         assert [len(i) for i in inits] == [1, 1]
         (a,), (b,) = inits
@@ -80,7 +81,7 @@ def test_mixed_tp_tensor_mode_sends_one_payload_per_tp_rank(mixed):
     engine = _attach(mixed, "tensor")
     try:
         named = _named()
-        engine.update_weights(iter(named), version=2)
+        full_push(engine).update(iter(named), version=2)
         counts = [state.tensor_payloads for _, state in mixed]
         assert counts[0] and set(counts[0]) == {1} and set(counts[1]) == {2} and len(counts[0]) == len(counts[1])
         for _, state in mixed:
@@ -98,7 +99,7 @@ def test_attaching_a_dp_server_names_it():
     try:
         engine = SGLangEngine(server_urls=[url], client=ClientConfig(update_mode="distributed", sync_backend="gloo"))
         with pytest.raises(RuntimeError, match=rf"{url} runs with dp_size=2"):
-            engine.update_weights(iter(_named()), version=1)
+            full_push(engine).update(iter(_named()), version=1)
         engine.shutdown()
     finally:
         server.shutdown()
@@ -117,13 +118,13 @@ def test_a_server_restarted_unseen_is_left_out_of_the_group_and_resynced(mixed):
     engine = _attach(mixed, "distributed")
     back = None
     try:
-        engine.update_weights(iter(_named()), version=3)
+        full_push(engine).update(iter(_named()), version=3)
         engine.take_metrics()
         port0 = mixed[0][0].server_address[1]
         kill(*mixed[0])
         back = serve(port=port0, tp_size=1)
         newer = [(n, t + 1) for n, t in _named()]
-        engine.update_weights(iter(newer), version=4)
+        full_push(engine).update(iter(newer), version=4)
         assert mixed[1][1].version == "4"
         deadline, recovered, lost = time.monotonic() + 30, 0.0, 0.0
         while time.monotonic() < deadline and not recovered:
@@ -148,8 +149,8 @@ def test_shutdown_ends_the_broadcast_group_here_and_on_the_servers(mixed):
 
     engine = _attach(mixed, "distributed")
     try:
-        engine.update_weights(iter(_named()), version=1)
-        group = engine._sync_group
+        full_push(engine).update(iter(_named()), version=1)
+        group = full_push(engine).group
         assert group in _world.pg_map and all(len(state.groups) == 1 for _, state in mixed)
     finally:
         engine.shutdown()

@@ -21,6 +21,7 @@ from megatron_dapo.weight_sync.tensor_ipc import (
     serialize_named_tensors,
     stage_bucket,
 )
+from tests.sglang import full_push
 from tests.sglang.fake_server import serve
 
 
@@ -91,7 +92,7 @@ def test_engine_checks_shm_before_the_update_session(monkeypatch):
                           client=ClientConfig(update_mode="tensor", bucket_bytes=512 << 20))
     try:
         with pytest.raises(RuntimeError, match="--weight-sync-bucket-mb"):
-            engine.update_weights([("w", torch.ones(3))], version=1)
+            full_push(engine).update([("w", torch.ones(3))], version=1)
         assert "/begin_weight_update" not in state.calls  # failed before the servers' session opened
         assert engine.weight_version == 0
     finally:

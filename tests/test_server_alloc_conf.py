@@ -109,7 +109,7 @@ def test_colocated_training_launches_servers_with_memory_saver():
     """train.py --colocate adds --enable-memory-saver to the launched servers' flags: ServerConfig sees it."""
     import argparse
 
-    from megatron_dapo.train import memory_server_args
+    from megatron_dapo.rollout.build import memory_server_args
 
     args = argparse.Namespace(mem_fraction_static=0.6, colocate=True)
     extra = memory_server_args(args, cuda=True)

@@ -134,6 +134,19 @@ def test_only_stage_sources_send_to_the_servers_and_nobody_else_moves_the_model(
         assert ranks[name][0]["engine_metrics"]["sync/gbytes"] == pytest.approx(total / 1e9)
 
 
+def test_the_path_is_chosen_once_at_build_and_no_push_broadcasts_a_path_decision(pushed):
+    """Every rank holds the implementation build_weight_sync chose from rank 0's engine (sent once, at build): a
+    per-stage push broadcasts exactly one object, the plan (rank 0's targets and ports), and a full push at the same
+    PP 2 (disk mode) broadcasts none; the old StageSync sent ("full", None) to every rank at every such push."""
+    data, hf, states, ranks = pushed
+    for name in LAYOUTS:
+        for rank, out in enumerate(ranks[name]):
+            assert out["sync"] == "StagePush", (name, rank)
+            assert out["broadcasts"] == ["stage"], (name, rank)
+    for rank, out in enumerate(ranks[LAYOUTS[0]]):
+        assert out["full_sync"] == "ServerPush" and out["full_broadcasts"] == [], rank
+
+
 def _plan(**kw) -> SyncPlan:
     base = dict(version=1, urls=("http://a:1",), tps=(2,), tag=7, first_port=32000, master_address="10.0.0.1",
                 rank0_host="node0", backend="gloo", bucket_bytes=1 << 20, api_key=None, timeout_s=60)
@@ -299,25 +312,29 @@ def test_rank0_holds_one_host_copy_during_a_per_stage_push():
     The engine must have dropped it by the time the stages push, and keep exactly the new version after."""
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from megatron_dapo.weight_sync.buckets import Bucket
+    from megatron_dapo.weight_sync.server_push import ServerPush
+    from megatron_dapo.weight_sync.stage_push import StageCoordinator
     from megatron_dapo.weight_sync.stage_sync import StagesOutcome
 
     server, _ = serve(tp_size=1)
     engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
                           client=ClientConfig(update_mode="distributed"))
+    full = ServerPush(engine)
+    coordinator = StageCoordinator(full)
     held_during_push: list[int] = []
 
     def push_stages(version_bytes: int):
         def push(urls, tps, tag, first_port):
-            held_during_push.append(sum(b.flat.numel() * b.flat.element_size() for b in engine._kept))
+            held_during_push.append(sum(b.flat.numel() * b.flat.element_size() for b in full.kept))
             kept = [Bucket(flat=torch.zeros(version_bytes // 4), metas=[])]
             return StagesOutcome(lost=set(), broken=False, kept=kept, nbytes=version_bytes, stage_seconds=[0.0])
         return push
 
     try:
-        engine.update_weights_by_stage(1, push_stages(4096), stages=2)
-        engine.update_weights_by_stage(2, push_stages(8192), stages=2)
+        coordinator.update(1, push_stages(4096), stages=2)
+        coordinator.update(2, push_stages(8192), stages=2)
         assert held_during_push == [0, 0]  # old code: [0, 4096], the previous version still held
-        assert sum(b.flat.numel() * 4 for b in engine._kept) == 8192 and engine.weight_version == 2
+        assert sum(b.flat.numel() * 4 for b in full.kept) == 8192 and engine.weight_version == 2
     finally:
         engine.shutdown()
         server.shutdown()

@@ -24,6 +24,7 @@ from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.trainer import build
+from megatron_dapo.trainer import build as build_mod
 from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
@@ -164,7 +165,7 @@ def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, w
 def test_global_batch_size_3_of_4_responses_fails_in_check_flags(model_dir, prompts, capsys):
     args = parse(model_dir, prompts, "--global-batch-size", "3")
     with pytest.raises(UserError, match="--global-batch-size 3"):
-        train_mod.check_flags(args)
+        build_mod.check_flags(args)
     argv = ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-steps", "1",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "3"]
     with pytest.raises(SystemExit) as info:
@@ -193,7 +194,7 @@ def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path
     model = make_model_dir(tmp_path, **config)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args = parse(model, prompts, *flags)
-    train_mod.check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
+    build_mod.check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
     with pytest.raises(UserError, match=rf"^the model of --hf-checkpoint {model} does not split over this layout: "
                                         rf"{message}$"):
         build.load_inputs(args, with_data=False)
@@ -201,7 +202,7 @@ def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path
 
 def test_config_dataclass_errors_become_one_line_errors(model_dir, prompts):
     with pytest.raises(UserError, match="--num-steps must be >= 1"):
-        train_mod.check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
+        build_mod.check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
                                                          str(prompts), "--num-steps", "0"]))
 
 

@@ -4,8 +4,8 @@ One torchrun launch (gloo, CPU) of a random tiny Qwen2 at TP --tp x PP2 pushes t
 fake SGLang servers (tests/sglang/fake_server.py, in this process: real gloo groups, one collective request at
 a time per server as SGLang's scheduler) through both paths, alternating, --repeats times each:
 - before: every rank iterates iter_hf_weights (TP gather, then every tensor broadcast over PP) and global rank 0
-  alone buckets and broadcasts the whole model to the servers (SGLangEngine.update_weights);
-- after: weight_sync/stage_sync.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
+  alone buckets and broadcasts the whole model to the servers (ServerPush.update, weight_sync/server_push.py);
+- after: weight_sync/stage_push.py: each stage's (DP 0, TP 0) rank gathers and sends its own stage over its own
   group; stage 1's source then sends its host copy to rank 0 over PP.
 It prints the median seconds of each (rank 0's wall time of the whole update, servers' replies included) and
 the bytes each rank sent to the servers and over PP, then the same arithmetic at the production setting.
@@ -44,7 +44,7 @@ def _worker(path: str) -> None:
     from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
     from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
-    from megatron_dapo.weight_sync.stage_sync import StageSync
+    from megatron_dapo.weight_sync.build import build_weight_sync
     from megatron_dapo.weights.export import iter_hf_weights, iter_stage_hf_weights
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
@@ -59,13 +59,13 @@ def _worker(path: str) -> None:
     actor.load_shards(mcore_shards_for_rank(full, arch, tp=layout.tp, tp_rank=tp_rank, pp=2, pp_rank=pp_rank,
                                             padded_vocab=padded_vocab_size(arch.vocab_size, layout.tp)))
     wait = comm.gloo_group(None, timeout=timedelta(minutes=10))
-    sync = StageSync(wait)
     rank = dist.get_rank()
     engine = None
     if rank == 0:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
             update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
             sync_master_port=data["port"], control_timeout_s=120))
+    sync = build_weight_sync(engine, wait_group=wait)  # StagePush (distributed, PP 2); rank 0's full push inside
     own = sum(t.numel() * t.element_size() for _, t in iter_stage_hf_weights(actor.chunks, arch))
     total = int(comm.all_reduce(torch.tensor([own if tp_rank == 0 else 0], dtype=torch.int64), group=wait))
     times: dict[str, list[float]] = {"before": [], "after": []}
@@ -79,12 +79,12 @@ def _worker(path: str) -> None:
             if path_name == "before":
                 named = iter_hf_weights(actor.chunks, arch)
                 if engine is not None:
-                    engine.update_weights(named, version=version)
+                    sync.coordinator.full.update(named, version=version)
                 else:
                     for _ in named:
                         pass
             else:
-                sync.sync(actor.chunks, arch, engine, version)
+                sync.push(actor, version)
                 after_stats = sync.stats
             comm.barrier(wait)
             times[path_name].append(time.perf_counter() - t0)

@@ -177,7 +177,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.data.prompt_set import load_prompt_set
     from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.reward import get_reward_fn
-    from megatron_dapo.train import make_rollout_engine
+    from megatron_dapo.rollout.build import make_rollout_engine
     from megatron_dapo.trainer.build import load_hf_into_actor
     from megatron_dapo.trainer.loop import Trainer
     from megatron_dapo.trainer.run_config import build_configs

@@ -5,8 +5,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Iterator, Sequence
 
-import torch
-
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 
 
@@ -20,13 +18,16 @@ def check_unique_ids(requests: Sequence[RolloutRequest]) -> None:
 
 
 class RolloutEngine(abc.ABC):
-    """Generates groups of samples from token ids, and takes new weights from the actor.
+    """Generates groups of samples from token ids; new weights reach it through megatron_dapo/weight_sync/.
 
     Contract shared by all engines:
     - `stream` yields one list of n Samples (ordered by index) per request as soon as the whole group is
       done; every request comes out exactly once, aborted ones with finish_reason 'abort'.
     - `abort` may be called from inside the loop over `stream` (dynamic sampling has filled its batch).
-    - `update_weights` takes full (unsharded) tensors with HF names and sets `weight_version`.
+    - `weight_version` is the version of the weights the engine serves (set by the weight sync). An engine that
+      holds its model in this process or a child of it (embedded, process) loads new weights itself:
+      `update_weights(named_tensors, version=...)`, called by weight_sync/engine_load.py; a server engine
+      (SGLang) exposes its servers to the sync instead (weight_sync/server_push.py).
     """
 
     @abc.abstractmethod
@@ -57,10 +58,6 @@ class RolloutEngine(abc.ABC):
         """Continues generation after `pause`."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Loads full HF-named tensors (as weights.export.iter_hf_weights yields); sets weight_version."""
-
-    @abc.abstractmethod
     def health(self) -> bool:
         """True when the engine can serve requests now."""
 
@@ -76,7 +73,7 @@ class RolloutEngine(abc.ABC):
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:
-        """Version passed to the last successful update_weights (0 for the initial weights)."""
+        """Version of the last successful weight update (0 for the initial weights)."""
 
     def __enter__(self) -> RolloutEngine:
         return self

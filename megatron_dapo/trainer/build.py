@@ -1,5 +1,6 @@
-"""Builders of the run's components from its flags and config: the inputs read before any model exists, the
-actor with its initial weights, rank 0's metrics logger and report. The entry point (megatron_dapo/train.py) calls
+"""Builders of the run's components from its flags and config: the flags' verdict (`check_flags`), rank 0's
+preparation (`prepare_rank0`), the inputs read before any model exists, the actor with its initial weights,
+rank 0's metrics logger and report. The entry point (megatron_dapo/train.py) calls
 them in start-up order."""
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ from megatron_dapo.data.prompt_set import load_prompt_set
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.rollout import build as rollout_build
+from megatron_dapo.rollout.collect import RewardFn
 from megatron_dapo.rollout.types import Prompt
 from megatron_dapo.trainer.run_config import RunConfig
-from megatron_dapo.trainer.validation import check_context, check_model_layout, check_vocab
+from megatron_dapo.trainer.validation import (
+    check_batch_arithmetic,
+    check_context,
+    check_model_layout,
+    check_vocab,
+    data_parallel_size,
+)
 
 
 @dataclass
@@ -166,3 +175,64 @@ def export_hf(actor, export_dir: str, hf_checkpoint: str, step: int) -> None:
     path = export(actor, export_dir, hf_checkpoint)
     if path is not None:
         print(f"[megatron-dapo] exported step {step} as an HF checkpoint: {path}")
+
+
+def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
+    """The flags alone (same verdict on every rank): config dataclasses, batch arithmetic, prompt limits.
+
+    Returns the run config (built here, once) and the --reward-fn function (a dotted path is imported here, so a
+    typo fails before the model).
+    """
+    from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
+    from megatron_dapo.reward import get_reward_fn
+    from megatron_dapo.rollout.sglang.api_key import resolve_api_key
+    from megatron_dapo.rollout.sglang.server import check_bind
+
+    try:
+        run = RunConfig.from_flags(args)
+        args.sglang_api_key = resolve_api_key(args.sglang_api_key, args.sglang_api_key_file, os.environ)
+        launched = rollout_build.rollout_engine_kind(args) == "sglang" and not args.sglang_server_urls
+        if launched:  # checked before minutes of model build
+            check_bind(args.sglang_host, args.sglang_api_key, allow_no_api_key=args.sglang_allow_no_api_key)
+        PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
+                          max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
+        reward_fn = get_reward_fn(args.reward_fn)
+    except UserError:
+        raise
+    except ValueError as err:  # the config dataclasses name the flag
+        raise UserError(str(err)) from err
+    dp = data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tensor_model_parallel_size,
+                            pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
+    check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
+                           global_batch_size=args.global_batch_size, dp=dp)
+    from megatron_dapo.trainer.colocate import check_colocate_flags
+
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        check_colocate_flags(colocate=args.colocate, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                             gpus_per_node=int(local) if local else None, gpus_per_engine=args.sglang_tp_size,
+                             num_servers=args.sglang_num_servers, server_urls=args.sglang_server_urls,
+                             sglang_gpus=args.sglang_gpus, weight_sync_mode=args.weight_sync_mode,
+                             rollout_engine=args.rollout_engine, extra_args=args.sglang_extra_args.split(),
+                             mem_fraction_static=args.mem_fraction_static, async_rollout=args.async_rollout)
+    except ValueError as err:
+        raise UserError(str(err)) from err
+    return run, reward_fn
+
+
+def prepare_rank0(args: argparse.Namespace):
+    """Rank 0 before any process group: checks --load and --save (and locks --save for the run), raises the fd
+    limit for the SGLang connections, starts an --async-rollout embedded engine early, reads every input.
+    Returns (engine or None, Inputs)."""
+    from megatron_dapo.checkpoint.save_dir import prepare_run_dirs
+    from megatron_dapo.rollout.sglang.fd_limit import ensure_fd_limit
+
+    engine = None
+    prepare_run_dirs(args)  # milliseconds, before anything is started or built (checkpoint/save_dir.py)
+    if rollout_build.rollout_engine_kind(args) == "sglang":  # rank 0 holds the HTTP connections to the servers
+        ensure_fd_limit(args.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.async_rollout and rollout_build.rollout_engine_kind(args) == "embedded":
+        # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and
+        # builds the actor; it loads the tokenizer itself
+        engine = rollout_build.make_rollout_engine(args, None)
+    return engine, load_inputs(args, with_data=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+from argparse import Namespace
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -317,3 +318,39 @@ class PhaseSwitcher:
         self.phase = "generation"
         return metrics
 
+
+def start_colocated_engines(args: Namespace, tokenizer, rank0: bool):
+    """--colocate, before any rank builds its actor: rank 0 starts (or attaches to) the engines and every engine
+    releases its weights, KV cache and CUDA graphs; the other ranks wait in the start-up section (a failure on
+    rank 0 reaches them there). Returns rank 0's engine, None elsewhere.
+
+    Why first: an engine holds --mem-fraction-static x GPU memory plus its runtime (0.77 x 80 GB + ~4 GiB at the
+    32B launcher) until released, and the actor's build peaks at twice its bf16 weights plus the fp32 grad buffer
+    (planner.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
+    first, SGLang would have sized its KV pool from less free memory than planned."""
+    from megatron_dapo.rollout import build as rollout_build
+
+    engine, sync = None, start_up_section(args.rollout_timeout)
+    what = "while rank 0 started the colocated engines and released their GPU memory"
+    with sync(what) if sync is not None else nullcontext():
+        if rank0:
+            engine = rollout_build.make_rollout_engine(args, tokenizer)
+            release_engines(engine)
+    return engine
+
+
+def make_colocated(args: Namespace, actor, engine):
+    """--colocate: this rank's PhaseSwitcher (its `section` is set once the Trainer exists) and its weight sync,
+    ColocatedSync (build_weight_sync with this rank's ColocatedPusher; a collective: every rank makes every
+    engine's group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host,
+    --sglang-base-port)."""
+    from megatron_dapo.weight_sync.build import build_weight_sync
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
+
+    urls = args.sglang_server_urls or [f"http://{args.sglang_host}:{args.sglang_base_port + i}"
+                                       for i in range(args.sglang_num_servers)]
+    groups = make_engine_groups(urls, args.sglang_tp_size)
+    pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
+                             api_key=args.sglang_api_key, http_timeout_s=args.sglang_http_timeout)
+    return (PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine),
+            build_weight_sync(engine, wait_group=None, colocated=pusher))

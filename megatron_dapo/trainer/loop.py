@@ -4,9 +4,9 @@ Every rank of the torchrun world runs this loop (SPMD). Global rank 0 owns the r
 the prompt sampler; it collects each step's batch, computes advantages, loss masks and the DP partition,
 and sends each data-parallel rank only its rows as tensors (megatron_dapo/trainer/dataplane.py); the other ranks
 wait for it on a gloo group with the --rollout-timeout, not on an NCCL watchdog. Each DP rank then
-trains on its share, Megatron reduces gradients, and the new weights flow back to the engine
-through `weights.export.iter_hf_weights` (a collective every rank iterates), or, in distributed mode at
-PP > 1, from each pipeline stage's source rank at once (weight_sync/stage_sync.py). Every collective here
+trains on its share, Megatron reduces gradients, and the new weights flow back to the engine through the
+run's WeightSync (megatron_dapo/weight_sync/, chosen once when the run is built: the whole-model export pushed
+by rank 0, each pipeline stage from its own source, or every GPU to its colocated engine). Every collective here
 goes through megatron_dapo/distributed/comm.py, which puts tensors on the device of the group's backend.
 With --async-rollout 1 rank 0 generates the next step's batch on a background thread while this step
 trains, and the push waits for it (next_batch / finish_ahead; megatron_dapo/rollout/async_rollout.py).
@@ -53,13 +53,12 @@ from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
-from megatron_dapo.weight_sync.stage_sync import StageSync
-from megatron_dapo.weights.export import iter_hf_weights
+from megatron_dapo.weight_sync.base import WeightSync
+from megatron_dapo.weight_sync.build import build_weight_sync
 
 if TYPE_CHECKING:
     from megatron_dapo.checkpoint.checkpointer import Checkpointer
     from megatron_dapo.trainer.colocate import PhaseSwitcher
-    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher
 
 
 @dataclass
@@ -125,11 +124,11 @@ class Trainer:
     """Last completed step (restored by `load_state_dict`)."""
     phases: PhaseSwitcher | None = None
     """--colocate: the PhaseSwitcher (megatron_dapo/trainer/colocate.py) of this rank; None on separate GPUs."""
-    pusher: ColocatedPusher | None = None
-    """--colocate: this rank's ColocatedPusher (weight_sync/colocated_push.py), which replaces rank 0's push."""
+    weight_sync: WeightSync | None = None
+    """This rank's weight sync (megatron_dapo/weight_sync/), chosen once: given (--colocate: ColocatedSync, made
+    by train.py), else built in __post_init__ by build_weight_sync from rank 0's engine and the PP size."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
-    _stage_sync: StageSync | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -138,8 +137,8 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes the groups
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
                                     timeout=timedelta(hours=self.config.rollout_timeout_h))
-            if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage sends its own weights
-                self._stage_sync = StageSync(self.wait_group)
+        if self.weight_sync is None:  # collective when world > 1: rank 0 tells the others its engine's kind, once
+            self.weight_sync = build_weight_sync(self.engine, wait_group=self.wait_group)
 
     @cached_property
     def carried(self) -> CarriedGroups:
@@ -352,42 +351,16 @@ class Trainer:
         return metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the updated policy to the engine as full HF tensors (collective over all ranks). Distributed mode
-        at PP > 1: each stage's source rank sends its own stage (weight_sync/stage_sync.py).
+        """Push the updated policy to the engine: `weight_sync.push` on every rank (a collective; which path it
+        takes was decided when the run was built, weight_sync/build.py).
 
         A section: the ranks meet after the push (one int64 all-reduce; they would wait for rank 0 at the next
         wait anyway), so an engine error on rank 0 (e.g. every server lost past --sglang-server-wait-s) makes them
         raise here, not wait for a batch rank 0 will never send. Rank 0 whose engine raised still runs its part
-        of the export's collectives to the end first, so its TP/PP peers are not left in a gather."""
+        of the export's collectives to the end first (the sync drains it), so its TP/PP peers are not left in a
+        gather."""
         with self.section("during the weight sync"):
-            return self._sync_weights(version)
-
-    def _sync_weights(self, version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        if self._stage_sync is not None:
-            staged = self._stage_sync.sync(self.actor.chunks, self.actor.arch, self.engine, version)
-            if staged is not None:
-                metrics = staged | (self.engine.take_metrics() if self.engine is not None else {})
-                return metrics | {"time/sync_s": time.perf_counter() - t0}
-        named = iter_hf_weights(self.actor.chunks, self.actor.arch)
-        metrics: dict[str, float] = {}
-        if self.pusher is not None:  # colocated: every rank hands its bucket to the engine on its GPU
-            metrics = self.pusher.push(named, version=version)
-            if self.engine is not None:
-                self.engine.set_weight_version(version)
-                metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it
-        elif self.engine is not None:
-            try:
-                self.engine.update_weights(named, version=version)
-            except BaseException:
-                for _ in named:  # the rest of the collective, in step with the peers (nothing if already consumed)
-                    pass
-                raise
-            metrics = self.engine.take_metrics()  # this step's server recoveries (rollout and sync)
-        else:
-            for _ in named:  # stay in step with the collective
-                pass
-        return metrics | {"time/sync_s": time.perf_counter() - t0}
+            return self.weight_sync.push(self.actor, version)
 
     def evaluate(self) -> dict[str, float]:
         """Rank 0 evaluates; the other ranks wait for it on the --rollout-timeout gloo group (10+ min for AIME avg@32

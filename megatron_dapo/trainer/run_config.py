@@ -37,7 +37,7 @@ class RunConfig:
     collect: CollectConfig
     trainer: TrainerConfig
     flags: argparse.Namespace
-    """The parsed flags (with the API key resolved by train.check_flags); in the record only redacted."""
+    """The parsed flags (with the API key resolved by trainer/build.check_flags); in the record only redacted."""
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> RunConfig:

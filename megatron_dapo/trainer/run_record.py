@@ -2,7 +2,7 @@
 
 A secret is the value of a SECRET_FIELDS attribute of the parsed args (the SGLang API key, however it was
 given: --sglang-api-key, --sglang-api-key-file or SGLANG_API_KEY, all resolved into one attribute by
-train.check_flags). The field itself is replaced by REDACTED, and the secret's text is replaced wherever
+trainer/build.check_flags). The field itself is replaced by REDACTED, and the secret's text is replaced wherever
 else it appears (a key pasted into another flag's value), so no file the run writes holds it. Paths to
 key files are kept: they are not secrets and say where the key came from.
 """

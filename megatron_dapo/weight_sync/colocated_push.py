@@ -17,6 +17,10 @@ parallel over the engines. Per bucket the other ranks of an engine wait on its p
 push takes as long as the slowest engine's ~130 loads, a few seconds; rank 0 holds no host copy (the
 separate-server path keeps 65 GB of host RAM for re-syncs, this one keeps nothing: a colocated engine lost
 mid-run is not re-synced, the run stops).
+
+ColocatedSync is the WeightSync the trainer calls (build_weight_sync picks it under --colocate): every rank's
+ColocatedPusher push, then rank 0's engine takes the version. The phase switch around it (release, offload,
+resume) stays PhaseSwitcher's (trainer/colocate.py), which calls Trainer.sync_weights between its halves.
 """
 
 from __future__ import annotations
@@ -25,12 +29,14 @@ import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.distributed import comm
+from megatron_dapo.weight_sync.base import WeightSync
 from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
 from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
@@ -154,3 +160,28 @@ class ColocatedPusher:
             httpx.post(f"{self.groups.url.rstrip('/')}/flush_cache", headers=self._headers,
                        timeout=self.http_timeout_s)
         return {"sync/seconds": time.perf_counter() - t0, "sync/gbytes": nbytes / 1e9}
+
+
+class ColocatedSync(WeightSync):
+    """--colocate: every rank pushes its own bucket handles to the engine on its GPU (ColocatedPusher); rank 0's
+    engine (None elsewhere) then serves the new version. Keeps no host copy: `recover` refuses, so a colocated
+    engine lost mid-run stops the run instead of serving old weights."""
+
+    def __init__(self, pusher: ColocatedPusher, engine: Any | None) -> None:
+        self.pusher, self.engine = pusher, engine
+        if engine is not None:
+            engine.attach_sync(self)
+
+    def _push(self, actor: Any, version: int) -> dict[str, float]:
+        from megatron_dapo.weights.export import iter_hf_weights
+
+        metrics = self.pusher.push(iter_hf_weights(actor.chunks, actor.arch), version=version)
+        if self.engine is not None:
+            self.engine.set_weight_version(version)
+            metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it
+        return metrics
+
+    def recover(self, server: int) -> None:
+        raise RuntimeError(f"{self.engine.urls[server]} was lost in colocated mode at weight version "
+                           f"{self.engine.weight_version}: its weights came from the actor ranks on its GPUs, not "
+                           f"from rank 0, which keeps no copy; restart the run from its last checkpoint (--load)")

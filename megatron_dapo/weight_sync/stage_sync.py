@@ -9,8 +9,9 @@ first_port + stage. Ranks of DP replicas > 0 do nothing; nobody holds the whole 
 
 Global rank 0 (stage 0's source and the engine owner) still decides the targets (serving servers), opens and
 closes their update session (/begin_weight_update, /end_weight_update), flushes and sets the version
-(SGLangEngine.update_weights_by_stage). The sources learn the plan (targets, TP sizes, group tag and ports) from
-rank 0 over the trainer's gloo wait group, and each posts its own HTTP calls with a small client (StageClient).
+(weight_sync/stage_push.py StageCoordinator). The sources learn the plan (targets, TP sizes, group tag and
+ports) from rank 0 over the trainer's gloo wait group, and each posts its own HTTP calls with a small client
+(StageClient: the sources s > 0 run in other processes than rank 0's engine and its asyncio client).
 
 One bucket at a time on the servers (TicketLock). An SGLang 0.5.23 server runs one request at a time on its
 scheduler, and /init_weights_update_group and /update_weights_from_distributed block in a collective of one
@@ -25,7 +26,7 @@ packing and the device-to-host copy of the host copy, while another stage's buck
 
 The host copy for re-syncing a lost server stays whole on rank 0: after its push each source s > 0 sends its
 stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.distributed.comm), so
-SGLangEngine's recovery (re-sync of one server, re-push to the survivors after a broken push) is unchanged.
+the recovery (ServerPush.recover of one server, its re-push to the survivors after a broken push) is unchanged.
 
 Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets):
 - before: all 128 ranks received 32.5 GB each over PP (the other stage; 4.2 TB of PP traffic per sync), every
@@ -57,8 +58,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.distributed import comm
-from megatron_dapo.rollout.sglang.protocol import ServerDied, read_reply
+from megatron_dapo.rollout.sglang.protocol import ServerDied, check_success, read_reply
 from megatron_dapo.rollout.sglang.setup import sync_group_layout
 from megatron_dapo.weight_sync.buckets import Bucket, TensorMeta, iter_buckets
 
@@ -122,7 +122,7 @@ class StageOutcome:
 
 @dataclass
 class StagesOutcome:
-    """All stages' pushes merged on rank 0, for SGLangEngine.update_weights_by_stage."""
+    """All stages' pushes merged on rank 0, for StageCoordinator.update."""
 
     lost: set[int]
     broken: bool
@@ -250,8 +250,7 @@ class StageClient:
         except httpx.TransportError as e:
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
         reply = read_reply(resp, url, path)
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise RuntimeError(f"SGLang {url}{path} failed: {reply.get('message')}")
+        check_success(reply, f"{url}{path}")
         return reply
 
     def submit(self, servers: Iterable[int], path: str, body: Callable[[int], dict] | dict) -> dict[int, Future]:
@@ -384,125 +383,5 @@ class StageSender:
                 f.result(timeout_s)
 
 
-def stage_capable(engine: Any) -> bool:
-    """Whether rank 0's engine takes per-stage pushes: SGLang servers in --weight-sync-mode distributed."""
-    client = getattr(engine, "client", None)
-    return hasattr(engine, "update_weights_by_stage") and getattr(client, "update_mode", None) == "distributed"
-
-
-@dataclass
-class RankStats:
-    """What this rank moved in its last per-stage sync (for tools/bench_weight_sync.py and the tests)."""
-
-    to_servers: int = 0
-    pp_sent: int = 0
-    pp_received: int = 0
-    seconds: float = 0.0
-
-
-class StageSync:
-    """Per-stage weight sync of one trainer process; made on every rank (collectively) when PP > 1.
-
-    `sync` is called by every rank at the same point; rank 0 first says which path this update takes."""
-
-    def __init__(self, wait_group: dist.ProcessGroup, *, lock_timeout_s: float = 3600.0):
-        from megatron.core import parallel_state
-
-        from megatron_dapo.weights.export import gathers_stage, is_stage_source
-
-        self.rank = dist.get_rank()
-        self.wait_group = wait_group
-        self.stage = parallel_state.get_pipeline_model_parallel_rank()
-        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.source, self.gathers = is_stage_source(), gathers_stage()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.pp_ranks = dist.get_process_group_ranks(self.pp_group)
-        if self.rank == 0 and not (self.source and self.stage == 0):
-            raise RuntimeError("per-stage weight sync expects global rank 0 at DP 0, TP 0, PP stage 0")
-        if self.source and self.pp_ranks[0] != 0:
-            raise RuntimeError(f"stage source {self.rank}: its pipeline group {self.pp_ranks} does not start at "
-                               f"global rank 0, which collects the host copy")
-        self.sender = StageSender(self.stage) if self.source else None
-        self.lock = TicketLock(dist.distributed_c10d._get_default_store(), timeout_s=lock_timeout_s)
-        self.stats = RankStats()
-
-    def sync(self, chunks, arch, engine, version: int) -> dict[str, float] | None:
-        """Runs one per-stage update on every rank; None when rank 0 chose the whole-model path (another mode,
-        or the embedded engine): the caller then iterates iter_hf_weights as before. Rank 0 returns the
-        per-stage seconds (sync/stage<s>_s); the others {}."""
-        from megatron_dapo.weights.export import iter_stage_hf_weights
-
-        self.stats = RankStats()
-        t0 = time.perf_counter()
-        if self.rank != 0:
-            kind, payload = comm.broadcast_object(None, 0, self.wait_group)
-            if kind == "full":
-                return None
-            if kind == "abort":
-                raise RuntimeError(f"global rank 0 failed before the weight sync: {payload}")
-            if self.source:
-                outcome = self.sender.push(payload, iter_stage_hf_weights(chunks, arch), self.lock)
-                self.stats.to_servers = outcome.nbytes
-                self._send_outcome(outcome)
-            elif self.gathers:
-                for _ in iter_stage_hf_weights(chunks, arch):  # the source's TP peers: in step with its gather
-                    pass
-            self.stats.seconds = time.perf_counter() - t0
-            return {}
-        if not stage_capable(engine):
-            comm.broadcast_object(("full", None), 0, self.wait_group)
-            return None
-        announced = False
-        seconds: list[float] = []
-
-        def push_stages(urls: list[str], tps: list[int], tag: int, first_port: int) -> StagesOutcome:
-            nonlocal announced
-            c = engine.client
-            plan = SyncPlan(version=version, urls=tuple(urls), tps=tuple(tps), tag=tag, first_port=first_port,
-                            master_address=c.sync_master_address, rank0_host=socket.gethostname(),
-                            backend=c.sync_backend, bucket_bytes=c.bucket_bytes, api_key=c.api_key or _engine_key(
-                                engine), timeout_s=c.control_timeout_s, http_timeout_s=c.http_timeout_s)
-            comm.broadcast_object(("stage", plan), 0, self.wait_group)
-            announced = True
-            mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock)
-            self.stats.to_servers = mine.nbytes
-            merged = merge_outcomes([mine] + [self._recv_outcome(s) for s in range(1, self.pp)])
-            seconds[:] = merged.stage_seconds
-            return merged
-
-        try:
-            engine.update_weights_by_stage(version, push_stages, stages=self.pp)
-        except BaseException as e:
-            if not announced:
-                comm.broadcast_object(("abort", f"{type(e).__name__}: {e}"), 0, self.wait_group)
-            raise
-        self.stats.seconds = time.perf_counter() - t0
-        return {f"sync/stage{s}_s": v for s, v in enumerate(seconds)}
-
-    def _send_outcome(self, outcome: StageOutcome) -> None:
-        """Source s > 0 -> rank 0 over the pipeline group: the outcome, then its host copy bucket by bucket."""
-        kept, outcome.kept = outcome.kept, []
-        comm.send_object((outcome, [b.metas for b in kept]), 0, self.pp_group)
-        for b in kept:
-            comm.send(b.flat, 0, self.pp_group)
-            self.stats.pp_sent += b.nbytes
-
-    def _recv_outcome(self, stage: int) -> StageOutcome:
-        src = self.pp_ranks[stage]
-        outcome, metas = comm.recv_object(src, self.pp_group)
-        for bucket_metas in metas:
-            flat = torch.empty(sum(m.numel for m in bucket_metas), dtype=_bucket_dtype(bucket_metas))
-            comm.recv(flat, src, self.pp_group)
-            outcome.kept.append(Bucket(flat=flat, metas=bucket_metas))
-            self.stats.pp_received += flat.numel() * flat.element_size()
-        return outcome
-
-
-def _bucket_dtype(metas: list[TensorMeta]) -> torch.dtype:
+def bucket_dtype(metas: list[TensorMeta]) -> torch.dtype:
     return metas[0].dtype
-
-
-def _engine_key(engine: Any) -> str | None:
-    """The API key a launched engine's servers were started with (ServerConfig.api_key), else None."""
-    group = getattr(engine, "group", None)
-    return getattr(getattr(group, "config", None), "api_key", None)

@@ -4,7 +4,7 @@ mode and in separate-server mode, and what the server generates after each.
 argv: <input .pt from tests/test_colocate_dist.py> <output dir> <server url>. The input holds the HF state
 dict, the arch, the samples of each step and the prompts. Both runs train a TP 2 actor from the same weights
 on the same samples:
-- separate: rank 0's SGLangEngine.update_weights (tensor mode: rank 0's bucket, one copy per server TP rank);
+- separate: rank 0's ServerPush.update (tensor mode: rank 0's bucket, one copy per server TP rank);
 - colocated: PhaseSwitcher (release -> onload -> train -> offload -> resume weights -> push -> resume KV) and
   ColocatedPusher (each rank hands its own bucket to the server TP rank of its index; rank 0 posts the list).
 Rank 0 saves, per run and step, the greedy samples of the prompts, the actor's weights and the phase-switch
@@ -30,6 +30,7 @@ from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.weights.export import iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
+from tests.sglang import full_push
 
 BUCKET = 40_000  # bytes: several buckets for the tiny model, so the per-bucket hand-over runs many times
 
@@ -64,7 +65,7 @@ def main() -> None:
         ref.train_step(samples, rollout_step=step)
         named = iter_hf_weights(ref.chunks, arch)
         if engine is not None:
-            engine.update_weights(named, version=step)
+            full_push(engine).update(named, version=step)
             result["separate"].append(generate(engine, data["prompts"]))
         else:
             for _ in named:

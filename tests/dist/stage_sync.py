@@ -2,8 +2,9 @@
 
 argv: <input .pt from tests/test_stage_sync.py> <output dir>. For each layout: the actor is loaded with the same
 HF weights, then rank 0's SGLangEngine (attached to the fake servers the test runs) takes one per-stage update
-(StageSync, version = layout number), then every rank iterates the old whole-model export (iter_hf_weights),
-which rank 0 saves as the reference. Every rank saves its role and what it moved (StageSync.stats) to
+(StagePush from build_weight_sync, version = layout number), then every rank iterates the old whole-model export
+(iter_hf_weights), which rank 0 saves as the reference. Every rank saves its role and what it moved
+(StagePush.stats) and how many Python objects it broadcast or received during the push to
 <out>/<layout>_rank<r>.pt. With "kill" in the input, the test kills a fake server during the push and brings it
 back; rank 0 waits for its re-sync before it saves.
 """
@@ -18,12 +19,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dapo.distributed import comm
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
-from megatron_dapo.weight_sync.stage_sync import StageSync
+from megatron_dapo.weight_sync.build import build_weight_sync
 from megatron_dapo.weights.export import is_stage_source, iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
@@ -43,28 +44,70 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
                                             pp_rank=pp_rank, padded_vocab=padded_vocab_size(arch.vocab_size,
                                                                                              layout.tp)))
     wait_group = comm.gloo_group(None, timeout=timedelta(minutes=5))
-    sync = StageSync(wait_group, lock_timeout_s=120)
     rank = dist.get_rank()
     engine = None
     if rank == 0:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
             update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
             sync_master_port=data["ports"][version - 1], control_timeout_s=60, server_wait_s=60))
-    metrics = sync.sync(actor.chunks, arch, engine, version)
+    sync = build_weight_sync(engine, wait_group=wait_group, lock_timeout_s=120)  # rank 0's facts, sent once
+    pushed, broadcasts = _counting_broadcasts(lambda: sync.push(actor, version), wait_group)
+    metrics = {k: v for k, v in pushed.items() if k.startswith("sync/stage")}  # the stages' own seconds
+    assert pushed["time/sync_s"] > 0
     out = {"stage": pp_rank, "tp_rank": tp_rank, "dp_rank": parallel_state.get_data_parallel_rank(),
-           "source": is_stage_source(), "stats": sync.stats, "metrics": metrics}
+           "source": is_stage_source(), "stats": sync.stats, "metrics": metrics, "sync": type(sync).__name__,
+           "broadcasts": broadcasts}
+    if version == 1 and not data.get("kill"):  # the same PP 2 run in disk mode: the full push, chosen at build;
+        # no object broadcast per push
+        full_engine = None
+        if rank == 0:  # (not tensor mode: torch's shm manager would outlive this launch, holding its stdout)
+            full_engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
+                update_mode="disk", disk_dir=f"{out_dir}/disk", bucket_bytes=data["bucket_bytes"],
+                control_timeout_s=60))
+        full_sync = build_weight_sync(full_engine, wait_group=wait_group)
+        _, full_broadcasts = _counting_broadcasts(lambda: [full_sync.push(actor, 100 + k) for k in range(2)],
+                                                  wait_group)
+        out |= {"full_sync": type(full_sync).__name__, "full_broadcasts": full_broadcasts}
+        if full_engine is not None:
+            full_engine.shutdown()
     reference = {n: t.clone() for n, t in iter_hf_weights(actor.chunks, arch)}  # the old path, every rank
     if rank == 0:
         if data.get("kill"):  # wait for the lost server's re-sync from the host copy
             deadline = time.monotonic() + 120
             while engine._stale and time.monotonic() < deadline:
                 time.sleep(0.2)
-        out |= {"reference": reference, "kept": [m.name for b in engine._kept for m in b.metas],
-                "engine_metrics": engine.take_metrics(), "stale": sorted(engine._stale)}
+        out |= {"reference": reference, "kept": [m.name for b in sync.coordinator.full.kept
+                                                  for m in b.metas],
+                "engine_metrics": _summed(pushed, engine.take_metrics()), "stale": sorted(engine._stale)}
         engine.shutdown()
     torch.save(out, f"{out_dir}/{name}_rank{rank}.pt")
     comm.barrier(wait_group)
     destroy_parallel(keep_process_group=True)
+
+
+def _counting_broadcasts(run, wait_group):
+    """run()'s result and the Python objects broadcast over the trainer's wait group (the group rank 0 decided the
+    path on, before) through comm.broadcast_object meanwhile: sent or received, a tuple's first item, else its
+    type name. (The export's own manifest broadcasts over the pipeline group are not counted.)"""
+    seen = []
+    real = comm.broadcast_object
+
+    def counting(obj, src, group=None):
+        got = real(obj, src, group)
+        if group is wait_group:
+            seen.append(got[0] if isinstance(got, tuple) else type(got).__name__)
+        return got
+
+    comm.broadcast_object = counting
+    try:
+        return run(), seen
+    finally:
+        comm.broadcast_object = real
+
+
+def _summed(pushed: dict[str, float], later: dict[str, float]) -> dict[str, float]:
+    """The engine's counters over the push (returned by it) and since (the lost server's re-sync)."""
+    return {k: pushed.get(k, 0.0) + v for k, v in later.items()}
 
 
 def main() -> None:

@@ -3,8 +3,10 @@
 Requests go out one per sample from an asyncio loop on a background thread (bounded by a semaphore) to
 the router, or round-robin to the servers. A sample whose server dies (connection error, 5xx) is retried
 on another server; the dead server is restarted (when this engine launched it) and re-synced before it
-takes work again, so no prompt is lost. Weight updates (tensor, distributed or disk, in flat buckets) are
-the methods of WeightPush (megatron_dapo/weight_sync/weight_push.py), which SGLangEngine inherits.
+takes work again, so no prompt is lost. The engine pushes no weights itself: it exposes its servers to the
+weight sync (megatron_dapo/weight_sync/: the serving set, their TP sizes, an update session that holds
+the weights lock and sets the version, HTTP calls to each server), and a lost server is brought back to the current
+version by the attached sync's `recover(server)` (attach_sync; ServerPush, StagePush or ColocatedSync).
 
 What survives what (tests/test_rollout_sglang_recovery.py kills real servers by pid):
 - A server that dies while generating (connection refused / reset, 5xx): its samples are retried on the
@@ -22,7 +24,7 @@ Nothing is lost and the step goes on; take_metrics() counts it (rollout/servers_
 rollout/retried_requests, rollout/router_fallbacks, sync/servers_recovered, rollout/recovery_s).
 Attached URLs are checked at construction (server_setup.check_attached): one that is not SGLang is a UserError.
 
-The last pushed weights, from which a lost server is re-synced: see weight_push.py.
+The last pushed weights, from which a lost server is re-synced: the sync's host copy (weight_sync/server_push.py).
 
 Production (Qwen2.5-32B, 16 servers at TP4, 65 GB bf16): a restart takes ~1-3 min (process start, 65 GB
 load, CUDA graphs), the re-sync from the host copy ~4-7 s (tensor: each TP rank reads 65 GB from shared
@@ -35,16 +37,16 @@ and a weight update meanwhile goes to those 15 without waiting for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
-import shutil
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import httpx
 
@@ -54,6 +56,7 @@ from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, 
     CALL_MARGIN_S,
     ServerDied,
     aborted_sample,
+    check_success,
     generate_payload,
     parse_generate_response,
     read_reply,
@@ -61,10 +64,9 @@ from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, 
     to_sample,
 )
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
-from megatron_dapo.rollout.sglang.setup import check_attached
+from megatron_dapo.rollout.sglang.setup import check_attached, server_info, sync_ranks
 from megatron_dapo.rollout.types import RolloutRequest, Sample
-from megatron_dapo.weight_sync.buckets import DEFAULT_BUCKET_BYTES, Bucket
-from megatron_dapo.weight_sync.weight_push import WeightPush, _check_success
+from megatron_dapo.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
 UPDATE_MODES = ("tensor", "distributed", "disk")
 
@@ -147,7 +149,27 @@ ROUTER_RETRY_S = 60.0
 """After the router failed, samples go to the servers directly for this long before one tries it again."""
 
 
-class SGLangEngine(WeightPush, RolloutEngine):
+class Recovers(Protocol):
+    """What the engine needs of its weight sync (megatron_dapo/weight_sync/base.py WeightSync)."""
+
+    def recover(self, server: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class UpdateSession:
+    """One weight update of the serving servers (SGLangEngine.weight_update)."""
+
+    targets: list[int]
+    """The servers serving when the update began (indices into SGLangEngine.urls)."""
+    lost: set[int] = field(default_factory=set)
+    """Servers lost during the update: recovered (from the sync's copy) after it."""
+    nbytes: int = 0
+    """Bytes pushed (tensor: per server; distributed: once over the group; disk: once), for sync/gbytes."""
+
+
+class SGLangEngine(RolloutEngine):
     """RolloutEngine over SGLang servers it launches (ServerConfig) or already running ones (server_urls)."""
 
     def __init__(
@@ -183,23 +205,16 @@ class SGLangEngine(WeightPush, RolloutEngine):
                            wait_s=self.client.server_wait_s, headers=self._headers)
             self._tps = None  # read from the servers' /server_info at the first tensor / distributed push
         self._version = 0
-        self._disk_weights: str | None = None
-        self._kept: list[Bucket] = []
-        """Host copy of the last pushed version (tensor / distributed modes), for re-syncing a lost server."""
-        self._weights_lock = threading.Lock()  # one push at a time: an update, or a lost server's re-sync
-        self._sync_group = None
-        self._sync_generation = 0  # each (re)built broadcast group gets a new name and port
-        self._sync_members: list[int] = []
-        self._sync_name = ""
-        self._sync_dirty = False
-        self._losses = 0  # servers lost so far: a loss since the last per-stage update rebuilds the stage groups
-        self._stage_groups: tuple[list[int], int, int] | None = None  # (members, losses seen, tag) of those groups
+        self.weight_sync: Recovers | None = None
+        """The sync that pushes this engine's weights and recovers a lost server (attach_sync)."""
+        self.weights_lock = threading.Lock()  # one push at a time: an update, or a lost server's re-sync
+        self.losses = [0] * len(self.urls)
+        """Times each server was lost: a sync rebuilds a broadcast group one of whose members was lost since."""
         self._stale: set[int] = set()  # dead, restarting or re-syncing servers: they take no requests
         self._recovering: dict[int, asyncio.Future] = {}
         self._fatal: BaseException | None = None
         self._router_down_at: float | None = None  # when the router last failed; None while it serves
         self._metrics: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
-        self._sync_bytes = 0  # bytes pushed by the update in progress (tensor: per server; distributed: once)
         self._rr = itertools.count()
         self._inflight: dict[str, set[str]] = {}  # request_id -> rids of its samples in flight
         self._aborted: set[str] = set()
@@ -231,14 +246,11 @@ class SGLangEngine(WeightPush, RolloutEngine):
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
         return read_reply(resp, url, path)
 
-    def _serving(self) -> list[int]:
-        return [i for i in range(len(self.urls)) if i not in self._stale]
-
     async def _pick_server(self, avoid: set[int]) -> int:
         """A serving server not in `avoid` (else any serving one); waits for a recovery when none serves."""
         while True:
             self._raise_fatal()
-            serving = self._serving()
+            serving = self.serving()
             if serving:
                 choices = [i for i in serving if i not in avoid] or serving
                 return choices[next(self._rr) % len(choices)]
@@ -368,7 +380,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
             bodies = [{"abort_all": True}] if ids else []
         else:
             bodies = [{"rid": rid} for rid in rids]
-        urls = [self.urls[i] for i in self._serving()]
+        urls = [self.urls[i] for i in self.serving()]
 
         async def send():
             await asyncio.gather(*(self._post(u, "/abort_request", b) for u in urls for b in bodies),
@@ -401,7 +413,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         request); at most ClientConfig.control_timeout_s."""
         async def go():
             deadline = time.monotonic() + self.client.control_timeout_s
-            for i in self._serving():
+            for i in self.serving():
                 while True:
                     resp = await self._http.post(f"{self.urls[i]}/flush_cache", timeout=self.client.http_timeout_s)
                     if resp.status_code == 200:
@@ -418,13 +430,11 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._control_serving("/resume_memory_occupation", {"tags": list(tags)})
 
     def set_weight_version(self, version: int) -> None:
-        """Colocated mode: the weights were pushed by every rank (weight_sync/colocated_push.py), not through
-        update_weights; samples from now on carry `version`. This engine keeps no copy of them, so a server
-        lost afterwards cannot be re-synced from here (_resync refuses instead of serving old weights)."""
+        """Colocated mode: the weights were pushed by every rank (weight_sync/colocated_push.py ColocatedSync), not
+        in a weight_update session; samples from now on carry `version`."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"set_weight_version: version must be an int >= 0, got {version!r}")
         self._version = version
-        self._pushed_elsewhere = True
 
     def _control_serving(self, path: str, body: dict) -> None:
         """`path` on every serving server; one that turns out dead goes to recovery (it comes back unpaused,
@@ -432,7 +442,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._check_open()
 
         async def go():
-            targets = self._serving()
+            targets = self.serving()
             replies = await asyncio.gather(*(self._post(self.urls[i], path, body) for i in targets),
                                            return_exceptions=True)
             for i, reply in zip(targets, replies):
@@ -465,7 +475,8 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._closed = True
         for task in list(self._recovering.values()):
             self._loop.call_soon_threadsafe(task.cancel)
-        self._close_sync_group()  # while the servers still answer
+        if self.weight_sync is not None:
+            self.weight_sync.close()  # its broadcast group and host copy, while the servers still answer
         if self.group is not None:
             self.group.stop()  # also ends a server that a restart in progress just started ...
         self._launcher.shutdown(wait=True, cancel_futures=True)  # ... so that restart returns at once
@@ -474,9 +485,6 @@ class SGLangEngine(WeightPush, RolloutEngine):
         self._call(self._http.aclose())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-        self._kept = []
-        if self._disk_weights and self.client.disk_dir is None:
-            shutil.rmtree(self._disk_weights, ignore_errors=True)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -495,9 +503,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
         time; a second failure report joins the running one). Runs on the loop thread."""
         task = self._recovering.get(server)
         if task is None or task.done():
-            if server in self._sync_members:  # the broadcast group lost a member: rebuild it before using it
-                self._sync_dirty = True
-            self._losses += 1
+            self.losses[server] += 1  # a broadcast group it belongs to is rebuilt before its next use
             self._stale.add(server)
             self._count("rollout/servers_lost")
             self._recovering[server] = asyncio.ensure_future(self._recover(server))
@@ -565,29 +571,139 @@ class SGLangEngine(WeightPush, RolloutEngine):
             f"same model and port, or drop it from --sglang-server-urls")
 
     def _resync(self, server: int) -> None:
-        """Pushes the current version (host copy, or the disk copy) to one server that lost it. Runs on a
-        worker thread; waits for an update in progress, so it always pushes the newest version."""
-        with self._weights_lock:
-            version, mode = self._version, self.client.update_mode
-            if version > 0 and getattr(self, "_pushed_elsewhere", False):
-                raise RuntimeError(f"{self.urls[server]} was lost in colocated mode at weight version {version}: "
-                                   f"its weights came from the actor ranks on its GPUs, not from here; "
-                                   f"restart the run from its last checkpoint (--load)")
-            if version > 0 and mode == "disk":
-                reply = self._call(self._post(self.urls[server], "/update_weights_from_disk", {
-                    "model_path": self._disk_weights, "weight_version": str(version)}), self.client.control_timeout_s)
-                _check_success(reply, "update_weights_from_disk")
-                self._flush([server])
-            elif version > 0:  # (at version 0 a restarted server loads the initial weights itself)
-                # A clone per bucket: the push moves its buffer to shared memory, the host copy stays put.
-                copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in self._kept)
-                push = self._push_tensor if mode == "tensor" else self._push_distributed
-                if push([server], copies, version):
-                    raise ServerDied(f"{self.urls[server]} died again while being re-synced")
+        """Brings one server that lost it back to the current version through the attached sync's
+        `recover(server)` (from its host copy, or the disk copy). Runs on a worker thread; waits for an update in
+        progress, so it always pushes the newest version. At version 0 a restarted server loads the initial
+        weights itself."""
+        with self.weights_lock:
+            if self._version > 0:
+                if self.weight_sync is None:
+                    raise RuntimeError(f"{self.urls[server]} was lost at weight version {self._version} and no "
+                                       f"weight sync is attached to this engine to re-sync it")
+                self.weight_sync.recover(server)
             # Back in rotation before the lock is released: the next update includes it.
             self._stale.discard(server)
 
-    # ---- before a weight update (the pushes themselves: megatron_dapo/weight_sync/weight_push.py) ----------
+    # ---- the servers, as the weight sync sees them (megatron_dapo/weight_sync/) -----------------------
+
+    def attach_sync(self, sync: Recovers) -> None:
+        """`sync` pushes this engine's weights from now on: a lost server is recovered with `sync.recover(i)` and
+        `sync.close()` runs at shutdown, before the servers stop. One per engine (it owns the host copy)."""
+        if self.weight_sync is not None and self.weight_sync is not sync:
+            raise RuntimeError(f"SGLangEngine already has weight sync {type(self.weight_sync).__name__}; one "
+                               f"engine has one (it owns the copy a lost server is re-synced from)")
+        self.weight_sync = sync
+
+    @contextlib.contextmanager
+    def weight_update(self, version: int) -> Iterator[UpdateSession]:
+        """One update of the serving servers to `version`: servers restarted unseen go to recovery first, then,
+        under the weights lock (no re-sync meanwhile), the body pushes to `session.targets` and records the
+        servers it lost and the bytes it pushed. On a clean exit the version is set, sync/* reported (take_metrics)
+        and the lost servers recovered in the background (from the new version); a body that raises sets
+        nothing. Costs one /model_info per server before the update (16 at 32B: milliseconds)."""
+        self._check_open()
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"weight update: version must be an int >= 0, got {version!r}")
+        unseen = self._call(self._lost_unseen(), self.client.control_timeout_s)  # restarted behind a router
+        if unseen:
+            self._call(self._start_recoveries(unseen), self.client.control_timeout_s)
+        with self.weights_lock:
+            start = time.perf_counter()
+            session = UpdateSession(targets=self.serving())
+            yield session
+            self._version = version
+            self._sync_report(version, time.perf_counter() - start, len(session.targets) - len(session.lost),
+                              session.nbytes)
+        if session.lost:
+            self._call(self._start_recoveries(session.lost), self.client.control_timeout_s)
+        self._raise_fatal()
+
+    @property
+    def tps(self) -> list[int]:
+        """Each server's TP size: its ranks in the sync group, its payloads per tensor push. Attached servers
+        are asked once (/server_info tp_size; dp_size > 1 is refused, naming the URL)."""
+        if self._tps is None:
+            self._tps = [sync_ranks(u, server_info(u, headers=self._headers, timeout_s=self.client.http_timeout_s))
+                         for u in self.urls]
+        return self._tps
+
+    @property
+    def api_key(self) -> str | None:
+        """The key every call carries (ClientConfig.api_key, else the launched servers' ServerConfig.api_key)."""
+        return self._headers.get("Authorization", "").removeprefix("Bearer ") or None
+
+    @property
+    def model_path(self) -> str | None:
+        """Launched servers' model directory (its config.json goes next to disk-mode weights); None attached."""
+        return self.group.config.model_path if self.group is not None else None
+
+    def serving(self) -> list[int]:
+        """The servers in rotation now (not dead, restarting or re-syncing)."""
+        return [i for i in range(len(self.urls)) if i not in self._stale]
+
+    def send(self, targets: list[int], path: str, body: dict, lost: set[int]) -> list[int]:
+        """POSTs `body` to each target at once; returns those that answered. A ServerDied adds the server to
+        `lost`; a refusal (success: false, 4xx) is raised."""
+        async def go():
+            return await asyncio.gather(*(self._post(self.urls[i], path, body) for i in targets),
+                                        return_exceptions=True)
+
+        ok = []
+        for i, reply in zip(targets, self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)):
+            if isinstance(reply, ServerDied):
+                lost.add(i)
+            elif isinstance(reply, BaseException):
+                raise reply
+            else:
+                check_success(reply, path.lstrip("/"))
+                ok.append(i)
+        return ok
+
+    def post_later(self, server: int, path: str, body: dict) -> Future:
+        """Starts a POST to one server on the client loop; its future (the reply, or ServerDied). For calls that
+        block in a collective until this process joins it (group init, a bucket broadcast)."""
+        return asyncio.run_coroutine_threadsafe(self._post(self.urls[server], path, body), self._loop)
+
+    def post_quietly(self, servers: list[int], path: str, body: dict) -> None:
+        """POSTs to each server at once, ignoring failures (a group teardown on servers that may be gone)."""
+        async def go():
+            await asyncio.gather(*(self._post(self.urls[i], path, body) for i in servers), return_exceptions=True)
+
+        self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)
+
+    def answers(self, server: int) -> bool:
+        """Whether `server` answers /health with 200 now (within http_timeout_s)."""
+        async def check():
+            try:
+                return (await self._http.get(f"{self.urls[server]}/health")).status_code == 200  # http_timeout_s
+            except httpx.HTTPError:
+                return False
+
+        return self._call(check(), self.client.http_timeout_s + CALL_MARGIN_S)
+
+    def flush(self, targets: list[int]) -> None:
+        """/flush_cache on each target: drops prefix-cache entries computed with the old weights."""
+        async def go():
+            await asyncio.gather(*(self._http.post(f"{self.urls[i]}/flush_cache") for i in targets),  # http_timeout_s
+                                 return_exceptions=True)  # a server that died since is being recovered
+
+        self._call(go(), self.client.http_timeout_s + CALL_MARGIN_S)
+
+    def _sync_report(self, version: int, seconds: float, servers: int, nbytes: int) -> None:
+        """sync/seconds, sync/gbytes (bytes pushed / 1e9), sync/gbps of this update into take_metrics(), and
+        one line on stdout. At 32B (bf16) one server copy is 65 GB: "distributed" broadcasts it once over the
+        group of the trainer and the 16 servers' 128 TP ranks (65 GB, ~3-7 s at 10-25 GB/s); "tensor" hands it
+        to each server (65 GB per server); "disk" writes it once (65 GB of shards)."""
+        gbytes = nbytes / 1e9
+        gbps = gbytes / seconds if seconds > 0 else 0.0
+        with self._lock:
+            self._metrics["sync/seconds"] += seconds
+            self._metrics["sync/gbytes"] += gbytes
+            self._metrics["sync/gbps"] = gbps
+        print(f"[megatron-dapo] weight sync v{version}: {gbytes:.2f} GB in {seconds:.2f} s ({gbps:.2f} GB/s) "
+              f"to {servers} servers", flush=True)
+
+    # ---- before a weight update ---------------------------------------------------------------------
 
     async def _lost_unseen(self) -> list[int]:
         """Serving servers that no longer hold the last pushed version: down now, or restarted without this
@@ -607,7 +723,7 @@ class SGLangEngine(WeightPush, RolloutEngine):
                 return resp.status_code >= 500
             return str(resp.json().get("weight_version")) != str(self._version)
 
-        serving = self._serving()
+        serving = self.serving()
         flags = await asyncio.gather(*(lost(i) for i in serving))
         return [i for i, f in zip(serving, flags) if f]
 

@@ -36,6 +36,12 @@ def read_reply(resp: httpx.Response, url: str, path: str) -> Any:
     return resp.json() if resp.content else None
 
 
+def check_success(reply: Any, what: str) -> None:
+    """Raises RuntimeError naming `what` when SGLang's JSON reply says {"success": false} (a refused weight call)."""
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise RuntimeError(f"SGLang {what} failed: {reply.get('message')}")
+
+
 def sample_rid(request_id: str, index: int) -> str:
     """The SGLang rid of sample `index` of a request (unique per sample, for /abort_request)."""
     return f"{request_id}::{index}"
