@@ -31,7 +31,7 @@ EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang/api_key.py": {"--config"},  # sglang.launch_server's own
     "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
     "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
-    "megatron_dapo/train.py": {"--enable-memory-saver"},  # passed to launched colocated servers
+    "megatron_dapo/rollout/build.py": {"--enable-memory-saver"},  # passed to launched colocated servers
 }
 """file (relative to the repo) -> flags of another program that the file names on purpose."""
 CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
