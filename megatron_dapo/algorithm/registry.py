@@ -11,7 +11,7 @@ naming the flag, not at the first train step.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from megatron_dapo.algorithm.advantages import AdvantageFn, dr_grpo_advantages, 
 from megatron_dapo.algorithm.grpo_loss import dr_grpo_loss, grpo_loss
 from megatron_dapo.algorithm.gspo import gspo_loss
 from megatron_dapo.algorithm.loss import PolicyLossConfig, PolicyLossFn, PolicyLossOutput, policy_loss
-from megatron_dapo.dotted_path import import_callable
+from megatron_dapo.dotted_path import resolve_callable
 from megatron_dapo.errors import UserError
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {
@@ -54,20 +54,6 @@ ADVANTAGE_ESTIMATOR_HELP = (
 )
 
 
-def _resolve(name: object, flag: str, registry: Mapping[str, Callable], signature: str) -> Callable:
-    """The registered function `name`, or the one its dotted path names; UserError naming `flag` otherwise."""
-    expected = ("expected one of " + ", ".join(repr(k) for k in registry)
-                + f" or a dotted path 'pkg.module:function' to {signature}")
-    if not isinstance(name, str) or not name.strip():
-        raise UserError(f"{flag} must be a non-empty string; {expected}")
-    name = name.strip()
-    if name in registry:
-        return registry[name]
-    if "." not in name and ":" not in name:
-        raise UserError(f"{flag} {name!r} is not registered; {expected}")
-    return import_callable(name, flag, expected)
-
-
 def _check_binds(fn: Callable, name: str, flag: str, signature: str, *args, **kwargs) -> None:
     try:
         inspect.signature(fn).bind(*args, **kwargs)
@@ -92,7 +78,7 @@ def policy_loss_config(name: str = "dapo", **fields) -> PolicyLossConfig:
     take the signature or return a PolicyLossOutput with a differentiable scalar loss_sum and a scalar denominator
     on a 2 x 3 CPU trial batch; the loss's own objection to another flag (a ValueError naming it, e.g.
     --loss-agg-mode with grpo) comes back as a UserError with its message."""
-    fn = _resolve(name, "--policy-loss", POLICY_LOSSES, POLICY_LOSS_SIGNATURE)
+    fn = resolve_callable(name, "--policy-loss", POLICY_LOSSES, POLICY_LOSS_SIGNATURE)
     config = PolicyLossConfig(**fields, name=name.strip(), fn=fn)
     log_probs, old, advantages, mask = _trial_batch()
     _check_binds(fn, config.name, "--policy-loss", POLICY_LOSS_SIGNATURE, log_probs, old, advantages, mask, config,
@@ -124,7 +110,7 @@ def get_advantage_estimator(name: str = "grpo") -> AdvantageFn:
 
     Raises UserError naming --advantage-estimator for an unknown name, an unimportable path, or a function that
     does not return a float tensor [N] for N = 4 trial rewards in two groups."""
-    fn = _resolve(name, "--advantage-estimator", ADVANTAGE_ESTIMATORS, ADVANTAGE_ESTIMATOR_SIGNATURE)
+    fn = resolve_callable(name, "--advantage-estimator", ADVANTAGE_ESTIMATORS, ADVANTAGE_ESTIMATOR_SIGNATURE)
     name = name.strip()
     rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.5], dtype=torch.float64), [0, 0, 1, 1]
     _check_binds(fn, name, "--advantage-estimator", ADVANTAGE_ESTIMATOR_SIGNATURE, rewards, groups)

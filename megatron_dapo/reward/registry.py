@@ -11,7 +11,7 @@ import functools
 import inspect
 from collections.abc import Callable
 
-from megatron_dapo.dotted_path import import_callable
+from megatron_dapo.dotted_path import resolve_callable
 from megatron_dapo.reward.math_dapo import compute_score, compute_score_boxed
 from megatron_dapo.reward.result import RewardResult
 
@@ -22,12 +22,7 @@ BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
     "math_dapo_boxed": compute_score_boxed,
 }
 
-_HELP = (
-    "expected one of "
-    + ", ".join(repr(k) for k in BUILTIN_REWARD_FNS)
-    + " or a dotted path 'pkg.module:function' to fn(solution_str: str, ground_truth: str) -> "
-    "RewardResult | float | dict"
-)
+REWARD_FN_SIGNATURE = "fn(solution_str: str, ground_truth: str) -> RewardResult | float | dict"
 
 
 def _coerce(value: object, origin: str) -> RewardResult:
@@ -47,14 +42,11 @@ def _coerce(value: object, origin: str) -> RewardResult:
 
 def get_reward_fn(name_or_dotted_path: str) -> RewardFn:
     """Return the reward function `fn(solution_str, ground_truth) -> RewardResult` named here."""
-    if not isinstance(name_or_dotted_path, str) or not name_or_dotted_path.strip():
-        raise ValueError(f"--reward-fn must be a non-empty string; {_HELP}")
+    fn = resolve_callable(name_or_dotted_path, "--reward-fn", BUILTIN_REWARD_FNS, REWARD_FN_SIGNATURE,
+                          unknown="is not a known reward function")
+    if fn in BUILTIN_REWARD_FNS.values():
+        return fn
     name = name_or_dotted_path.strip()
-    if name in BUILTIN_REWARD_FNS:
-        return BUILTIN_REWARD_FNS[name]
-    if "." not in name and ":" not in name:
-        raise ValueError(f"--reward-fn {name!r} is not a known reward function; {_HELP}")
-    fn = import_callable(name, "--reward-fn", _HELP)
     try:
         inspect.signature(fn).bind("solution", "truth")
     except TypeError as err:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -54,3 +55,20 @@ def drain(named: Any) -> None:
     (nothing if it was already consumed)."""
     for _ in named:
         pass
+
+
+def export_to(actor: Any, load: Callable[[Iterable[Any]], None] | None) -> None:
+    """The full-model export on every rank: iter_hf_weights (TP all-gather, PP broadcast; a collective every rank
+    iterates) fed to `load`, rank 0's consumer (None on the others, which only keep in step). If `load` raises, the
+    rest of the export is still iterated before the error propagates, so no TP/PP peer is left in a gather."""
+    from megatron_dapo.weights.export import iter_hf_weights
+
+    named = iter_hf_weights(actor.chunks, actor.arch)
+    if load is None:
+        drain(named)
+        return
+    try:
+        load(named)
+    except BaseException:
+        drain(named)
+        raise

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_dapo.weight_sync.base import WeightSync, drain
+from megatron_dapo.weight_sync.base import WeightSync, export_to
 
 
 class LoadsWeights(Protocol):
@@ -33,15 +33,8 @@ class EngineLoad(WeightSync):
         self.engine = engine
 
     def _push(self, actor: Any, version: int) -> dict[str, float]:
-        from megatron_dapo.weights.export import iter_hf_weights
-
-        named = iter_hf_weights(actor.chunks, actor.arch)
         if self.engine is None:
-            drain(named)  # stay in step with the collective
+            export_to(actor, None)  # stay in step with the collective
             return {}
-        try:
-            self.engine.update_weights(named, version=version)
-        except BaseException:
-            drain(named)  # the rest of the collective, in step with the peers: none is left in a gather
-            raise
+        export_to(actor, lambda named: self.engine.update_weights(named, version=version))
         return self.engine.take_metrics()

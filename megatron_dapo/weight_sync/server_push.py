@@ -38,7 +38,7 @@ import torch
 
 from megatron_dapo.rollout.sglang.protocol import CALL_MARGIN_S, ServerDied, check_success
 from megatron_dapo.rollout.sglang.setup import sync_group_layout
-from megatron_dapo.weight_sync.base import WeightSync, drain
+from megatron_dapo.weight_sync.base import WeightSync, export_to
 from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
 from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
@@ -72,17 +72,10 @@ class ServerPush(WeightSync):
             engine.attach_sync(self)
 
     def _push(self, actor: Any, version: int) -> dict[str, float]:
-        from megatron_dapo.weights.export import iter_hf_weights
-
-        named = iter_hf_weights(actor.chunks, actor.arch)
         if self.engine is None:
-            drain(named)  # stay in step with the collective
+            export_to(actor, None)  # stay in step with the collective
             return {}
-        try:
-            self.update(named, version=version)
-        except BaseException:
-            drain(named)  # the rest of the collective, in step with the peers: none is left in a gather
-            raise
+        export_to(actor, lambda named: self.update(named, version=version))
         return self.engine.take_metrics()  # this step's server recoveries (rollout and sync) and sync/*
 
 
