@@ -45,4 +45,6 @@ def test_gspo_with_dr_grpo_advantages_trains(tiny_base, tmp_path):
         assert math.isfinite(record["train/pg_loss"])
     # the second mini-batch of a step is off-policy: GSPO's 4e-4 clip range on sequence ratios engages
     assert any(r["train/clipfrac_high"] + r["train/clipfrac_low"] > 0 for r in chosen)
-    assert json.loads((tmp_path / "gspo" / "args.json").read_text())["policy_loss"] == "gspo"
+    record = json.loads((tmp_path / "gspo" / "run_config.json").read_text())
+    assert record["policy_loss"] == "gspo" and record["advantage_estimator"] == "dr_grpo"
+    assert record["config"]["trainer"]["advantage_estimator"] == "megatron_dapo.algorithm.advantages:dr_grpo_advantages"
