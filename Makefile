@@ -28,7 +28,7 @@ venv: $(VENV)/.installed
 
 sglang-env: $(if $(SKIP_SGLANG),,$(if $(filter requirements-cpu.txt,$(REQS)),.venv-sglang/.installed))
 
-# Everything, the multi-node rehearsal included (~3 min of the ~18); SKIP_REHEARSAL=1 leaves it out.
+# Everything, the multi-node rehearsal included (~3 min of the ~33); SKIP_REHEARSAL=1 leaves it out.
 test: $(VENV)/.installed sglang-env
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(if $(SKIP_REHEARSAL),-m "not rehearsal") $(PYTEST_ARGS)
 
