@@ -16,6 +16,7 @@ from tests.dist.actor_common import (
     merge_rank_shards,
     single_process_world,
 )
+from tests.hf_reference import response_terms
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,7 @@ def _hf_loss_and_grad_norm(hf, samples, loss_config):
     hf.zero_grad()
     sums, tokens = 0.0, 0.0
     for s in samples:
-        logits = hf(torch.tensor([s.tokens])).logits[0]
-        logp = torch.log_softmax(logits.float(), -1)[torch.arange(s.prompt_len - 1, len(s.tokens) - 1),
-                                                     torch.tensor(s.tokens[s.prompt_len:])]
-        old = logp.detach() if s.old_log_probs is None else s.old_log_probs
-        mask = torch.ones(s.response_len) if s.loss_mask is None else s.loss_mask
+        logp, old, mask = response_terms(hf, s)
         out = policy_loss(logp[None], old[None], torch.tensor([s.advantage]), mask[None], loss_config)
         sums = sums + out.loss_sum
         tokens += float(out.denominator)

@@ -9,6 +9,7 @@ import torch
 from megatron_dapo.actor import ActorConfig, MegatronActor
 from megatron_dapo.algorithm.registry import policy_loss_config
 from tests.dist.actor_common import load_hf_weights, make_samples, single_process_world
+from tests.hf_reference import response_terms
 
 MAX_RESPONSE = 24
 
@@ -24,11 +25,7 @@ def hf_reference(hf, samples, loss_config):
     hf.zero_grad()
     num, den, pg, tokens = 0.0, 0.0, 0.0, 0.0
     for s in samples:
-        logits = hf(torch.tensor([s.tokens])).logits[0]
-        logp = torch.log_softmax(logits.float(), -1)[torch.arange(s.prompt_len - 1, len(s.tokens) - 1),
-                                                     torch.tensor(s.tokens[s.prompt_len:])]
-        old = logp.detach() if s.old_log_probs is None else s.old_log_probs
-        mask = torch.ones(s.response_len) if s.loss_mask is None else s.loss_mask
+        logp, old, mask = response_terms(hf, s)
         out = loss_config.fn(logp[None], old[None], torch.tensor([s.advantage]), mask[None], loss_config)
         num = num + out.loss_sum
         den += float(out.denominator)
