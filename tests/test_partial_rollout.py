@@ -247,7 +247,7 @@ def test_settle_and_request_validation():
 def test_checkpoint_state_round_trips(partial_run):
     groups = [g for result, *_ in partial_run[1][0] for g in result.carried]
     assert groups
-    back = from_state(state(groups), Prompt)
+    back = from_state(state(groups))
     assert len(back) == len(groups)
     for a, b in zip(groups, back):
         assert (a.prompt, a.seed, a.first_step) == (b.prompt, b.seed, b.first_step)
@@ -255,9 +255,9 @@ def test_checkpoint_state_round_trips(partial_run):
             assert (x.response_ids, x.finish_reason, x.weight_version, x.versions(), x.index) == \
                 (y.response_ids, y.finish_reason, y.weight_version, y.versions(), y.index)
             assert torch.equal(torch.tensor(x.logprobs, dtype=torch.float32), torch.tensor(y.logprobs))
-    assert from_state(None, Prompt) == []
+    assert from_state(None) == []
     with pytest.raises(ValueError, match="layout version"):
-        from_state({"version": 99, "groups": []}, Prompt)
+        from_state({"version": 99, "groups": []})
 
 
 def test_simulated_engine_partial_progress_and_the_bench_shape():

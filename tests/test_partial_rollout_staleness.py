@@ -41,7 +41,7 @@ def _steps(max_staleness: int | None, *, resume_at: int | None = None):
         out.append((result, engine.tokens - before, carried, version))
         carried = result.carried
         if step == resume_at:  # a new process: the carried groups from the checkpoint, an engine on the initial weights
-            carried = from_state(state(carried), Prompt)
+            carried = from_state(state(carried))
             engine = Counting(EmbeddedEngine(copy.deepcopy(models[0]), max_batch_size=64))
         engine.update_weights(models[step].state_dict().items(), version=step)
     return out

@@ -218,9 +218,8 @@ def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
     } for g in groups]}
 
 
-def from_state(data: dict[str, Any] | None, prompt_type: type) -> list[CarriedGroup]:
-    """Inverse of `state` (None: a checkpoint written without --partial-rollout, nothing carried).
-    `prompt_type` is rollout.types.Prompt."""
+def from_state(data: dict[str, Any] | None) -> list[CarriedGroup]:
+    """Inverse of `state` (None: a checkpoint written without --partial-rollout, nothing carried)."""
     if data is None:
         return []
     if data.get("version") != STATE_VERSION:
@@ -229,7 +228,7 @@ def from_state(data: dict[str, Any] | None, prompt_type: type) -> list[CarriedGr
     groups = []
     for g in data["groups"]:
         prompt_ids = [int(t) for t in g["prompt_ids"].tolist()]
-        prompt = prompt_type(prompt_ids=prompt_ids, ground_truth=g["ground_truth"], index=int(g["index"]))
+        prompt = Prompt(prompt_ids=prompt_ids, ground_truth=g["ground_truth"], index=int(g["index"]))
         samples = []
         for i, s in enumerate(g["samples"]):
             versions = [int(v) for v in s["versions"].tolist()]
@@ -260,7 +259,7 @@ class CarriedGroups:
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
         if self.enabled:
-            self.groups = from_state(data, Prompt)
+            self.groups = from_state(data)
         elif data.get("groups"):
             import sys
 
