@@ -13,6 +13,8 @@ from megatron_dapo.models.family import ModelFamily
 
 FAMILY_MODULES: tuple[str, ...] = (
     "megatron_dapo.models.qwen2",
+    "megatron_dapo.models.qwen3",
+    "megatron_dapo.models.llama",
 )
 
 _FAMILIES: dict[str, ModelFamily] = {}
