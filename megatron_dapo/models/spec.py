@@ -72,6 +72,13 @@ def _local_sequence_parallel_spec(config: Any, options: dict[str, Any]) -> Modul
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
     layer.submodules.input_layernorm = SequenceParallelRMSNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if options.get("qk_layernorm"):
+        # The per-head q/k norms see whole sequences (after the qkv all-gather) but only this rank's heads:
+        # finalize_model_grads sums their weight grads over TP by name (q_layernorm / k_layernorm) under
+        # qk_layernorm, SP or not. Only WrappedTorchNorm's SP assert is in the way.
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = SequenceParallelRMSNorm
+        attention.k_layernorm = SequenceParallelRMSNorm
     layers = [layer] * get_num_layers_to_build(config)
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
