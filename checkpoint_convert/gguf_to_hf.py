@@ -83,18 +83,18 @@ def gguf_to_hf(cfg: GgufToHfConfig) -> Path:
 
     path = cfg.gguf_path()
     folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=DTYPES[cfg.dtype])
-    # The de-quantized weights are plain tensors, but transformers marks a GGUF-loaded model quantized and
-    # refuses to save it: move the weights into a plain model of the same config without the quantization.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.name_or_path = path.stem
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = loaded.generation_config
-    with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
+    with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:  # refuses an existing --save first
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=DTYPES[cfg.dtype])
+        # The de-quantized weights are plain tensors, but transformers marks a GGUF-loaded model quantized and
+        # refuses to save it: move the weights into a plain model of the same config without the quantization.
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.name_or_path = path.stem
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.generation_config = loaded.generation_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         umask = os.umask(0)

@@ -73,16 +73,77 @@ def test_unknown_model_type_names_the_field_and_the_supported_ones():
                   num_kv_heads=1, head_dim=4)
 
 
-@pytest.mark.parametrize(("field", "value"), [
+COMMON_REJECTIONS = [
     pytest.param("hidden_act", "gelu", id="hidden_act"),
     pytest.param("use_sliding_window", True, id="sliding-window"),
-    pytest.param("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, id="rope-scaling"),
+    pytest.param("layer_types", ["sliding_attention"] * 4, id="layer-types"),
     pytest.param("attention_dropout", 0.1, id="attention-dropout"),
-])
-def test_qwen2_rejects_values_it_would_ignore_naming_the_field(field, value):
-    config = {**family("qwen2").tiny_config, "model_type": "qwen2", field: value}
+    pytest.param("mlp_bias", True, id="mlp-bias"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), COMMON_REJECTIONS)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_rejects_values_it_would_ignore_naming_the_field(model_type, field, value):
+    config = {**family(model_type).tiny_config, "model_type": model_type, field: value}
     with pytest.raises(UserError, match=rf"config.json: {field}"):
         ModelArch.from_hf(config)
+
+
+@pytest.mark.parametrize(("model_type", "field", "value"), [
+    pytest.param("qwen2", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, id="qwen2-yarn"),
+    pytest.param("qwen2", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}, id="qwen2-llama3"),
+    pytest.param("qwen3", "rope_scaling", {"rope_type": "yarn", "factor": 4.0}, id="qwen3-yarn"),
+    pytest.param("qwen3", "attention_bias", True, id="qwen3-attention-bias"),
+    pytest.param("llama", "attention_bias", True, id="llama-attention-bias"),
+])
+def test_family_specific_rejections(model_type, field, value):
+    config = {**family(model_type).tiny_config, "model_type": model_type, field: value}
+    config.pop("rope_parameters", None)
+    with pytest.raises(UserError, match=rf"config.json: {field}"):
+        ModelArch.from_hf(config)
+
+
+LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    pytest.param("low_freq_factor", 2.0, "low_freq_factor 2.0 is not supported: megatron-core 0.16.1 hard-codes 1",
+                 id="low"),
+    pytest.param("high_freq_factor", 8.0, "high_freq_factor 8.0 is not supported", id="high"),
+    pytest.param("original_max_position_embeddings", 4096, "original_max_position_embeddings 4096", id="original"),
+    pytest.param("factor", 0, "factor must be a positive number", id="factor"),
+    pytest.param("rope_type", "yarn", "rope_type 'yarn' is not supported", id="yarn"),
+])
+def test_llama3_rope_constants_megatron_core_lacks_are_refused(key, value, match):
+    config = {**family("llama").tiny_config, "model_type": "llama", "rope_parameters": {**LLAMA3, key: value}}
+    with pytest.raises(UserError, match=match):
+        ModelArch.from_hf(config)
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+def test_llama3_rope_scaling_reaches_gptmodel(spelling):
+    """transformers 5's rope_parameters and the older rope_scaling (with rope_theta beside it) parse alike."""
+    scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
+    config = {**family("llama").tiny_config, "model_type": "llama", "rope_theta": 5e5}
+    config.pop("rope_parameters")
+    config[spelling] = scaling if spelling == "rope_scaling" else LLAMA3
+    arch = ModelArch.from_hf(config)
+    assert arch.rope_theta == 5e5 and arch.option("rope_scaling_factor") == 8.0
+    kwargs = arch.family.model_kwargs(arch)
+    assert kwargs["rope_scaling"] is True and kwargs["rope_scaling_factor"] == 8.0
+    plain = ModelArch.from_hf({**config, spelling: None})
+    assert "rope_scaling" not in plain.family.model_kwargs(plain) and plain.family_options == ()
+
+
+def test_qwen3_head_dim_is_read_not_derived():
+    """Qwen3-32B: hidden 5120 / 64 heads is 80, but head_dim is 128 (q projection 8192 wide)."""
+    config = dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600,
+                  num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8, head_dim=128)
+    arch = ModelArch.from_hf(config)
+    assert (arch.head_dim, arch.q_size, arch.kv_size) == (128, 8192, 1024)
+    assert arch.qk_layernorm and not arch.qkv_bias
 
 
 def _names_in_code(path: Path) -> list[tuple[int, str]]:
