@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_dapo.models.family import MappingEntry
+from megatron_dapo.models.family import MappingEntry, ModelFamily
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
@@ -170,3 +170,18 @@ def rope_model_kwargs(arch: Any) -> dict[str, Any]:
 def activation_terms(arch: Any) -> dict[str, Any]:
     """The planner's model-decided terms: gated MLP, no dropout, unfused rope."""
     return dict(gated=True, dropout=False, rope="unfused")
+
+
+def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defaults: dict[str, Any],
+                 tiny_config: dict[str, Any], **hooks: Any) -> ModelFamily:
+    """A `ModelFamily` of a dense decoder: this module's table and hooks, the family's `parse`, and `hooks`
+    (e.g. `model_kwargs`) where the family differs. HF classes are `<prefix>ForCausalLM` / `<prefix>Config`."""
+    fields: dict[str, Any] = dict(
+        mapping=MAPPING, transformer_config_fields=transformer_config_fields, layer_spec_options=layer_spec_options,
+        model_kwargs=rope_model_kwargs, activation_terms=activation_terms)
+    unknown = sorted(set(hooks) - set(fields))
+    if unknown:
+        raise TypeError(f"dense_family({model_type}): {unknown} are not overridable hooks {sorted(fields)}")
+    return ModelFamily(model_type=model_type, hf_model_class=f"{hf_class_prefix}ForCausalLM",
+                       hf_config_class=f"{hf_class_prefix}Config", parse=parse, arch_defaults=arch_defaults,
+                       tiny_config=tiny_config, **{**fields, **hooks})

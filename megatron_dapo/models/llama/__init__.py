@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dapo.models import dense
-from megatron_dapo.models.family import ModelFamily
 from megatron_dapo.models.hf_config import ModelArch, dense_decoder_fields
 
 # megatron-core 0.16.1 RotaryEmbedding._apply_scaling's fixed constants.
@@ -54,16 +53,11 @@ def model_kwargs(arch: ModelArch) -> dict[str, Any]:
     return {**dense.rope_model_kwargs(arch), **scaling}
 
 
-FAMILY = ModelFamily(
+FAMILY = dense.dense_family(
     model_type="llama",
-    hf_model_class="LlamaForCausalLM",
-    hf_config_class="LlamaConfig",
-    mapping=dense.MAPPING,
+    hf_class_prefix="Llama",
     parse=parse,
-    transformer_config_fields=dense.transformer_config_fields,
-    layer_spec_options=dense.layer_spec_options,
     model_kwargs=model_kwargs,
-    activation_terms=dense.activation_terms,
     arch_defaults={"qkv_bias": False, "qk_layernorm": False},
     # llama3 rope scaling on: with head_dim 16 and theta 1e4 the lowest frequencies' wavelengths (up to ~2e4)
     # exceed 8192, so the scaling changes the rope even at these short positions.

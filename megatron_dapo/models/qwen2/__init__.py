@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dapo.models import dense
-from megatron_dapo.models.family import ModelFamily
 from megatron_dapo.models.hf_config import ModelArch, dense_decoder_fields
 
 
@@ -21,16 +20,10 @@ def parse(config: dict[str, Any]) -> ModelArch:
     return ModelArch(**dense_decoder_fields(config), qkv_bias=True, qk_layernorm=False)
 
 
-FAMILY = ModelFamily(
+FAMILY = dense.dense_family(
     model_type="qwen2",
-    hf_model_class="Qwen2ForCausalLM",
-    hf_config_class="Qwen2Config",
-    mapping=dense.MAPPING,
+    hf_class_prefix="Qwen2",
     parse=parse,
-    transformer_config_fields=dense.transformer_config_fields,
-    layer_spec_options=dense.layer_spec_options,
-    model_kwargs=dense.rope_model_kwargs,
-    activation_terms=dense.activation_terms,
     arch_defaults={"qkv_bias": True, "qk_layernorm": False},
     tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,

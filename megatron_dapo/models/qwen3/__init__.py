@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_dapo.models import dense
-from megatron_dapo.models.family import ModelFamily
 from megatron_dapo.models.hf_config import ModelArch, dense_decoder_fields
 
 
@@ -26,16 +25,10 @@ def parse(config: dict[str, Any]) -> ModelArch:
     return ModelArch(**dense_decoder_fields(config), qkv_bias=False, qk_layernorm=True)
 
 
-FAMILY = ModelFamily(
+FAMILY = dense.dense_family(
     model_type="qwen3",
-    hf_model_class="Qwen3ForCausalLM",
-    hf_config_class="Qwen3Config",
-    mapping=dense.MAPPING,
+    hf_class_prefix="Qwen3",
     parse=parse,
-    transformer_config_fields=dense.transformer_config_fields,
-    layer_spec_options=dense.layer_spec_options,
-    model_kwargs=dense.rope_model_kwargs,
-    activation_terms=dense.activation_terms,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # head_dim 24 != hidden 64 / 4 heads: the explicit head_dim path (q projection 96 wide) is exercised.
     tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
