@@ -17,7 +17,13 @@ against the bytes the real megatron-core model saves on CPU):
     expanded to all heads, and the [b, a, s, s] softmax (the 5 a s^2 b term, 2 a s^2 b without dropout);
   - torch RMSNorm (local spec) keeps input, normalised input and output (3h) + fp32 rstd; TE's fused
     norm-linear keeps input and output (2h);
-  - unfused RoPE keeps cos/sin per q and k (4 s d per layer), the local spec an [s, s] bool mask.
+  - unfused RoPE keeps cos/sin per q and k (4 s d per layer), the local spec an [s, s] bool mask;
+  - per-head q/k RMSNorm before RoPE (--qk-layernorm families: Qwen3): the fp32 rstd of every head and
+    token; torch's norm keeps its normalised input (q + kv) and its input, a view of the fused qkv output
+    for k (which keeps that output alive) and for q unless megatron-core's [ng, np/ng hn] -> [np, hn]
+    reshape copies it (more than one query group on the rank, more than one head per group); TE's norm
+    keeps its input made contiguous (q + kv). RoPE saves none of the norm's output (it multiplies by the
+    constant cos / sin). Measured on CPU for torch (tests/test_planner.py); the TE count is read off its code.
 Packing (--pack-sequences): a micro-batch is one [1, T] row of T real tokens, so every row-length term
 (local attention scores, the explicit mask, the RoPE table) uses s = T; on TE (flash) only the RoPE
 table does. Logits on the last stage: [T, V/tp] and their gradient, or with --fused-linear-logprob one
@@ -102,12 +108,18 @@ class ActivationSpec:
     bytes_per_element: int = 2
     causal_mask: bool = False
     """An explicit [1, 1, s, s] bool mask is passed (local spec): s^2 bytes per micro-batch, shared."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k before RoPE (HF q_norm / k_norm, megatron-core qk_layernorm: Qwen3)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.kv // self.head_dim
 
     @classmethod
     def for_arch(cls, arch: ModelArch, *, transformer_impl: str, bytes_per_element: int,
                  swiglu_fused: bool = False) -> ActivationSpec:
-        """The spec of `arch`: sizes from the arch, the model's terms (gated MLP, dropout, rope) from its family
-        (`arch.family.activation_terms`), attention and norm tensors from the layer implementation."""
+        """The spec of `arch`: sizes from the arch, the model's terms (gated MLP, dropout, rope, q/k norm) from its
+        family (`arch.family.activation_terms`), attention and norm tensors from the layer implementation."""
         te = transformer_impl == "transformer_engine"
         return cls(hidden=arch.hidden_size, ffn=arch.intermediate_size, heads=arch.num_heads, q=arch.q_size,
                    kv=arch.kv_size, head_dim=arch.head_dim, swiglu_fused=swiglu_fused,
@@ -140,11 +152,13 @@ def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, toke
         q_new, k_new, v_new = roped, roped or gqa, gqa
         attn = ((spec.q if q_new else 0) + (spec.q if gqa else spec.kv if k_new else 0)
                 + (spec.q if v_new else 0)) * e
-        if not (q_new and k_new and v_new):
+        if not (q_new and k_new and v_new) or spec.qk_norm:  # the k norm's input is a view of it
             attn += (spec.q + 2 * spec.kv) * e
         # softmax output [b, a, s, s]; with dropout also its mask (1 B) and output: 5 a s^2 b in fp16
         per_score = e + (1 + e if spec.dropout else 0)
         scores = spec.heads * seq_len * per_score  # per token: a s entries of its row
+    if spec.qk_norm:
+        attn += qk_norm_bytes(spec, layout.tp)
     attn += spec.q * e  # attention output = linear_proj input
     if spec.gated:
         mlp = (2 * spec.ffn + (spec.ffn if spec.swiglu_fused else 3 * spec.ffn)) * e
@@ -154,6 +168,20 @@ def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, toke
     per_token = (rep / t if layout.sp else rep) + sharded / t
     rope = 4 * (seq_len / layout.cp) * spec.head_dim * e if spec.rope == "unfused" else 0.0
     return tok * per_token + rope
+
+
+def qk_norm_bytes(spec: ActivationSpec, tp: int) -> float:
+    """Bytes per token (all heads: the caller divides by TP) the per-head q/k RMSNorms save beyond the fused
+    qkv output: fp32 rstd per head, then torch's normalised q and k plus q's input when the query reshape
+    copies it, or TE's contiguous input (see the module doc). Qwen3-32B (64 heads / 8 groups x 128, TE, bf16):
+    (8192 + 1024) x 2 + 4 x 72 = 18.7 KB per token, 5.3% of the layer's 353 KB (before TP / SP)."""
+    e = spec.bytes_per_element
+    stats = 4 * (spec.heads + spec.kv_heads)
+    if spec.norm_tensors == 2:  # TE: input (contiguous copy) and rstd
+        return (spec.q + spec.kv) * e + stats
+    groups = max(1, spec.kv_heads // tp)  # query groups on this rank
+    q_copied = groups > 1 and spec.heads > spec.kv_heads
+    return (spec.q + spec.kv + (spec.q if q_copied else 0)) * e + stats
 
 
 def recompute_input_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int) -> float:
@@ -209,7 +237,9 @@ def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int
     """Parameters this TP rank holds on pipeline `stage` (norms replicated, the rest split over TP)."""
     h, t = arch.hidden_size, layout.tp
     qkv = arch.q_size + 2 * arch.kv_size
-    per_layer = (h * qkv + qkv + arch.q_size * h + 3 * h * arch.intermediate_size) // t + 2 * h
+    bias = qkv if arch.qkv_bias else 0
+    qk_norms = 2 * arch.head_dim if arch.qk_layernorm else 0  # per-head weights, replicated over TP
+    per_layer = (h * qkv + bias + arch.q_size * h + 3 * h * arch.intermediate_size) // t + 2 * h + qk_norms
     n = per_layer * (arch.num_layers // layout.pp)
     vocab = padded_vocab_size(arch.vocab_size, t) * h // t
     if stage == 0:

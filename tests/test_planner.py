@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -112,22 +113,78 @@ def world():
     destroy_parallel()
 
 
-@pytest.mark.parametrize("name", list(RECOMPUTE))
-def test_planner_matches_saved_tensors(world, name):
-    """Exact to the byte except selective recompute, whose checkpoint also saves two int32 scalars (8 B)."""
+def _family_tiny(model_type: str, **fields) -> ModelArch:
+    from megatron_dapo.models.registry import family
+
+    return ModelArch.from_hf({**family(model_type).tiny_config, **fields, "model_type": model_type})
+
+
+# Qwen3's tiny config: 2 query groups of 2 heads (the query reshape copies q before its norm); the variants
+# without GQA and with one group keep q a view of the fused qkv output.
+ARCHS = {
+    "qwen2": lambda: TINY,
+    "qwen3": lambda: _family_tiny("qwen3"),
+    "qwen3-mha": lambda: _family_tiny("qwen3", num_key_value_heads=4, head_dim=16),
+    "qwen3-one-group": lambda: _family_tiny("qwen3", num_key_value_heads=1),
+    "llama": lambda: _family_tiny("llama"),
+}
+SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in ("qwen2", "qwen3", "llama") for r in RECOMPUTE] + [
+    pytest.param(a, "none", id=f"{a}-none") for a in ("qwen3-mha", "qwen3-one-group")]
+
+
+@pytest.mark.parametrize("arch_name,name", SAVED_TENSOR_CASES)
+def test_planner_matches_saved_tensors(world, arch_name, name):
+    """Exact to the byte except selective recompute, whose checkpoints also save an int32 scalar per layer
+    (8 B for the 2-layer qwen2 model); Qwen3's per-head q/k norms included."""
     from megatron_dapo.models.gpt import build_gpt_model
 
+    arch = ARCHS[arch_name]()
     layout = ParallelLayout(**RECOMPUTE[name])
-    model = build_gpt_model(TINY, layout=layout, use_te=False)
+    model = build_gpt_model(arch, layout=layout, use_te=False)
     b, s = 3, 40
-    measured = saved_activation_bytes(model, torch.randint(0, TINY.vocab_size, (b, s)))
-    spec = planner.ActivationSpec.for_arch(TINY, transformer_impl="local", bytes_per_element=4)
+    measured = saved_activation_bytes(model, torch.randint(0, arch.vocab_size, (b, s)))
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    assert spec.qk_norm == arch.qk_layernorm
     inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32")
-    (plan,) = planner.plan_stages(TINY, layout, inputs, spec)
+    (plan,) = planner.plan_stages(arch, layout, inputs, spec)
     predicted = plan.lines["  activations per micro-batch"]
-    assert abs(predicted - measured) <= (8 if name == "selective" else 0), (predicted, measured)
-    if name == "full-uniform":  # and the recompute saves what the paper says: 2 inputs of s b h (fp32 here)
-        assert predicted < 0.15 * planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s) * 2
+    assert abs(predicted - measured) <= (4 * arch.num_layers if name == "selective" else 0), (predicted, measured)
+    if name == "full-uniform":  # and the recompute saves what the paper says: one input of s b h per layer (fp32)
+        layer = planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s)
+        assert predicted < 0.15 * layer * arch.num_layers
+
+
+def test_qk_norm_term_by_hand():
+    """The q/k-norm bytes written out for the tiny Qwen3 (4 heads, 2 groups of head_dim 24, fp32): torch's norms
+    keep normalised q (96) and k (48), q's reshape copy (96) and 6 fp32 rstds; the k norm's input, a view,
+    keeps the fused qkv output (192) which local GQA attention would otherwise drop. TE: contiguous q and k
+    inputs and the rstds. At TP2 one group per rank: no q copy."""
+    arch = _family_tiny("qwen3")
+    local = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    te = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=4)
+    assert planner.qk_norm_bytes(local, 1) == (96 + 48 + 96) * 4 + 4 * 6
+    assert planner.qk_norm_bytes(local, 2) == (96 + 48) * 4 + 4 * 6
+    assert planner.qk_norm_bytes(te, 1) == (96 + 48) * 4 + 4 * 6
+    off = replace(local, qk_norm=False)
+    layout = ParallelLayout()
+    diff = (planner.layer_activation_bytes(local, layout, tokens=10, seq_len=10)
+            - planner.layer_activation_bytes(off, layout, tokens=10, seq_len=10))
+    assert diff == 10 * ((96 + 48 + 96 + 192) * 4 + 4 * 6)
+
+
+@pytest.mark.parametrize("model", ["qwen3-8B", "qwen3-32B", "llama3.1-8B"])
+def test_stage_parameters_add_up_to_the_hf_count_per_family(model):
+    """No q/k/v bias, Qwen3's q/k norm weights (2 x head_dim per layer, replicated over TP) counted; the model
+    cards' sizes (Qwen3-8B 8.2B, Qwen3-32B 32.8B, Llama-3.1-8B 8.03B)."""
+    arch = ModelArch.from_hf(REPO / "examples/models" / model)
+    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    low, high = {"qwen3-8B": (8.1e9, 8.3e9), "qwen3-32B": (32.7e9, 32.9e9), "llama3.1-8B": (8.0e9, 8.1e9)}[model]
+    assert low < arch.num_parameters() < high
+    tp8 = sum(planner.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
+    replicated = (2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_layernorm else 0)) * arch.num_layers \
+        + arch.hidden_size
+    pad = -(-arch.vocab_size // 1024) * 1024 - arch.vocab_size  # vocab padded to a multiple of 128 x TP8
+    assert tp8 * 8 - 7 * replicated == arch.num_parameters() + 2 * pad * arch.hidden_size
 
 
 def test_stage_parameters_add_up_to_the_hf_count():
@@ -160,6 +217,10 @@ LAUNCHERS = [
     pytest.param("examples/run_qwen2.5_32b_multinode.sh",
                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
                  "qwen2.5-32B", id="32b-multinode"),
+    pytest.param("examples/run_qwen3_8b_single_node.sh", {}, "qwen3-8B", id="qwen3-8b-single-node"),
+    pytest.param("examples/run_qwen3_32b_multinode.sh",
+                 {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
+                 "qwen3-32B", id="qwen3-32b-multinode"),
 ]
 
 

@@ -168,8 +168,9 @@ def rope_model_kwargs(arch: Any) -> dict[str, Any]:
 
 
 def activation_terms(arch: Any) -> dict[str, Any]:
-    """The planner's model-decided terms: gated MLP, no dropout, unfused rope."""
-    return dict(gated=True, dropout=False, rope="unfused")
+    """The planner's model-decided terms: gated MLP, no dropout, unfused rope, the per-head q/k norm when the
+    arch has it."""
+    return dict(gated=True, dropout=False, rope="unfused", qk_norm=arch.qk_layernorm)
 
 
 def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defaults: dict[str, Any],
