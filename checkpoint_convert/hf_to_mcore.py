@@ -39,6 +39,7 @@ from megatron_dapo.checkpoint.dist_ckpt import (
     write_tracker,
 )
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
@@ -165,8 +166,32 @@ def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
     return objects
 
 
+POSITION_ARGS: dict[str, str] = {
+    "position_embedding_type": "position_embedding_type",
+    "rotary_percent": "rotary_percent",
+    "rotary_base": "rotary_base",
+    "rope_scaling": "use_rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
+}
+"""GPTModel keyword (a family's `model_kwargs`) -> the Megatron-LM argument that sets it (--use-rope-scaling,
+--rope-scaling-factor: Llama 3's rope)."""
+
+
 def megatron_args(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype) -> dict[str, Any]:
-    """The Megatron-LM arguments that build this model (the names its check_checkpoint_args reads)."""
+    """The Megatron-LM arguments that build this model (the names its check_checkpoint_args reads).
+
+    The layer options (q/k/v bias, per-head q/k norm, norm type, gated silu MLP) come from the family's
+    TransformerConfig fields and the positions from its GPTModel kwargs, so a family's choice reaches the
+    checkpoint without this function naming a family; a GPTModel kwarg without a Megatron-LM argument is an error.
+    """
+    import torch.nn.functional as F
+
+    layer = arch.family.transformer_config_fields(arch)
+    positions = arch.family.model_kwargs(arch)
+    unknown = sorted(set(positions) - set(POSITION_ARGS))
+    if unknown:
+        raise ValueError(f"model_type {arch.model_type!r}: GPTModel kwargs {unknown} have no Megatron-LM argument in "
+                         "checkpoint_convert/hf_to_mcore.py POSITION_ARGS")
     return {
         "num_layers": arch.num_layers,
         "hidden_size": arch.hidden_size,
@@ -181,15 +206,16 @@ def megatron_args(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype) -
         "max_position_embeddings": arch.max_position_embeddings,
         "tensor_model_parallel_size": layout.tp,
         "pipeline_model_parallel_size": layout.pp,
-        "rotary_base": arch.rope_theta,
         "norm_epsilon": arch.rms_norm_eps,
         "untie_embeddings_and_output_weights": not arch.tie_word_embeddings,
-        "add_qkv_bias": arch.qkv_bias,
-        "qk_layernorm": arch.qk_layernorm,
-        "add_bias_linear": False,
-        "swiglu": True,
-        "normalization": "RMSNorm",
-        "position_embedding_type": "rope",
+        "add_qkv_bias": layer["add_qkv_bias"],
+        "qk_layernorm": layer["qk_layernorm"],
+        "add_bias_linear": layer["add_bias_linear"],
+        "swiglu": layer["gated_linear_unit"] and layer["activation_func"] is F.silu,
+        "normalization": layer["normalization"],
+        "hidden_dropout": layer["hidden_dropout"],
+        "attention_dropout": layer["attention_dropout"],
+        **{POSITION_ARGS[k]: v for k, v in positions.items()},
         "params_dtype": dtype,
         "ckpt_format": "torch_dist",
         "use_dist_ckpt": True,
@@ -227,7 +253,10 @@ def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_con
 def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
     """Convert; returns the common state written to common.pt (or that would be, for a dry run)."""
     hf_config = read_hf_config(cfg.hf_path, flag="--hf-path")
-    arch = ModelArch.from_hf(hf_config)
+    try:  # the family from config.json's model_type: an unknown one lists the registered ones (models/registry.py)
+        arch = ModelArch.from_hf(cfg.hf_path)  # the same file, named in its errors
+    except ValueError as err:
+        raise UserError(f"--hf-path {err}") from err
     validate_layout(arch, cfg.layout)  # the one layout check: heads, kv heads, ffn vs TP; layers vs PP
     if cfg.dry_run:
         dtype = DTYPES[cfg.dtype or "bf16"]

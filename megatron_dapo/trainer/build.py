@@ -177,8 +177,23 @@ def export_hf(actor, export_dir: str, hf_checkpoint: str, step: int) -> None:
         print(f"[megatron-dapo] exported step {step} as an HF checkpoint: {path}")
 
 
+def check_model_config(hf_checkpoint: str) -> None:
+    """--hf-checkpoint's config.json describes a supported model: its model_type a registered family (an unknown or
+    missing one lists the supported ones and points to docs/MODELS.md) whose parse accepts the fields. Every rank
+    reads the file (milliseconds), before rank 0 creates --save and before any model is built; a missing
+    config.json is load_inputs' error."""
+    path = os.path.join(hf_checkpoint, "config.json") if os.path.isdir(hf_checkpoint) else hf_checkpoint
+    if not os.path.isfile(path):
+        return
+    try:
+        ModelArch.from_hf(path)
+    except ValueError as err:
+        raise UserError(f"--hf-checkpoint {err}") from err
+
+
 def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
-    """The flags alone (same verdict on every rank): config dataclasses, batch arithmetic, prompt limits.
+    """The flags (same verdict on every rank): config dataclasses, batch arithmetic, prompt limits, the model family of
+    --hf-checkpoint's config.json.
 
     Returns the run config (built here, once) and the --reward-fn function (a dotted path is imported here, so a
     typo fails before the model).
@@ -197,6 +212,7 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)
+        check_model_config(args.hf_checkpoint)
     except UserError:
         raise
     except ValueError as err:  # the config dataclasses name the flag
