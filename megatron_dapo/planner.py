@@ -23,7 +23,8 @@ against the bytes the real megatron-core model saves on CPU):
     for k (which keeps that output alive) and for q unless megatron-core's [ng, np/ng hn] -> [np, hn]
     reshape copies it (more than one query group on the rank, more than one head per group); TE's norm
     keeps its input made contiguous (q + kv). RoPE saves none of the norm's output (it multiplies by the
-    constant cos / sin). Measured on CPU for torch (tests/test_planner.py); the TE count is read off its code.
+    constant cos / sin). Measured on CPU for torch (tests/test_planner.py); the TE count is read off TE's
+    RMSNorm op (ops/basic/rmsnorm.py saves input_.contiguous() and the fp32 rstdevs), not measured.
 Packing (--pack-sequences): a micro-batch is one [1, T] row of T real tokens, so every row-length term
 (local attention scores, the explicit mask, the RoPE table) uses s = T; on TE (flash) only the RoPE
 table does. Logits on the last stage: [T, V/tp] and their gradient, or with --fused-linear-logprob one
