@@ -18,7 +18,7 @@ against the bytes the real megatron-core model saves on CPU):
   - torch RMSNorm (local spec) keeps input, normalised input and output (3h) + fp32 rstd; TE's fused
     norm-linear keeps input and output (2h);
   - unfused RoPE keeps cos/sin per q and k (4 s d per layer), the local spec an [s, s] bool mask;
-  - per-head q/k RMSNorm before RoPE (--qk-layernorm families: Qwen3): the fp32 rstd of every head and
+  - per-head q/k RMSNorm before RoPE (qk_layernorm families: Qwen3): the fp32 rstd of every head and
     token; torch's norm keeps its normalised input (q + kv) and its input, a view of the fused qkv output
     for k (which keeps that output alive) and for q unless megatron-core's [ng, np/ng hn] -> [np, hn]
     reshape copies it (more than one query group on the rank, more than one head per group); TE's norm
