@@ -174,9 +174,16 @@ def test_qk_norm_term_by_hand():
 
 @pytest.mark.parametrize("model", ["qwen3-8B", "qwen3-32B", "llama3.1-8B"])
 def test_stage_parameters_add_up_to_the_hf_count_per_family(model):
-    """No q/k/v bias, Qwen3's q/k norm weights (2 x head_dim per layer, replicated over TP) counted; the model
-    cards' sizes (Qwen3-8B 8.2B, Qwen3-32B 32.8B, Llama-3.1-8B 8.03B)."""
+    """No q/k/v bias, Qwen3's q/k norm weights (2 x head_dim per layer, replicated over TP) counted; the count of
+    HF's own model built from the config.json (on the meta device) and the model cards' sizes (Qwen3-8B 8.2B,
+    Qwen3-32B 32.8B, Llama-3.1-8B 8.03B)."""
+    import json
+
     arch = ModelArch.from_hf(REPO / "examples/models" / model)
+    fields = json.loads((REPO / "examples/models" / model / "config.json").read_text())
+    with torch.device("meta"):
+        hf = arch.family.hf_causal_lm()(arch.family.hf_config(**fields))
+    assert hf.num_parameters() == arch.num_parameters()
     assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
     low, high = {"qwen3-8B": (8.1e9, 8.3e9), "qwen3-32B": (32.7e9, 32.9e9), "llama3.1-8B": (8.0e9, 8.1e9)}[model]
     assert low < arch.num_parameters() < high
