@@ -160,3 +160,9 @@ def test_no_library_code_names_a_family_outside_its_folder(model_type: str):
             for root in LIBRARY for path in sorted((REPO / root).rglob("*.py")) if folder not in path.parents
             for line, name in _names_in_code(path) if model_type in name.lower()]
     assert not hits, f"{model_type} named outside {folder.relative_to(REPO)}: {hits}"
+
+
+def test_a_missing_model_type_says_so():
+    config = dict(family("qwen2").tiny_config)
+    with pytest.raises(UserError, match=r"config.json: model_type is missing; supported: \("):
+        ModelArch.from_hf(config)

@@ -39,6 +39,8 @@ def model_types() -> tuple[str, ...]:
 def family(model_type: object) -> ModelFamily:
     """The family of a config.json model_type; ValueError naming the field and the supported values."""
     registered = families()
+    if model_type is None:
+        raise ValueError(f"model_type is missing; supported: {tuple(registered)} (a new family: docs/MODELS.md)")
     if model_type not in registered:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {tuple(registered)} "
                          "(a new family: docs/MODELS.md)")
