@@ -1,4 +1,5 @@
-"""Qwen2 on megatron-core: config mapping, layer-spec choice, and logits equal to HF transformers."""
+"""The model families on megatron-core: config mapping, layer-spec choice, and logits equal to HF transformers
+(every registered family, tied and untied)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from megatron_dapo.models import (
     te_available,
     transformer_config_from_arch,
 )
-from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import FAMILIES, hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
 
 
 def test_transformer_config_maps_every_qwen2_field():
@@ -61,8 +62,9 @@ def test_build_gpt_model_needs_parallel_state():
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_logits_match_hf_qwen2(tie):
-    hf = tiny_hf_model(tie=tie, seed=2)
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_logits_match_hf(model_type, tie):
+    hf = tiny_hf_model(model_type, tie=tie, seed=2)
     arch = ModelArch.from_hf(hf.config)
     init_parallel(seed=0)
     try:

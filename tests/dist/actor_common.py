@@ -1,4 +1,5 @@
-"""Shared helpers of the model/actor tests: a tiny HF Qwen2, HF <-> megatron weight copies, samples.
+"""Shared helpers of the model/actor tests: a tiny HF model of any registered family, HF <-> megatron weight
+copies, samples.
 
 The weight copy is written out here on purpose (independent of megatron_dapo.weights) so the
 equivalence tests check the model against HF, not one table against itself.
@@ -11,19 +12,32 @@ import random
 import torch
 
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import families
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=256)
+"""The Qwen2 config the single-family tests were written for (`tiny_hf_model`'s default)."""
+
+FAMILIES: tuple[str, ...] = tuple(families())
+"""Every registered model_type: the family-parametrized tests run each (a new family gets them)."""
 
 
-def tiny_hf_model(*, tie: bool = False, seed: int = 0, **overrides):
-    """A random-weight Qwen2ForCausalLM (fp32, eager attention) with nonzero q/k/v biases and norms;
-    `overrides` replace TINY's config fields (e.g. num_hidden_layers=4)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(model_type: str = "qwen2", **overrides) -> dict:
+    """config.json fields (no model_type) of a tiny `model_type` model: TINY for the default qwen2 (what the
+    older tests were written for), the family's own `tiny_config` otherwise; `overrides` replace fields."""
+    base = TINY if model_type == "qwen2" else dict(families()[model_type].tiny_config)
+    return {**base, **overrides}
 
+
+def tiny_hf_model(model_type: str = "qwen2", *, tie: bool = False, seed: int = 0, **overrides):
+    """A random-weight HF causal LM of `model_type`'s family (fp32, eager attention) with nonzero q/k/v
+    biases (where the family has them) and norms (q_norm / k_norm included); `overrides` replace
+    `tiny_config`'s fields (e.g. num_hidden_layers=4)."""
+    fam = families()[model_type]
     torch.manual_seed(seed)
-    cfg = Qwen2Config(**{**TINY, **overrides}, tie_word_embeddings=tie, attn_implementation="eager")
-    model = Qwen2ForCausalLM(cfg).float().eval()
+    cfg = fam.hf_config(**tiny_config(model_type, **overrides), tie_word_embeddings=tie,
+                        attn_implementation="eager")
+    model = fam.hf_causal_lm()(cfg).float().eval()
     with torch.no_grad():  # HF initialises biases to 0 and norms to 1: randomise so a mix-up shows
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -32,7 +46,8 @@ def tiny_hf_model(*, tie: bool = False, seed: int = 0, **overrides):
 
 
 def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
-    """HF state dict -> TP=1 megatron names (global layers), unpadded vocab."""
+    """HF state dict -> TP=1 megatron names (global layers), unpadded vocab; q/k/v biases and the per-head
+    q/k norms only where the state dict has them."""
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
                                     "decoder.final_layernorm.weight": sd["model.norm.weight"]}
     if not arch.tie_word_embeddings:
@@ -41,12 +56,17 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         for kind in ("weight", "bias"):
+            if h + f"self_attn.q_proj.{kind}" not in sd:  # no q/k/v bias (Qwen3, Llama)
+                continue
             q = sd[h + f"self_attn.q_proj.{kind}"].reshape(g, qh * d, -1)
             k = sd[h + f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
             v = sd[h + f"self_attn.v_proj.{kind}"].reshape(g, d, -1)
             fused = torch.cat([q, k, v], dim=1).reshape(g * (qh + 2) * d, -1)  # per group: q heads, k, v
             out[m + f"self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
         out[m + "self_attention.linear_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
+        for qk in ("q", "k"):  # Qwen3's per-head RMSNorm on q and k (one [head_dim] weight, all heads)
+            if h + f"self_attn.{qk}_norm.weight" in sd:
+                out[m + f"self_attention.{qk}_layernorm.weight"] = sd[h + f"self_attn.{qk}_norm.weight"]
         out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.gate"] = sd[h + "mlp.gate_proj.weight"]  # joined per TP shard below
@@ -163,12 +183,12 @@ def hf_response_log_probs(model, samples) -> tuple[list[torch.Tensor], list[torc
     return logps, ents
 
 
-def single_process_world(hf_seed: int):
+def single_process_world(hf_seed: int, model_type: str = "qwen2"):
     """Generator for a module-scoped fixture: (layout, tiny HF model, arch) in a 1-rank parallel state."""
     from megatron_dapo.actor import destroy_parallel, init_parallel
 
     layout = init_parallel(seed=0)
-    hf = tiny_hf_model(seed=hf_seed)
+    hf = tiny_hf_model(model_type, seed=hf_seed)
     yield layout, hf, ModelArch.from_hf(hf.config)
     destroy_parallel()
 
