@@ -1,8 +1,8 @@
 """torchrun worker (2 ranks): the actor at TP=2 without and with sequence parallelism (and SP + full
-recompute) on one world; saves each layout's log-probs, entropies, step metrics, weight shards and the
-activation bytes one [2, 24] micro-batch saves for backward.
+recompute) on one world, for each model family in the input; saves each layout's log-probs, entropies, step
+metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward.
 
-argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<layout>_rank<r>.pt
+argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt
 """
 
 from __future__ import annotations
@@ -29,10 +29,15 @@ LAYOUTS = {
 
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
-    arch = ModelArch(**data["arch"])
     init_parallel(LAYOUTS["tp2"], seed=data["seed"])
+    for model_type, family in data["families"].items():
+        run_family(model_type, ModelArch(**family["arch"]), family["hf_state_dict"], data)
+    destroy_parallel()
+
+
+def run_family(model_type: str, arch: ModelArch, hf_state_dict: dict, data: dict) -> None:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    full = hf_to_full_mcore(data["hf_state_dict"], arch)
+    full = hf_to_full_mcore(hf_state_dict, arch)
     shards = mcore_shards_for_rank(full, arch, tp=2, tp_rank=tp_rank, pp=1, pp_rank=0,
                                    padded_vocab=padded_vocab_size(arch.vocab_size, 2))
     for name, layout in LAYOUTS.items():  # same process groups: only the model config differs
@@ -45,8 +50,7 @@ def main() -> None:
         norm_tagged = sorted(n for n, p in actor.module.named_parameters() if getattr(p, "sequence_parallel", False))
         torch.save({"saved_bytes": saved, "logps": logps, "entropies": ents, "metrics": metrics, "norm_tagged": norm_tagged,
                     "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
-                   f"{sys.argv[2]}/{name}_rank{dist.get_rank()}.pt")
-    destroy_parallel()
+                   f"{sys.argv[2]}/{model_type}_{name}_rank{dist.get_rank()}.pt")
 
 
 if __name__ == "__main__":
