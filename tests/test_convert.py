@@ -1,4 +1,5 @@
-"""checkpoint_convert on tiny random HF Qwen2 models: torch_dist layout, bit-exact round trips, config checks,
+"""checkpoint_convert on tiny random HF models (every registered family for the layout, round-trip and
+transformers-reload checks; Qwen2 for the rest): torch_dist layout, bit-exact round trips, config checks,
 atomic output and clean-up after a killed run. Loading into live models at TP/PP 1-2: tests/test_weights_live.py."""
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from safetensors import safe_open
 
 from checkpoint_convert.cli import main
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import families
 from megatron_dapo.weights import hf_format
 from megatron_dapo.weights.safetensors_io import SafetensorsFile
-from tests.dist.actor_common import hf_to_full_mcore
+from tests.dist.actor_common import FAMILIES, hf_to_full_mcore
 from tests.torchrun import REPO, subprocess_env
 
 TINY = dict(
@@ -35,10 +37,21 @@ TINY = dict(
 )
 
 
-def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, **save_kwargs) -> transformers.Qwen2ForCausalLM:
-    """A random Qwen2 (GQA 4 heads / 2 groups, qkv bias, vocab 200: not a multiple of 128) saved to `path`."""
+def tiny_fields(model_type: str = "qwen2") -> dict:
+    """config.json fields of make_tiny_hf's model: TINY for qwen2, else the family's tiny_config (its own head_dim,
+    rope scaling, ...) with TINY's vocab 200, so every family pads to 256 rows."""
+    if model_type == "qwen2":
+        return dict(TINY)
+    return {**families()[model_type].tiny_config, "vocab_size": TINY["vocab_size"]}
+
+
+def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, model_type: str = "qwen2",
+                 **save_kwargs) -> transformers.PreTrainedModel:
+    """A random model of `model_type`'s family saved to `path`; the default, Qwen2: GQA 4 heads / 2 groups, qkv
+    bias, vocab 200 (not a multiple of 128)."""
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TINY, tie_word_embeddings=tied))
+    fam = families()[model_type]
+    model = fam.hf_causal_lm()(fam.hf_config(**tiny_fields(model_type), tie_word_embeddings=tied))
     with torch.no_grad():  # HF inits biases to 0 and norms to 1: randomise so every layout is exercised
         for name, p in model.named_parameters():
             # Scales keep logits O(1), so an fp32 comparison of logits is meaningful at 1e-5.
@@ -86,10 +99,18 @@ def load_common(ckpt_iter_dir: Path) -> dict:
         return torch.load(ckpt_iter_dir / "common.pt", weights_only=True)
 
 
-@pytest.mark.parametrize(("tp", "pp", "tied"), [(1, 1, False), (1, 1, True), (2, 2, False), (2, 2, True)],
-                         ids=["tp1pp1-untied", "tp1pp1-tied", "tp2pp2-untied", "tp2pp2-tied"])
-def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, tp: int, pp: int, tied: bool) -> None:
-    model = make_tiny_hf(tmp_path / "hf", tied=tied)
+# The full TP/PP x tie matrix for the first family, TP2 x PP2 tied and untied for the others (the layout code
+# is shared; what differs per family is which tensors exist and their shapes).
+ROUND_TRIPS = [(FAMILIES[0], 1, 1, False), (FAMILIES[0], 1, 1, True)] + [
+    (f, 2, 2, tied) for f in FAMILIES for tied in (False, True)]
+
+
+@pytest.mark.parametrize(("model_type", "tp", "pp", "tied"), ROUND_TRIPS,
+                         ids=[f"{f}-tp{tp}pp{pp}-{'tied' if t else 'untied'}" for f, tp, pp, t in ROUND_TRIPS])
+def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: str, tp: int, pp: int,
+                                                     tied: bool) -> None:
+    model = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type)
+    hidden = tiny_fields(model_type)["hidden_size"]
     convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
             "--tp", str(tp), "--pp", str(pp))
     # Megatron-LM layout: the tracker names a release directory holding a torch_dist checkpoint.
@@ -105,14 +126,18 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, tp: int, pp:
     stored = dcp_tensors(release)
     full = hf_to_full_mcore(model.state_dict(), ModelArch.from_hf(tmp_path / "hf"))
     emb = stored["embedding.word_embeddings.weight"]
-    assert emb.shape == (256, 32) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
+    assert emb.shape == (256, hidden) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
     assert not emb[200:].any()  # padding rows are zero
     assert ("output_layer.weight" in stored) == (not tied)
+    optional = ("self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
+                "self_attention.k_layernorm.weight")
+    for key in optional:  # stored exactly when the HF model has the tensor (bias: qwen2; q/k norm: qwen3)
+        assert ("decoder.layers." + key in stored) == ("decoder.layers.0." + key in full), key
     for i in range(4):
         m = f"decoder.layers.{i}."
         for key, ref in [
             ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
-            ("self_attention.linear_qkv.bias", full[m + "self_attention.linear_qkv.bias"]),
+            *[(key, full[m + key]) for key in optional if m + key in full],
             ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
             ("mlp.linear_fc1.layer_norm_weight", full[m + "pre_mlp_layernorm.weight"]),
             ("mlp.linear_fc1.weight", torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])),
@@ -125,8 +150,9 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, tp: int, pp:
     assert set(back) == set(original)
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    assert transformers.Qwen2Config.from_pretrained(tmp_path / "hf2").to_dict() == (
-        transformers.Qwen2Config.from_pretrained(tmp_path / "hf").to_dict()
+    config_class = type(model.config)
+    assert config_class.from_pretrained(tmp_path / "hf2").to_dict() == (
+        config_class.from_pretrained(tmp_path / "hf").to_dict()
     )
 
 
@@ -371,8 +397,9 @@ def test_byte_range_is_none_across_stored_chunks(tmp_path: Path) -> None:
                                                                     reader.read(key, 2, (10, 12))]))
 
 
-def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) -> None:
-    model = make_tiny_hf(tmp_path / "hf", tied=False, max_shard_size="40KB")
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path, model_type: str) -> None:
+    model = make_tiny_hf(tmp_path / "hf", tied=False, model_type=model_type, max_shard_size="40KB")
     assert (tmp_path / "hf" / hf_format.INDEX_FILE).exists()  # the input is sharded too
     (tmp_path / "hf" / "tokenizer_config.json").write_text('{"model_max_length": 128}')
     convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
@@ -386,7 +413,8 @@ def test_sharded_output_loads_in_transformers_with_equal_logits(tmp_path: Path) 
         t.numel() * t.element_size() for t in read_all(tmp_path / "out").values()
     )
     assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
-    reloaded = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded).__name__ == families()[model_type].hf_model_class
     ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
