@@ -1,8 +1,9 @@
 """A converted torch_dist checkpoint in a live megatron-core GPTModel: config checks, logits vs HF, HF export.
 
-TP=1/PP=1 runs in this process; one 4-rank torchrun launch (tests/dist/weights_dist_ckpt.py) loads the
-same checkpoints at TP x PP = 2x1, 1x2 and 2x2, and saves them as training-style checkpoints that
-mcore-to-hf must convert back bit-exactly.
+TP=1/PP=1 runs in this process for every registered family; one 4-rank torchrun launch
+(tests/dist/weights_dist_ckpt.py) loads the first family's checkpoints (tied, untied) at TP x PP = 2x1, 1x2
+and 2x2 and every other family's at 2x2 (one model each, tied and untied alternating), and saves those of
+the 2x2 layout as training-style checkpoints that mcore-to-hf must convert back bit-exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 from checkpoint_convert.cli import main as convert_main
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
+from tests.dist.actor_common import FAMILIES
 from tests.test_convert import make_tiny_hf, read_all
 from tests.torchrun import run_torchrun
 
@@ -43,14 +45,15 @@ def _causal_forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_single_process_logits_and_export_match_hf(
-    tmp_path: Path, parallel_1: ParallelLayout, tied: bool
+    tmp_path: Path, parallel_1: ParallelLayout, model_type: str, tied: bool
 ) -> None:
     from megatron_dapo.checkpoint.dist_load import load_model_weights
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.weights.export import iter_hf_weights
 
-    hf_model = make_tiny_hf(tmp_path / "hf", tied=tied)
+    hf_model = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type)
     arch = ModelArch.from_hf(tmp_path / "hf")
     model = build_gpt_model(arch).eval()
     # written for TP=2 (vocab padded to 256 either way): the checkpoint is layout-independent
@@ -93,18 +96,23 @@ def test_load_checks_the_stored_config_before_reading(tmp_path: Path, parallel_1
 
 @pytest.mark.slow
 def test_one_checkpoint_loads_at_tp_pp_1_2_and_training_checkpoints_convert_back(tmp_path: Path) -> None:
+    # name -> (model_type, tied): the first family tied and untied, one model of each other family
+    specs = {"untied": (FAMILIES[0], False), "tied": (FAMILIES[0], True)}
+    specs |= {f: (f, i % 2 == 0) for i, f in enumerate(FAMILIES[1:])}
     models = {}
-    for tie in ("untied", "tied"):
-        models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tie == "tied", seed=len(tie))
+    for tie, (model_type, tied) in specs.items():
+        models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tied, seed=len(tie), model_type=model_type)
         ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             save_file({"ids": ids, "logits": models[tie](ids).logits.contiguous()}, tmp_path / f"ref_{tie}.safetensors")
         _convert(tmp_path / f"hf_{tie}", tmp_path / f"mc_{tie}")
-    out = run_torchrun(WORKER, str(tmp_path), "2x1,1x2,2x2", nproc=4, timeout=600)
+    layouts = {"2x1": ["untied", "tied"], "1x2": ["untied", "tied"], "2x2": list(specs)}
+    out = run_torchrun(WORKER, str(tmp_path), ",".join(f"{k}={'+'.join(v)}" for k, v in layouts.items()), nproc=4,
+                       timeout=600)
     oks = [line for line in out.splitlines() if line.startswith("OK ")]
-    assert oks == [f"OK {layout} {tie}" for layout in ("2x1", "1x2", "2x2") for tie in ("untied", "tied")], out[-3000:]
+    assert oks == [f"OK {layout} {tie}" for layout, names in layouts.items() for tie in names], out[-3000:]
     # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly.
-    for tie in ("untied", "tied"):
+    for tie in specs:
         argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{tie}"), "--save", str(tmp_path / f"back_{tie}")]
         assert convert_main(argv) == 1  # a training checkpoint stores no HF config: --hf-config is required
         assert convert_main([*argv, "--hf-config", str(tmp_path / f"hf_{tie}")]) == 0

@@ -1,12 +1,13 @@
 """torchrun worker (4 ranks): one torch_dist checkpoint per model loads at several TP x PP layouts.
 
-Args: WORK LAYOUTS. WORK holds hf_{untied,tied}/ (HF models), mc_{untied,tied}/ (hf-to-mcore output)
-and ref_{untied,tied}.safetensors (HF logits of fixed ids). LAYOUTS is e.g. "1x1,2x1,1x2,2x2" (tp x pp;
-dp fills the world). For each layout and model, every rank loads the checkpoint through
-`load_model_weights`, runs a pipelined forward and checks logits against HF's, then exports the model
-with `iter_hf_weights` and checks every tensor bit-exact against the HF files. At the last layout each
-model is also saved as a training-style checkpoint (`<WORK>/train_<tie>/step_0000003`, model under key
-"model") for the test to convert back with mcore-to-hf. Prints "OK <tp>x<pp> <tie>" per check.
+Args: WORK LAYOUTS. WORK holds, per model NAME, hf_NAME/ (an HF model of any registered family), mc_NAME/
+(hf-to-mcore output) and ref_NAME.safetensors (HF logits of fixed ids). LAYOUTS is e.g.
+"2x1=untied+tied,2x2=untied+tied+qwen3" (tp x pp, dp filling the world, = the models to load there). For
+each layout and model, every rank loads the checkpoint through `load_model_weights`, runs a pipelined
+forward and checks logits against HF's, then exports the model with `iter_hf_weights` and checks every
+tensor bit-exact against the HF files. At the last layout each of its models is also saved as a
+training-style checkpoint (`<WORK>/train_NAME/step_0000003`, model under key "model") for the test to
+convert back with mcore-to-hf. Prints "OK <tp>x<pp> NAME" per check.
 """
 
 import os
@@ -45,9 +46,9 @@ def pipelined_logits(model, ids: torch.Tensor, arch: ModelArch) -> torch.Tensor 
     return torch.cat(parts, dim=-1)[..., : arch.vocab_size]
 
 
-def check_layout(work: str, tp: int, pp: int, save_training: bool) -> None:
+def check_layout(work: str, tp: int, pp: int, names: list[str], save_training: bool) -> None:
     init_parallel(tp=tp, pp=pp)
-    for tie in ("untied", "tied"):
+    for tie in names:
         arch = ModelArch.from_hf(os.path.join(work, f"hf_{tie}"))
         model = build_gpt_model(arch).eval()
         load_model_weights(model, os.path.join(work, f"mc_{tie}"), arch)
@@ -78,8 +79,9 @@ def check_layout(work: str, tp: int, pp: int, save_training: bool) -> None:
 def main() -> None:
     work, layouts = sys.argv[1], sys.argv[2].split(",")
     for i, layout in enumerate(layouts):
-        tp, pp = (int(x) for x in layout.split("x"))
-        check_layout(work, tp, pp, save_training=i == len(layouts) - 1)
+        shape, names = layout.split("=")
+        tp, pp = (int(x) for x in shape.split("x"))
+        check_layout(work, tp, pp, names.split("+"), save_training=i == len(layouts) - 1)
     dist.destroy_process_group()
 
 
