@@ -1,0 +1,108 @@
+"""megatron-core's own GPTModel loads `checkpoint_convert hf-to-mcore` output with logits equal to HF's, for every
+registered family.
+
+Nothing of megatron_dapo sits in the loading path: the TransformerConfig is written out here from the
+config.json fields (and the HF model's tensor names for the optional q/k/v bias and q/k norm), the layer
+spec is megatron-core's `get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)`, the model is
+`GPTModel` (llama3 rope scaling through its `rope_scaling` / `rope_scaling_factor` arguments) and the weights
+come from `dist_checkpointing.load({"model": model.sharded_state_dict()}, dir)`: what Megatron-LM does with the
+converter's output. The checkpoint is written for TP2 x PP2 and loaded at TP1 (torch_dist is
+layout-independent). Process groups are megatron-core's own (one gloo rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from checkpoint_convert.cli import main as convert_main
+from tests.dist.actor_common import FAMILIES
+from tests.ports import free_port
+from tests.test_convert import load_common, make_tiny_hf
+
+
+@pytest.fixture(scope="module")
+def mcore_world():
+    """torch.distributed (gloo, 1 rank) and megatron-core parallel_state at TP1 x PP1, torn down after."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    # dropout is 0: the attention's RNG fork needs a tracker to exist, megatron-core's CUDA-free inference one will do
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    yield
+    parallel_state.destroy_model_parallel()
+    if own:
+        dist.destroy_process_group()
+
+
+def transformer_config(config: dict, hf_names: set[str]):
+    """megatron-core TransformerConfig of an HF dense decoder, written out field by field."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    heads = config["num_attention_heads"]
+    return TransformerConfig(
+        num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+        ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=config.get("num_key_value_heads") or heads,
+        kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+        normalization="RMSNorm", layernorm_epsilon=config["rms_norm_eps"],
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias="model.layers.0.self_attn.q_proj.bias" in hf_names,
+        qk_layernorm="model.layers.0.self_attn.q_norm.weight" in hf_names,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+
+
+def rope_kwargs(config: dict) -> dict:
+    """GPTModel rope arguments from config.json: base, and Llama 3's scaling factor when rope_type is llama3."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    theta = config.get("rope_theta", rope.get("rope_theta"))
+    kwargs = dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=theta)
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        kwargs |= dict(rope_scaling=True, rope_scaling_factor=rope["factor"])
+    return kwargs
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_world, monkeypatch, model_type: str,
+                                                        tied: bool) -> None:
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+
+    hf = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type)
+    assert convert_main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
+                         "--tp", "2", "--pp", "2"]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    names = set(hf.state_dict())
+    tconfig = transformer_config(config, names)
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
+    padded_vocab = load_common(tmp_path / "mc" / "release")["args"].padded_vocab_size  # Megatron-LM reads it so
+    model = GPTModel(tconfig, spec, vocab_size=padded_vocab,
+                     max_sequence_length=config["max_position_embeddings"],
+                     share_embeddings_and_output_weights=config["tie_word_embeddings"], **rope_kwargs(config))
+    # common.pt holds Megatron-LM's args (an argparse.Namespace), which Megatron-LM allow-lists for torch.load too
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(tmp_path / "mc" / "release"))
+    model.load_state_dict(state["model"])  # Megatron-LM's layout: the model under "model", its args beside
+    model.eval()
+    ids = torch.randint(0, config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 1, 13, 13, dtype=torch.bool).triu(1)
+    # megatron-core's rotary embedding allocates on torch.cuda.current_device(): point it at the CPU (the one
+    # CUDA call on this path; megatron_dapo's CPU shims are not used here)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    with torch.no_grad():
+        got = model(ids, torch.arange(13).expand(2, 13), mask)[..., :config["vocab_size"]]
+        want = hf(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
