@@ -1,12 +1,14 @@
-"""EmbeddedEngine against independent references: HF full-sequence forward and HF greedy generate."""
+"""EmbeddedEngine against independent references: HF full-sequence forward and HF greedy generate (Qwen2, and
+every registered family's tiny model for greedy generation)."""
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.rollout import make_engine
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from tests.dist.actor_common import FAMILIES, tiny_config
 
 CFG = dict(
     model_type="qwen2",
@@ -85,6 +87,31 @@ def test_greedy_matches_hf_generate(model0):
                                   eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
         assert s.response_ids == ref
         assert s.finish_reason == ("stop" if ref[-1] == EOS else "length")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_family_greedy_matches_hf_generate(model_type):
+    """Built from a config dict and a state dict, the engine picks the family's HF class itself
+    (`arch.family.hf_causal_lm()`); the reference is transformers' Auto classes on the same config."""
+    fields = dict(tiny_config(model_type, vocab_size=96, num_hidden_layers=2), model_type=model_type,
+                  tie_word_embeddings=False, eos_token_id=EOS)
+    torch.manual_seed(4)
+    config = AutoConfig.for_model(**fields, attn_implementation="eager")
+    reference = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # weights big enough for varied greedy paths; norms (q/k norms too) off 1
+        for name, p in reference.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.15)
+    engine = EmbeddedEngine(fields, state_dict=_state(reference), max_batch_size=4)
+    assert type(engine.model).__name__ == type(reference).__name__
+    prompts = _prompts(5, seed=3)
+    groups = engine.generate(_requests(prompts, 1, SamplingParams(max_new_tokens=10, temperature=0.0)))
+    for prompt, (s,) in zip(prompts, groups, strict=True):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
+                                     eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()
+        assert s.response_ids == ref
+        torch.testing.assert_close(torch.tensor(s.logprobs), _teacher_forced_logprobs(reference, prompt, ref),
+                                   atol=2e-5, rtol=0)
 
 
 def test_stop_tokens_and_length():

@@ -1,4 +1,5 @@
-"""A converted torch_dist checkpoint in a live megatron-core GPTModel: config checks, logits vs HF, HF export.
+"""A converted torch_dist checkpoint in a live megatron-core GPTModel: config checks, logits vs HF, HF export
+(tensors bit-exact; --export-hf's directory reloads in transformers with equal logits).
 
 TP=1/PP=1 runs in this process for every registered family; one 4-rank torchrun launch
 (tests/dist/weights_dist_ckpt.py) loads the first family's checkpoints (tied, untied) at TP x PP = 2x1, 1x2
@@ -9,9 +10,11 @@ the 2x2 layout as training-style checkpoints that mcore-to-hf must convert back 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from checkpoint_convert.cli import main as convert_main
@@ -68,6 +71,17 @@ def test_single_process_logits_and_export_match_hf(
     original = read_all(tmp_path / "hf")
     assert set(exported) == set(original)
     assert all(torch.equal(exported[n], t) for n, t in original.items())
+    # --export-hf's directory (shards + index + the source's config.json) loads in transformers as the family's
+    # class, with HF's logits exactly (the tensors are bit-exact)
+    from megatron_dapo.checkpoint.hf_export import export_hf
+
+    actor = SimpleNamespace(chunks=[model], arch=arch, config=SimpleNamespace(torch_params_dtype=torch.float32))
+    out = export_hf(actor, tmp_path / "export", tmp_path / "hf", max_shard_bytes=40_000)
+    assert (out / "model.safetensors.index.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded) is type(hf_model)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, reference)
     # exported tensors are copies: changing the model afterwards must not change them
     with torch.no_grad():
         model.decoder.final_layernorm.weight.add_(1.0)
