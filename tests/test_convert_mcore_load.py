@@ -92,7 +92,8 @@ def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_wo
     model = GPTModel(tconfig, spec, vocab_size=padded_vocab,
                      max_sequence_length=config["max_position_embeddings"],
                      share_embeddings_and_output_weights=config["tie_word_embeddings"], **rope_kwargs(config))
-    # common.pt holds Megatron-LM's args (an argparse.Namespace), which Megatron-LM allow-lists for torch.load too
+    # common.pt holds Megatron-LM's args (an argparse.Namespace): megatron.core allow-lists it for torch.load when
+    # imported (megatron/core/safe_globals.py), but inside this pytest process it was found missing from the list
     with torch.serialization.safe_globals([argparse.Namespace]):
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(tmp_path / "mc" / "release"))
     model.load_state_dict(state["model"])  # Megatron-LM's layout: the model under "model", its args beside
