@@ -43,12 +43,6 @@ def all_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
                 for name in ("tp2", *VARIANTS)} | {"arch": ModelArch.from_hf(hf.config)} for f, hf in hfs.items()}
 
 
-@pytest.fixture(scope="module")
-def runs(all_runs) -> dict[str, list[dict]]:
-    """The first family's runs (the planner's checks)."""
-    return all_runs[FAMILIES[0]]
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("model_type", SP_FAMILIES)
 def test_sequence_parallel_matches_tp_only(all_runs, model_type, variant):
@@ -77,8 +71,11 @@ def test_sequence_parallel_tags_every_norm_weight(all_runs, model_type):
 
 
 @pytest.mark.parametrize("name", ["tp2", *VARIANTS])
-def test_planner_matches_saved_tensors_at_tp2(runs, name):
-    """The planner's TP / SP division against the bytes megatron-core saves per rank: exact."""
+@pytest.mark.parametrize("model_type", SP_FAMILIES)
+def test_planner_matches_saved_tensors_at_tp2(all_runs, model_type, name):
+    """The planner's TP / SP division (and its q/k-norm term) against the bytes megatron-core saves per rank:
+    exact."""
+    runs = all_runs[model_type]
     arch, layout = runs["arch"], LAYOUTS[name]
     spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
     inputs = planner.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
