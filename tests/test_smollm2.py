@@ -76,6 +76,25 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.decode(ids[-4:]) == "<|im_start|>assistant\n"  # "assistant" is two tokens
 
 
+def test_prompt_set_renders_the_chat_template(tokenizer):
+    """The run's prompts (data/arith-words-heldout.jsonl through load_prompt_set) are exactly what the tokenizer's
+    own chat template gives, with one <|im_start|> per turn and no extra BOS."""
+    from pathlib import Path
+
+    from megatron_dapo.data import load_prompts
+    from megatron_dapo.data.prompt_set import load_prompt_set
+
+    path = Path(__file__).resolve().parents[1] / "data" / "arith-words-heldout.jsonl"
+    prompts = load_prompt_set(str(path), tokenizer, prompt_format="chat", max_prompt_length=128)
+    records = load_prompts(path)
+    assert len(prompts) == len(records) == 64
+    for prompt, record in zip(prompts, records):
+        want = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want  # transformers 5 returns a BatchEncoding
+        assert prompt.prompt_ids == list(want)
+        assert prompt.prompt_ids.count(1) == 3 and EOS not in prompt.prompt_ids[-4:]
+
+
 @pytest.mark.parametrize("tp, pp", [pytest.param(3, 2, id="tp3-pp2"), pytest.param(2, 1, id="tp2")])
 def test_layout_check(hf_dir, tp, pp, capsys):
     """9 heads / 3 KV heads: TP3 x PP2 fits; TP2 does not, and the converter says which flag to change."""
