@@ -9,6 +9,11 @@
 #    step and every --eval-interval steps; the base model scores 0.31.
 # 3. The exported HF policy is evaluated again with tools/eval.py (greedy, the same 64 problems).
 #
+# Measured (commit 020c935, 2 x86_64 CPU cores shared with 4 other jobs, load average 5-20, 1 thread): held-out
+# greedy accuracy 0.312 (step 0) -> 0.688 (step 6) -> 0.766 (step 12), the exported HF policy 0.766; rollout
+# accuracy 0.19, 0.11, 0.47, 0.34, 0.66, 0.67, 0.84, 0.70, 0.69, 0.76, 0.61, 0.71 (steps 1-12); 19.1 min of
+# training (54-168 s a step), 20 min for the script. Errors left are mostly the model's arithmetic ("7 + 11 = 28").
+#
 # usage: examples/run_smollm2_cpu.sh [RUN_DIR] [BASE_DIR] [NUM_STEPS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
