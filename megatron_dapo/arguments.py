@@ -15,6 +15,7 @@ from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
 from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.algorithm.registry import ADVANTAGE_ESTIMATOR_HELP, POLICY_LOSS_HELP
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
+from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 
 
 class DeprecatedAlias(argparse.Action):
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlong-penalty-factor", type=float, default=1.0)
     g.add_argument("--overlong-filter", action="store_true", help="mask truncated responses out of the loss")
     g.add_argument("--reward-fn", default="math_dapo",
-                   help="math_dapo | math_dapo_boxed | dotted path 'pkg.mod:fn' with signature "
+                   help=f"{' | '.join(BUILTIN_REWARD_FNS)} | dotted path 'pkg.mod:fn' with signature "
                         "fn(response: str, ground_truth: str) -> RewardResult(score, acc, pred)")
 
     g = p.add_argument_group("off-policy correction",

@@ -1,7 +1,7 @@
-"""The GPU launchers in examples/ stay true to the trainer's flags.
+"""The launchers in examples/ stay true to the trainer's flags.
 
-Each launcher runs with a stand-in `torchrun` on PATH that records its arguments; the part after
-`-m megatron_dapo.train` must parse with the real parser and build valid configs.
+Each GPU launcher runs with a stand-in `torchrun` on PATH (the CPU one with a stand-in $PY) that records its
+arguments; the part after `-m megatron_dapo.train` must parse with the real parser and build valid configs.
 """
 
 from __future__ import annotations
@@ -105,3 +105,31 @@ def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, e
                             colocate=args.colocate, trainer_gpu=rank0_gpu,
                             server_gpus=None if attach else args.sglang_gpus)
     assert mode == "distributed"  # the servers run on GPUs of their own in both launchers
+
+
+FAKE_PY = """#!/usr/bin/env python3
+import json, sys
+with open({out!r}, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+"""
+
+
+def test_smollm2_cpu_launcher_parses_and_validates(tmp_path):
+    """examples/run_smollm2_cpu.sh with a stand-in $PY that records each call: the converter runs only when the
+    base directory has no config.json, and the trainer's args parse and build valid configs."""
+    out = tmp_path / "calls.jsonl"
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY.format(out=str(out)))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    subprocess.run(["bash", "examples/run_smollm2_cpu.sh", str(tmp_path / "run"), str(tmp_path / "base")], cwd=REPO,
+                   env=dict(os.environ, PY=str(fake)), check=True, capture_output=True, timeout=60)
+    calls = [json.loads(line) for line in out.read_text().splitlines()]
+    assert calls[0][:3] == ["-m", "checkpoint_convert", "gguf-to-hf"]
+    train_args = next(c for c in calls if c[:2] == ["-m", "megatron_dapo.train"])[2:]
+    args = build_parser().parse_args(train_args)
+    assert (args.hf_checkpoint, args.reward_fn, args.rollout_engine) == (str(tmp_path / "base"), "last_number",
+                                                                        "embedded")
+    assert args.dynamic_sampling and (args.clip_ratio_low, args.clip_ratio_high) == (0.2, 0.28)
+    _, _, trainer_cfg = build_configs(args)
+    assert (trainer_cfg.eval_sampling.greedy, trainer_cfg.eval_n_samples, trainer_cfg.num_steps) == (True, 1, 12)
+    assert any(c[0] == "tools/eval.py" for c in calls)

@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable
 
 from megatron_dapo.dotted_path import resolve_callable
+from megatron_dapo.reward import last_number
 from megatron_dapo.reward.math_dapo import compute_score, compute_score_boxed
 from megatron_dapo.reward.result import RewardResult
 
@@ -20,6 +21,7 @@ RewardFn = Callable[[str, str], RewardResult]
 BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
     "math_dapo": compute_score,
     "math_dapo_boxed": compute_score_boxed,
+    "last_number": last_number.compute_score,
 }
 
 REWARD_FN_SIGNATURE = "fn(solution_str: str, ground_truth: str) -> RewardResult | float | dict"
