@@ -61,7 +61,9 @@ def test_served_export_generates_what_hf_does_and_stops_at_eos(exported):
     for p in prompts:  # the template's own <|im_start|> opens the prompt; no BOS added in front of it
         assert tokenizer.decode(p).endswith("<|im_end|>\n<|im_start|>assistant\n") and p[:2] == [1, 9690], p
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
-    engine = SGLangEngine(cpu_server_config(exported), client=ClientConfig(max_concurrency=8, control_timeout_s=120))
+    # 4096 KV tokens, not the CPU default 65536: SmolLM2's fp32 KV is 46 KB a token (3 GB at 65536).
+    cfg = cpu_server_config(exported, extra_args=("--dtype", "float32", "--max-total-tokens", "4096"))
+    engine = SGLangEngine(cfg, client=ClientConfig(max_concurrency=8, control_timeout_s=120))
     try:
         reqs = [RolloutRequest(prompt_ids=p, n=1, sampling=sp, request_id=f"chat{i}") for i, p in enumerate(prompts)]
         samples = [g[0] for g in engine.generate(reqs)]
