@@ -28,7 +28,9 @@ CASES = [pytest.param("qwen3", True, "tensor", id="qwen3-tied-tensor"),
 
 
 def _hf_model(model_type: str, *, tied: bool, seed: int):
-    """A random fp32 model of the family's tiny config; norms randomised so a q/k-norm mix-up shows."""
+    """A random fp32 model of the family's tiny config. Norms randomised so a q/k-norm mix-up shows; q and k
+    projections x10, so attention is sharp enough for the rope to matter: at these <= 15 positions Llama's llama3
+    scaling then moves log-probs by ~1e-3 (by ~1e-5 at HF's init scale, under the tolerance)."""
     fam = family(model_type)
     torch.manual_seed(seed)
     config = fam.hf_config(**fam.tiny_config, tie_word_embeddings=tied, eos_token_id=1, bos_token_id=0)
@@ -37,7 +39,19 @@ def _hf_model(model_type: str, *, tied: bool, seed: int):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10.0)
     return model
+
+
+def _plain_rope_twin(model):
+    """The same weights under plain RoPE (rope_scaling dropped): what a server ignoring llama3 scaling computes."""
+    fields = model.config.to_dict()
+    theta = fields["rope_parameters"]["rope_theta"]
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    twin = type(model)(type(model.config)(**fields)).float().eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
 
 
 def _actor(hf_dir):
@@ -84,5 +98,10 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
               f"vs seed A {max_logprob_error(served, after):.2e}")
         assert err < 1e-4
         assert max_logprob_error(served, after) > 0.1  # the old weights are gone, all of them
+        if pushed.config.rope_parameters.get("rope_type", "default") != "default":
+            # llama3 scaling was applied: a server on plain RoPE would be off by more than the tolerance
+            plain = max_logprob_error(_plain_rope_twin(pushed), after)
+            print(f"{model_type}: HF with plain RoPE vs the server {plain:.2e}")
+            assert plain > 1e-4
     finally:
         engine.shutdown()
