@@ -1,12 +1,13 @@
-"""Weight sync into a real SGLang 0.5.23 server (CPU, torch-native, fp32) for every non-Qwen2 family.
+"""Weight sync into a real SGLang 0.5.23 server (CPU, torch-native, fp32) for the Qwen3 and Llama families.
 
 Per family (one server alive at a time): the server starts on a random model of the family's `tiny_config`
 (seed A); a single-process Megatron actor loaded with another random model (seed B, through the library's own
 HF -> Megatron load) pushes its weights the way a PP1 training step does (`ServerPush.push`: the actor's
 `iter_hf_weights` export, bucketed, over one of the sync paths). The server's log-probs of sampled responses must
-then equal a teacher-forced HF forward of seed B (the reference), and differ from seed A's by far more (so a
-server that kept A's weights, or half of B's, fails). Qwen3 is tied (its small sizes are), over the tensor path
-(the CPU default); Llama untied with llama3 rope scaling on, over the distributed (gloo broadcast) path.
+then equal a teacher-forced HF forward of seed B (the reference) within 1e-4 (measured: 4.8e-7), so a server
+that kept any of A's tensors fails; and before the push, seed A's (SGLang serves the family as HF does).
+Qwen3 is tied (its small sizes are), over the tensor path (the CPU default); Llama untied with llama3 rope
+scaling on, over the distributed (gloo broadcast) path.
 Needs .venv-sglang (`make sglang-env`); skipped otherwise.
 """
 
@@ -97,7 +98,7 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
         print(f"{model_type} tied={tied} {mode}: max |server - HF(seed B)| = {err:.2e}, "
               f"vs seed A {max_logprob_error(served, after):.2e}")
         assert err < 1e-4
-        assert max_logprob_error(served, after) > 0.1  # the old weights are gone, all of them
+        assert max_logprob_error(served, after) > 0.1  # the server no longer serves seed A
         if pushed.config.rope_parameters.get("rope_type", "default") != "default":
             # llama3 scaling was applied: a server on plain RoPE would be off by more than the tolerance
             plain = max_logprob_error(_plain_rope_twin(pushed), after)

@@ -40,14 +40,15 @@ def exported(tmp_path_factory) -> Path:
     return root
 
 
-def _greedy_divergence(model, prompt: list[int], ours: list[int], theirs: list[int]) -> str:
-    """Where two greedy continuations first differ, and HF's top-2 logit gap there."""
-    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+def _divergence(model, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:
+    """Where two greedy continuations first differ and HF's top-2 logit gap there (None if they never do)."""
+    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if pos is None and len(ours) == len(theirs):
+        return None
+    pos = min(len(ours), len(theirs)) if pos is None else pos
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + theirs[:pos]])).logits[0, -1]
-    top = logits.topk(2)
-    return f"position {pos}: server {ours[pos:pos + 1]} HF {theirs[pos:pos + 1]}, HF top-2 " \
-           f"{top.indices.tolist()} gap {float(top.values[0] - top.values[1]):.2e}"
+        top = model(torch.tensor([prompt + theirs[:pos]])).logits[0, -1].topk(2).values
+    return pos, float(top[0] - top[1])
 
 
 def test_served_export_generates_what_hf_does_and_stops_at_eos(exported):
@@ -76,13 +77,14 @@ def test_served_export_generates_what_hf_does_and_stops_at_eos(exported):
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):]
         theirs = out.tolist()
         print(f"{s.request_id}: {s.finish_reason} {tokenizer.decode(s.response_ids)!r}")
-        if s.response_ids != theirs:
-            diverged.append(_greedy_divergence(hf, prompt, s.response_ids, theirs))
-        if theirs[-1] == EOS:  # HF stopped at EOS within the budget: the server must too, keeping the token
-            assert (s.finish_reason, s.response_ids[-1]) == ("stop", EOS), (s.finish_reason, s.response_ids)
+        if (where := _divergence(hf, prompt, s.response_ids, theirs)) is not None:
+            diverged.append((s.request_id, *where))
+        # The answers are brief: the server ends each at EOS by itself (the request names no stop token), keeping it.
+        assert (s.finish_reason, s.response_ids[-1]) == ("stop", EOS), (s.finish_reason, s.response_ids)
         assert EOS not in s.response_ids[:-1]
     err = max_logprob_error(hf, samples)
-    print(f"SmolLM2 served export: max |server - HF| log-prob {err:.2e}; divergences {diverged}")
-    assert not diverged, diverged
-    assert [s.finish_reason for s in samples] == ["stop"] * len(QUESTIONS)  # brief answers, each ended by EOS
+    print(f"SmolLM2 served export: max |server - HF| log-prob {err:.2e}; divergences (id, position, HF top-2 "
+          f"gap) {diverged}")
+    # Greedy paths may part only where HF's two best logits tie within fp32 noise (measured: they never part).
+    assert all(gap < 1e-4 for _, _, gap in diverged), diverged
     assert err < 1e-4
