@@ -27,6 +27,7 @@ QUESTIONS = ("What is the capital of France?", "What is 2 + 3? Answer with the n
              "Say hello in one short sentence.")
 MAX_NEW = 48
 EOS = 2  # <|im_end|>
+ASSETS = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,8 @@ def test_served_export_generates_what_hf_does_and_stops_at_eos(exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = exported / "model"
+    for name in ASSETS:  # through the torch_dist checkpoint's hf_assets unchanged
+        assert (model_dir / name).read_bytes() == (smollm2_hf_dir() / name).read_bytes(), name
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", EOS)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
