@@ -1,0 +1,108 @@
+"""Weight sync into a real SGLang 0.5.23 server (CPU, torch-native, fp32) for the Qwen3 and Llama families.
+
+Per family (one server alive at a time): the server starts on a random model of the family's `tiny_config`
+(seed A); a single-process Megatron actor loaded with another random model (seed B, through the library's own
+HF -> Megatron load) pushes its weights the way a PP1 training step does (`ServerPush.push`: the actor's
+`iter_hf_weights` export, bucketed, over one of the sync paths). The server's log-probs of sampled responses must
+then equal a teacher-forced HF forward of seed B (the reference) within 1e-4 (measured: 4.8e-7), so a server
+that kept any of A's tensors fails; and before the push, seed A's (SGLang serves the family as HF does).
+Qwen3 is tied (its small sizes are), over the tensor path (the CPU default); Llama untied with llama3 rope
+scaling on, over the distributed (gloo broadcast) path.
+Needs .venv-sglang (`make sglang-env`); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.models.registry import family
+from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from megatron_dapo.weight_sync.server_push import ServerPush
+from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error
+
+pytestmark = [*MARKS, pytest.mark.slow]
+
+CASES = [pytest.param("qwen3", True, "tensor", id="qwen3-tied-tensor"),
+         pytest.param("llama", False, "distributed", id="llama-untied-distributed")]
+
+
+def _hf_model(model_type: str, *, tied: bool, seed: int):
+    """A random fp32 model of the family's tiny config. Norms randomised so a q/k-norm mix-up shows; q and k
+    projections x10, so attention is sharp enough for the rope to matter: at these <= 15 positions Llama's llama3
+    scaling then moves log-probs by ~1e-3 (by ~1e-5 at HF's init scale, under the tolerance)."""
+    fam = family(model_type)
+    torch.manual_seed(seed)
+    config = fam.hf_config(**fam.tiny_config, tie_word_embeddings=tied, eos_token_id=1, bos_token_id=0)
+    model = fam.hf_causal_lm()(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(10.0)
+    return model
+
+
+def _plain_rope_twin(model):
+    """The same weights under plain RoPE (rope_scaling dropped): what a server ignoring llama3 scaling computes."""
+    fields = model.config.to_dict()
+    theta = fields["rope_parameters"]["rope_theta"]
+    fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    twin = type(model)(type(model.config)(**fields)).float().eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def _actor(hf_dir):
+    """A single-process (TP1 PP1) Megatron actor with `hf_dir`'s weights, loaded as --hf-checkpoint is."""
+    from megatron_dapo.actor import ActorConfig, MegatronActor, init_parallel
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.trainer.build import load_hf_into_actor
+
+    layout = init_parallel(seed=0)
+    actor = MegatronActor(ModelArch.from_hf(hf_dir), ActorConfig(lr=1e-3), layout)
+    load_hf_into_actor(actor, str(hf_dir))
+    return actor
+
+
+def _samples(engine, seed: int):
+    sp = SamplingParams(max_new_tokens=12, seed=seed)
+    reqs = [RolloutRequest(prompt_ids=[5, 6 + i, 7 * i + 3], n=2, sampling=sp, request_id=f"q{i}")
+            for i in range(3)]
+    return [s for g in engine.generate(reqs) for s in g]
+
+
+@pytest.mark.parametrize(("model_type", "tied", "mode"), CASES)
+def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_type, tied, mode):
+    from megatron_dapo.actor import destroy_parallel
+
+    served, pushed = _hf_model(model_type, tied=tied, seed=1), _hf_model(model_type, tied=tied, seed=2)
+    served.save_pretrained(tmp_path / "model")
+    pushed.save_pretrained(tmp_path / "pushed")
+    client = ClientConfig(max_concurrency=8, control_timeout_s=120, update_mode=mode, sync_backend="gloo",
+                          sync_master_port=free_port())
+    engine = SGLangEngine(cpu_server_config(tmp_path), client=client)
+    try:
+        before = _samples(engine, seed=3)
+        assert max_logprob_error(served, before) < 1e-4  # the server serves the family as HF computes it
+        actor = _actor(tmp_path / "pushed")
+        try:
+            ServerPush(engine).push(actor, version=1)
+        finally:
+            destroy_parallel()
+        after = _samples(engine, seed=4)
+        assert {s.weight_version for s in after} == {1}
+        err = max_logprob_error(pushed, after)
+        print(f"{model_type} tied={tied} {mode}: max |server - HF(seed B)| = {err:.2e}, "
+              f"vs seed A {max_logprob_error(served, after):.2e}")
+        assert err < 1e-4
+        assert max_logprob_error(served, after) > 0.1  # the server no longer serves seed A
+        if pushed.config.rope_parameters.get("rope_type", "default") != "default":
+            # llama3 scaling was applied: a server on plain RoPE would be off by more than the tolerance
+            plain = max_logprob_error(_plain_rope_twin(pushed), after)
+            print(f"{model_type}: HF with plain RoPE vs the server {plain:.2e}")
+            assert plain > 1e-4
+    finally:
+        engine.shutdown()
