@@ -137,9 +137,13 @@ class ServerConfig:
             "--sleep-on-idle",
         ]
         if self.device == "cpu":
-            # What ran on CPU (shared/notes/sglang-on-cpu.md); a KV cache sized from free RAM takes 15 GB.
+            # What ran on CPU (shared/notes/sglang-on-cpu.md); a KV cache sized from free RAM takes 15 GB, so
+            # --max-total-tokens caps it (65536 tokens: 3 GB fp32 at SmolLM2-135M, kilobytes for the tiny test
+            # models). SGLang 0.5.23 sizes the pool as free RAM after loading minus (1 - fraction) x free RAM
+            # before: at 0.1 anything else taking ~10% of RAM while the server loads (a colocated trainer
+            # building its model) left no room at all and the start failed; 0.5 leaves half of it.
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-                    "--max-total-tokens", "65536", "--mem-fraction-static", "0.1"]
+                    "--max-total-tokens", "65536", "--mem-fraction-static", "0.5"]
         else:
             cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
         return cmd + self._key_args(key_file, "--config") + list(self.extra_args)
