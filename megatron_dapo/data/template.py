@@ -37,6 +37,8 @@ def render_prompt_text(record: PromptRecord, tokenizer: Any, *, add_generation_p
 
 
 def render_prompt(record: PromptRecord, tokenizer: Any, *, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `render_prompt_text`; special tokens come only from the template itself."""
+    """Token ids of `render_prompt_text`: no BOS / EOS beyond what the chat template writes. Special-token
+    text inside a message (a problem containing "<|im_end|>") is parsed as that special token, as HF's
+    `apply_chat_template(tokenize=True)` does (SmolLM2: "a<|im_end|>b" -> [81, 2, 82])."""
     text = render_prompt_text(record, tokenizer, add_generation_prompt=add_generation_prompt)
     return list(tokenizer.encode(text, add_special_tokens=False))
