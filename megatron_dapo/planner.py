@@ -652,8 +652,13 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"headroom: {(1 - peak / inputs.gpu_memory_gib) * 100:.1f}% of --gpu-memory-gib", file=out)
     else:
         print(f"over by {peak - inputs.gpu_memory_gib:.2f} GiB; single changes that lower the peak:", file=out)
-        for flags, after in _suggestions(arch, layout, inputs, spec):
+        suggestions = _suggestions(arch, layout, inputs, spec)
+        for flags, after in suggestions:
             verdict = "fits" if after <= inputs.gpu_memory_gib else "still over"
             print(f"  {flags}: peak {after:.2f} GiB ({verdict})", file=out)
+        if not any(after <= inputs.gpu_memory_gib for _, after in suggestions):
+            print("  no single flag change fits: spread the model over more GPUs (a larger "
+                  "--tensor-model-parallel-size or --pipeline-model-parallel-size), or combine the changes above",
+                  file=out)
     print(f"plan: peak {peak:.2f} GiB per GPU of {inputs.gpu_memory_gib:g} GiB", file=out)
     return 0 if fits else 1

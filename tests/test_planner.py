@@ -269,6 +269,16 @@ def test_dry_run_over_budget_exits_1_and_names_the_flag(tmp_path):
     assert any("--recompute-granularity full" in line and "(fits)" in line for line in lines)
 
 
+def test_dry_run_says_when_no_single_change_fits(tmp_path):
+    """At 40 GiB the 32B launcher (every memory flag already on) has nothing left to switch: the plan says so."""
+    script, env, model = LAUNCHERS[1].values
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, script, env, model) + ["--gpu-memory-gib", "40"])
+    assert rc == 1 and float(lines[-1].split()[2]) > 40
+    i = next(i for i, line in enumerate(lines) if "single changes that lower the peak" in line)
+    assert "(fits)" not in "\n".join(lines[i:])
+    assert "no single flag change fits" in lines[-2] and "--tensor-model-parallel-size" in lines[-2]
+
+
 def test_dry_run_rejects_a_bad_layout(tmp_path):
     script, env, model = LAUNCHERS[1].values
     args = _launcher_train_args(tmp_path, script, env, model)
