@@ -21,7 +21,7 @@ HF_CKPT=${1:-${HF_CKPT:-/models/Qwen2.5-32B}}
 RUN_DIR=${2:-runs/qwen2.5-32b-dapo}
 ACTOR_NODES=${ACTOR_NODES:-8}
 : "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}" "${SGLANG_URLS:?set SGLANG_URLS}"
-source examples/models/qwen2.5-32B.sh
+source "examples/models/${MODEL:-qwen2.5-32B}.sh"  # MODEL=qwen3-...: another model file (run_qwen3_*.sh)
 source examples/common_dapo_args.sh
 
 # Memory (python -m megatron_dapo.train <these flags> --dry-run --world-size 64): sequence parallelism and

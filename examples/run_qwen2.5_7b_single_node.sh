@@ -11,7 +11,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 HF_CKPT=${1:-${HF_CKPT:-/models/Qwen2.5-7B}}
 RUN_DIR=${2:-runs/qwen2.5-7b-dapo}
-source examples/models/qwen2.5-7B.sh
+source "examples/models/${MODEL:-qwen2.5-7B}.sh"  # MODEL=qwen3-...: another model file (run_qwen3_*.sh)
 source examples/common_dapo_args.sh
 
 # Memory (--dry-run --world-size 4): sequence parallelism and the fused linear log-prob head keep one packed

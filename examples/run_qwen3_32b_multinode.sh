@@ -1,44 +1,14 @@
 #!/usr/bin/env bash
-# DAPO's own setting for Qwen2.5-32B (arXiv 2503.14476, Sec. 4.1), applied to Qwen3-32B: prompt batch 512,
-# 16 responses per prompt, mini-batch 32 prompts (512 responses), max response 20480 with a 4096 overlong buffer,
-# lr 1e-6 warmed up linearly over 20 rollout steps, weight decay 0.1, grad clip 1.0, no KL, no entropy bonus;
-# AIME avg@32 at temperature 1.0, top-p 0.7, 20480 tokens (examples/common_dapo_args.sh).
+# DAPO's own setting for Qwen2.5-32B (arXiv 2503.14476, Sec. 4.1) applied to Qwen3-32B:
+# run_qwen2.5_32b_multinode.sh's layout (TP 8 x PP 2 with sequence parallelism and block recompute of 16 of each
+# stage's 32 layers; SGLang servers on the rollout nodes) with Qwen3-32B's model file.
 #
-# Layout: the actor on ACTOR_NODES nodes (TP 8 x PP 2, DP = 8 x ACTOR_NODES / 16), SGLang servers already
-# running on the rollout nodes (started with examples/launch_sglang_servers.sh), weights broadcast to them
-# over NCCL after every step. Run this script on every actor node with NODE_RANK set. Servers bound beyond
-# loopback need an API key: export the same SGLANG_API_KEY here and for launch_sglang_servers.sh.
+# Memory (--dry-run --world-size 64): stage 0, two 24k-token micro-batches in flight, at ~56 GiB of 80 (30%
+# headroom).
 #
 # usage: NODE_RANK=<i> MASTER_ADDR=<node 0> SGLANG_URLS="http://r0:30000 http://r0:30001 ..." \
 #        examples/run_qwen3_32b_multinode.sh [HF_CKPT] [RUN_DIR]
 set -euo pipefail
-cd "$(dirname "$0")/.."
-# PyTorch allocator: expandable segments, less fragmentation with micro-batches of varying length. One
-# hardware queue per GPU: Megatron's sequence-parallel overlap relies on kernels starting in issue order.
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-HF_CKPT=${1:-${HF_CKPT:-/models/Qwen3-32B}}
-RUN_DIR=${2:-runs/qwen3-32b-dapo}
-ACTOR_NODES=${ACTOR_NODES:-8}
-: "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}" "${SGLANG_URLS:?set SGLANG_URLS}"
-source examples/models/qwen3-32B.sh
-source examples/common_dapo_args.sh
-
-# Memory (python -m megatron_dapo.train <these flags> --dry-run --world-size 64): sequence parallelism and
-# full recompute of 16 of each stage's 32 layers keep stage 0 (two 24k-token micro-batches in flight) at
-# ~56 GiB of 80 (30% headroom).
-PARALLEL_ARGS+=(--sequence-parallel --recompute-granularity full --recompute-method block --recompute-num-layers 16)
-read -r -a URLS <<<"$SGLANG_URLS"
-ROLLOUT_ARGS=(
-    --rollout-engine sglang --sglang-server-urls "${URLS[@]}" --sglang-max-concurrency 2048
-    --weight-sync-mode distributed --weight-sync-master-addr "$MASTER_ADDR"
-    --rollout-batch-size 512 --n-samples-per-prompt 16 --over-sample-factor 1.3
-    --rollout-temperature 1.0 --max-response-length 20480 --max-prompt-length 2048
-)
-BATCH_ARGS=(--global-batch-size 512 --max-tokens-per-micro-batch 24576 --pack-sequences --fused-linear-logprob --num-steps 400)
-RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 10 --load "$RUN_DIR/ckpt")
-
-torchrun --nnodes "$ACTOR_NODES" --node_rank "$NODE_RANK" --nproc_per_node 8 \
-    --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" -m megatron_dapo.train \
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}" \
-    "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" --wandb-project "${WANDB_PROJECT:-megatron-dapo}"
+HERE="$(dirname "$0")"
+MODEL=qwen3-32B exec bash "$HERE/run_qwen2.5_32b_multinode.sh" "${1:-${HF_CKPT:-/models/Qwen3-32B}}" \
+    "${2:-runs/qwen3-32b-dapo}"

@@ -1,30 +1,12 @@
 #!/usr/bin/env bash
-# DAPO on one 8-GPU node: the Megatron actor on GPUs 0-3 (TP 4), two SGLang servers (TP 2) on GPUs 4-7,
-# launched by rank 0 behind sglang-router; weights go to them after every step.
+# DAPO on one 8-GPU node for Qwen3-8B: run_qwen2.5_7b_single_node.sh's layout (the actor at TP 4 with sequence
+# parallelism on GPUs 0-3, two SGLang servers at TP 2 on GPUs 4-7) with Qwen3-8B's model file.
+#
+# Memory (--dry-run --world-size 4): one packed 16k-token micro-batch at ~65 GiB of 80 (19% headroom); Qwen3's
+# per-head q/k norms add ~1.4 GiB over 36 layers.
 #
 # usage: examples/run_qwen3_8b_single_node.sh [HF_CKPT] [RUN_DIR]
 set -euo pipefail
-cd "$(dirname "$0")/.."
-# PyTorch allocator: expandable segments, less fragmentation with micro-batches of varying length. One
-# hardware queue per GPU: Megatron's sequence-parallel overlap relies on kernels starting in issue order.
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-HF_CKPT=${1:-${HF_CKPT:-/models/Qwen3-8B}}
-RUN_DIR=${2:-runs/qwen3-8b-dapo}
-source examples/models/qwen3-8B.sh
-source examples/common_dapo_args.sh
-
-# Memory (--dry-run --world-size 4): sequence parallelism and the fused linear log-prob head keep one packed
-# 16k-token micro-batch at ~65 GiB of 80 (19% headroom); Qwen3's per-head q/k norms add ~1.4 GiB over 36 layers.
-PARALLEL_ARGS+=(--sequence-parallel)
-ROLLOUT_ARGS=(
-    --rollout-engine sglang --sglang-num-servers 2 --sglang-tp-size "$SGLANG_TP" --sglang-gpus 4,5,6,7
-    --rollout-batch-size 64 --n-samples-per-prompt 16 --over-sample-factor 1.5
-    --rollout-temperature 1.0 --max-response-length 8192 --max-prompt-length 2048
-)
-BATCH_ARGS=(--global-batch-size 256 --max-tokens-per-micro-batch 16384 --pack-sequences --fused-linear-logprob --num-steps 500)
-RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 20 --load "$RUN_DIR/ckpt")
-
-CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc_per_node 4 -m megatron_dapo.train \
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}" \
-    "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" --overlong-buffer-length 2048
+HERE="$(dirname "$0")"
+MODEL=qwen3-8B exec bash "$HERE/run_qwen2.5_7b_single_node.sh" "${1:-${HF_CKPT:-/models/Qwen3-8B}}" \
+    "${2:-runs/qwen3-8b-dapo}"
