@@ -46,6 +46,7 @@ def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[lis
     "script,env,nproc",
     [
         ("examples/run_qwen3_8b_single_node.sh", {}, "4"),
+        ("examples/run_llama3.1_8b_single_node.sh", {}, "4"),
         ("examples/run_qwen3_32b_multinode.sh",
          {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
          "8"),
@@ -54,7 +55,7 @@ def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[lis
          {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
          "8"),
     ],
-    ids=["qwen3-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode"],
+    ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode"],
 )
 def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     torchrun_args, train_args = launcher_args(tmp_path, script, env)
@@ -79,12 +80,14 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
 
 @pytest.mark.parametrize("script,env", [
     ("examples/run_qwen3_8b_single_node.sh", {}),
+    ("examples/run_llama3.1_8b_single_node.sh", {}),
     ("examples/run_qwen3_32b_multinode.sh",
      {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
     ("examples/run_qwen2.5_7b_single_node.sh", {}),
     ("examples/run_qwen2.5_32b_multinode.sh",
      {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
-], ids=["qwen3-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode"])
+], ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node",
+        "32b-multinode"])
 def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, env):
     """Expandable segments and one CUDA connection (Megatron-LM's settings for sequence-parallel overlap)
     reach the trainer, and the servers' placement passes the CUDA-only checks of make_rollout_engine."""
