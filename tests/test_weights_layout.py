@@ -136,7 +136,7 @@ def test_te_aliases_resolve_to_local_spec_names() -> None:
     assert canonical_mcore_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", ARCH) == (
         "decoder.layers.0.pre_mlp_layernorm.weight"
     )
-    entry, layer = resolve_mcore_name("decoder.layers.12.mlp.linear_fc1.weight", ARCH)
+    entry, layer, _ = resolve_mcore_name("decoder.layers.12.mlp.linear_fc1.weight", ARCH)
     assert (entry.kind, layer, entry.hf[1].format(layer=layer)) == (
         "fc1",
         12,

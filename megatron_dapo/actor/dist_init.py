@@ -72,10 +72,12 @@ def init_parallel(
     if parallel_state.model_parallel_is_initialized():
         current = (parallel_state.get_tensor_model_parallel_world_size(),
                    parallel_state.get_pipeline_model_parallel_world_size(),
-                   parallel_state.get_context_parallel_world_size())
+                   parallel_state.get_context_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size())
         current_vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        if current != (layout.tp, layout.pp, layout.cp) or current_vpp != vpp:
-            raise RuntimeError(f"parallel_state already initialised with (tp, pp, cp)={current}, "
+        if current != (layout.tp, layout.pp, layout.cp, layout.ep, layout.expert_tp) or current_vpp != vpp:
+            raise RuntimeError(f"parallel_state already initialised with (tp, pp, cp, ep, etp)={current}, "
                                f"vpp={current_vpp}: "
                                "call destroy_parallel() first")
     else:
@@ -83,6 +85,7 @@ def init_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
             context_parallel_size=layout.cp, distributed_timeout_minutes=timeout_minutes,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         )
     torch.manual_seed(seed)
     if torch.cuda.is_available():

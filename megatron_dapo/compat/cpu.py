@@ -64,7 +64,16 @@ SHIMS: tuple[Shim, ...] = (
         "optimizer/clip_grads.py:167",
         "optimizer/distrib_optimizer.py:361,420,582",
     )),
+    Shim(name="MoE alltoall dispatcher: no DtoH side stream; split sizes as numpy (gloo's all_to_all_single)", files=(
+        "transformer/moe/token_dispatcher.py:444-445,862-901",
+        "transformer/moe/moe_utils.py:1093",
+    )),
 )
+
+MOE_ROUTER_TE_FIX = "transformer/moe/moe_utils.py:22-39,1192,1225"
+"""megatron-core 0.16.1 reads the module global `te_general_gemm` in the router's linear, bound only when
+TransformerEngine imports: without TE (CPU, or --transformer-impl local on GPU) every router forward raises
+NameError. `install_moe_fixes` binds it to None (the torch.mm path), on any device."""
 
 # Site counts of megatron-core 0.16.1 per pattern, in the files the shims serve and in the whole
 # package; `scan_cuda_sites` must reproduce them, otherwise the audit above is stale.
@@ -146,6 +155,7 @@ def install() -> bool:
     """
     global _installed_mode
     if torch.cuda.is_available():
+        install_moe_fixes()
         return False
     with _lock:
         if _installed_mode is not None:
@@ -163,10 +173,42 @@ def install() -> bool:
         _original["set_cuda_rng_state"] = mcore_random._set_cuda_rng_state
         torch.cuda.random.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)
         mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
+        install_moe_fixes()
         mode = _CudaToCpuMode()
         mode.__enter__()
         _installed_mode = mode
     return True
+
+
+def install_moe_fixes() -> None:
+    """What megatron-core 0.16.1's MoE layer needs off its TransformerEngine + CUDA path (idempotent).
+
+    Any device: `te_general_gemm` bound to None when TE did not import (MOE_ROUTER_TE_FIX). Without CUDA: the
+    alltoall dispatcher's DtoH side stream (a torch.cuda.Stream made in its constructor) is never created, and
+    its `_maybe_dtoh_and_synchronize` only turns the all-to-all split sizes into numpy arrays, which is what
+    the CUDA path hands torch's all_to_all_single (CPU tensors stay tensors there and gloo's binding rejects them).
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    if torch.cuda.is_available():
+        return
+    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
+    if "dtoh" in _original:
+        return
+    _original["dtoh"] = dispatcher._maybe_dtoh_and_synchronize
+    dispatcher.cuda_dtoh_stream = "cpu: no side stream"  # the constructor makes one only while this is None
+
+    def _maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr, None)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
+
+    dispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
 
 
 def is_installed() -> bool:

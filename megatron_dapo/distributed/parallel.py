@@ -1,4 +1,4 @@
-"""The one place a parallel layout (TP, PP, CP, DP, SP, recompute) is checked against a model.
+"""The one place a parallel layout (TP, PP, CP, DP, SP, EP, recompute) is checked against a model.
 
 Errors name the flag to change, so a launcher typo is caught before any process group exists. The same
 ParallelLayout feeds parallel_state (dist_init), the TransformerConfig (models/config.py), the actor's
@@ -45,6 +45,11 @@ class ParallelLayout:
     layers_per_virtual_stage: int | None = None
     """--num-layers-per-virtual-pipeline-stage: interleaved 1F1B (Megatron's VPP); each PP rank holds
     num_layers / (pp * this) model chunks (`virtual_stages`). None: one chunk per PP rank."""
+    ep: int = 1
+    """--expert-model-parallel-size: ranks an MoE layer's experts are split over (each holds experts / ep)"""
+    etp: int | None = None
+    """--expert-tensor-parallel-size: ranks each expert's linears are split over; None: the TP size
+    (megatron-core's default). The expert grid etp x ep x expert-DP x pp covers the same world as tp x cp x dp x pp."""
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
@@ -76,6 +81,16 @@ class ParallelLayout:
             raise ValueError("--context-parallel-size > 1 needs TransformerEngine attention; megatron-core's "
                              "local spec has no ring attention: drop --transformer-impl local or use "
                              "--context-parallel-size 1")
+        if not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"--expert-model-parallel-size must be a positive integer, got {self.ep!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ValueError(f"--expert-tensor-parallel-size must be a positive integer, got {self.etp!r}")
+        if (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep):
+            raise ValueError(
+                f"--expert-model-parallel-size ({self.ep}) x --expert-tensor-parallel-size ({self.expert_tp}) = "
+                f"{self.ep * self.expert_tp} must divide the {self.tp * self.cp * self.dp} ranks of a pipeline stage "
+                f"(--tensor-model-parallel-size {self.tp} x --context-parallel-size {self.cp} x data-parallel "
+                f"{self.dp}): megatron-core lays the experts over the same ranks as the attention")
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (megatron-core's rule)")
         if self.layers_per_virtual_stage is not None:
@@ -89,6 +104,16 @@ class ParallelLayout:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size in use (--expert-tensor-parallel-size, default the TP size)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: replicas of each expert (ranks of a stage / (etp x ep))."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     def virtual_stages(self, num_layers: int) -> int:
         """Model chunks per PP rank (Megatron's virtual_pipeline_model_parallel_size); 1 without VPP."""
@@ -113,6 +138,7 @@ class ParallelLayout:
             recompute_granularity=self.recompute_granularity, recompute_method=self.recompute_method,
             recompute_num_layers=(self.layers_recomputed_per_unit if self.recompute_granularity == "full"
                                   else None),
+            expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.expert_tp,
         )
         return fields
 
@@ -140,6 +166,8 @@ class ParallelLayout:
             recompute_num_layers=args.recompute_num_layers, overlap_grad_reduce=args.overlap_grad_reduce,
             overlap_param_gather=args.overlap_param_gather, transformer_impl=args.transformer_impl,
             layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
+            ep=getattr(args, "expert_model_parallel_size", 1),
+            etp=getattr(args, "expert_tensor_parallel_size", None),
         )
 
     @classmethod
@@ -166,11 +194,12 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             f"num_key_value_heads ({arch.num_kv_heads}) is not divisible by --tensor-model-parallel-size "
             f"({layout.tp}); GQA query groups cannot be split across more TP ranks than there are groups"
         )
-    if arch.intermediate_size % layout.tp:
+    if not arch.all_layers_moe and arch.intermediate_size % layout.tp:
         raise ValueError(
             f"intermediate_size ({arch.intermediate_size}) is not divisible by "
             f"--tensor-model-parallel-size ({layout.tp})"
         )
+    _validate_experts(arch, layout)
     if arch.num_layers % layout.pp:
         raise ValueError(
             f"num_hidden_layers ({arch.num_layers}) is not divisible by --pipeline-model-parallel-size "
@@ -185,3 +214,21 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
                 f"--recompute-num-layers ({n}) must be <= the {stage_layers} layers of a pipeline stage"
                 + (" and divide them (--recompute-method uniform)" if layout.recompute_method == "uniform" else "")
             )
+
+
+def _validate_experts(arch: ModelArch, layout: ParallelLayout) -> None:
+    """The expert-parallel half of `validate_layout`."""
+    if not arch.is_moe:
+        if layout.ep > 1 or layout.etp is not None:
+            raise ValueError("--expert-model-parallel-size / --expert-tensor-parallel-size apply to mixture-of-experts "
+                             f"models; {arch.model_type} has no experts (drop the flags)")
+        return
+    if arch.num_experts % layout.ep:
+        raise ValueError(f"num_experts ({arch.num_experts}) is not divisible by --expert-model-parallel-size "
+                         f"({layout.ep})")
+    if arch.moe_intermediate_size % layout.expert_tp:
+        raise ValueError(f"moe_intermediate_size ({arch.moe_intermediate_size}) is not divisible by "
+                         f"--expert-tensor-parallel-size ({layout.expert_tp})")
+    if layout.tp > 1 and not layout.sp:
+        raise ValueError("a mixture-of-experts model with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                         "(megatron-core's MoE layer refuses to train without it)")

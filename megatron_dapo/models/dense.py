@@ -83,6 +83,7 @@ MAPPING: tuple[MappingEntry, ...] = (
         kind="fc1",
         stage="layer",
         shapes=(("intermediate_size", "hidden_size"), ("intermediate_size", "hidden_size")),
+        layers="dense",
     ),
     MappingEntry(
         mcore=_L + "mlp.linear_fc2.weight",
@@ -90,6 +91,7 @@ MAPPING: tuple[MappingEntry, ...] = (
         kind="row",
         stage="layer",
         shapes=(("hidden_size", "intermediate_size"),),
+        layers="dense",
     ),
     MappingEntry(
         mcore="decoder.final_layernorm.weight",
@@ -109,7 +111,8 @@ MAPPING: tuple[MappingEntry, ...] = (
 )
 """HF names in the HF order of a dense decoder layer; `requires` drops the q/k/v bias and the per-head q/k
 RMSNorm (Qwen3's q_norm / k_norm, megatron-core's q_layernorm / k_layernorm, the same names in the TE spec)
-for families without them."""
+for families without them. The MLP entries are `layers="dense"`: an MoE family's MoE layers have experts
+there instead (`models/moe.py`)."""
 
 
 def check_plain_decoder(config: dict[str, Any]) -> None:
@@ -180,6 +183,8 @@ def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defa
     fields: dict[str, Any] = dict(
         mapping=MAPPING, transformer_config_fields=transformer_config_fields, layer_spec_options=layer_spec_options,
         model_kwargs=rope_model_kwargs, activation_terms=activation_terms)
+    if "mapping" in hooks:  # a family's own table (an MoE family: this one plus its expert entries)
+        fields["mapping"] = hooks.pop("mapping")
     unknown = sorted(set(hooks) - set(fields))
     if unknown:
         raise TypeError(f"dense_family({model_type}): {unknown} are not overridable hooks {sorted(fields)}")

@@ -31,15 +31,18 @@ from typing import Any, Literal
 
 LayoutKind = Literal["replicated", "column", "row", "qkv", "fc1", "vocab"]
 Stage = Literal["first", "layer", "last"]
+LayerKind = Literal["all", "dense", "moe"]
+LAYER_KINDS: tuple[str, ...] = ("all", "dense", "moe")
 LAYOUT_KINDS: tuple[str, ...] = ("replicated", "column", "row", "qkv", "fc1", "vocab")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MappingEntry:
     mcore: str
-    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module)."""
+    """megatron-core local-spec name; `{layer}` is the layer number (stage-local in a module), `{expert}` the
+    expert number local to this expert-parallel rank (an expert entry: one tensor per expert)."""
     hf: tuple[str, ...]
-    """HF name template(s) in the order the layout function takes them; `{layer}` is global."""
+    """HF name template(s) in the order the layout function takes them; `{layer}` and `{expert}` are global."""
     kind: LayoutKind
     stage: Stage
     """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
@@ -51,6 +54,17 @@ class MappingEntry:
     """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
     requires: str | None = None
     """A boolean ModelArch field the entry exists under (e.g. "qkv_bias"); None: always present."""
+    layers: LayerKind = "all"
+    """Which decoder layers hold it: all, those with a dense MLP, or the MoE layers (`ModelArch.moe_layers`)."""
+    dist: str | None = None
+    """An expert entry's key in a dist checkpoint, `{layer}` where the layers are not stacked: megatron-core
+    saves a layer's experts as one tensor with a leading global expert axis (`weights.mapping.dist_key`)."""
+
+    @property
+    def per_expert(self) -> bool:
+        """One tensor per routed expert: split over the expert-parallel ranks, TP-split over the expert-TP
+        ranks (`--expert-tensor-parallel-size`)."""
+        return "{expert}" in self.mcore
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -59,6 +73,12 @@ class MappingEntry:
             raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
         if ("{layer}" in self.mcore) != (self.stage == "layer"):
             raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
+        if self.layers not in LAYER_KINDS:
+            raise ValueError(f"mapping entry {self.mcore}: layers {self.layers!r} is not one of {LAYER_KINDS}")
+        if self.per_expert != (self.dist is not None) or (self.per_expert and self.layers != "moe"):
+            raise ValueError(f"mapping entry {self.mcore}: an {{expert}} entry needs layers='moe' and its dist key")
+        if any(("{expert}" in name) != self.per_expert for name in (*self.hf, *self.aliases)):
+            raise ValueError(f"mapping entry {self.mcore}: {{expert}} must be in every name or in none")
 
 
 ARCH_OPTIONS = ("qkv_bias", "qk_layernorm")

@@ -7,10 +7,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_dapo.compat import cpu
-from megatron_dapo.distributed.parallel import padded_vocab_size
+from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.models.spec import get_layer_spec
+from megatron_dapo.models.spec import get_layer_spec, resolve_transformer_impl
 
 
 def build_gpt_model(
@@ -47,10 +47,21 @@ def build_gpt_model(
             f"build_gpt_model(tp={tp}, pp={pp}) does not match the initialised parallel state "
             f"(--tensor-model-parallel-size {world_tp}, --pipeline-model-parallel-size {world_pp})"
         )
+    if use_te is None:
+        use_te = resolve_transformer_impl(None) == "transformer_engine"
+    if "layout" not in config_overrides:  # the layout parallel_state was initialised with (experts included)
+        config_overrides["layout"] = ParallelLayout(
+            tp=tp, pp=pp, cp=parallel_state.get_context_parallel_world_size(),
+            dp=parallel_state.get_data_parallel_world_size(),
+            ep=parallel_state.get_expert_model_parallel_world_size(),
+            etp=parallel_state.get_expert_tensor_parallel_world_size() if arch.is_moe else None,
+            sp=bool(config_overrides.get("sequence_parallel", False)))
+    if arch.is_moe:  # TEGroupedMLP (grouped GEMM) under TE, SequentialMLP of local experts otherwise
+        config_overrides = {"moe_grouped_gemm": use_te, **config_overrides}
     config = transformer_config_from_arch(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(use_te, config, arch.family.layer_spec_options(arch)),
+        transformer_layer_spec=get_layer_spec(use_te, config, arch.family.layer_spec_options(arch), vp_stage),
         vocab_size=padded_vocab_size(arch.vocab_size, tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

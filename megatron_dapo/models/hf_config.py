@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelArch:
-    """A dense decoder: RMSNorm, SwiGLU MLP, RoPE, GQA attention; the family's options say the rest."""
+    """A decoder of RMSNorm, RoPE, GQA attention and SwiGLU MLPs, dense or mixture-of-experts (`num_experts`
+    > 0: the layers in `moe_layers` route each token to `num_experts_per_tok` of `num_experts` SwiGLU experts);
+    the family's options say the rest."""
 
     model_type: str
     """HF config.json model_type: the registered family (`models/registry.py`) whose hooks build the model."""
@@ -44,6 +46,18 @@ class ModelArch:
     """RMSNorm on each head's q and k before RoPE. None: the family's default."""
     family_options: tuple[tuple[str, Any], ...] = ()
     """Further (name, value) facts only the family's own hooks read (e.g. a rope scaling); compared on resume."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (config.json num_experts); 0: a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """SwiGLU inner size of one expert."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    moe_layers: tuple[int, ...] = ()
+    """Global indices of the MoE layers, ascending; the other layers have a dense MLP (`intermediate_size`)."""
+    router_aux_loss_coef: float = 0.0
+    """config.json's load-balancing loss coefficient (HF's formula; `--moe-aux-loss-coeff` defaults from it)."""
 
     def __post_init__(self) -> None:
         from megatron_dapo.models.registry import family
@@ -69,6 +83,42 @@ class ModelArch:
         context = self.max_position_embeddings
         if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
             raise ValueError(f"max_position_embeddings must be a positive integer, got {context!r}")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """ValueError naming the config.json field when the MoE fields are inconsistent."""
+        if self.num_experts == 0:
+            if self.moe_layers or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ValueError("num_experts is 0 (a dense model) but MoE fields are set")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+        layers = self.moe_layers
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= self.num_layers:
+            raise ValueError(f"the MoE layers {list(layers)} must be distinct, ascending layer indices in "
+                             f"0..{self.num_layers - 1} (mlp_only_layers / decoder_sparse_step leave none)")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer routes tokens to experts."""
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has an MoE block (else a dense MLP)."""
+        return layer in self.moe_layers
+
+    @property
+    def all_layers_moe(self) -> bool:
+        """Whether every layer is MoE (megatron-core then stacks the layers in a dist checkpoint)."""
+        return self.is_moe and len(self.moe_layers) == self.num_layers
 
     @property
     def family(self) -> ModelFamily:
@@ -93,13 +143,20 @@ class ModelArch:
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def num_parameters(self) -> int:
-        """Parameter count of the HF model (untied head counted once more when untied)."""
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Parameter count of the HF model (untied head counted once more when untied).
+
+        active: count only the experts one token runs (num_experts_per_tok per MoE layer), e.g. 3.3B of
+        Qwen3-30B-A3B's 30.5B."""
         h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = self.q_size + 2 * self.kv_size
         attn = h * qkv + (qkv if self.qkv_bias else 0) + self.q_size * h
-        layer = attn + 3 * h * f + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
-        return self.num_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        common = attn + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe_mlp = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
+        n_moe = len(self.moe_layers)
+        layers = self.num_layers * common + (self.num_layers - n_moe) * 3 * h * f + n_moe * moe_mlp
+        return layers + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,7 @@ FAMILY_MODULES: tuple[str, ...] = (
     "megatron_dapo.models.qwen2",
     "megatron_dapo.models.qwen3",
     "megatron_dapo.models.llama",
+    "megatron_dapo.models.qwen3_moe",
 )
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -70,26 +70,46 @@ def _local_sequence_parallel_spec(config: Any, options: dict[str, Any]) -> Modul
     )
 
     layer = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **options)
-    layer.submodules.input_layernorm = SequenceParallelRMSNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    if options.get("qk_layernorm"):
-        # The per-head q/k norms see whole sequences (after the qkv all-gather) but only this rank's heads:
-        # finalize_model_grads sums their weight grads over TP by name (q_layernorm / k_layernorm) under
-        # qk_layernorm, SP or not. Only WrappedTorchNorm's SP assert is in the way.
-        attention = layer.submodules.self_attention.submodules
-        attention.q_layernorm = SequenceParallelRMSNorm
-        attention.k_layernorm = SequenceParallelRMSNorm
+    # The per-head q/k norms see whole sequences (after the qkv all-gather) but only this rank's heads:
+    # finalize_model_grads sums their weight grads over TP by name (q_layernorm / k_layernorm) under
+    # qk_layernorm, SP or not. Only WrappedTorchNorm's SP assert is in the way.
+    _set_sp_norms(layer, options)
     layers = [layer] * get_num_layers_to_build(config)
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm))
 
 
-def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict[str, Any] | None = None
-                   ) -> ModuleSpec:
+def _set_sp_norms(layer: ModuleSpec, options: dict[str, Any]) -> None:
+    """Replace a local layer spec's norms (pre-attention, pre-MLP, the per-head q/k ones) by SP-aware ones."""
+    layer.submodules.input_layernorm = SequenceParallelRMSNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if options.get("qk_layernorm"):
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = SequenceParallelRMSNorm
+        attention.k_layernorm = SequenceParallelRMSNorm
+
+
+def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage: int | None) -> Any:
+    """The block spec of an MoE model: megatron-core's per-layer choice of an MoE or a dense layer spec
+    (config.moe_layer_freq), sliced to this pipeline stage (and model chunk `vp_stage`)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                       normalization="RMSNorm", vp_stage=vp_stage)
+    if not use_te and config.sequence_parallel:
+        for layer in {id(spec): spec for spec in block.layer_specs}.values():
+            _set_sp_norms(layer, options)
+        block.layer_norm = SequenceParallelRMSNorm
+    return block
+
+
+def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict[str, Any] | None = None,
+                   vp_stage: int | None = None) -> Any:
     """Decoder-layer spec (RMSNorm, SwiGLU, GQA attention) with the family's `options`.
 
     options: keyword arguments of megatron-core's spec builders from `arch.family.layer_spec_options(arch)`
-    (e.g. qk_layernorm); None: the builders' defaults.
+    (e.g. qk_layernorm); None: the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec
+    of this stage's layers (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
     True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
     TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
@@ -99,6 +119,10 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
     options = dict(options or {})
     if use_te is None:
         use_te = resolve_transformer_impl(None) == "transformer_engine"
+    if config is not None and config.num_moe_experts:
+        if use_te and not te_available():
+            raise ImportError(f"use_te=True needs transformer_engine ({TE_HINT})")
+        return _moe_block_spec(use_te, config, options, vp_stage)
     if use_te:
         if not te_available():
             raise ImportError(

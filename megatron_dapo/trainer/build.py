@@ -83,12 +83,14 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     """
     from megatron.core import parallel_state
 
-    from megatron_dapo.weights import iter_mcore_shards
+    from megatron_dapo.weights import iter_rank_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
     from megatron_dapo.weights.plan import virtual_stage
     from megatron_dapo.weights.safetensors_io import CheckpointError
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    ranks = dict(tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                 ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                 etp_rank=parallel_state.get_expert_tensor_parallel_rank())
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = actor.config.torch_params_dtype
     try:
@@ -99,8 +101,8 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
             try:
-                shards = {name: per_tp[tp_rank].to(dtype)
-                          for name, per_tp in iter_mcore_shards(reader.get, actor.arch, layout, stage)}
+                shards = {name: shard.to(dtype) for name, shard in
+                          iter_rank_shards(reader.get, actor.arch, layout, pp_rank=stage, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
                 raise UserError(f"--hf-checkpoint: {err}") from err
             actor.load_shards(shards, chunk, reload=False)

@@ -11,7 +11,7 @@ from megatron_dapo.weights.mapping import (
     canonical_mcore_name,
     resolve_mcore_name,
 )
-from megatron_dapo.weights.plan import iter_mcore_shards, stage_tensors
+from megatron_dapo.weights.plan import iter_mcore_shards, iter_rank_shards, stage_tensors
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "canonical_mcore_name",
     "hf_to_mcore_tensor",
     "iter_mcore_shards",
+    "iter_rank_shards",
     "mcore_to_hf_tensors",
     "merge_tp_shards",
     "resolve_mcore_name",

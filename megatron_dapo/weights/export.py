@@ -17,6 +17,7 @@ where `iter_hf_weights` moves 65 GB to every one of the 128 ranks (32.5 GB of it
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,55 +25,83 @@ from megatron.core import parallel_state
 
 from megatron_dapo.distributed import comm
 from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.weights.layout import hf_shapes, mcore_to_hf_tensors
+from megatron_dapo.weights.layout import hf_shapes, merge_tp_shards
 from megatron_dapo.weights.load import unwrap
-from megatron_dapo.weights.mapping import resolve_mcore_name
+from megatron_dapo.weights.mapping import MappingEntry, fill, resolve_mcore_name
 
 Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
-def _local_params(
-    chunks: Sequence[torch.nn.Module], arch: ModelArch
-) -> list[tuple[str, str, torch.nn.Parameter]]:
-    """(kind, mcore name with the global layer number, param) for each exported param of this stage."""
+@dataclass(frozen=True)
+class _Param:
+    entry: MappingEntry
+    name: str
+    """mcore name with the global layer number (and this rank's expert-parallel-local expert number)."""
+    layer: int | None
+    expert: int | None
+    param: torch.nn.Parameter
+
+
+def _local_params(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Param]:
+    """Each exported param of this stage, with its global layer."""
     out = []
     for chunk in chunks:
         model = unwrap(chunk)
         # layer_number is megatron-core's 1-based global index, right under any PP / VPP split.
         to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
         for name, param in model.named_parameters():
-            entry, layer = resolve_mcore_name(name, arch)
+            entry, layer, expert = resolve_mcore_name(name, arch)
             if entry.tied_hf and arch.tie_word_embeddings:
                 continue  # the last stage's copy of a tied embedding; stage 0 exports the original
-            global_name = entry.mcore.format(layer=to_global[layer]) if layer is not None else entry.mcore
-            out.append((entry.kind, global_name, param))
+            layer = None if layer is None else to_global[layer]
+            out.append(_Param(entry, fill(entry.mcore, layer, expert), layer, expert, param))
     return out
 
 
-def _manifest(params: list[tuple[str, str, torch.nn.Parameter]], arch: ModelArch) -> Manifest:
+def _hf_names(p: _Param, arch: ModelArch) -> list[str]:
+    """The HF names `p` becomes, in yield order: an expert's per HF tensor, then per expert-parallel rank (the
+    experts the EP all-gather brings: local expert j of rank r is global expert r * E / EP + j)."""
+    if not p.entry.per_expert:
+        return [fill(t, p.layer) for t in p.entry.hf]
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    local = arch.num_experts // ep
+    return [fill(t, p.layer, r * local + p.expert) for t in p.entry.hf for r in range(ep)]
+
+
+def _manifest(params: list[_Param], arch: ModelArch) -> Manifest:
     """HF names, shapes and dtypes this stage will produce, in order, computed from the table alone."""
     manifest: Manifest = []
-    for _, name, param in params:
-        entry, layer = resolve_mcore_name(name, arch)
-        names = [t.format(layer=layer) for t in entry.hf] if layer is not None else list(entry.hf)
-        manifest += [(n, s, param.dtype) for n, s in zip(names, hf_shapes(entry, arch))]
+    for p in params:
+        shapes = hf_shapes(p.entry, arch)
+        copies = len(_hf_names(p, arch)) // len(shapes)
+        manifest += [(n, s, p.param.dtype)
+                     for n, s in zip(_hf_names(p, arch), (s for s in shapes for _ in range(copies)))]
     return manifest
 
 
-def _gather_tp(kind: str, param: torch.Tensor) -> list[torch.Tensor]:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if tp == 1 or kind == "replicated":
-        return [param.detach()]
-    return comm.all_gather(param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+def _gather_tp(p: _Param) -> list[torch.Tensor]:
+    """The TP shards of `p` (an expert's: its expert-TP shards), all-gathered over that group."""
+    if p.entry.per_expert:
+        tp, group = (parallel_state.get_expert_tensor_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_group)
+    else:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group
+    if tp == 1 or p.entry.kind == "replicated":
+        return [p.param.detach()]
+    return comm.all_gather(p.param.detach().contiguous(), group=group())
 
 
-def _stage_tensors(
-    params: list[tuple[str, str, torch.nn.Parameter]], arch: ModelArch
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for kind, name, param in params:
-        storage = param.untyped_storage().data_ptr()
-        for hf_name, tensor in mcore_to_hf_tensors(name, _gather_tp(kind, param), arch):
-            # Without a TP gather (replicated kinds, TP=1) the result is a view of the live parameter;
+def _stage_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    for p in params:
+        storage = p.param.untyped_storage().data_ptr()
+        tensors = merge_tp_shards(p.entry.kind, _gather_tp(p), arch)
+        if p.entry.per_expert and ep > 1:  # every EP rank's expert of this local number, in EP-rank order
+            group = parallel_state.get_expert_model_parallel_group()
+            tensors = [t for own in tensors for t in comm.all_gather(own.contiguous(), group=group)]
+        for hf_name, tensor in zip(_hf_names(p, arch), tensors, strict=True):
+            # Without a gather (replicated kinds, TP=1, EP=1) the result is a view of the live parameter;
             # later optimizer steps must not change what was exported.
             yield hf_name, tensor.clone() if tensor.untyped_storage().data_ptr() == storage else tensor
 
@@ -130,5 +159,8 @@ def is_stage_source() -> bool:
 
 
 def gathers_stage() -> bool:
-    """Whether this rank takes part in its stage's TP gather for per-stage weight sync (DP/CP replica 0)."""
+    """Whether this rank takes part in its stage's gathers for per-stage weight sync: the TP gather of DP/CP
+    replica 0; under expert parallelism every rank, since an expert-parallel group spans data-parallel ranks."""
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return True
     return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0

@@ -14,7 +14,7 @@ import torch
 
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.weights.mapping import MappingEntry, resolve_mcore_name
+from megatron_dapo.weights.mapping import MappingEntry, fill, resolve_mcore_name
 
 Shape = tuple[int, ...]
 
@@ -40,15 +40,21 @@ def mcore_shard_shape(entry: MappingEntry, arch: ModelArch, tp: int) -> Shape:
 
 
 def global_shape(entry: MappingEntry, arch: ModelArch, padded_vocab: int) -> Shape:
-    """Shape of `entry` in a dist checkpoint: the TP=1 tensor, layers stacked on a leading axis.
+    """Shape of `entry` in a dist checkpoint: the TP=1 tensor, an expert's on a leading global expert axis, layers
+    stacked on a leading axis where megatron-core stacks them (`mapping.stacked_layers`: not in a mixed dense /
+    MoE model, whose keys are per layer).
 
     Layout-independent except the vocab rows, which megatron-core pads per TP and reshards at load.
     """
+    from megatron_dapo.weights.mapping import stacked_layers
+
     if entry.kind == "vocab":
         shape: Shape = (padded_vocab, arch.hidden_size)
     else:
         shape = mcore_shard_shape(entry, arch, 1)
-    return (arch.num_layers, *shape) if entry.stage == "layer" else shape
+    if entry.per_expert:
+        shape = (arch.num_experts, *shape)
+    return (arch.num_layers, *shape) if entry.stage == "layer" and stacked_layers(arch) else shape
 
 
 @dataclass(frozen=True)
@@ -202,14 +208,15 @@ def merge_tp_shards(kind: str, shards: Sequence[torch.Tensor], arch: ModelArch) 
 def mcore_to_hf_tensors(
     name: str, shards: Sequence[torch.Tensor], arch: ModelArch, *, layer_offset: int = 0
 ) -> list[tuple[str, torch.Tensor]]:
-    """A megatron-core parameter's TP shards -> [(HF name, tensor)].
+    """A megatron-core parameter's TP shards (an expert's: expert-TP shards) -> [(HF name, tensor)].
 
     `name` is a megatron-core name (canonical or alias) whose layer number plus `layer_offset` is
-    the global layer. Tied models have no HF tensor for `output_layer.weight`: it returns [].
+    the global layer, and whose expert number is the global expert. Tied models have no HF tensor for
+    `output_layer.weight`: it returns [].
     """
-    entry, layer = resolve_mcore_name(name, arch)
+    entry, layer, expert = resolve_mcore_name(name, arch)
     if entry.tied_hf and arch.tie_word_embeddings:
         return []
     global_layer = None if layer is None else layer + layer_offset
-    names = [t.format(layer=global_layer) for t in entry.hf] if global_layer is not None else list(entry.hf)
+    names = [fill(t, global_layer, expert) for t in entry.hf]
     return list(zip(names, merge_tp_shards(entry.kind, shards, arch)))

@@ -21,18 +21,47 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from megatron_dapo.models.family import LAYOUT_KINDS, LayoutKind, MappingEntry, Stage
 
 if TYPE_CHECKING:
     from megatron_dapo.models.hf_config import ModelArch
 
-__all__ = ["LAYOUT_KINDS", "LayoutKind", "MappingEntry", "Stage", "arch_mapping", "canonical_mcore_name", "dist_key",
-           "has_output_layer", "hf_names", "resolve_mcore_name"]
+__all__ = ["LAYOUT_KINDS", "LayoutKind", "MappingEntry", "MatchedName", "Stage", "arch_mapping", "canonical_mcore_name",
+           "dist_key", "entry_in_layer", "fill", "has_output_layer", "hf_names", "layer_dist_key", "resolve_mcore_name",
+           "stacked_layers"]
+
+
+class MatchedName(NamedTuple):
+    """A megatron-core name resolved against a table: its entry, layer and expert numbers (None where the
+    entry has none; both are whatever the name carries: stage-local / EP-local in a module)."""
+
+    entry: MappingEntry
+    layer: int | None
+    expert: int | None
+
+
+def fill(template: str, layer: int | None = None, expert: int | None = None) -> str:
+    """`template` with its `{layer}` / `{expert}` placeholders replaced."""
+    if layer is not None:
+        template = template.replace("{layer}", str(layer))
+    if expert is not None:
+        template = template.replace("{expert}", str(expert))
+    return template
+
+
+def entry_in_layer(entry: MappingEntry, arch: ModelArch, layer: int) -> bool:
+    """Whether global decoder layer `layer` of `arch` holds `entry` (dense-MLP entries skip the MoE layers and
+    the reverse)."""
+    if entry.layers == "all":
+        return True
+    return arch.is_moe_layer(layer) == (entry.layers == "moe")
+
 
 def _template_regex(template: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
+    pattern = re.escape(template).replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    return re.compile("^" + pattern.replace(re.escape("{expert}"), r"(?P<expert>\d+)") + "$")
 
 
 def arch_mapping(arch: ModelArch) -> tuple[MappingEntry, ...]:
@@ -52,23 +81,24 @@ def _lookup(table: tuple[MappingEntry, ...]) -> tuple[tuple[re.Pattern[str], Map
     return tuple((_template_regex(name), entry) for entry in table for name in (entry.mcore, *entry.aliases))
 
 
-def resolve_mcore_name(name: str, arch: ModelArch) -> tuple[MappingEntry, int | None]:
-    """Find the entry of `arch`'s table for a megatron-core name (canonical or alias) and its layer number.
+def resolve_mcore_name(name: str, arch: ModelArch) -> MatchedName:
+    """Find the entry of `arch`'s table for a megatron-core name (canonical or alias), its layer and expert.
 
     Raises KeyError naming the tensor and the model type when the table has no such parameter.
     """
     for pattern, entry in _lookup(arch_mapping(arch)):
         match = pattern.match(name)
         if match:
-            return entry, int(match.group(1)) if match.groups() else None
+            found = match.groupdict()
+            return MatchedName(entry, *(None if found.get(k) is None else int(found[k]) for k in ("layer", "expert")))
     raise KeyError(f"{name!r} is not a megatron-core parameter of a {arch.model_type!r} model "
-                   f"(models/{arch.model_type}/mapping.py)")
+                   f"(models/{arch.model_type}/)")
 
 
 def canonical_mcore_name(name: str, arch: ModelArch) -> str:
     """The local-spec name of a megatron-core parameter given any accepted alias."""
-    entry, layer = resolve_mcore_name(name, arch)
-    return entry.mcore.format(layer=layer) if layer is not None else entry.mcore
+    entry, layer, expert = resolve_mcore_name(name, arch)
+    return fill(entry.mcore, layer, expert)
 
 
 def dist_key(entry: MappingEntry) -> str:
@@ -77,9 +107,26 @@ def dist_key(entry: MappingEntry) -> str:
     Decoder layers are stacked on a leading layer axis (no `{layer}` in the key), and the fused norms
     use the Transformer Engine spec names (`linear_qkv.layer_norm_weight`, the first alias) whichever
     spec the model runs: `GPTModel.sharded_state_dict()` of megatron-core 0.16.1 maps both to these.
+    An expert entry's key is its `dist` (all experts of a layer as one tensor on a leading expert axis).
+    Under a mixed dense / MoE model megatron-core does not stack the layers (`stacked_layers`): the key then
+    keeps `{layer}` for the caller to fill.
     """
-    name = entry.aliases[0] if entry.aliases else entry.mcore
+    name = entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
     return name.replace("{layer}.", "")
+
+
+def stacked_layers(arch: ModelArch) -> bool:
+    """Whether a dist checkpoint stacks the decoder layers on a leading axis: megatron-core 0.16.1 does unless
+    the layers differ (a `moe_layer_freq` list: some layers MoE, some dense; TransformerBlock.sharded_state_dict)."""
+    return not arch.is_moe or arch.all_layers_moe
+
+
+def layer_dist_key(entry: MappingEntry, arch: ModelArch, layer: int | None) -> str:
+    """`dist_key` with the global `layer` in it where the layers are not stacked (`stacked_layers`)."""
+    name = entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
+    if layer is None or stacked_layers(arch):
+        return name.replace("{layer}.", "")
+    return fill(name, layer)
 
 
 def has_output_layer(*, tied: bool, is_first_stage: bool) -> bool:
@@ -91,7 +138,7 @@ def has_output_layer(*, tied: bool, is_first_stage: bool) -> bool:
     return not tied or not is_first_stage
 
 
-def hf_names(entry: MappingEntry, *, layer: int | None, tied: bool) -> tuple[str, ...]:
-    """HF tensor names feeding `entry` (global `layer`); tied output layers read the embedding."""
+def hf_names(entry: MappingEntry, *, layer: int | None, tied: bool, expert: int | None = None) -> tuple[str, ...]:
+    """HF tensor names feeding `entry` (global `layer` and `expert`); tied output layers read the embedding."""
     templates = entry.tied_hf if tied and entry.tied_hf else entry.hf
-    return tuple(t.format(layer=layer) for t in templates) if layer is not None else templates
+    return tuple(fill(t, layer, expert) for t in templates)

@@ -15,7 +15,7 @@ import torch
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
-from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, has_output_layer, hf_names
+from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, entry_in_layer, fill, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec
 
 
@@ -28,14 +28,20 @@ class StageTensor:
     entry: MappingEntry
     global_layer: int | None
     hf_names: tuple[str, ...]
-    """HF sources, global layer numbers; for a tied output layer, the embedding."""
+    """HF sources, global layer (and expert) numbers; for a tied output layer, the embedding."""
+    global_expert: int | None = None
+    """An expert entry's global expert number (the name carries the EP-local one)."""
 
 
-def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int) -> list[StageTensor]:
-    """The parameters stage `pp_rank` holds, in file order."""
+def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank: int = 0) -> list[StageTensor]:
+    """The parameters stage `pp_rank` holds, in file order; of the experts, those of expert-parallel rank `ep_rank`
+    (experts ep_rank * E / EP .. (ep_rank + 1) * E / EP - 1, named local_experts.0 .. E / EP - 1)."""
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
+    if not 0 <= ep_rank < layout.ep:
+        raise ValueError(f"ep_rank {ep_rank} is outside 0..{layout.ep - 1}")
     validate_layout(arch, layout)
+    local_experts = arch.num_experts // layout.ep
     per_stage = arch.num_layers // layout.pp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     tied = arch.tie_word_embeddings
@@ -53,6 +59,14 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int) -> list
             if stage == "layer":
                 for local in range(per_stage):
                     glob = pp_rank * per_stage + local
+                    if not entry_in_layer(entry, arch, glob):
+                        continue
+                    if entry.per_expert:
+                        for j in range(local_experts):
+                            expert = ep_rank * local_experts + j
+                            out.append(StageTensor(fill(entry.mcore, local, j), entry, glob,
+                                                   hf_names(entry, layer=glob, tied=tied, expert=expert), expert))
+                        continue
                     out.append(
                         StageTensor(
                             entry.mcore.format(layer=local),
@@ -97,19 +111,37 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
 
 
 def iter_mcore_shards(
-    get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, pp_rank: int
+    get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, pp_rank: int,
+    ep_rank: int = 0,
 ) -> Iterator[tuple[str, list[torch.Tensor]]]:
-    """Yield (stage-local mcore name, [shard for TP rank 0..tp-1]) for stage `pp_rank`.
+    """Yield (stage-local mcore name, [shard for TP rank 0..tp-1]) for stage `pp_rank`; an expert's shards are
+    per expert-TP rank (0..etp-1), of the experts of `ep_rank`.
 
     `get_hf_tensor(hf_name)` is called lazily, one parameter at a time, so the caller holds at most
     one parameter's HF tensors and shards at once.
     """
-    for t in stage_tensors(arch, layout, pp_rank):
+    for name, _, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank):
+        yield name, shards
+
+
+def iter_rank_shards(
+    get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, *, pp_rank: int,
+    tp_rank: int, ep_rank: int = 0, etp_rank: int = 0,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (stage-local mcore name, this rank's shard) for the rank at (pp, tp, ep, expert-tp) ranks."""
+    for name, entry, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank):
+        yield name, shards[etp_rank if entry.per_expert else tp_rank]
+
+
+def _iter_shards(get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout,
+                 pp_rank: int, ep_rank: int) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
+    for t in stage_tensors(arch, layout, pp_rank, ep_rank):
         hf = [get_hf_tensor(name) for name in t.hf_names]
         for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch)):
             if tuple(tensor.shape) != shape:
                 raise ValueError(
                     f"HF tensor {name} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
                 )
-        yield t.mcore_name, hf_to_mcore_tensor(t.entry.kind, hf, arch, layout.tp)
+        tp = layout.expert_tp if t.entry.per_expert else layout.tp
+        yield t.mcore_name, t.entry, hf_to_mcore_tensor(t.entry.kind, hf, arch, tp)
 

@@ -69,6 +69,14 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
                 out[m + f"self_attention.{qk}_layernorm.weight"] = sd[h + f"self_attn.{qk}_norm.weight"]
         out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        if h + "mlp.experts.gate_up_proj" in sd:  # an MoE layer (transformers 5 holds the experts fused)
+            out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
+            gate_up, down = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.down_proj"]
+            for e in range(gate_up.shape[0]):  # global expert e; expert-parallel ranks pick theirs below
+                x = m + f"mlp.experts.local_experts.{e}."
+                out[x + "linear_fc1.gate"], out[x + "linear_fc1.up"] = gate_up[e].chunk(2)
+                out[x + "linear_fc2.weight"] = down[e]
+            continue
         out[m + "mlp.linear_fc1.gate"] = sd[h + "mlp.gate_proj.weight"]  # joined per TP shard below
         out[m + "mlp.linear_fc1.up"] = sd[h + "mlp.up_proj.weight"]
         out[m + "mlp.linear_fc2.weight"] = sd[h + "mlp.down_proj.weight"]
@@ -76,7 +84,7 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
 
 
 def _kind(name: str) -> str:
-    if name.endswith(("layernorm.weight",)):
+    if name.endswith(("layernorm.weight", "router.weight")):
         return "replicated"
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"
@@ -84,8 +92,19 @@ def _kind(name: str) -> str:
 
 
 def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp: int, tp_rank: int, pp: int,
-                          pp_rank: int, padded_vocab: int) -> dict[str, torch.Tensor]:
-    """This (tp_rank, pp_rank)'s stage-local megatron state from `hf_to_full_mcore` output."""
+                          pp_rank: int, padded_vocab: int, ep: int = 1, ep_rank: int = 0, etp: int | None = None,
+                          etp_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """This (tp_rank, pp_rank)'s stage-local megatron state from `hf_to_full_mcore` output; of the experts, EP rank
+    `ep_rank`'s block of E / ep (renumbered from 0), split over `etp` expert-TP ranks (default: as TP)."""
+    etp, etp_rank = (tp, tp_rank) if etp is None else (etp, etp_rank)
+    per_expert = arch.num_experts // ep if arch.num_experts else 0
+    experts = {}
+    for name, t in full.items():  # experts: keep this EP rank's, numbered locally, split over expert-TP
+        if ".local_experts." in name:
+            e = int(name.split(".local_experts.")[1].split(".")[0])
+            if ep_rank * per_expert <= e < (ep_rank + 1) * per_expert:
+                experts[name.replace(f"local_experts.{e}.", f"local_experts.{e - ep_rank * per_expert}.")] = t
+    full = {**{k: v for k, v in full.items() if ".local_experts." not in k}, **experts}
     per_stage = arch.num_layers // pp
     first, last = pp_rank == 0, pp_rank == pp - 1
     out: dict[str, torch.Tensor] = {}
@@ -105,14 +124,15 @@ def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp:
             local = name
         if name.startswith(("embedding.", "output_layer.")):
             t = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], t.shape[1])])
+        n, r = (etp, etp_rank) if ".local_experts." in local else (tp, tp_rank)
         if local.endswith(".gate"):
             up = full[name[:-len("gate")] + "up"]
-            out[local[:-len("gate")] + "weight"] = torch.cat([t.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
+            out[local[:-len("gate")] + "weight"] = torch.cat([t.chunk(n)[r], up.chunk(n)[r]])
             continue
         if local.endswith(".up"):
             continue
         kind = _kind(local)
-        out[local] = t if kind == "replicated" else t.chunk(tp, dim=1 if kind == "row" else 0)[tp_rank]
+        out[local] = t if kind == "replicated" else t.chunk(n, dim=1 if kind == "row" else 0)[r]
     if arch.tie_word_embeddings and last and not first:  # megatron keeps an embedding copy on the last stage
         emb = full["embedding.word_embeddings.weight"]
         emb = torch.cat([emb, emb.new_zeros(padded_vocab - emb.shape[0], emb.shape[1])])
