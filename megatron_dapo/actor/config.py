@@ -128,6 +128,11 @@ class TrainSample:
     is_weights: torch.Tensor | None = None
     """[response_len] detached rollout-correction weight per token (--use-tis: min(pi_old/pi_rollout, C),
     algorithm/mismatch.py), multiplied into the token's loss; None = all ones."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [len(tokens) - 1, num_layers, top_k] integer expert ids the rollout engine routed input token i
+    to in each layer (global layer index; dense layers' rows are ignored), best first, as SGLang's
+    return_routed_experts gives them; the last token was never fed back, so it has no row. None: not recorded.
+    At Qwen3-30B-A3B a token's row is 48 x 8 ids (384 B as uint8)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.prompt_len < len(self.tokens):
@@ -138,6 +143,10 @@ class TrainSample:
             if value is not None and tuple(value.shape) != (self.response_len,):
                 raise ValueError(f"TrainSample.{name} has shape {tuple(value.shape)}, expected "
                                  f"[response_len={self.response_len}]")
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 3 or routed.shape[0] != len(self.tokens) - 1):
+            raise ValueError(f"TrainSample.routed_experts has shape {tuple(routed.shape)}, expected "
+                             f"[len(tokens) - 1 = {len(self.tokens) - 1}, num_layers, top_k]")
         weights = self.is_weights
         if weights is not None and not (torch.isfinite(weights).all() and (weights >= 0).all()):
             raise ValueError("TrainSample.is_weights must be finite and >= 0")
