@@ -59,6 +59,8 @@ The computed --mem-fraction-static is the largest (in 0.01 steps) that keeps the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import sys
 from dataclasses import dataclass, replace
@@ -75,6 +77,10 @@ HEADROOM = 0.10
 SGLANG_RUNTIME_GIB = 4.0
 """Assumed, not modelled: a colocated SGLang process's memory outside its static pool while generating
 (CUDA context, CUDA graphs, decode activations, sampling buffers)."""
+MOE_DROPLESS_IMBALANCE = 2.0
+"""Assumed: without --moe-expert-capacity-factor (dropless) the busiest EP rank receives this many times the
+mean number of routed tokens in a micro-batch (load-balancing loss on; the per-step router statistics, tokens
+per expert max / mean, show the real value). At EP1 a rank holds every expert and receives exactly T x k."""
 SGLANG_RELEASED_GIB = 2.0
 """Assumed: what a colocated SGLang process keeps after releasing weights, KV cache and CUDA graphs (CUDA
 context ~0.5 GiB, NCCL buffers, allocator slack); slime reports 3-5 GB for Megatron's side in the other phase."""
@@ -111,6 +117,12 @@ class ActivationSpec:
     """An explicit [1, 1, s, s] bool mask is passed (local spec): s^2 bytes per micro-batch, shared."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k before RoPE (HF q_norm / k_norm, megatron-core qk_layernorm: Qwen3)."""
+    experts: int = 0
+    """Routed experts of an MoE layer (0: dense MLPs only); see moe_layer_bytes."""
+    topk: int = 0
+    """Experts each token is routed to."""
+    moe_ffn: int = 0
+    """SwiGLU inner size of one expert (moe_intermediate_size)."""
 
     @property
     def kv_heads(self) -> int:
@@ -125,14 +137,17 @@ class ActivationSpec:
         return cls(hidden=arch.hidden_size, ffn=arch.intermediate_size, heads=arch.num_heads, q=arch.q_size,
                    kv=arch.kv_size, head_dim=arch.head_dim, swiglu_fused=swiglu_fused,
                    attention="flash" if te else "unfused", norm_tensors=2 if te else 3,
-                   bytes_per_element=bytes_per_element, causal_mask=not te, **arch.family.activation_terms(arch))
+                   bytes_per_element=bytes_per_element, causal_mask=not te, experts=arch.num_experts,
+                   topk=arch.num_experts_per_tok, moe_ffn=arch.moe_intermediate_size,
+                   **arch.family.activation_terms(arch))
 
 
 def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, seq_len: int,
-                           selective: bool = False) -> float:
+                           selective: bool = False, moe_factor: float | None = None) -> float:
     """Bytes one layer saves for one micro-batch of `tokens` padded tokens in rows of `seq_len` (no full
     recompute). TP shards all but the norm tensors, norm statistics and dropout masks, which SP shards
-    too; CP splits every token-proportional term."""
+    too; CP splits every token-proportional term. moe_factor: an MoE layer, whose MLP part is
+    moe_layer_bytes(..., factor=moe_factor) instead of the dense MLP's."""
     e, t = spec.bytes_per_element, layout.tp
     tok = tokens / layout.cp
     rep = 2 * (spec.norm_tensors * spec.hidden * e + spec.norm_stats_bytes)  # two norms
@@ -161,14 +176,69 @@ def layer_activation_bytes(spec: ActivationSpec, layout: ParallelLayout, *, toke
     if spec.qk_norm:
         attn += qk_norm_bytes(spec, layout.tp)
     attn += spec.q * e  # attention output = linear_proj input
-    if spec.gated:
+    if moe_factor is not None:
+        mlp = 0.0
+    elif spec.gated:
         mlp = (2 * spec.ffn + (spec.ffn if spec.swiglu_fused else 3 * spec.ffn)) * e
     else:
         mlp = 2 * spec.ffn * e  # activation input and output (fc2 input)
     sharded = attn + scores + mlp
     per_token = (rep / t if layout.sp else rep) + sharded / t
     rope = 4 * (seq_len / layout.cp) * spec.head_dim * e if spec.rope == "unfused" else 0.0
-    return tok * per_token + rope
+    moe = 0.0 if moe_factor is None else moe_layer_bytes(spec, layout, tokens=tokens, factor=moe_factor)
+    return tok * per_token + rope + moe
+
+
+def moe_local_tokens(layout: ParallelLayout, tokens: int) -> float:
+    """Tokens of a micro-batch that reach one rank's MoE layer: /cp, and /tp (sequence parallelism, which an
+    MoE model needs at TP > 1)."""
+    return tokens / (layout.cp * layout.tp)
+
+
+def moe_routed_tokens(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, factor: float) -> float:
+    """Token copies one rank's experts process per MoE layer and micro-batch: local tokens x top-k x ETP (the
+    expert-TP group all-gathers its ranks' tokens) x factor. On average every rank of the EP group receives
+    what it sends (EP ranks x local tokens x k / EP); `factor` is the busiest rank's share of the mean
+    (moe_factor). Qwen3-30B-A3B at 24576 tokens, TP1: 196,608 copies x factor."""
+    return moe_local_tokens(layout, tokens) * spec.topk * layout.expert_tp * factor
+
+
+def moe_layer_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, factor: float) -> float:
+    """Bytes an MoE block (router, dispatcher, experts) saves for backward per micro-batch, replacing the dense
+    MLP's term; the pre-MLP norm is in layer_activation_bytes (its output is the router's saved input).
+    Measured exactly on CPU at EP1 (megatron-core's alltoall dispatcher, SequentialMLP; tests/test_planner.py):
+      - router, per local token: top-k indices (int64) three times (routing, aux-loss counts, the sort
+        permutation: 24 k B), the fp32 top-k probs (4 k), the fp32 softmax scores of the aux loss (4 E), the
+        [E, T] routing map (bool, E) and probs (E x bytes); per layer the int64 tokens-per-expert and the loss;
+      - experts, per routed token copy (moe_routed_tokens): its permuted hidden state (fc1's input, h), fc1's
+        output (2 I), silu(x1), x2, their product and its product with the routing prob (fc2's input): 6 I
+        (3 I with the fused weighted SwiGLU), each / ETP, and the permuted prob.
+    Qwen3-30B-A3B (E 128, k 8, h 2048, I 768, bf16) per local token: router 1,120 B; experts 8 x (2048 + 6 x
+    768 + 1) x 2 = 106.5 KB, x factor; a dense 6144-wide MLP would keep 61.4 KB."""
+    e, k, E = spec.bytes_per_element, spec.topk, spec.experts
+    local = moe_local_tokens(layout, tokens)
+    router = local * (3 * 8 * k + 4 * k + 4 * E + E + E * e) + 8 * E + 4
+    act = spec.moe_ffn if spec.swiglu_fused else 4 * spec.moe_ffn  # after fc1 (2 I)
+    per_copy = (spec.hidden + (2 * spec.moe_ffn + act) / layout.expert_tp + 1) * e
+    return router + moe_routed_tokens(spec, layout, tokens=tokens, factor=factor) * per_copy
+
+
+def moe_dispatch_buffer_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, factor: float) -> float:
+    """Transient bytes of one MoE layer's token exchange (assumed, not measured): the dispatch's send buffer (local
+    tokens x k permuted copies of h) and receive buffer (the routed copies), and the combine's two in the
+    other direction, all live around the all-to-alls of one layer (forward, or its gradient in backward).
+    Qwen3-30B-A3B, 24576 tokens, TP1: 2 x (196,608 + 196,608 x factor) x 2048 x 2 B = 3.0 GiB at factor 1."""
+    sent = moe_local_tokens(layout, tokens) * spec.topk
+    received = moe_routed_tokens(spec, layout, tokens=tokens, factor=factor)
+    return 2 * (sent + received) * spec.hidden * spec.bytes_per_element
+
+
+def moe_alltoall_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int) -> float:
+    """Bytes one rank sends to other EP ranks per MoE layer, micro-batch and direction (dispatch, then combine;
+    the backward pass repeats both): its local tokens x k hidden states, of which (EP - 1) / EP leave the rank
+    on average. Qwen3-30B-A3B, 24576 tokens, TP1, EP8: 196,608 x 2048 x 2 B x 7/8 = 672 MiB."""
+    sent = moe_local_tokens(layout, tokens) * spec.topk * spec.hidden * spec.bytes_per_element
+    return sent * (layout.ep - 1) / layout.ep
 
 
 def qk_norm_bytes(spec: ActivationSpec, tp: int) -> float:
@@ -234,14 +304,36 @@ def logits_bytes(arch: ModelArch, layout: ParallelLayout, *, tokens: int, bytes_
     return entries * (2 * bytes_per_element if fused_logprob else bytes_per_element + 12)
 
 
+def stage_layers(arch: ModelArch, layout: ParallelLayout, stage: int) -> list[list[int]]:
+    """Global layer indices of each model chunk pipeline `stage` holds (one chunk without VPP)."""
+    vpp = layout.virtual_stages(arch.num_layers)
+    n = arch.num_layers // (layout.pp * vpp)
+    return [list(range((c * layout.pp + stage) * n, (c * layout.pp + stage + 1) * n)) for c in range(vpp)]
+
+
+def stage_expert_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
+    """Expert parameters this rank holds on pipeline `stage`: E / EP experts of every MoE layer, each split over
+    ETP (the router is not an expert parameter). Qwen3-30B-A3B at EP8, ETP1: 48 x 16 x 3 x 2048 x 768 = 3.62B."""
+    if not arch.is_moe:
+        return 0
+    n_moe = sum(arch.is_moe_layer(i) for chunk in stage_layers(arch, layout, stage) for i in chunk)
+    per_expert = 3 * arch.hidden_size * arch.moe_intermediate_size // layout.expert_tp
+    return n_moe * arch.num_experts // layout.ep * per_expert
+
+
 def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
-    """Parameters this TP rank holds on pipeline `stage` (norms replicated, the rest split over TP)."""
+    """Parameters this rank holds on pipeline `stage`: norms and the router replicated over TP, the rest of the
+    dense part split over TP, plus stage_expert_parameters."""
     h, t = arch.hidden_size, layout.tp
     qkv = arch.q_size + 2 * arch.kv_size
     bias = qkv if arch.qkv_bias else 0
     qk_norms = 2 * arch.head_dim if arch.qk_layernorm else 0  # per-head weights, replicated over TP
-    per_layer = (h * qkv + bias + arch.q_size * h + 3 * h * arch.intermediate_size) // t + 2 * h + qk_norms
-    n = per_layer * (arch.num_layers // layout.pp)
+    attn = (h * qkv + bias + arch.q_size * h) // t + 2 * h + qk_norms
+    layers = [i for chunk in stage_layers(arch, layout, stage) for i in chunk]
+    n_moe = sum(arch.is_moe_layer(i) for i in layers)
+    dense_mlp = 3 * h * arch.intermediate_size // t
+    n = len(layers) * attn + (len(layers) - n_moe) * dense_mlp + n_moe * arch.num_experts * h
+    n += stage_expert_parameters(arch, layout, stage)
     vocab = padded_vocab_size(arch.vocab_size, t) * h // t
     if stage == 0:
         n += vocab
@@ -278,6 +370,15 @@ class PlanInputs:
     """--rollout-num-gpus-per-engine: GPUs (= SGLang TP ranks) of one engine."""
     mem_fraction_static: float | None = None
     """--mem-fraction-static given by the user (validated), or None (computed from the plan)."""
+    moe_capacity_factor: float | None = None
+    """--moe-expert-capacity-factor: a hard cap on each expert's tokens (None: dropless)."""
+    moe_imbalance: float = MOE_DROPLESS_IMBALANCE
+    """Dropless MoE at EP > 1: the busiest EP rank's routed tokens over the mean (assumed)."""
+
+    @property
+    def moe_factor(self) -> float:
+        """The routed-token factor of moe_routed_tokens at EP > 1: the capacity factor, else the assumed imbalance."""
+        return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     def __post_init__(self) -> None:
         if self.rollout_gpus_per_engine < 1:
@@ -299,6 +400,41 @@ class StagePlan:
         return sum(v for k, v in self.lines.items() if not k.startswith("  "))
 
 
+def moe_factor(layout: ParallelLayout, inputs: PlanInputs) -> float:
+    """The routed-token factor the plan uses (moe_routed_tokens): 1 at EP1 (the rank holds every expert and gets
+    exactly T x k copies; a capacity factor below 1 caps that), else the capacity factor or the assumed
+    dropless imbalance (PlanInputs.moe_factor)."""
+    if layout.ep == 1:
+        return min(1.0, inputs.moe_capacity_factor or 1.0)
+    return inputs.moe_factor
+
+
+def _stage_activations(arch: ModelArch, layout: ParallelLayout, stage: int, *, dense: float, moe: float,
+                       kept: float) -> tuple[float, float]:
+    """(bytes of one model chunk's layers per micro-batch, recompute working set) of pipeline `stage`, given one
+    dense and one MoE layer's bytes and a full-recompute unit's kept input. Chunks of a mixed model differ: the
+    stage's mean chunk (VPP) and its largest recompute unit."""
+    def of(layers: list[int]) -> float:
+        n_moe = sum(arch.is_moe_layer(i) for i in layers)
+        return (len(layers) - n_moe) * dense + n_moe * moe if n_moe else len(layers) * dense
+
+    def mean(values: list[float]) -> float:
+        return values[0] if len(set(values)) == 1 else sum(values) / len(values)
+
+    chunks = stage_layers(arch, layout, stage)
+    n = len(chunks[0])
+    if layout.recompute_granularity != "full":
+        return mean([of(c) for c in chunks]), 0.0
+    unit = layout.layers_recomputed_per_unit
+    if layout.recompute_method == "uniform":
+        units = [c[i:i + unit] for c in chunks for i in range(0, n, unit)]
+        return (n // unit) * kept, max(of(u) for u in units)
+    recomputed = min(unit, n)  # block: the first n layers of each chunk are recomputed, the others keep everything
+    rest = mean([of(c[recomputed:]) for c in chunks])
+    working = max(of([i]) for c in chunks for i in c[:recomputed]) if recomputed else 0.0
+    return recomputed * kept + rest, working
+
+
 def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
                 ) -> list[StagePlan]:
     """Bytes per component on each pipeline stage (this rank's share)."""
@@ -306,27 +442,24 @@ def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     pbytes = 2 if inputs.params_dtype == "bfloat16" else 4
     opt_per_param = 12 if pbytes == 2 else 8  # fp32 main params (bf16 only) + Adam exp_avg, exp_avg_sq
     opt_shards = layout.dp * layout.cp if inputs.use_distributed_optimizer else 1
+    # expert parameters are replicated over the expert-DP group only, and the distributed optimizer shards them there
+    expert_shards = layout.expert_dp if inputs.use_distributed_optimizer else 1
     tokens = inputs.tokens_per_micro_batch
     s = tokens if inputs.packed else min(inputs.max_seq_len, tokens)
     vpp = layout.virtual_stages(arch.num_layers)
-    stage_layers = arch.num_layers // (layout.pp * vpp)  # layers of one model chunk (the stage without VPP)
     full = layout.recompute_granularity == "full"
-    n_unit = layout.layers_recomputed_per_unit
-    layer = layer_activation_bytes(spec, layout, tokens=tokens, seq_len=s,
-                                   selective=layout.recompute_granularity == "selective")
+    selective = layout.recompute_granularity == "selective"
+    layer = layer_activation_bytes(spec, layout, tokens=tokens, seq_len=s, selective=selective)
+    factor = moe_factor(layout, inputs) if arch.is_moe else None
+    moe_layer = layer if factor is None else layer_activation_bytes(spec, layout, tokens=tokens, seq_len=s,
+                                                                   selective=selective, moe_factor=factor)
     kept = recompute_input_bytes(spec, layout, tokens=tokens)
-    if not full:
-        per_mb_layers, working = stage_layers * layer, 0.0
-    elif layout.recompute_method == "uniform":
-        per_mb_layers, working = (stage_layers // n_unit) * kept, n_unit * layer
-    else:  # block: the first n layers of the stage are recomputed, the others keep everything
-        recomputed = min(n_unit, stage_layers)
-        per_mb_layers = recomputed * kept + (stage_layers - recomputed) * layer
-        working = layer if recomputed else 0.0
     plans = []
     for stage in range(layout.pp):
         first, last = stage == 0, stage == layout.pp - 1
-        params = stage_parameters(arch, layout, stage)
+        per_mb_layers, working = _stage_activations(arch, layout, stage, dense=layer, moe=moe_layer, kept=kept)
+        experts = stage_expert_parameters(arch, layout, stage)
+        params = stage_parameters(arch, layout, stage) - experts
         in_flight = layout.pp - stage
         # chunk-micro-batches in flight (interleaved: see the module doc); = in_flight without VPP
         chunks = in_flight if vpp == 1 else 2 * (layout.pp - stage - 1) + (vpp - 1) * layout.pp + 1
@@ -342,9 +475,23 @@ def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
             "grads (fp32 DDP buffer)": params * 4.0,
             f"optimizer (fp32 Adam{' + main params' if pbytes == 2 else ''}, /{opt_shards})":
                 params * opt_per_param / opt_shards,
+        }
+        if arch.is_moe:
+            lines |= {
+                f"expert weights ({arch.num_experts // layout.ep} of {arch.num_experts} per layer, "
+                f"/{layout.expert_tp} ETP)": experts * pbytes,
+                "expert grads (fp32 DDP buffer)": experts * 4.0,
+                f"expert optimizer (/{expert_shards} expert-DP)": experts * opt_per_param / expert_shards,
+            }
+        lines |= {
             "  activations per micro-batch": per_mb,
             "activations in flight (1F1B)": chunks * per_mb_layers + in_flight * extra,
             "recompute working set": working,
+        }
+        if arch.is_moe:
+            lines["MoE dispatcher buffers (one layer, transient)"] = moe_dispatch_buffer_bytes(
+                spec, layout, tokens=tokens, factor=factor)
+        lines |= {
             "logits + grad (last stage)": logits_bytes(
                 arch, layout, tokens=tokens, bytes_per_element=spec.bytes_per_element,
                 fused_logprob=inputs.fused_logprob, fused_linear=inputs.fused_linear_logprob) if last else 0.0,
@@ -354,6 +501,11 @@ def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
         }
         plans.append(StagePlan(stage, in_flight, lines))
     return plans
+
+
+def static_bytes(plan: StagePlan, kind: str) -> float:
+    """A stage's 'weights', 'grads' or 'optimizer' bytes, dense and expert lines together."""
+    return sum(v for k, v in plan.lines.items() if k.startswith((kind, "expert " + kind)))
 
 
 def peak_gib(plans: list[StagePlan]) -> float:
@@ -415,7 +567,7 @@ class SGLangShare:
 def actor_generation_lines(plan: StagePlan) -> dict[str, float]:
     """The actor's resident bytes during generation: its weights (the source of the next weight push) and
     CUDA context; grads and optimizer state are offloaded to host and activations freed."""
-    weights = next(v for k, v in plan.lines.items() if k.startswith("weights"))
+    weights = static_bytes(plan, "weights")
     return {"actor weights (resident)": weights,
             "actor CUDA context, NCCL (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
 
@@ -468,9 +620,7 @@ def startup_lines(plan: StagePlan, inputs: PlanInputs, use_distributed_optimizer
     (4 B/param / DP shards, bf16 only) come after that copy is freed: the larger of the two moments. Resume: weights,
     grads, the whole optimizer shard (main params + Adam moments) and the load's buffers (assumed: the tensors
     read from the checkpoint before they are copied in, one copy of the weights and optimizer shard)."""
-    weights = next(v for k, v in plan.lines.items() if k.startswith("weights"))
-    grads = plan.lines["grads (fp32 DDP buffer)"]
-    optimizer = next(v for k, v in plan.lines.items() if k.startswith("optimizer"))
+    weights, grads, optimizer = (static_bytes(plan, kind) for kind in ("weights", "grads", "optimizer"))
     main = optimizer / 3 if weights * 2 == grads else 0.0  # bf16: 4 of the 12 B/param are main params
     copy, build_opt = (weights, 0.0) if weights >= main else (0.0, main)
     return {"SGLang (colocated, released)": (inputs.sglang_gib * GIB,) * 2,
@@ -495,12 +645,16 @@ def startup_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, b
 
 # ---- --dry-run ---------------------------------------------------------------------------------------
 def world_size_from_args(args: argparse.Namespace) -> int:
-    """--world-size, else $WORLD_SIZE, else one model replica (TP x PP x CP)."""
+    """--world-size, else $WORLD_SIZE, else the fewest ranks that hold one model replica and one expert grid
+    (a multiple of TP x CP and of EP x ETP per pipeline stage, times PP)."""
     if args.world_size is not None:
         return args.world_size
     if os.environ.get("WORLD_SIZE"):
         return int(os.environ["WORLD_SIZE"])
-    return args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    experts = getattr(args, "expert_model_parallel_size", 1) * (getattr(args, "expert_tensor_parallel_size", None)
+                                                                 or tp)
+    return math.lcm(tp * cp, experts) * args.pipeline_model_parallel_size
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout, PlanInputs, ActivationSpec]:
@@ -517,7 +671,8 @@ def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout,
                         packed=args.pack_sequences, fused_linear_logprob=args.fused_linear_logprob,
                         colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
                         mem_fraction_static=args.mem_fraction_static,
-                        sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0)
+                        sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0,
+                        moe_capacity_factor=getattr(args, "moe_expert_capacity_factor", None))
     spec = ActivationSpec.for_arch(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
                                    "bfloat16" else 4)
     return arch, layout, inputs, spec
@@ -537,6 +692,11 @@ def _suggestions(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, sp
         tries.append(("--use-distributed-optimizer", layout, replace(inputs, use_distributed_optimizer=True)))
     if not inputs.fused_linear_logprob:
         tries.append(("--fused-linear-logprob", layout, replace(inputs, fused_linear_logprob=True)))
+    if arch.is_moe:  # more expert ranks shard the expert weights, grads and optimizer; a cap bounds the routed tokens
+        with contextlib.suppress(ValueError):  # EP x ETP no longer divides the ranks of a stage
+            tries.append((f"--expert-model-parallel-size {layout.ep * 2}", replace(layout, ep=layout.ep * 2), inputs))
+        if layout.ep > 1 and inputs.moe_capacity_factor is None:
+            tries.append(("--moe-expert-capacity-factor 1.0", layout, replace(inputs, moe_capacity_factor=1.0)))
     half = inputs.tokens_per_micro_batch // 2
     if half >= inputs.max_seq_len:
         tries.append((f"--max-tokens-per-micro-batch {half}", layout, replace(inputs, tokens_per_micro_batch=half)))
@@ -555,8 +715,10 @@ def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     rec = layout.recompute_granularity or "off"
     if layout.recompute_granularity == "full":
         rec += f"/{layout.recompute_method} {layout.layers_recomputed_per_unit}"
+    experts = (f"; experts ETP{layout.expert_tp} x EP{layout.ep} x EDP{layout.expert_dp} x PP{layout.pp}"
+               if arch.is_moe else "")
     lines = [
-        f"layout: TP{layout.tp} x PP{layout.pp} x CP{layout.cp} x DP{layout.dp} = {layout.world_size} GPUs; "
+        f"layout: TP{layout.tp} x PP{layout.pp} x CP{layout.cp} x DP{layout.dp} = {layout.world_size} GPUs{experts}; "
         f"sequence parallel {'on' if layout.sp else 'off'}; recompute {rec}; attention {spec.attention} "
         f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
         (f"micro-batch: {inputs.tokens_per_micro_batch} real tokens packed in one row (--pack-sequences); "
@@ -578,9 +740,39 @@ def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     lines.append(f"last-stage logits per micro-batch: {full / GIB:.2f} GiB as [tokens x V/tp] logits, "
                  f"{head / GIB:.2f} GiB with --fused-linear-logprob (saves {(full - head) / GIB:.2f} GiB; "
                  f"{'on' if inputs.fused_linear_logprob else 'off'})")
+    if arch.is_moe:
+        lines += moe_lines(arch, layout, inputs, spec)
     if inputs.colocate:
         lines += colocated_lines(arch, plans, inputs, spec)
     return lines
+
+
+def moe_lines(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:
+    """The MoE terms of the plan, per MoE layer and micro-batch on one GPU: the routed-token factor assumed, what the
+    router and experts save, the dispatcher's buffers and what the all-to-all moves."""
+    tokens = inputs.tokens_per_micro_batch
+    factor = moe_factor(layout, inputs)
+    if layout.ep == 1:
+        why = "EP1: every expert is local, exactly T x k copies"
+    elif inputs.moe_capacity_factor is not None:
+        why = f"--moe-expert-capacity-factor {inputs.moe_capacity_factor:g}: a hard cap"
+    else:
+        why = (f"dropless: assumed imbalance, the busiest EP rank gets {factor:g}x the mean (MOE_DROPLESS_IMBALANCE; "
+               "--moe-expert-capacity-factor caps it)")
+    copies = moe_routed_tokens(spec, layout, tokens=tokens, factor=factor)
+    saved = moe_layer_bytes(spec, layout, tokens=tokens, factor=factor)
+    n_moe = len(arch.moe_layers)
+    return [
+        f"MoE: {arch.num_experts} experts, top-{arch.num_experts_per_tok}, {n_moe} of {arch.num_layers} layers; "
+        f"{arch.num_experts // layout.ep} experts per GPU per layer, each 1/{layout.expert_tp} (ETP)",
+        f"MoE routed token copies per GPU per layer and micro-batch: {copies:,.0f} = "
+        f"{moe_local_tokens(layout, tokens):,.0f} local tokens x top-{arch.num_experts_per_tok} x ETP{layout.expert_tp}"
+        f" x {factor:g} ({why})",
+        f"MoE saved per layer and micro-batch: {saved / GIB:.2f} GiB (router, permuted tokens, expert fc1/act/fc2; "
+        f"the dense attention part comes on top)",
+        f"MoE all-to-all per layer and micro-batch: {moe_alltoall_bytes(spec, layout, tokens=tokens) / 2**20:,.0f} "
+        f"MiB sent to other EP ranks per direction (dispatch, combine; backward repeats both)",
+    ]
 
 
 def colocated_lines(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, spec: ActivationSpec
