@@ -207,17 +207,18 @@ def moe_layer_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int
     """Bytes an MoE block (router, dispatcher, experts) saves for backward per micro-batch, replacing the dense
     MLP's term; the pre-MLP norm is in layer_activation_bytes (its output is the router's saved input).
     Measured exactly on CPU at EP1 (megatron-core's alltoall dispatcher, SequentialMLP; tests/test_planner.py):
-      - router, per local token: top-k indices (int64) three times (routing, aux-loss counts, the sort
-        permutation: 24 k B), the fp32 top-k probs (4 k), the fp32 softmax scores of the aux loss (4 E), the
-        [E, T] routing map (bool, E) and probs (E x bytes); per layer the int64 tokens-per-expert and the loss;
+      - router, per local token: int64 top-k indices and sort permutation (16 k B; the load-balancing loss's
+        own top-k indices die with its integer branch before backward), the fp32 top-k probs (4 k), the fp32
+        softmax scores of the aux loss (4 E), the [E, T] routing map (bool, E) and probs (E x bytes); per layer
+        the int64 tokens-per-expert and the loss;
       - experts, per routed token copy (moe_routed_tokens): its permuted hidden state (fc1's input, h), fc1's
         output (2 I), silu(x1), x2, their product and its product with the routing prob (fc2's input): 6 I
         (3 I with the fused weighted SwiGLU), each / ETP, and the permuted prob.
-    Qwen3-30B-A3B (E 128, k 8, h 2048, I 768, bf16) per local token: router 1,120 B; experts 8 x (2048 + 6 x
+    Qwen3-30B-A3B (E 128, k 8, h 2048, I 768, bf16) per local token: router 1,056 B; experts 8 x (2048 + 6 x
     768 + 1) x 2 = 106.5 KB, x factor; a dense 6144-wide MLP would keep 61.4 KB."""
     e, k, E = spec.bytes_per_element, spec.topk, spec.experts
     local = moe_local_tokens(layout, tokens)
-    router = local * (3 * 8 * k + 4 * k + 4 * E + E + E * e) + 8 * E + 4
+    router = local * (2 * 8 * k + 4 * k + 4 * E + E + E * e) + 8 * E + 4
     act = spec.moe_ffn if spec.swiglu_fused else 4 * spec.moe_ffn  # after fc1 (2 I)
     per_copy = (spec.hidden + (2 * spec.moe_ffn + act) / layout.expert_tp + 1) * e
     return router + moe_routed_tokens(spec, layout, tokens=tokens, factor=factor) * per_copy

@@ -4,6 +4,7 @@ megatron-core model saves for backward (CPU, local spec), and the launchers' --d
 from __future__ import annotations
 
 import io
+import weakref
 from collections import Counter
 from dataclasses import replace
 
@@ -88,20 +89,25 @@ RECOMPUTE = {
 
 
 def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in one forward, parameters excluded."""
-    seen: dict[int, int] = {}
+    """Bytes of the distinct storages autograd still holds at the end of one forward, parameters excluded. A tensor
+    saved by a branch whose graph dies during the forward (the MoE load-balancing loss's int64 top-k indices
+    feed only integer counts) is freed before backward and its memory may be reused by a later saved tensor:
+    only the tensors still alive count, each storage once."""
+    saved: list[weakref.ref] = []
 
     def pack(t):
-        st = t.untyped_storage()
-        seen.setdefault(st.data_ptr(), st.nbytes())
+        saved.append(weakref.ref(t))
         return t
 
     b, s = tokens.shape
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(diagonal=1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, torch.arange(s).expand(b, s), mask)
+        out = model(tokens, torch.arange(s).expand(b, s), mask)
+    alive = {st.data_ptr(): st.nbytes() for t in (r() for r in saved) if t is not None
+             for st in (t.untyped_storage(),)}
+    del out
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    return sum(n for ptr, n in seen.items() if ptr not in params)
+    return sum(n for ptr, n in alive.items() if ptr not in params)
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +133,22 @@ ARCHS = {
     "qwen3-mha": lambda: _family_tiny("qwen3", num_key_value_heads=4, head_dim=16),
     "qwen3-one-group": lambda: _family_tiny("qwen3", num_key_value_heads=1),
     "llama": lambda: _family_tiny("llama"),
+    # all-MoE (8 experts, top-2, expert width 32) and the mixed layout (layer 1 dense, 96 wide)
+    "qwen3_moe": lambda: _family_tiny("qwen3_moe"),
+    "qwen3_moe-mixed": lambda: _family_tiny("qwen3_moe", mlp_only_layers=[1]),
 }
-SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in ("qwen2", "qwen3", "llama") for r in RECOMPUTE] + [
-    pytest.param(a, "none", id=f"{a}-none") for a in ("qwen3-mha", "qwen3-one-group")]
+SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in ("qwen2", "qwen3", "llama", "qwen3_moe")
+                      for r in RECOMPUTE] + [
+    pytest.param(a, "none", id=f"{a}-none") for a in ("qwen3-mha", "qwen3-one-group", "qwen3_moe-mixed")] + [
+    pytest.param("qwen3_moe-mixed", "full-block", id="qwen3_moe-mixed-full-block")]
 
 
 @pytest.mark.parametrize("arch_name,name", SAVED_TENSOR_CASES)
 def test_planner_matches_saved_tensors(world, arch_name, name):
     """Exact to the byte except selective recompute, whose checkpoints also save an int32 scalar per layer
-    (8 B for the 2-layer qwen2 model); Qwen3's per-head q/k norms included."""
+    (8 B for the 2-layer qwen2 model); Qwen3's per-head q/k norms included. The MoE models (EP1, alltoall
+    dispatcher, SequentialMLP, load-balancing loss on) route data-dependent token counts to each expert: the
+    plan counts their sum, T x k copies."""
     from megatron_dapo.models.gpt import build_gpt_model
 
     arch = ARCHS[arch_name]()
@@ -150,7 +163,8 @@ def test_planner_matches_saved_tensors(world, arch_name, name):
     predicted = plan.lines["  activations per micro-batch"]
     assert abs(predicted - measured) <= (4 * arch.num_layers if name == "selective" else 0), (predicted, measured)
     if name == "full-uniform":  # and the recompute saves what the paper says: one input of s b h per layer (fp32)
-        layer = planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s)
+        layer = planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s,
+                                               moe_factor=1.0 if arch.is_moe else None)
         assert predicted < 0.15 * layer * arch.num_layers
 
 
