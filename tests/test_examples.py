@@ -54,8 +54,12 @@ def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[lis
         ("examples/run_qwen2.5_32b_multinode.sh",
          {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
          "8"),
+        ("examples/run_qwen3_30b_a3b_multinode.sh",
+         {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
+         "8"),
     ],
-    ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode"],
+    ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode",
+         "qwen3-30b-a3b-multinode"],
 )
 def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     torchrun_args, train_args = launcher_args(tmp_path, script, env)
@@ -76,6 +80,12 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
         assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
         assert args.sglang_server_urls == ["http://r0:30000", "http://r1:30000"]
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (8, 2)
+    if "30b_a3b" in script:  # DAPO's setting on the MoE model; experts over the 8 GPUs of a node
+        assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (512, 16, 512)
+        assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
+        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+        assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (8, 1)
+        assert torchrun_args[torchrun_args.index("--nnodes") + 1] == "4"
 
 
 @pytest.mark.parametrize("script,env", [
@@ -86,8 +96,10 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     ("examples/run_qwen2.5_7b_single_node.sh", {}),
     ("examples/run_qwen2.5_32b_multinode.sh",
      {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
+    ("examples/run_qwen3_30b_a3b_multinode.sh",
+     {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
 ], ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node",
-        "32b-multinode"])
+        "32b-multinode", "qwen3-30b-a3b-multinode"])
 def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, env):
     """Expandable segments and one CUDA connection (Megatron-LM's settings for sequence-parallel overlap)
     reach the trainer, and the servers' placement passes the CUDA-only checks of make_rollout_engine."""

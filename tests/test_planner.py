@@ -243,6 +243,9 @@ LAUNCHERS = [
     pytest.param("examples/run_qwen3_32b_multinode.sh",
                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
                  "qwen3-32B", id="qwen3-32b-multinode"),
+    pytest.param("examples/run_qwen3_30b_a3b_multinode.sh",
+                 {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
+                 "qwen3-30B-A3B", id="qwen3-30b-a3b-multinode"),
 ]
 
 
@@ -454,3 +457,90 @@ def test_colocated_startup_rows_by_hand(tmp_path):
     assert worst == f"start-up: worst {resume / gib:.2f} GiB per GPU; the old order (actor built next to resident " \
                     f"engines) held {old / gib:.2f} GiB"
     assert old / gib > 80 > 72 > resume / gib  # the old order overflowed the GPU; the new one fits with headroom
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------------
+
+A3B = REPO / "examples/models/qwen3-30B-A3B"
+A3B_LAUNCHER = LAUNCHERS[-1].values
+
+
+def test_moe_static_memory_closed_form():
+    """Qwen3-30B-A3B at the launcher's layout (TP1, EP8, ETP1, 32 GPUs): each GPU holds 16 of 128 experts of
+    3 x 2048 x 768 in every one of the 48 layers, their fp32 grads, and Adam state sharded over the 4 expert-DP
+    replicas; the dense part (attention, norms, routers, embedding, head: HF's count minus the experts) has its
+    Adam state sharded over all 32 DP ranks. Summed over EP x ETP ranks the experts are HF's 29.0B."""
+    arch = ModelArch.from_hf(A3B)
+    expert = 3 * 2048 * 768
+    assert 30.4e9 < arch.num_parameters() < 30.6e9 and 48 * 128 * expert == 28_991_029_248
+    dense = arch.num_parameters() - 48 * 128 * expert  # 151936 = 1187 x 128: no vocab padding at TP1
+    layout = ParallelLayout(tp=1, dp=32, ep=8, etp=1)
+    assert layout.expert_dp == 4
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
+                                                                   max_seq_len=22528), spec)
+    local = 48 * 16 * expert
+    assert planner.stage_expert_parameters(arch, layout, 0) == local
+    assert planner.stage_parameters(arch, layout, 0) == dense + local
+    lines = plan.lines
+    assert lines["expert weights (16 of 128 per layer, /1 ETP)"] == 2 * local
+    assert lines["expert grads (fp32 DDP buffer)"] == 4 * local
+    assert lines["expert optimizer (/4 expert-DP)"] == 12 * local / 4
+    assert (lines["weights (bfloat16)"], lines["grads (fp32 DDP buffer)"]) == (2 * dense, 4 * dense)
+    assert lines["optimizer (fp32 Adam + main params, /32)"] == 12 * dense / 32
+    for ep, etp, tp in ((1, 1, 1), (8, 1, 1), (4, 2, 2), (2, 4, 4)):
+        lay = ParallelLayout(tp=tp, dp=8 // tp, ep=ep, etp=etp, sp=tp > 1)
+        assert planner.stage_expert_parameters(arch, lay, 0) * ep * etp == 48 * 128 * expert
+    two = ParallelLayout(pp=2, dp=4, ep=4)
+    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    assert [planner.stage_expert_parameters(arch, two, i) for i in range(2)] == [24 * 32 * expert] * 2
+
+
+def test_moe_layer_bytes_by_hand():
+    """The MoE block's saved bytes written out at Qwen3-30B-A3B (bf16, 24576 tokens): per local token the router's
+    2 x int64 + fp32 top-8 (8 x 20 B), fp32 aux-loss scores, bool map and bf16 probs over 128 experts
+    (128 x 7 B); per routed copy its hidden state (2048), fc1 out + act (6 x 768 / ETP) and prob, in bf16; copies
+    = local tokens x 8 x ETP x factor (2 dropless at EP > 1, the capacity factor when set, 1 at EP1)."""
+    arch = ModelArch.from_hf(A3B)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    assert (spec.experts, spec.topk, spec.moe_ffn) == (128, 8, 768)
+
+    def by_hand(local, etp, factor):
+        return local * (8 * 20 + 128 * 7) + 8 * 128 + 4 + local * 8 * etp * factor * (2048 + 6 * 768 // etp + 1) * 2
+
+    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
+    for layout, local, etp in ((ParallelLayout(dp=8, ep=8), 24576, 1),
+                               (ParallelLayout(tp=2, sp=True, dp=4, ep=8, etp=1), 12288, 1),
+                               (ParallelLayout(tp=2, sp=True, dp=4, ep=4, etp=2), 12288, 2),
+                               (ParallelLayout(dp=8), 24576, 1)):
+        factor = planner.moe_factor(layout, inputs)
+        assert factor == (1.0 if layout.ep == 1 else 2.0) and planner.MOE_DROPLESS_IMBALANCE == 2.0
+        got = planner.moe_layer_bytes(spec, layout, tokens=24576, factor=factor)
+        assert got == pytest.approx(by_hand(local, etp, factor), rel=1e-12), layout
+    capped = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, moe_capacity_factor=1.25)
+    assert planner.moe_factor(ParallelLayout(dp=8, ep=8), capped) == 1.25
+    assert planner.moe_factor(ParallelLayout(dp=8), replace(capped, moe_capacity_factor=0.5)) == 0.5
+    # the a2a: 24576 x 8 copies of 2048 bf16 per direction, 7/8 of them to the other ranks
+    assert planner.moe_alltoall_bytes(spec, ParallelLayout(dp=8, ep=8), tokens=24576) == 24576 * 8 * 2048 * 2 * 7 / 8
+    assert planner.moe_alltoall_bytes(spec, ParallelLayout(dp=8), tokens=24576) == 0
+
+
+def test_moe_launcher_dry_run_prints_the_moe_terms(tmp_path):
+    """The 30B-A3B launcher's plan names the expert grid, the routed-token factor it assumes and why, and what the
+    all-to-all moves; a capacity factor replaces the assumed imbalance and lowers the peak; at 48 GiB the plan is
+    over and suggests more expert parallelism or a capacity factor."""
+    args = _launcher_train_args(tmp_path, *A3B_LAUNCHER)
+    rc, lines = _dry_run(args)
+    assert rc == 0, "\n".join(lines)
+    assert "experts ETP1 x EP8 x EDP4 x PP1" in lines[0]
+    copies = next(line for line in lines if line.startswith("MoE routed token copies"))
+    assert "393,216 = 24,576 local tokens x top-8 x ETP1 x 2 (dropless: assumed imbalance" in copies, copies
+    assert any(line.startswith("MoE all-to-all per layer and micro-batch: 672 MiB") for line in lines)
+    peak = float(lines[-1].split()[2])
+    rc, capped = _dry_run(args + ["--moe-expert-capacity-factor", "1.25"])
+    assert rc == 0 and "x 1.25 (--moe-expert-capacity-factor 1.25: a hard cap)" in "\n".join(capped)
+    assert float(capped[-1].split()[2]) < peak
+    rc, over = _dry_run(args + ["--gpu-memory-gib", "48"])
+    assert rc == 1
+    text = "\n".join(over)
+    assert "--expert-model-parallel-size 16: peak" in text and "--moe-expert-capacity-factor 1.0: peak" in text
