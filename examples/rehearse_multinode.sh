@@ -12,14 +12,30 @@
 # mismatch small in every step, no NaN, and the two servers give the same log-probs for one sequence (the
 # restarted one holds the current weights).
 #
+# MOE=1: the MoE variant of examples/run_qwen3_30b_a3b_multinode.sh's code path instead: a tiny all-MoE Qwen3-MoE
+# (8 experts, top-2; made here from the tiny base's tokenizer) on one real SGLang server, the actor at EP 2 x DP 2
+# (2 gloo ranks), distributed weight sync of the per-expert HF names, no router and no kill (a restarted CPU
+# server alone costs 60+ s); 2 steps. It checks the same metrics, and that the server moved from the base.
+#
 # usage: examples/rehearse_multinode.sh [RUN_DIR]     (needs .venv and .venv-sglang: `make sglang-env`)
-# Env: NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), SERVER1_TP (2), ROUTER (1), BASE_PORT (31400), KILL (1: kill a
-# server), TINY_BASE (a tiny base made by an earlier run, reused instead of made again).
+# Env: NUM_STEPS (3; MoE 2), ACTOR_TP (2; MoE 1), ACTOR_PP (2; MoE 1), ACTOR_EP (1; MoE 2), NPROC (8; MoE 2),
+# NUM_SERVERS (2; MoE 1), SERVER1_TP (2), ROUTER (1; MoE 0), BASE_PORT (31400), KILL (1: kill a server; MoE 0),
+# MOE (0), TINY_BASE (a tiny base made by an earlier run, reused instead of made again).
 # Every process it starts is stopped by pid (process group) on exit; their pids are in $RUN_DIR/pids.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/rehearsal}
+MOE=${MOE:-0}
+if [[ "$MOE" == 1 ]]; then
+    : "${NUM_STEPS:=2}" "${ACTOR_TP:=1}" "${ACTOR_PP:=1}" "${ACTOR_EP:=2}" "${NPROC:=2}" "${NUM_SERVERS:=1}"
+    : "${ROUTER:=0}" "${KILL:=0}"
+fi
 NUM_STEPS=${NUM_STEPS:-3}
+ACTOR_TP=${ACTOR_TP:-2}
+ACTOR_PP=${ACTOR_PP:-2}
+ACTOR_EP=${ACTOR_EP:-1}
+NPROC=${NPROC:-8}
+NUM_SERVERS=${NUM_SERVERS:-2}
 SERVER1_TP=${SERVER1_TP:-2}
 ROUTER=${ROUTER:-1}
 BASE_PORT=${BASE_PORT:-31400}
@@ -49,6 +65,40 @@ if [[ -z "${TINY_BASE:-}" ]]; then
         >"$RUN_DIR/make_tiny_base.log" 2>&1
 fi
 MODEL="$BASE/model"
+if [[ "$MOE" == 1 ]]; then
+    # A tiny all-MoE Qwen3-MoE (every layer MoE: SGLang 0.5.23 serves no mixed layout) with the base's tokenizer,
+    # random weights (routers drawn N(0, 0.2): HF's zero init would tie every route), saved with HF's per-expert names.
+    echo "== tiny Qwen3-MoE (hidden 32, 2 layers, 8 experts top-2 of width 16) in $RUN_DIR/moe-model"
+    "$PY" - "$MODEL" "$RUN_DIR/moe-model" <<'PY' >"$RUN_DIR/make_moe.log" 2>&1
+import json, shutil, sys
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+base, out = Path(sys.argv[1]), Path(sys.argv[2])
+dense = json.loads((base / "config.json").read_text())
+torch.manual_seed(0)
+config = Qwen3MoeConfig(vocab_size=dense["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                        router_aux_loss_coef=0.001, max_position_embeddings=dense["max_position_embeddings"],
+                        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                        bos_token_id=dense.get("bos_token_id"), eos_token_id=dense.get("eos_token_id"),
+                        pad_token_id=dense.get("pad_token_id"))
+model = Qwen3MoeForCausalLM(config).float()
+with torch.no_grad():
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.gate.weight") or ".experts." in name:
+            param.normal_(0.0, 0.2)
+model.save_pretrained(out)
+for f in base.iterdir():  # the tokenizer and generation config
+    if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+        shutil.copy(f, out / f.name)
+print("saved", out, sum(p.numel() for p in model.parameters()), "parameters")
+PY
+    MODEL="$RUN_DIR/moe-model"
+fi
 
 # The CPU form of examples/launch_sglang_servers.sh's command (megatron_dapo/rollout/sglang/server.py,
 # shared/notes/sglang-on-cpu.md), bound to 127.0.0.1. At TP 2 SGLang's CPU backend binds one core per rank.
@@ -69,14 +119,20 @@ wait_healthy() {  # url timeout_s
         sleep 1
     done
 }
-echo "== SGLang servers: 0 at TP 1, 1 at TP $SERVER1_TP"
-start_server 0 1
-start_server 1 "$SERVER1_TP"
-URLS=("http://127.0.0.1:$BASE_PORT" "http://127.0.0.1:$((BASE_PORT + 1))")
-for u in "${URLS[@]}"; do wait_healthy "$u" 300; done
-echo "   healthy after $(($(date +%s) - T0)) s"
+URLS=("http://127.0.0.1:$BASE_PORT")
+if [[ "$NUM_SERVERS" == 1 ]]; then
+    echo "== SGLang server 0 at TP 1"
+    start_server 0 1
+else
+    echo "== SGLang servers: 0 at TP 1, 1 at TP $SERVER1_TP"
+    start_server 0 1
+    start_server 1 "$SERVER1_TP"
+    URLS+=("http://127.0.0.1:$((BASE_PORT + 1))")
+fi
 ROUTER_ARGS=()
 if [[ "$ROUTER" == 1 ]]; then  # as a cluster runs it in front of the rollout nodes' servers
+    for u in "${URLS[@]}"; do wait_healthy "$u" 300; done
+    echo "   healthy after $(($(date +%s) - T0)) s"
     ROUTER_URL="http://127.0.0.1:$((BASE_PORT + 2))"
     setsid "$SGL_PY" -m sglang_router.launch_router --host 127.0.0.1 --port $((BASE_PORT + 2)) \
         --policy round_robin --worker-urls "${URLS[@]}" >"$RUN_DIR/router.log" 2>&1 &
@@ -84,7 +140,7 @@ if [[ "$ROUTER" == 1 ]]; then  # as a cluster runs it in front of the rollout no
     wait_healthy "$ROUTER_URL" 120
     ROUTER_ARGS=(--sglang-router-url "$ROUTER_URL")
     echo "== router at $ROUTER_URL, healthy after $(($(date +%s) - T0)) s"
-fi
+fi  # without a router the trainer starts next to the servers' start-up and waits for them (--sglang-server-wait-s)
 
 # The supervisor: kill -9 server 0 once step 1 is logged, have it restarted at once (by this shell, below), and
 # mark it "back" once it answers /health: length_parity_held holds the scoring in between. The trainer finds it
@@ -106,8 +162,9 @@ fi
 source examples/common_dapo_args.sh
 # The launcher's arrays at tiny scale: same flags, sizes that fit hidden 32 / 128 positions / 2 cores.
 MODEL_ARGS=(--hf-checkpoint "$MODEL")
-PARALLEL_ARGS=(--tensor-model-parallel-size "${ACTOR_TP:-2}" --pipeline-model-parallel-size "${ACTOR_PP:-2}" --use-distributed-optimizer
+PARALLEL_ARGS=(--tensor-model-parallel-size "$ACTOR_TP" --pipeline-model-parallel-size "$ACTOR_PP" --use-distributed-optimizer
                ${EXTRA_PARALLEL_ARGS:-})
+[[ "$ACTOR_EP" == 1 ]] || PARALLEL_ARGS+=(--expert-model-parallel-size "$ACTOR_EP")
 ROLLOUT_ARGS=(
     --rollout-engine sglang --sglang-server-urls "${URLS[@]}" "${ROUTER_ARGS[@]}" --sglang-max-concurrency 64
     --sglang-server-wait-s 300
@@ -124,8 +181,8 @@ BATCH_ARGS=(--global-batch-size 16 --max-tokens-per-micro-batch 256 ${EXTRA_BATC
             --num-steps "$NUM_STEPS")
 RUN_ARGS=(--log-dir "$RUN_DIR" --no-wandb --no-progress --seed 7)
 
-echo "== torchrun: 8 ranks (TP ${ACTOR_TP:-2} x PP ${ACTOR_PP:-2}), $NUM_STEPS steps"
-setsid "$PY" -m torch.distributed.run --nproc_per_node 8 --master_addr 127.0.0.1 --master_port $((BASE_PORT + 60)) \
+echo "== torchrun: $NPROC ranks (TP $ACTOR_TP x PP $ACTOR_PP, EP $ACTOR_EP), $NUM_STEPS steps"
+setsid "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 --master_port $((BASE_PORT + 60)) \
     -m megatron_dapo.train "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" \
     "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" >"$RUN_DIR/train.log" 2>&1 &
 TRAIN=$!
@@ -187,9 +244,12 @@ with torch.no_grad():
     logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(
         torch.tensor([ids])).logits[0, :-1].double()
 base = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].float()
-between, moved = (served[0] - served[1]).abs().max().item(), (served[1] - base).abs().max().item()
-print(f"log-probs of one sequence: server 0 vs server 1 max |diff| {between:.2e}, vs the base checkpoint "
-      f"{moved:.2e}")
+between, moved = (served[0] - served[-1]).abs().max().item(), (served[-1] - base).abs().max().item()
+if len(served) > 1:
+    print(f"log-probs of one sequence: server 0 vs server 1 max |diff| {between:.2e}, vs the base checkpoint "
+          f"{moved:.2e}")
+else:
+    print(f"log-probs of one sequence: server 0 vs the base checkpoint max |diff| {moved:.2e}")
 if not between < 1e-4 or not moved > 10 * max(between, 1e-6):
     errors.append(f"servers disagree ({between:.2e}) or did not move from the base ({moved:.2e})")
 print(f"rehearsal wall time {wall} s; recovery totals {total}; worst mismatch {worst:.2e}")
