@@ -37,6 +37,15 @@ Korthikanti et al. 2022 section 4.2.3's interleaved factor. Embedding / head ext
 Full recompute keeps each recompute unit's input (s b h, /t with SP) and rebuilds one unit (n layers of one
 micro-batch) during its backward; selective recompute drops the core-attention internals.
 
+Mixture of experts (Qwen3-MoE): expert weights, fp32 grads and Adam state are this rank's E / EP experts of each
+MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them over
+expert-DP (TP x CP x DP / (ETP x EP)), not DP. The router (E x h) counts with the dense part. An MoE layer saves
+the router's tensors per local token and, per routed token copy, its hidden state and the expert's fc1 / SwiGLU /
+prob products (moe_layer_bytes, measured on CPU at EP1); copies per rank = local tokens x k x ETP x a factor: 1 at
+EP1, the capacity factor, or MOE_DROPLESS_IMBALANCE (2, assumed and printed) for the busiest EP rank when dropless.
+One layer's dispatcher buffers (moe_dispatch_buffer_bytes) sit next to the recompute working set. Qwen3-30B-A3B at
+TP1 x EP8 x 32 GPUs, 24576-token micro-batches, full recompute: 58.1 GiB per 80 GB GPU (experts 30.4 GiB of it).
+
 Colocated (--colocate): every GPU holds an actor rank and a shard of an SGLang engine of
 --rollout-num-gpus-per-engine GPUs, in two phases per step (megatron_dapo/trainer/colocate.py):
   - training: the actor's plan above, plus what SGLang keeps after /release_memory_occupation of its
