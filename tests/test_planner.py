@@ -4,9 +4,12 @@ megatron-core model saves for backward (CPU, local spec), and the launchers' --d
 from __future__ import annotations
 
 import io
+import json
+import sys
 import weakref
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,6 +169,50 @@ def test_planner_matches_saved_tensors(world, arch_name, name):
         layer = planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s,
                                                moe_factor=1.0 if arch.is_moe else None)
         assert predicted < 0.15 * layer * arch.num_layers
+
+
+def _ep2_saved_bytes_worker() -> None:
+    """torchrun rank (EP 2 x DP 2, gloo): the tiny all-MoE qwen3_moe's saved bytes on this rank against the plan at
+    the routed-token factor measured here (this rank's token copies over T x k, averaged over the layers)."""
+    import torch.distributed as dist
+
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.models.gpt import build_gpt_model
+
+    init_parallel(ep=2, seed=0)
+    arch = ARCHS["qwen3_moe"]()
+    model = build_gpt_model(arch, layout=ParallelLayout(), use_te=False)
+    routed: list[int] = []
+    for module in model.modules():
+        if type(module).__name__ == "SequentialMLP":  # its input: the token copies this rank's experts take
+            module.register_forward_pre_hook(lambda _, args: routed.append(args[0].shape[0]))
+    b, s = 3, 40
+    torch.manual_seed(10 + dist.get_rank())
+    measured = saved_activation_bytes(model, torch.randint(0, arch.vocab_size, (b, s)))
+    factor = sum(routed) / len(routed) / (b * s * arch.num_experts_per_tok)
+    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32",
+                                moe_capacity_factor=factor)  # at EP > 1 the plan's factor
+    (plan,) = planner.plan_stages(arch, ParallelLayout(dp=2, ep=2), inputs, spec)
+    predicted = plan.lines["  activations per micro-batch"]
+    out = Path(sys.argv[1]) / f"rank{dist.get_rank()}.json"  # a file per rank: printed lines of 2 ranks interleave
+    out.write_text(json.dumps({"routed": routed, "factor": factor, "measured": measured, "predicted": predicted}))
+    destroy_parallel()
+
+
+@pytest.mark.slow
+def test_planner_matches_saved_tensors_at_ep2(tmp_path):
+    """EP 2 over gloo (alltoall dispatcher across 2 ranks): each rank's saved bytes equal the plan's at the number of
+    token copies its experts received (uneven: ~0.98 and ~1.02 of T x k); the dispatcher's all-to-all adds no
+    saved tensor beyond the EP1 count."""
+    from tests.torchrun import run_torchrun
+
+    run_torchrun(__file__, str(tmp_path), nproc=2, timeout=300)
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for row in rows:
+        assert row["measured"] == row["predicted"], row
+        assert len(row["routed"]) == 4 and row["factor"] != 1.0, row  # 4 MoE layers, uneven routing
+    assert sum(row["factor"] for row in rows) == pytest.approx(2.0)  # the EP group's copies: 2 ranks x T x k
 
 
 def test_qk_norm_term_by_hand():
@@ -544,3 +591,8 @@ def test_moe_launcher_dry_run_prints_the_moe_terms(tmp_path):
     assert rc == 1
     text = "\n".join(over)
     assert "--expert-model-parallel-size 16: peak" in text and "--moe-expert-capacity-factor 1.0: peak" in text
+
+
+if __name__ == "__main__":  # the worker of test_planner_matches_saved_tensors_at_ep2 (under torchrun)
+    _ep2_saved_bytes_worker()
+
