@@ -32,6 +32,7 @@ from tests.dist.actor_common import (
     merge_layout_shards,
     merge_rank_shards,
     reset_moe_tracker,
+    sharpen_router,
     tiny_config,
     tiny_hf_model,
 )
@@ -81,13 +82,8 @@ def _single_process(data: dict, family: dict) -> dict:
 
 
 def _tiny_moe(model_type: str, seed: int, **overrides):
-    """A tiny MoE HF model whose router weights are 10x the init (std 0.2): clear top-k margins."""
-    hf = tiny_hf_model(model_type, tie=False, seed=seed, **overrides)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(10.0)
-    return hf
+    """A tiny untied MoE HF model with clear top-k margins (`sharpen_router`)."""
+    return sharpen_router(tiny_hf_model(model_type, tie=False, seed=seed, **overrides))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 
 from megatron_dapo.actor import ActorConfig
 from megatron_dapo.models.hf_config import ModelArch
-from tests.dist.actor_common import make_samples, tiny_hf_model
+from tests.dist.actor_common import make_samples, sharpen_router, tiny_hf_model
 from tests.dist.checkpoint_ep import NPROC
 from tests.dist.checkpoint_ep import runs as resumed_runs
 from tests.torchrun import REPO, run_torchrun
@@ -31,11 +31,7 @@ METRICS = ("pg_loss", "approx_kl", "ratio", "entropy", "grad_norm", "lr", "num_t
 def runs(tmp_path_factory) -> tuple[dict, ModelArch]:
     """({(optimizer, run): [per-rank result]} with run "straight" or "resumed_<layout>"), arch."""
     tmp = tmp_path_factory.mktemp("checkpoint_ep")
-    hf = tiny_hf_model("qwen3_moe", seed=4, num_hidden_layers=2)
-    with torch.no_grad():  # clear routing margins (see tests/test_actor_parallel.py)
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.mul_(10.0)
+    hf = sharpen_router(tiny_hf_model("qwen3_moe", seed=4, num_hidden_layers=2))
     arch = ModelArch.from_hf(hf.config)
     data = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(), "seed": 3,
             "config": ActorConfig(lr=1e-3, lr_warmup_steps=1, clip_grad=1.0, max_tokens_per_micro_batch=48,

@@ -45,6 +45,17 @@ def tiny_hf_model(model_type: str = "qwen2", *, tie: bool = False, seed: int = 0
     return model
 
 
+def sharpen_router(hf, scale: float = 10.0):
+    """Scale an MoE HF model's router weights (`mlp.gate.weight`, init std 0.02) by `scale` in place and return the
+    model: routing then decided by clear top-k margins, so a tie broken differently by reduction-order noise (a
+    different output, not a layout error) cannot happen in the layout comparisons."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(scale)
+    return hf
+
+
 def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF state dict -> TP=1 megatron names (global layers), unpadded vocab; q/k/v biases and the per-head
     q/k norms only where the state dict has them."""
