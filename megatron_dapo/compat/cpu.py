@@ -68,8 +68,8 @@ SHIMS: tuple[Shim, ...] = (
         "transformer/moe/token_dispatcher.py:444-445,862-901",
         "transformer/moe/moe_utils.py:1093",
     )),
-    Shim(name="uneven all-gather / reduce-scatter on gloo -> padded to the largest split, then cut", files=(
-        "tensor_parallel/mappings.py:148-150,182-190",
+    Shim(name="uneven first-dim all-gather on gloo -> padded to the largest split, then cut", files=(
+        "tensor_parallel/mappings.py:148-150",
         "transformer/moe/token_dispatcher.py:693-701",
     )),
 )
@@ -191,8 +191,7 @@ def install_moe_fixes() -> None:
     alltoall dispatcher's DtoH side stream (a torch.cuda.Stream made in its constructor) is never created, and
     its `_maybe_dtoh_and_synchronize` only turns the all-to-all split sizes into numpy arrays, which is what
     the CUDA path hands torch's all_to_all_single (CPU tensors stay tensors there and gloo's binding rejects them);
-    the dispatcher's uneven all-gather / reduce-scatter over the expert-TP group works on gloo
-    (`_install_uneven_collectives`).
+    the dispatcher's uneven all-gather over the expert-TP group works on gloo (`_install_uneven_collectives`).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -244,44 +243,24 @@ def gather_uneven_first_dim(input_: torch.Tensor, group, output_split_sizes) -> 
     return torch.cat([out[i * rows:i * rows + n] for i, n in enumerate(sizes)])
 
 
-def reduce_scatter_uneven_first_dim(input_: torch.Tensor, group, input_split_sizes) -> torch.Tensor:
-    """Reduce-scatter along dim 0 where rank i receives the sum of every rank's `input_split_sizes[i]`-row block,
-    over gloo: each block padded to the largest split (zeros add nothing), one even reduce-scatter, this rank's
-    padding cut. Exact up to gloo's summation order, as the list reduce-scatter it replaces."""
-    import torch.distributed as dist
-
-    sizes = [int(n) for n in input_split_sizes]
-    rows = max(sizes)
-    blocks = torch.split(input_, sizes, dim=0)
-    out = input_.new_empty(rows, *input_.shape[1:])
-    dist.reduce_scatter_tensor(out, torch.cat([_padded_rows(b, rows) for b in blocks]), group=group)
-    return out[:sizes[group.rank()]]
-
-
 def _install_uneven_collectives() -> None:
     """megatron's alltoall dispatcher with expert-TP > 1 all-gathers the routed tokens over the expert-TP group with
-    uneven `output_split_sizes` (token_dispatcher.py:693-701 -> mappings.py:148-150, a list all_gather) and
-    reduce-scatters their gradient with the same sizes (mappings.py:182-190, a list reduce_scatter); gloo rejects
-    both ("allgather: invalid tensor size"). Route the uneven gloo cases through the padded versions above."""
+    uneven `output_split_sizes` (token_dispatcher.py:693-701 -> mappings.py:148-150, a list all_gather), which gloo
+    rejects ("allgather: invalid tensor size"): route the uneven gloo case through `gather_uneven_first_dim`. The
+    backward's list reduce_scatter with the same uneven sizes (mappings.py:182-190) works on gloo as it is (torch
+    2.13; tests/dist/compat_uneven.py checks both)."""
     from megatron.core.tensor_parallel import mappings
 
     if "gather_first_dim" in _original:
         return
-    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
-    _original["gather_first_dim"], _original["reduce_scatter_first_dim"] = gather, scatter
+    gather = _original["gather_first_dim"] = mappings._gather_along_first_dim
 
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1 or not _gloo_group(group):
             return gather(input_, group, output_split_sizes, use_global_buffer)
         return gather_uneven_first_dim(input_, group, output_split_sizes)
 
-    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if input_split_sizes is None or group.size() == 1 or not _gloo_group(group):
-            return scatter(input_, group, input_split_sizes, use_global_buffer)
-        return reduce_scatter_uneven_first_dim(input_, group, input_split_sizes)
-
     mappings._gather_along_first_dim = _gather_along_first_dim
-    mappings._reduce_scatter_along_first_dim = _reduce_scatter_along_first_dim
 
 
 def is_installed() -> bool:
