@@ -130,7 +130,9 @@ def optimizer_layout(actor) -> dict[str, Any]:
     Under --expert-model-parallel-size > 1 megatron-core builds two optimizers (dense, and the experts' over the
     expert-DP group) chained, whose state keys carry `chained_0.` / `chained_1.`; at EP 1 the experts are ordinary
     params of one optimizer. The distributed optimizer's dp_reshardable state is one flat buffer per model-parallel
-    rank: the experts' follows the EP x expert-TP split."""
+    rank: the experts' follows the EP x expert-TP split. At Qwen3-30B-A3B the experts are 29.0e9 of the 30.5e9
+    parameters (48 layers x 128 x 3 x 768 x 2048): their optimizer state (fp32 main params + Adam m, v: 12 B/param)
+    is 348 GB of the checkpoint's 366 GB, what an EP change would have to reshard."""
     return {"expert_parallel": actor.layout.ep, "expert_tensor_parallel": actor.layout.expert_tp,
             "distributed_optimizer": bool(actor.config.use_distributed_optimizer)}
 
