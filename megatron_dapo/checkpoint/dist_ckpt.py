@@ -57,6 +57,12 @@ MEGATRON_CONFIG = {
 
 Offset = tuple[int, ...]
 Shape = tuple[int, ...]
+Index = int | tuple[int, ...] | None
+"""Leading indices of a stored tensor: a layer (stacked layers), (layer, expert), (expert,) or none."""
+
+
+def _leading(index: Index) -> tuple[int, ...]:
+    return () if index is None else (index,) if isinstance(index, int) else tuple(index)
 
 
 @dataclass(frozen=True)
@@ -550,7 +556,7 @@ class DistCheckpointReader:
         whole = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True).reshape(sizes)
         return whole.narrow(axis, skip, rows)
 
-    def _locate(self, key: str, layer: int | None, rows: tuple[int, int] | None) -> tuple[
+    def _locate(self, key: str, index: Index, rows: tuple[int, int] | None) -> tuple[
         list[tuple[int, int]], int, list[Any], Any
     ]:
         """(region per axis, the row axis, the stored chunks overlapping the region, the one chunk holding the
@@ -558,14 +564,18 @@ class DistCheckpointReader:
         if key not in self.tensors:
             raise CheckpointError(f"{self.dir} has no tensor {key!r}")
         md = self.tensors[key]
+        lead = _leading(index)
+        if len(lead) >= len(md.size):
+            raise CheckpointError(f"{key} has {len(md.size)} axes; indices {list(lead)} leave no row axis")
         region = [(0, n) for n in md.size]
-        if layer is not None:
-            region[0] = (layer, layer + 1)
-        row_axis = 1 if layer is not None else 0
+        for axis, i in enumerate(lead):
+            region[axis] = (i, i + 1)
+        row_axis = len(lead)
         if rows is not None:
             region[row_axis] = rows
+        candidates = md.chunks if not lead else self._layer_chunks(key).get(lead[0], [])
         pieces = [
-            c for c in (md.chunks if layer is None else self._layer_chunks(key).get(layer, []))
+            c for c in candidates
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
         ]
         inside = [
@@ -578,7 +588,8 @@ class DistCheckpointReader:
         return region, row_axis, pieces, inside[0] if contiguous else None
 
     def _layer_chunks(self, key: str) -> dict[int, list[Any]]:
-        """Stored chunks of `key` by the layers (dim 0) they cover: a layer's lookup scans its chunks only."""
+        """Stored chunks of `key` by the index on dim 0 they cover (a layer; an expert of a per-layer expert
+        tensor): a lookup scans that index's chunks only (at 30B-A3B a stacked expert key has 48 x 128 x 2)."""
         with self._lock:
             found = self._by_layer.get(key)
         if found is None:
@@ -591,7 +602,7 @@ class DistCheckpointReader:
         return found
 
     def byte_range(
-        self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None
+        self, key: str, layer: Index = None, rows: tuple[int, int] | None = None
     ) -> tuple[int, int] | None:
         """(fd, file offset) where the bytes of `read(key, layer, rows)` lie contiguously in one stored record,
         or None (the request spans chunks, or the record is not a plain torch.save): lets a caller copy them
@@ -605,11 +616,13 @@ class DistCheckpointReader:
         row_bytes = self.tensors[key].properties.dtype.itemsize * torch.Size(whole.sizes[row_axis + 1 :]).numel()
         return fd, start + (region[row_axis][0] - whole.offsets[row_axis]) * row_bytes
 
-    def read(self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, key: str, layer: Index = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The global tensor `key`, or its `layer` slice (without the layer axis), or rows lo:hi of that.
 
-        Reads only the stored chunks overlapping the request; when one chunk holds it (converter output
-        always, training checkpoints at TP=1), the result is a memory-mapped view of just those bytes.
+        `layer` may be a tuple of leading indices: (layer, expert) of a stacked expert tensor [L, E, rows, ...],
+        (expert,) of a per-layer one [E, rows, ...]; the rows are the axis after them. Reads only the stored
+        chunks overlapping the request; when one chunk holds it (converter output always, training checkpoints
+        at TP=1 / expert-TP 1), the result is a memory-mapped view of just those bytes.
         """
         region, row_axis, pieces, whole = self._locate(key, layer, rows)
         if whole is not None:
@@ -624,7 +637,7 @@ class DistCheckpointReader:
                 src = tuple(slice(max(lo, o) - o, min(hi, o + n) - o) for o, n, (lo, hi) in spans)
                 dst = tuple(slice(max(lo, o) - lo, min(hi, o + n) - lo) for o, n, (lo, hi) in spans)
                 out[dst] = data.reshape(tuple(c.sizes))[src]
-        return out[0] if layer is not None else out
+        return out[(0,) * len(_leading(layer))]
 
     def close(self) -> None:
         for fd in self._fds.values():
