@@ -169,7 +169,7 @@ def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
     TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec) and so has extra
     state (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local
     modules ignore it, TE's accept None. Loading tolerates an absent one anyway (weights/extra_state.py).
-    At Qwen3-30B-A3B: 48 x (2 + 2 x 128) = 12,384 objects of ~1 KB.
+    At Qwen3-30B-A3B: 48 x (2 + 2 x 128) + 1 = 12,385 objects of ~1 KB (`tools/bench_convert.py --plan`).
     """
     objects = {}
     for stored in stored_tensors(arch):

@@ -712,6 +712,68 @@ def test_geometry_checks_name_the_config_field() -> None:
         check_global_shapes(good, tied, source="ckpt", against="cfg")
 
 
+def test_moe_config_fields_and_expert_geometry_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A converted Qwen3-MoE is refused, naming the field, by a config with other experts, top-k, expert width,
+    routing or dense layers (mcore-to-hf --hf-config and `--load`'s check alike); a checkpoint without an HF
+    config (a training one) by its expert tensor shapes and by per-layer vs stacked keys."""
+    from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, expected_global_shapes
+    from megatron_dapo.checkpoint.dist_load import check_checkpoint_config
+    from megatron_dapo.weights import CheckpointError
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="qwen3_moe")
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--ep", "8")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    arch = ModelArch.from_hf(config)
+    assert check_checkpoint_config(tmp_path / "mc", arch) == tmp_path / "mc" / "release"
+    back = ["mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "out")]
+    for field, value, label, shown in [("num_local_experts", 16, "num_experts", "8"),
+                                       ("num_experts_per_tok", 4, "num_experts_per_tok", "2"),
+                                       ("moe_intermediate_size", 48, "moe_intermediate_size", "32"),
+                                       ("norm_topk_prob", False, "norm_topk_prob", "True"),
+                                       ("mlp_only_layers", [1], "moe_layers", "(0, 1, 2, 3)")]:
+        (tmp_path / "other").mkdir(exist_ok=True)
+        (tmp_path / "other" / "config.json").write_text(json.dumps({**config, field: value}))
+        _expect_error(capsys, [*back, "--hf-config", str(tmp_path / "other")],
+                      f"{label}", f"--load {tmp_path / 'mc'} has {shown}")
+        with pytest.raises(CheckpointError, match=f"{label}.*--hf-checkpoint config.json has"):
+            check_checkpoint_config(tmp_path / "mc", ModelArch.from_hf({**config, field: value}))
+    assert not (tmp_path / "out").exists()
+    # geometry alone (no stored HF config): 16 experts' shapes name the fields; mixed layers the per-layer keys
+    good = expected_global_shapes(arch, 256)
+    assert good["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 8, 64, 64)
+    more = ModelArch.from_hf({**config, "num_local_experts": 16})
+    with pytest.raises(CheckpointError, match=r"ckpt has \[4, 8, 64, 64\], cfg implies \[4, 16, 64, 64\] "
+                                              r"\(num_experts, moe_intermediate_size\)"):
+        check_global_shapes(good, more, source="ckpt", against="cfg")
+    mixed = ModelArch.from_hf({**config, "mlp_only_layers": [1]})
+    with pytest.raises(CheckpointError, match="the checkpoint has stacked layer keys, the config's MoE layers "
+                                              r"\[0, 2, 3\] of 4 imply per-layer ones"):
+        check_global_shapes(good, mixed, source="ckpt", against="cfg")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mlp_only_layers": [1]}], ids=["all-moe", "mixed"])
+def test_bench_plan_counts_what_the_converter_writes(tmp_path: Path, overrides: dict) -> None:
+    """tools/bench_convert.py --plan (sizes from config.json alone, e.g. Qwen3-30B-A3B's) counts the tensors, chunks
+    and ShardedObjects a real conversion of the tiny Qwen3-MoE writes, read back from its files."""
+    import importlib
+
+    import torch.distributed.checkpoint as dcp
+
+    plan_numbers = importlib.import_module("tools.bench_convert").plan_numbers
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="qwen3_moe", overrides=overrides)
+    arch = ModelArch.from_hf(tmp_path / "hf")
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--chunk-mb", "1",
+            "--dtype", "bf16")
+    metadata = dcp.FileSystemReader(str(tmp_path / "mc" / "release")).read_metadata().state_dict_metadata
+    tensors = {k: md for k, md in metadata.items() if hasattr(md, "chunks")}
+    got = plan_numbers(arch, threads=4, chunk_mb=1)
+    hf = read_all(tmp_path / "hf")
+    assert got["hf_tensors"] == len(hf) and got["hf_bytes"] == sum(t.numel() * 2 for t in hf.values())
+    assert got["stored_keys"] == len(tensors) and got["objects"] == len(metadata) - len(tensors)
+    assert got["chunks"] == sum(len(md.chunks) for md in tensors.values())
+    assert got["largest_tensor"] == max(torch.Size(md.size).numel() * 2 for md in tensors.values())
+
+
 _KILLABLE = """
 import sys, time
 from megatron_dapo.weights import hf_format

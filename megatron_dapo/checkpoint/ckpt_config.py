@@ -139,7 +139,7 @@ class StoredTensor:
 def stored_tensors(arch: ModelArch) -> list[StoredTensor]:
     """Every model tensor of a dist checkpoint of `arch` (tied: no output layer), in table order.
 
-    At Qwen3-30B-A3B (48 all-MoE layers, stacked): 14 keys; the two expert keys are [48, 128, 1536, 2048] (fc1,
+    At Qwen3-30B-A3B (48 all-MoE layers, stacked): 12 keys; the two expert keys are [48, 128, 1536, 2048] (fc1,
     38.7 GB bf16) and [48, 128, 2048, 768] (fc2, 19.3 GB). A mixed model of L layers has one key per layer entry.
     """
     stacked = stacked_layers(arch)

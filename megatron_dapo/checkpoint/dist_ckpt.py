@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
 import pickle
@@ -493,7 +494,7 @@ class DistCheckpointReader:
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
         self._starts: dict[tuple[str, int], int | None] = {}
-        self._by_layer: dict[str, dict[int, list[Any]]] = {}
+        self._by_index: dict[tuple[str, int], dict[tuple[int, ...], list[Any]]] = {}
         self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
@@ -573,7 +574,7 @@ class DistCheckpointReader:
         row_axis = len(lead)
         if rows is not None:
             region[row_axis] = rows
-        candidates = md.chunks if not lead else self._layer_chunks(key).get(lead[0], [])
+        candidates = md.chunks if not lead else self._chunks_at(key, lead)
         pieces = [
             c for c in candidates
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
@@ -587,19 +588,21 @@ class DistCheckpointReader:
         )
         return region, row_axis, pieces, inside[0] if contiguous else None
 
-    def _layer_chunks(self, key: str) -> dict[int, list[Any]]:
-        """Stored chunks of `key` by the index on dim 0 they cover (a layer; an expert of a per-layer expert
-        tensor): a lookup scans that index's chunks only (at 30B-A3B a stacked expert key has 48 x 128 x 2)."""
+    def _chunks_at(self, key: str, lead: tuple[int, ...]) -> list[Any]:
+        """Stored chunks of `key` covering leading indices `lead` (a layer; (layer, expert) of a stacked expert
+        tensor; (expert,) of a per-layer one): a lookup scans those chunks only, not the key's all (at
+        Qwen3-30B-A3B a stacked expert key holds 48 x 128 x 2 chunks)."""
         with self._lock:
-            found = self._by_layer.get(key)
+            found = self._by_index.get((key, len(lead)))
         if found is None:
             found = {}
             for c in self.tensors[key].chunks:
-                for layer in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
-                    found.setdefault(layer, []).append(c)
+                spans = [range(o, o + n) for o, n in zip(c.offsets[: len(lead)], c.sizes[: len(lead)])]
+                for at in itertools.product(*spans):
+                    found.setdefault(at, []).append(c)
             with self._lock:
-                self._by_layer[key] = found
-        return found
+                self._by_index[(key, len(lead))] = found
+        return found.get(lead, [])
 
     def byte_range(
         self, key: str, layer: Index = None, rows: tuple[int, int] | None = None
