@@ -5,7 +5,8 @@ shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV inte
 per query group). Without a --dtype cast a writer thread copies each range from the HF file into its
 `.distcp` record in the kernel (copy_file_range, inside the record torch.save would write); with a
 cast it memory-maps and casts the range only when it writes it. `--tp`/`--pp` only validate that the
-model splits over that layout and set the padded vocab; megatron-core reshards at load.
+model splits over that layout and set the padded vocab (`--ep`/`--etp`: the experts over EP and expert-TP);
+megatron-core reshards at load.
 
 Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
 1.56 GB each): no HF byte enters the process without a cast (RSS growth ~0); with one, --threads mapped
@@ -13,6 +14,15 @@ chunks of at most --chunk-mb and their serialized records (4 x 2 x 16 MiB = 128 
 goal's bound, one layer plus the write buffers, is 1.04 GB). Each byte is copied once, page cache to page
 cache, so the time is a byte copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio
 `tools/bench_convert.py` measures.
+
+Mixture of experts (Qwen3-MoE): each expert's HF gate / up / down rows go to index e of the layer's expert axis
+(`entry.dist` keys: [L, E, 2I, H] and [L, E, H, I] when the layers stack, [E, ...] per layer key in a mixed dense /
+MoE model; `ckpt_config.stored_tensors`), so the output is the same whatever --ep / --etp. At Qwen3-30B-A3B
+(61.1 GB bf16, 18,867 HF tensors of which 18,432 experts; `tools/bench_convert.py --plan qwen3-30b-a3b`): a layer's
+fc1 is 128 x 1536 x 2048 x 2 B = 805 MB and the stacked fc1 38.7 GB, but neither is ever held: an expert's gate, up
+or down (768 x 2048 x 2 B = 3 MiB) is one chunk, copied in the kernel (~0 resident), or mapped and cast with
+--dtype (at most --threads x --chunk-mb chunks plus their records = 128 MiB). 19,373 chunks and 12,385
+`_extra_state` objects (~1 KB each) make the .metadata the writers' only per-chunk state.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Megatron-core dist checkpoints (torch_dist) of a Qwen2 model, written and read without building a model.
+"""Megatron-core dist checkpoints (torch_dist) of a registered model family, written and read without building one.
 
 Layout written (Megatron-LM's, so `--load DIR` here and Megatron-LM's torch_dist loader
 open it)::
@@ -12,7 +12,8 @@ open it)::
 a release checkpoint is what it starts from at iteration 0 with a fresh optimizer and RNG.
 
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
-leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
+leading axis (per-layer keys in a mixed dense / MoE model), an MoE layer's experts on a global expert axis;
+megatron-core reshards at load, so one checkpoint serves every TP/PP/EP. Each tensor is a
 list of chunks (global offset, shape, where its bytes lie in a file or a function producing them): a
 writer thread copies a chunk's bytes file to file in the kernel into the record torch.save would write
 (`record_template`), or produces it only when it reaches it, so memory holds at most one produced
