@@ -60,13 +60,14 @@ def moe_config(config: dict) -> dict:
                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
 
 
-def transformer_config(config: dict, hf_names: set[str]):
-    """megatron-core TransformerConfig of an HF decoder (dense or Qwen3-MoE), written out field by field."""
+def transformer_config(config: dict, hf_names: set[str], **parallel):
+    """megatron-core TransformerConfig of an HF decoder (dense or Qwen3-MoE), written out field by field;
+    `parallel`: its parallel sizes (e.g. expert_model_parallel_size)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     heads = config["num_attention_heads"]
     return TransformerConfig(
-        **moe_config(config),
+        **moe_config(config), **parallel,
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
         num_query_groups=config.get("num_key_value_heads") or heads,

@@ -49,6 +49,33 @@ def pipelined_logits(model, ids: torch.Tensor, arch: ModelArch, sp: bool = False
     return torch.cat(parts, dim=-1)[..., : arch.vocab_size]
 
 
+def megatron_core_logits(work: str, tie: str, ids: torch.Tensor, ep: int) -> torch.Tensor:
+    """Logits of megatron-core's own GPTModel (TP1 x PP1 x EP `ep`: its TransformerConfig and block spec written out
+    from config.json, tests/test_convert_mcore_load.py) after `dist_checkpointing.load` of the converter output,
+    which is what Megatron-LM does: no megatron_dapo code between the checkpoint and the model."""
+    import argparse
+    import json
+
+    from megatron.core.models.gpt import GPTModel, gpt_layer_specs
+
+    from tests.test_convert_mcore_load import rope_kwargs, transformer_config
+
+    config = json.load(open(os.path.join(work, f"hf_{tie}", "config.json")))
+    with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:
+        tconfig = transformer_config(config, set(hf.specs), expert_model_parallel_size=ep)
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
+    release = os.path.join(work, f"mc_{tie}", "release")
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        padded = torch.load(os.path.join(release, "common.pt"), weights_only=True)["args"].padded_vocab_size
+        model = GPTModel(tconfig, spec, vocab_size=padded, max_sequence_length=config["max_position_embeddings"],
+                         share_embeddings_and_output_weights=config["tie_word_embeddings"], **rope_kwargs(config))
+        model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, release)["model"])
+    b, s = ids.shape
+    with torch.no_grad():
+        out = model.eval()(ids, torch.arange(s).expand(b, s), torch.ones(1, 1, s, s, dtype=torch.bool).triu(1))
+    return out[..., : config["vocab_size"]]
+
+
 def check_layout(work: str, shape: str, names: list[str], save_training: bool) -> None:
     tp, pp, ep, etp = (*(int(x) for x in shape.split("x")), 1, None)[:4]
     init_parallel(tp=tp, pp=pp, ep=ep, etp=etp)
@@ -62,6 +89,10 @@ def check_layout(work: str, shape: str, names: list[str], save_training: bool) -
         if logits is not None:
             torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
             print(f"DIFF {shape} {tie} {(logits - ref['logits']).abs().max().item():.2e}", flush=True)
+        if arch.is_moe and ep > 1 and tp == pp == 1:  # megatron-core's own MoE GPTModel at EP > 1 too
+            own = megatron_core_logits(work, tie, ref["ids"], ep)
+            torch.testing.assert_close(own, ref["logits"], rtol=1e-5, atol=1e-5)
+            print(f"DIFF {shape} {tie} megatron-core {(own - ref['logits']).abs().max().item():.2e}", flush=True)
         exported = {name: t.clone() for name, t in iter_hf_weights([model], arch)}
         with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:
             assert set(exported) == set(hf.specs), sorted(set(exported) ^ set(hf.specs))
