@@ -6,8 +6,10 @@ config.json fields (and the HF model's tensor names for the optional q/k/v bias 
 spec is megatron-core's `get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)`, the model is
 `GPTModel` (llama3 rope scaling through its `rope_scaling` / `rope_scaling_factor` arguments) and the weights
 come from `dist_checkpointing.load({"model": model.sharded_state_dict()}, dir)`: what Megatron-LM does with the
-converter's output. The checkpoint is written for TP2 x PP2 and loaded at TP1 (torch_dist is
-layout-independent). Process groups are megatron-core's own (one gloo rank).
+converter's output. The checkpoint is written for TP2 x PP2 (an MoE one checked for EP2 too) and loaded at TP1 x
+EP1 (torch_dist is layout-independent; tests/dist/weights_dist_ckpt.py loads an MoE one into this model at EP2).
+Qwen3-MoE gets megatron-core's MoE fields and its per-layer block spec (`get_gpt_decoder_block_spec`), every layer
+MoE and with a dense layer 1 (per-layer checkpoint keys). Process groups are megatron-core's own (one gloo rank).
 """
 
 from __future__ import annotations
