@@ -4,8 +4,9 @@
 TP=1/PP=1 runs in this process for every registered family; one 4-rank torchrun launch
 (tests/dist/weights_dist_ckpt.py) loads the first family's checkpoints (tied, untied) at TP x PP = 2x1, 1x2
 and 2x2 and every other family's at 2x2 (one model each, tied and untied alternating), Qwen3-MoE also at EP2,
-TP2 x EP2 (expert-TP 1) and, with a dense layer among MoE ones, PP2 x EP2, and saves those of the 2x2 layout as
-training-style checkpoints that mcore-to-hf must convert back bit-exactly.
+TP2 x EP2 (expert-TP 1) and, with a dense layer among MoE ones, PP2 x EP2 (at EP2 megatron-core's own GPTModel
+loads it too), and saves those of the 2x2 layout and the MoE ones at EP2 as training-style checkpoints that
+mcore-to-hf must convert back bit-exactly.
 """
 
 from __future__ import annotations
@@ -132,11 +133,14 @@ def test_one_checkpoint_loads_at_tp_pp_1_2_and_training_checkpoints_convert_back
                        timeout=600)
     oks = [line for line in out.splitlines() if line.startswith("OK ")]
     assert oks == [f"OK {layout} {tie}" for layout, names in layouts.items() for tie in names], out[-3000:]
-    # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly.
-    for tie in specs:
-        argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{tie}"), "--save", str(tmp_path / f"back_{tie}")]
+    # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly, and so do
+    # the MoE ones saved with their experts split over EP ranks.
+    saved = [(tie, tie) for tie in specs] + [(f"{tie}_{layout}", tie) for layout, names in layouts.items()
+                                             for tie in names if layout.count("x") > 1]
+    for run, tie in saved:
+        argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{run}"), "--save", str(tmp_path / f"back_{run}")]
         assert convert_main(argv) == 1  # a training checkpoint stores no HF config: --hf-config is required
         assert convert_main([*argv, "--hf-config", str(tmp_path / f"hf_{tie}")]) == 0
-        original, back = read_all(tmp_path / f"hf_{tie}"), read_all(tmp_path / f"back_{tie}")
+        original, back = read_all(tmp_path / f"hf_{tie}"), read_all(tmp_path / f"back_{run}")
         assert set(back) == set(original)
         assert all(torch.equal(back[n], t) for n, t in original.items())

@@ -8,7 +8,8 @@ each layout and model, every rank loads the checkpoint through `load_model_weigh
 forward and checks logits against HF's, then exports the model with `iter_hf_weights` and checks every
 tensor bit-exact against the HF files. At the last layout each of its models is also saved as a
 training-style checkpoint (`<WORK>/train_NAME/step_0000003`, model under key "model") for the test to
-convert back with mcore-to-hf. Prints "OK <tp>x<pp> NAME" per check.
+convert back with mcore-to-hf, and so is an MoE model at a layout with EP > 1 (`train_NAME_<layout>`).
+Prints "OK <layout> NAME" per check.
 """
 
 import os
@@ -98,14 +99,15 @@ def check_layout(work: str, shape: str, names: list[str], save_training: bool) -
             assert set(exported) == set(hf.specs), sorted(set(exported) ^ set(hf.specs))
             bad = [n for n in exported if not torch.equal(exported[n], hf.get(n))]
         assert not bad, f"exported tensors differ from HF: {bad[:5]}"
-        if save_training:
-            step = os.path.join(work, f"train_{tie}", "step_0000003")
+        # the last layout's models, and MoE models wherever their experts are split over EP ranks
+        for run in [f"train_{tie}"] * save_training + [f"train_{tie}_{shape}"] * (arch.is_moe and ep > 1):
+            step = os.path.join(work, run, "step_0000003")
             if dist.get_rank() == 0:
                 os.makedirs(step)
             dist.barrier()
             dist_checkpointing.save({"model": model.sharded_state_dict()}, step)
             if dist.get_rank() == 0:
-                with open(os.path.join(work, f"train_{tie}", "latest"), "w") as f:
+                with open(os.path.join(work, run, "latest"), "w") as f:
                     f.write("step_0000003")
         dist.barrier()
         if dist.get_rank() == 0:
