@@ -1,9 +1,10 @@
 """torchrun worker (2 ranks): routing replay with PP=2 + --recompute-granularity full (1F1B: a stage runs
-micro-batch 1's forward before micro-batch 0's recomputed backward) and with EP=2 (x DP=2), one launch.
+micro-batch 1's forward before micro-batch 0's recomputed backward), with EP=2 (x DP=2) and with TP=2 + sequence
+parallelism (each TP rank's routers see half of every micro-batch's tokens; expert TP 1), one launch.
 
 argv: <input .pt from tests/test_actor_moe_replay.py> <output dir>. The input holds the arch, the HF state dict,
 the samples (with routed_experts) and the ActorConfig. Every rank saves, per layout, its samples' log-probs,
-the train_step metrics and its main grads (global layer and expert names) to <out>/<layout>_rank<r>.pt.
+the train_step metrics and its main grads (global layer and expert names; TP shards at TP=2) to <out>/<layout>_rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
 LAYOUTS = {"pp2_recompute": dict(pp=2, recompute_granularity="full", recompute_method="uniform",
                                  recompute_num_layers=1),
-           "ep2": dict(ep=2)}
+           "ep2": dict(ep=2),
+           "tp2_sp": dict(tp=2, sp=True, etp=1)}
 
 
 def _global_name(name: str, arch, pp_rank: int, pp: int, ep_rank: int, ep: int) -> str:
@@ -39,12 +41,13 @@ def run_layout(name: str, data: dict, out_dir: str) -> None:
     layout = init_parallel(seed=0, **LAYOUTS[name])
     actor = MegatronActor(arch, data["config"], layout)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     full = hf_to_full_mcore(data["hf_state_dict"], arch)
-    actor.load_shards(mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=layout.pp, pp_rank=pp_rank,
-                                            padded_vocab=padded_vocab_size(arch.vocab_size, 1), ep=layout.ep,
-                                            ep_rank=ep_rank))
+    actor.load_shards(mcore_shards_for_rank(full, arch, tp=layout.tp, tp_rank=tp_rank, pp=layout.pp, pp_rank=pp_rank,
+                                            padded_vocab=padded_vocab_size(arch.vocab_size, layout.tp), ep=layout.ep,
+                                            ep_rank=ep_rank, etp=layout.etp, etp_rank=0 if layout.etp == 1 else None))
     indices = list(range(dp_rank, len(data["samples"]), layout.dp))
     samples = [data["samples"][i] for i in indices]
     logps = actor.compute_log_probs(samples)
