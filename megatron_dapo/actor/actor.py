@@ -221,7 +221,7 @@ class MegatronActor:
                 self._routing.set_micro_batch(*routing_inputs(
                     samples, mb.indices, mb.tokens, cu_seqlens=mb.cu_seqlens, num_layers=self.arch.num_layers,
                     topk=self.arch.num_experts_per_tok, num_experts=self.arch.num_experts,
-                    moe_layers=self.arch.moe_layers))
+                    moe_layers=self.arch.moe_layers), device=device)
             with self._rope_per_row(module, mb if packed and not te else None), self._hidden_output(module):
                 # last stage: logits [b, s, V/tp], or hidden [b, s, h] with --fused-linear-logprob
                 output = model(mb.tokens, mb.position_ids, mb.attention_mask, **extra)

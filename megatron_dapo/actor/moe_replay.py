@@ -119,8 +119,10 @@ class ReplayState:
         routing, counted in forwards outside backward since the last `take_agreement` (this rank's routers)."""
         self.hooks: list[ReplayTopK] = []
 
-    def set_micro_batch(self, table: Tensor | None, valid: Tensor) -> None:
-        self.table, self.valid = table, valid
+    def set_micro_batch(self, table: Tensor | None, valid: Tensor, device: torch.device) -> None:
+        """The micro-batch the next forward runs (moved to the device once, not once per layer)."""
+        self.table = None if table is None else table.to(device, non_blocking=True)
+        self.valid = valid.to(device, non_blocking=True)
 
     def begin(self, *, training: bool) -> None:
         """Start a forward pass over a batch (clears recompute queues a failed step may have left)."""
@@ -173,7 +175,7 @@ class ReplayTopK:
             return scores.gather(1, chosen), chosen
         chosen = None
         if state.table is not None:
-            rows = state.slice_rows(state.table, scores.shape[0])[:, self.layer].to(scores.device).long()  # [n, k]
+            rows = state.slice_rows(state.table, scores.shape[0])[:, self.layer].long()  # [n, k]
             has = rows[:, 0] != NO_ROUTE
             if not state.training:  # the log-prob recompute: the rollout's policy, before any update
                 same = same_expert_set(own, rows) & has

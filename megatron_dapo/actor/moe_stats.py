@@ -51,7 +51,7 @@ class RouterStats:
             if not state.training or in_backward() or state.valid is None:
                 return
             routing_map = output[1]  # [n, E] bool, after dropping
-            valid = state.slice_rows(state.valid, routing_map.shape[0]).to(routing_map.device)
+            valid = state.slice_rows(state.valid, routing_map.shape[0])
             kept = routing_map[valid].sum(dim=0).double()
             self.counts = self.counts.to(kept.device)
             self.dropped = self.dropped.to(kept.device)
