@@ -225,10 +225,10 @@ def test_replay_table_layout_and_errors(world):
 
 
 @pytest.mark.slow
-def test_replay_at_pp2_recompute_ep2_and_tp2_sp_equals_single_process(world, tmp_path):
+def test_replay_multi_rank_layouts_equal_single_process(world, tmp_path):
     """torchrun, 2 ranks (tests/dist/actor_moe_replay.py): PP=2 with --recompute-granularity full and EP=2 x DP=2
-    give the single-process replayed log-probs, main grads and router statistics; TP=2 + SP (expert TP 1) the
-    log-probs, the router statistics and the loss metrics."""
+    give the single-process replayed log-probs, main grads and router statistics; TP=2 + SP (expert TP 1) and
+    PP=2 x 2 virtual stages the log-probs, the router statistics and the loss metrics."""
     from tests.torchrun import REPO, run_torchrun
 
     _, hf, arch = world
@@ -244,12 +244,15 @@ def test_replay_at_pp2_recompute_ep2_and_tp2_sp_equals_single_process(world, tmp
     torch.save({"arch": arch, "hf_state_dict": hf.state_dict(), "samples": samples, "config": config},
                tmp_path / "in.pt")
     run_torchrun(REPO / "tests/dist/actor_moe_replay.py", tmp_path / "in.pt", tmp_path, nproc=2)
-    for name in ("pp2_recompute", "ep2", "tp2_sp"):
+    for name in ("pp2_recompute", "ep2", "tp2_sp", "pp2_vpp"):
         ranks = [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
         if name == "pp2_recompute":
             assert ranks[0]["micro_batches"] >= 3  # 1F1B: a forward runs before the first recomputed backward
             grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
             pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))  # broadcast to every stage
+        elif name == "pp2_vpp":
+            grads = None
+            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))
         elif name == "tp2_sp":
             grads = None
             pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))  # TP ranks agree
