@@ -22,6 +22,20 @@ def rollout_engine_kind(args: argparse.Namespace) -> str:
     return args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
 
 
+def check_rollout_model(args: argparse.Namespace) -> None:
+    """Refuses, before anything is built or launched, a --hf-checkpoint the chosen engine would serve wrong (ValueError
+    naming the config.json fields): SGLang and an MoE model with dense layers (sglang/setup.py check_sglang_serves).
+    Reads config.json only (milliseconds)."""
+    if rollout_engine_kind(args) != "sglang" or args.hf_checkpoint is None:
+        return
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.rollout.sglang.setup import check_sglang_serves
+
+    config = Path(args.hf_checkpoint) / "config.json"
+    if config.is_file():  # a missing config.json is check_model_config's error
+        check_sglang_serves(ModelArch.from_hf(args.hf_checkpoint), str(config))
+
+
 def memory_server_args(args: argparse.Namespace, *, cuda: bool) -> tuple[str, ...]:
     """SGLang flags for the memory of launched CUDA servers: --mem-fraction-static (given, or with --colocate the
     planner's, megatron_dapo/planner.py) and, colocated, --enable-memory-saver (without it
@@ -55,6 +69,8 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout.sglang import setup as server_setup
     from megatron_dapo.rollout.sglang.engine import ClientConfig
     from megatron_dapo.rollout.sglang.server import ServerConfig
+
+    check_rollout_model(args)  # before any server is attached or launched
 
     attach = bool(args.sglang_server_urls)
     if args.sglang_router_url and not attach:
