@@ -169,6 +169,8 @@ def extend(prefix: Sample | None, continuation: Sample, prompt_ids: Sequence[int
         logprobs=list(prefix.logprobs) + list(continuation.logprobs),
         finish_reason=continuation.finish_reason, weight_version=prefix.weight_version,
         token_versions=prefix.versions() + continuation.versions(),
+        # the continuation re-routed prompt + prefix in its prefill: its rows already cover the whole sequence
+        routed_experts=continuation.routed_experts,
     )
 
 
