@@ -178,3 +178,40 @@ def test_dataplane_carries_routes_only_when_replay_is_on():
     missing = [[_Rollout(TrainSample(tokens=[1, 2, 3], prompt_len=2, advantage=0.0), torch.zeros(1))]]
     with pytest.raises(ValueError, match="--moe-routing-replay: a row's routed experts are None"):
         pack(missing, shape)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "off"])
+def test_trainer_carries_sample_routes_into_train_samples_only_with_replay(monkeypatch, replay):
+    """Trainer.build_samples (rank 0): Sample.routed_experts becomes TrainSample.routed_experts with
+    --moe-routing-replay, and nothing is carried without it."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.algorithm import grpo_advantages
+    from megatron_dapo.rollout.collect import Prompt, ScoredGroup
+    from megatron_dapo.trainer import loop
+
+    monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    arch = ModelArch.from_hf(dict(tiny_config("qwen3_moe"), model_type="qwen3_moe"))
+    shape = routing_of(arch, True)
+    actor = SimpleNamespace(arch=arch, config=SimpleNamespace(moe_routing_replay=replay))
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(request_id="p", index=i, prompt_ids=[3, 4, 5], response_ids=[6] * (i + 1),
+                      logprobs=[-1.0] * (i + 1), finish_reason="stop", weight_version=0,
+                      routed_experts=torch.randint(0, 8, (3 + i, shape.num_layers, shape.top_k),
+                                                   generator=g).to(shape.dtype)) for i in range(2)]
+    group = ScoredGroup(prompt=Prompt(prompt_ids=[3, 4, 5], ground_truth="", index=0), samples=samples,
+                        accs=[True, False], rewards=[1.0, -1.0])
+    trainer = SimpleNamespace(actor=actor, config=SimpleNamespace(advantage_estimator=grpo_advantages,
+                                                                  global_batch_size=None),
+                              collect=SimpleNamespace(overlong=SimpleNamespace(filter_truncated=False)),
+                              dp_split=lambda mb, dp: [list(range(len(mb)))])
+    trainer.routing = loop.Trainer.routing.func(trainer)
+    assert trainer.routing == (shape if replay else None)
+    shares, _ = loop.Trainer.build_samples(trainer, [group])
+    rows = [r.sample for r in shares[0][0]]
+    assert len(rows) == 2
+    for sample, row in zip(samples, rows, strict=True):
+        if replay:
+            assert torch.equal(row.routed_experts, sample.routed_experts)
+        else:
+            assert row.routed_experts is None
