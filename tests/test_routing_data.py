@@ -215,3 +215,35 @@ def test_trainer_carries_sample_routes_into_train_samples_only_with_replay(monke
             assert torch.equal(row.routed_experts, sample.routed_experts)
         else:
             assert row.routed_experts is None
+
+
+def test_checkpointed_samples_keep_their_routes():
+    """A checkpoint keeps the routes of the samples it holds: --partial-rollout's carried groups (a finished sample of
+    a cut group is trained after the resume as it is) and --async-rollout's batch ahead; through torch.save and a
+    weights_only load."""
+    import io
+
+    from megatron_dapo.rollout.async_rollout import AheadBatch, batch_from_state, batch_state
+    from megatron_dapo.rollout.collect import Prompt, ScoredGroup
+    from megatron_dapo.rollout.partial_rollout import CarriedGroup, from_state, state
+
+    g = torch.Generator().manual_seed(1)
+    prompt = Prompt(prompt_ids=[3, 4, 5], ground_truth="1", index=7)
+    samples = [Sample(request_id="p", index=0, prompt_ids=[3, 4, 5], response_ids=[6, 7], logprobs=[-1.0, -0.5],
+                      finish_reason="stop", weight_version=2,
+                      routed_experts=torch.randint(0, 8, (4, 3, 2), generator=g).to(torch.uint8)),
+               Sample(request_id="p", index=1, prompt_ids=[3, 4, 5], response_ids=[], logprobs=[],
+                      finish_reason="abort", weight_version=2)]
+
+    def through_disk(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)
+
+    carried = from_state(through_disk(state([CarriedGroup(prompt=prompt, samples=samples, seed=3, first_step=1)])))
+    ahead = batch_from_state(through_disk(batch_state(AheadBatch.from_checkpoint(
+        2, 1, [ScoredGroup(prompt=prompt, samples=samples, accs=[True, False], rewards=[1.0, -1.0])], {}))))
+    for back in (carried[0].samples, ahead.result()[0][0].samples):
+        assert torch.equal(back[0].routed_experts, samples[0].routed_experts)
+        assert back[0].routed_experts.dtype == torch.uint8 and back[1].routed_experts is None
