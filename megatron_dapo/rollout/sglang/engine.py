@@ -111,7 +111,12 @@ class ClientConfig:
     routing: RoutingShape | None = None
     """--moe-routing-replay: ask each /generate for the experts every token was routed to (`return_routed_experts`;
     the servers run with --enable-return-routed-experts) and keep them in Sample.routed_experts, decoded for this
-    model's (num_layers, top_k, num_experts). None: not asked (dense models, replay off)."""
+    model's (num_layers, top_k, num_experts). None: not asked (dense models, replay off).
+    Cost at Qwen3-30B-A3B (48 layers x top-8): 2,048 B a token of base64 JSON from the servers (int32 on the wire),
+    384 B a token once decoded to uint8 on rank 0. A DAPO step of 512 prompts x 16 responses (44.8 M tokens at the
+    lognormal lengths of tools/bench_dataplane.py, median 4k, cap 20k): ~92 GB of JSON parsed by rank 0's client over
+    the rollout, 17.2 GB held by rank 0 until the data plane has sent it. Every sample carries its prompt's rows, so
+    a group's prompt is sent 16 times (not deduplicated: `routed_experts_start_len` could)."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
