@@ -168,4 +168,15 @@ def test_sglang_refuses_moe_model_with_dense_layers_before_launch(tmp_path, monk
                                                    "--rollout-engine", "embedded"]))
     (tmp_path / "sparse").mkdir()
     (tmp_path / "sparse" / "config.json").write_text(json.dumps({**fam.tiny_config, "model_type": "qwen3_moe"}))
-    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "sparse")]))
+    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "sparse"),
+                                                   "--moe-routing-replay"]))
+    # --moe-routing-replay needs experts: refused for a dense model, whatever the engine
+    from megatron_dapo.models.registry import family as dense_family
+
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({**dense_family("qwen3").tiny_config,
+                                                                "model_type": "qwen3"}))
+    for engine in ("sglang", "embedded"):
+        with pytest.raises(ValueError, match="--moe-routing-replay needs a mixture-of-experts model"):
+            check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "dense"),
+                                                           "--rollout-engine", engine, "--moe-routing-replay"]))

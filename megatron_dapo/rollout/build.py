@@ -24,16 +24,18 @@ def rollout_engine_kind(args: argparse.Namespace) -> str:
 
 def check_rollout_model(args: argparse.Namespace) -> None:
     """Refuses, before anything is built or launched, a --hf-checkpoint the chosen engine would serve wrong (ValueError
-    naming the config.json fields): SGLang and an MoE model with dense layers (sglang/setup.py check_sglang_serves).
-    Reads config.json only (milliseconds)."""
-    if rollout_engine_kind(args) != "sglang" or args.hf_checkpoint is None:
+    naming the config.json fields): SGLang and an MoE model with dense layers (sglang/setup.py check_sglang_serves);
+    --moe-routing-replay with a model without experts. Reads config.json only (milliseconds)."""
+    if args.hf_checkpoint is None or not (Path(args.hf_checkpoint) / "config.json").is_file():
+        return  # a missing config.json is check_model_config's error
+    _routing(args)
+    if rollout_engine_kind(args) != "sglang":
         return
     from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.sglang.setup import check_sglang_serves
 
     config = Path(args.hf_checkpoint) / "config.json"
-    if config.is_file():  # a missing config.json is check_model_config's error
-        check_sglang_serves(ModelArch.from_hf(args.hf_checkpoint), str(config))
+    check_sglang_serves(ModelArch.from_hf(args.hf_checkpoint), str(config))
 
 
 def _routing(args: argparse.Namespace):
