@@ -6,11 +6,11 @@ bucket costs one allocation, one shared-memory segment or one broadcast per ~512
 The request count of a sync is a function of its bytes, not of its tensor count (`plan_buckets`): greedy packing in
 arrival order closes a bucket only when the next tensor would overflow it (or its dtype differs), so any two
 consecutive buckets hold more than `bucket_bytes` together and a sync of B bytes in one dtype is at most
-2 x ceil(B / bucket_bytes) requests, whatever the tensor count. At Qwen3-30B-A3B (bf16, 18,432 expert tensors of 3 MiB
-among 18,867 tensors, 61.1 GB) the default 512 MiB buckets give 114 requests (`plan_buckets` on its tensor list,
-tools/bench_weight_sync.py --sizing-only); the dense Qwen2.5-32B (771 tensors, 65.5 GB) 194, since its 270 MiB MLP
-matrices fit one to a bucket. Each bucket is one request per server whatever it holds; in tensor mode the body
-carries a ~129 B handle per tensor (2.3 MiB per sync at 30B-A3B).
+2 x ceil(B / bucket_bytes) requests, whatever the tensor count. At Qwen3-30B-A3B (bf16, 18,432 expert tensors of
+3 MiB among 18,867 tensors, 61.1 GB) the default 512 MiB buckets give 114 requests per server (`plan_buckets` on its
+tensor list; tools/bench_weight_sync.py prints it next to the dense model); the dense Qwen2.5-32B (771 tensors,
+65.5 GB) 194, since its 270 MiB MLP matrices fit one to a bucket. Each bucket is one request per server whatever it
+holds; in tensor mode the body carries a ~129 B handle per tensor (2.3 MiB per sync at 30B-A3B).
 """
 
 from __future__ import annotations
