@@ -350,11 +350,13 @@ class Trainer:
             for r, lp in zip(local, old):
                 r.sample.old_log_probs = lp
         sums: dict[str, float] = {}
+        counts: dict[str, int] = {}  # a metric some mini-batches lack (moe/routing_agreement: the first only)
         for mb in minibatches:
             step_metrics = self.actor.train_step([r.sample for r in mb], rollout_step=step)
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
-        metrics |= {f"train/{k}": v / len(minibatches) for k, v in sums.items()}
+                counts[k] = counts.get(k, 0) + 1
+        metrics |= {f"train/{k}": v / counts[k] for k, v in sums.items()}
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 
