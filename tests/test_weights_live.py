@@ -61,9 +61,8 @@ def test_single_process_logits_and_export_match_hf(
     hf_model = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type)
     arch = ModelArch.from_hf(tmp_path / "hf")
     model = build_gpt_model(arch).eval()
-    # written for TP=2 (vocab padded to 256 either way): the checkpoint is layout-independent. An MoE model at TP > 1
-    # needs --sequence-parallel, which hf-to-mcore does not take (it refuses --tp 2 for MoE): TP=1 for those
-    ckpt = _convert(tmp_path / "hf", tmp_path / "mc", "--tp", "1" if arch.is_moe else "2")
+    # written for TP=2 (vocab padded to 256 either way): the checkpoint is layout-independent
+    ckpt = _convert(tmp_path / "hf", tmp_path / "mc", "--tp", "2")
     assert load_model_weights(model, ckpt, arch) == ckpt / "release"
     ids = torch.randint(0, arch.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
     logits = _causal_forward(model, ids)[..., : arch.vocab_size]
