@@ -231,16 +231,15 @@ def gather_uneven_first_dim(input_: torch.Tensor, group, output_split_sizes) -> 
     """All-gather along dim 0 where rank i contributes `output_split_sizes[i]` rows, over gloo: every rank pads
     its rows to the largest split, one even all-gather, then each rank's padding is cut (exact: only copies).
     Costs one extra (max split x world) buffer; this path exists on CPU only."""
-    import torch.distributed as dist
+    from megatron_dapo.distributed import comm
 
     sizes = [int(n) for n in output_split_sizes]
-    rows, world = max(sizes), len(sizes)
+    rows = max(sizes)
     if input_.shape[0] != sizes[group.rank()]:
         raise ValueError(f"gather_uneven_first_dim: this rank has {input_.shape[0]} rows, its split says "
                          f"{sizes[group.rank()]}")
-    out = input_.new_empty(world * rows, *input_.shape[1:])
-    dist.all_gather_into_tensor(out, _padded_rows(input_, rows), group=group)
-    return torch.cat([out[i * rows:i * rows + n] for i, n in enumerate(sizes)])
+    parts = comm.all_gather(_padded_rows(input_, rows), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
 
 
 def _install_uneven_collectives() -> None:
