@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "the checkpoint loads at any TP")
     a.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1,
                    help="PP size to check the layer count against (default 1)")
+    a.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="mixture of experts: EP size to check num_experts splits over (default 1); the checkpoint "
+                   "holds every expert on a global axis and loads at any EP")
+    a.add_argument("--etp", "--expert-tensor-parallel-size", dest="etp", type=int, default=None,
+                   help="mixture of experts: expert-TP size to check moe_intermediate_size against (default: --tp)")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="cast to this dtype (default: keep the HF dtype)")
     a.add_argument("--threads", type=int, default=4, help="parallel writer threads (default 4)")
     a.add_argument("--chunk-mb", type=int, default=16,
@@ -82,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         if command == "hf-to-mcore":
             cfg = HfToMcoreConfig(**ns)
             hf_to_mcore(cfg)
-            done = "dry run" if cfg.dry_run else f"wrote {cfg.save} (torch_dist; checked for tp={cfg.tp}, pp={cfg.pp})"
+            experts = f", ep={cfg.ep}, etp={cfg.layout.expert_tp}" if cfg.ep > 1 or cfg.etp else ""
+            checked = f"tp={cfg.tp}, pp={cfg.pp}{experts}"
+            done = "dry run" if cfg.dry_run else f"wrote {cfg.save} (torch_dist; checked for {checked})"
         elif command == "gguf-to-hf":
             done = f"wrote {gguf_to_hf(GgufToHfConfig(**ns))}"
         else:

@@ -5,7 +5,8 @@ shape, as chunks that are each one HF row range (`hf_row_segments`: the QKV inte
 per query group). Without a --dtype cast a writer thread copies each range from the HF file into its
 `.distcp` record in the kernel (copy_file_range, inside the record torch.save would write); with a
 cast it memory-maps and casts the range only when it writes it. `--tp`/`--pp` only validate that the
-model splits over that layout and set the padded vocab; megatron-core reshards at load.
+model splits over that layout and set the padded vocab (`--ep`/`--etp`: the experts over EP and expert-TP);
+megatron-core reshards at load.
 
 Cost at Qwen2.5-32B (65.5 GB bf16, 64 layers of 975 MB: qkv 73 MB, fc1 566 MB; embedding and head
 1.56 GB each): no HF byte enters the process without a cast (RSS growth ~0); with one, --threads mapped
@@ -13,6 +14,15 @@ chunks of at most --chunk-mb and their serialized records (4 x 2 x 16 MiB = 128 
 goal's bound, one layer plus the write buffers, is 1.04 GB). Each byte is copied once, page cache to page
 cache, so the time is a byte copy's (65.5 GB at the disk's write speed: ~66 s at 1 GB/s) times the ratio
 `tools/bench_convert.py` measures.
+
+Mixture of experts (Qwen3-MoE): each expert's HF gate / up / down rows go to index e of the layer's expert axis
+(`entry.dist` keys: [L, E, 2I, H] and [L, E, H, I] when the layers stack, [E, ...] per layer key in a mixed dense /
+MoE model; `ckpt_config.stored_tensors`), so the output is the same whatever --ep / --etp. At Qwen3-30B-A3B
+(61.1 GB bf16, 18,867 HF tensors of which 18,432 experts; `tools/bench_convert.py --plan qwen3-30b-a3b`): a layer's
+fc1 is 128 x 1536 x 2048 x 2 B = 805 MB and the stacked fc1 38.7 GB, but neither is ever held: an expert's gate, up
+or down (768 x 2048 x 2 B = 3 MiB) is one chunk, copied in the kernel (~0 resident), or mapped and cast with
+--dtype (at most --threads x --chunk-mb chunks plus their records = 128 MiB). 19,373 chunks and 12,385
+`_extra_state` objects (~1 KB each) make the .metadata the writers' only per-chunk state.
 """
 
 from __future__ import annotations
@@ -26,7 +36,13 @@ from typing import Any
 import torch
 
 from checkpoint_convert.atomic_dir import atomic_output_dir
-from megatron_dapo.checkpoint.ckpt_config import check_dtype, config_dtype, read_hf_config
+from megatron_dapo.checkpoint.ckpt_config import (
+    StoredTensor,
+    check_dtype,
+    config_dtype,
+    read_hf_config,
+    stored_tensors,
+)
 from megatron_dapo.checkpoint.dist_ckpt import (
     FORMAT,
     ITERATION_DIR,
@@ -43,7 +59,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
-from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, dist_key, hf_names
+from megatron_dapo.weights.mapping import hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,6 +77,10 @@ class HfToMcoreConfig:
     """--tp: tensor-parallel size to validate the model against (heads, kv heads, ffn) and pad the vocab for."""
     pp: int = 1
     """--pp: pipeline-parallel size to validate the layer count against."""
+    ep: int = 1
+    """--ep: expert-parallel size to validate num_experts against (MoE; the checkpoint loads at any EP)."""
+    etp: int | None = None
+    """--etp: expert-tensor-parallel size to validate moe_intermediate_size against (MoE; None = --tp)."""
     dtype: str | None = None
     """--dtype: fp32 | bf16 | fp16; default keeps the HF checkpoint's dtype (bit-exact)."""
     overwrite: bool = False
@@ -81,7 +101,11 @@ class HfToMcoreConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.chunk_mb < 1:
             raise ValueError(f"--chunk-mb must be >= 1, got {self.chunk_mb}")
-        self.layout = ParallelLayout(tp=self.tp, pp=self.pp)
+        # Only validated against the model (`validate_layout`): data parallelism sized so the expert grid fits
+        # (EP x ETP divides TP x DP), sequence parallelism on (an MoE model at TP > 1 runs with it).
+        expert_tp = self.tp if self.etp is None else self.etp
+        self.layout = ParallelLayout(tp=self.tp, pp=self.pp, dp=max(1, self.ep * expert_tp), sp=self.tp > 1,
+                                     ep=self.ep, etp=self.etp)
         self.chunk_bytes = self.chunk_mb << 20
 
 
@@ -118,29 +142,29 @@ def _row_chunks(
 
 
 def _entry_tensor(
-    reader: HFCheckpointReader, entry: MappingEntry, arch: ModelArch, padded_vocab: int,
+    reader: HFCheckpointReader, stored: StoredTensor, arch: ModelArch, padded_vocab: int,
     dtype: torch.dtype, chunk_bytes: int, planned: dict[str, int] | None = None,
 ) -> LazyTensor:
-    """One mapping-table entry over all layers as a LazyTensor of HF-backed chunks.
+    """One stored tensor (an entry over its layers, and experts) as a LazyTensor of HF-backed chunks.
 
     Every kind is a permutation of HF row blocks (`hf_row_segments`; qkv: three per query group), so
-    each chunk is one HF byte range: nothing is concatenated or interleaved in memory.
+    each chunk is one HF byte range: nothing is concatenated or interleaved in memory. An expert's HF
+    tensors (gate, up / down of expert e) go to index e of the leading expert axis.
     """
-    shape = global_shape(entry, arch, padded_vocab)
-    lazy = LazyTensor(shape, dtype)
-    layers: list[int | None] = list(range(arch.num_layers)) if entry.stage == "layer" else [None]
+    entry = stored.entry
+    lazy = LazyTensor(global_shape(entry, arch, padded_vocab), dtype)
     segments = hf_row_segments(entry, arch)
     itemsize = torch.empty((), dtype=dtype).element_size()
     row_bytes = [itemsize * torch.Size(s[1:]).numel() for s in hf_shapes(entry, arch)]
-    for layer in layers:
-        prefix = () if layer is None else (layer,)
-        names = hf_names(entry, layer=layer, tied=False)
+    for layer, expert in stored.hf_sources(arch):
+        prefix = stored.index(layer, expert)
+        names = hf_names(entry, layer=layer, tied=False, expert=expert)
         for seg in segments:
             lazy.chunks += _row_chunks(
                 reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype, planned
             )
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
-            pad = (padded_vocab - arch.vocab_size, *shape[1:])
+            pad = (padded_vocab - arch.vocab_size, *lazy.shape[1:])
             # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load.
             lazy.chunks.append(Chunk((arch.vocab_size, 0), pad, lambda pad=pad: torch.zeros(pad, dtype=dtype)))
     return lazy
@@ -149,19 +173,26 @@ def _entry_tensor(
 def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
     """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
-    Per layer, the four linears (megatron-core's local ones and TE's alike); once, the final norm, which on a
+    Per layer, the four linears (megatron-core's local ones and TE's alike), of an MoE layer the attention's
+    two and each expert's two (megatron-core's SequentialMLP: one object per expert, offsets (layer, expert)
+    of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); once, the final norm, which on a
     TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec) and so has extra
     state (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local
     modules ignore it, TE's accept None. Loading tolerates an absent one anyway (weights/extra_state.py).
+    At Qwen3-30B-A3B: 48 x (2 + 2 x 128) + 1 = 12,385 objects of ~1 KB (`tools/bench_convert.py --plan`).
     """
-    modules = sorted({
-        dist_key(e).rsplit(".", 1)[0] for e in arch_mapping(arch) if e.stage == "layer" and e.kind != "replicated"
-    })
-    objects = {
-        sharded_object_key(f"{m}._extra_state", (layer,), (arch.num_layers,)): serialized_object(None)
-        for m in modules
-        for layer in range(arch.num_layers)
-    }
+    objects = {}
+    for stored in stored_tensors(arch):
+        if stored.entry.stage != "layer" or stored.entry.kind == "replicated":
+            continue
+        module = stored.key.rsplit(".", 1)[0]
+        lead = (arch.num_layers,) if stored.stacked else ()
+        experts = (arch.num_experts,) if stored.entry.per_expert else ()
+        for layer, expert in stored.hf_sources(arch):
+            offset, shape = stored.index(layer, expert), (*lead, *experts)
+            if not shape:  # a per-layer key's unsharded object
+                offset, shape = (0,), (1,)
+            objects[sharded_object_key(f"{module}._extra_state", offset, shape)] = serialized_object(None)
     objects[sharded_object_key("decoder.final_layernorm._extra_state", (0,), (1,))] = serialized_object(None)
     return objects
 
@@ -220,7 +251,30 @@ def megatron_args(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype) -
         "ckpt_format": "torch_dist",
         "use_dist_ckpt": True,
         "iteration": 0,
+        **(moe_args(layer) if arch.is_moe else {}),
     }
+
+
+MOE_ARGS: dict[str, str] = {
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "moe_layer_freq": "moe_layer_freq",
+    "moe_router_pre_softmax": "moe_router_pre_softmax",
+    "moe_router_score_function": "moe_router_score_function",
+    "moe_router_load_balancing_type": "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff": "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type": "moe_token_dispatcher_type",
+}
+"""megatron-core MoE TransformerConfig field (a family's `transformer_config_fields`) -> the Megatron-LM argument
+that sets it (--num-experts, --moe-router-topk, ...)."""
+
+
+def moe_args(layer: dict[str, Any]) -> dict[str, Any]:
+    """The Megatron-LM MoE arguments of a family's TransformerConfig fields. The expert-parallel size is not
+    among them: the checkpoint holds every expert on a global axis and loads at any --expert-model-parallel-size
+    (Megatron-LM's check_checkpoint_args does not compare it)."""
+    return {arg: layer[field] for field, arg in MOE_ARGS.items() if field in layer}
 
 
 def common_state(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> dict:
@@ -238,14 +292,13 @@ def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_con
     """Megatron args and the global shape of every stored tensor, as printable text."""
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     args = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in megatron_args(arch, layout, dtype).items()}
-    lines = ["megatron args:", json.dumps(args, indent=2), f"tensors ({dtype}, global shapes, layer axis first):"]
+    lines = ["megatron args:", json.dumps(args, indent=2),
+             f"tensors ({dtype}, global shapes, layer axis first where stacked, then the expert axis):"]
     total = 0
-    for e in arch_mapping(arch):
-        if e.tied_hf and arch.tie_word_embeddings:
-            continue
-        shape = global_shape(e, arch, padded)
+    for stored in stored_tensors(arch):
+        shape = global_shape(stored.entry, arch, padded)
         total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        lines.append(f"  {dist_key(e)} {list(shape)}")
+        lines.append(f"  {stored.key} {list(shape)}")
     lines.append(f"total {total / 1e9:.3f} GB; each of tp={layout.tp} x pp={layout.pp} ranks loads its part")
     return "\n".join(lines)
 
@@ -275,9 +328,7 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         chunk_bytes = cfg.chunk_bytes
         planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         tensors = {
-            dist_key(e): _entry_tensor(reader, e, arch, padded, dtype, chunk_bytes, planned)
-            for e in arch_mapping(arch)
-            if not (e.tied_hf and arch.tie_word_embeddings)
+            t.key: _entry_tensor(reader, t, arch, padded, dtype, chunk_bytes, planned) for t in stored_tensors(arch)
         }
         common = common_state(arch, cfg.layout, dtype, hf_config)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:

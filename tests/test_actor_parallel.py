@@ -1,8 +1,16 @@
 """TP=2, PP=2, TP=2 x PP=2 and DP (torchrun, 4 gloo ranks) give the single-process log-probs, entropies,
-metrics and updated weights, for every registered model family: one launch runs every family and layout.
+metrics and updated weights, for every registered model family; a mixture-of-experts family runs its
+expert-parallel layouts instead: one launch runs every family and layout.
 
 On 4 ranks TP=2 and PP=2 run with DP=2 (the distributed optimizer on, half the samples per replica); pure
 DP (DP=4) runs for the first family only (it does not depend on the family's layers).
+
+MoE (MOE_LAYOUTS): EP=2 over DP=4 (each expert on 2 expert-DP replicas: megatron's expert-DP gradient
+all-reduce), EP=4 (one expert-DP replica), TP=2 x EP=2 + SP with expert-TP 1 and 2 (the alltoall dispatcher's
+expert-TP all-gather / reduce-scatter of uneven splits), PP=2 x EP=2 on a mixed dense / MoE model
+(mlp_only_layers=[1]: stage 0 holds an MoE and a dense layer). Their log-probs are also checked against HF
+transformers' Qwen3MoeForCausalLM; the router weights are scaled up so routing is decided by clear margins (a
+top-k tie broken by reduction-order noise would change the output, not show a layout error).
 """
 
 from __future__ import annotations
@@ -15,30 +23,55 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import families
 from tests.dist.actor_common import (
     FAMILIES,
+    hf_response_log_probs,
     load_hf_state_dict,
     make_samples,
+    merge_layout_shards,
     merge_rank_shards,
+    reset_moe_tracker,
+    sharpen_router,
+    tiny_config,
     tiny_hf_model,
 )
 from tests.dist.actor_parallel import LAYOUTS, NPROC
 from tests.torchrun import REPO, run_torchrun
 
+
+def _is_moe(model_type: str) -> bool:
+    return ModelArch.from_hf(families()[model_type].hf_config(**tiny_config(model_type))).is_moe
+
+
 FAMILY_LAYOUTS = ("tp2", "pp2", "tp2pp2")
-CASES = [(f, lay) for f in FAMILIES for lay in FAMILY_LAYOUTS] + [(FAMILIES[0], "dp4")]
+MOE_LAYOUTS = ("ep2", "ep4", "tp2ep2", "tp2ep2etp2")
+MIXED_LAYOUTS = ("pp2ep2",)
+"""Layouts of the mixed dense / MoE variant of each MoE family (model key `<model_type>_mixed`)."""
+MOE_FAMILIES = tuple(f for f in FAMILIES if _is_moe(f))
+CASES = ([(f, lay) for f in FAMILIES if f not in MOE_FAMILIES for lay in FAMILY_LAYOUTS]
+         + [(FAMILIES[0], "dp4")]
+         + [(f, lay) for f in MOE_FAMILIES for lay in MOE_LAYOUTS]
+         + [(f"{f}_mixed", lay) for f in MOE_FAMILIES for lay in MIXED_LAYOUTS])
 IDS = [f"{f}-{lay}" for f, lay in CASES]
+MOE_CASES = [(m, lay) for m, lay in CASES if lay in MOE_LAYOUTS + MIXED_LAYOUTS]
 STEPS = 2
 # lr large enough that two steps move weights well beyond the fp32 reduction-order noise
 CONFIG = ActorConfig(lr=1e-3, lr_warmup_steps=1, clip_grad=1.0, max_tokens_per_micro_batch=48,
                      use_fused_logprob=False)
+MOE_CONFIG = dataclasses.replace(CONFIG, moe_aux_loss_coeff=0.0)
+"""The load-balancing loss off: megatron computes it per micro-batch over that micro-batch's local tokens (a
+product of per-expert token fractions and mean probabilities, not a sum over tokens), so it depends on how the
+samples are split over DP ranks and micro-batches and cannot equal the single-process run's. The router still
+trains through the top-k weights of the policy loss."""
 
 
 def _single_process(data: dict, family: dict) -> dict:
     arch = ModelArch(**family["arch"])
     layout = init_parallel(seed=data["seed"])
+    reset_moe_tracker()
     try:
-        actor = MegatronActor(arch, data["config"], layout)
+        actor = MegatronActor(arch, family.get("config", data["config"]), layout)
         load_hf_state_dict(actor, family["hf_state_dict"])
         logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
         metrics = [actor.train_step(data["samples"]) for _ in range(STEPS)]
@@ -48,29 +81,46 @@ def _single_process(data: dict, family: dict) -> dict:
     return {"logps": logps, "entropies": ents, "metrics": metrics, "weights": weights}
 
 
+def _tiny_moe(model_type: str, seed: int, **overrides):
+    """A tiny untied MoE HF model with clear top-k margins (`sharpen_router`)."""
+    return sharpen_router(tiny_hf_model(model_type, tie=False, seed=seed, **overrides))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[dict, dict[str, list[dict]], ModelArch]]:
-    """model_type -> (single-process reference, {layout: per-rank results}, arch)."""
+    """model key -> (single-process reference, {layout: per-rank results}, arch); MoE references also hold HF's
+    log-probs and entropies ("hf_logps", "hf_entropies")."""
     tmp = tmp_path_factory.mktemp("actor_parallel")
-    families = {}
+    models, hfs = {}, {}
     for i, model_type in enumerate(FAMILIES):
+        if model_type in MOE_FAMILIES:
+            # (seed 20: with seed 1 + i one linear_proj element's two Adam updates nearly cancel and its net move
+            # differs by up to 3.7e-5 between layouts: the conditioning the note below describes)
+            hfs[model_type] = _tiny_moe(model_type, seed=20, num_hidden_layers=2)
+            hfs[f"{model_type}_mixed"] = _tiny_moe(model_type, seed=20, num_hidden_layers=4, mlp_only_layers=[1])
+            continue
         # untied and tied alternate over the families: PP=2 with a tied model keeps an embedding copy on the
         # last stage whose gradient megatron-core must all-reduce with the first stage's
         # (seed 1 + i: with llama's seed 1 one fc1 weight's two Adam updates nearly cancel, and its 3e-4 net move
         # differs by 1.3e-5 between TP and single-process reduction orders: conditioning, not a layout error)
-        hf = tiny_hf_model(model_type, tie=i % 2 == 1, seed=1 + i, num_hidden_layers=2)
-        families[model_type] = {"arch": dataclasses.asdict(ModelArch.from_hf(hf.config)),
-                                "hf_state_dict": hf.state_dict(),
-                                "layouts": [lay for f, lay in CASES if f == model_type]}
-    data = {"families": families, "config": CONFIG, "seed": 7, "samples": make_samples(10, seed=3),
+        hfs[model_type] = tiny_hf_model(model_type, tie=i % 2 == 1, seed=1 + i, num_hidden_layers=2)
+    for key, hf in hfs.items():
+        arch = ModelArch.from_hf(hf.config)
+        models[key] = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(),
+                       "layouts": [lay for m, lay in CASES if m == key],
+                       "config": MOE_CONFIG if arch.is_moe else CONFIG}
+    data = {"families": models, "config": CONFIG, "seed": 7, "samples": make_samples(10, seed=3),
             "steps": STEPS}
     torch.save(data, tmp / "input.pt")
     run_torchrun(REPO / "tests/dist/actor_parallel.py", str(tmp / "input.pt"), str(tmp), nproc=NPROC)
     out = {}
-    for model_type, family in families.items():
-        results = {name: [torch.load(Path(tmp) / f"{model_type}_{name}_rank{r}.pt", weights_only=False)
-                          for r in range(NPROC)] for name in family["layouts"]}
-        out[model_type] = (_single_process(data, family), results, ModelArch(**family["arch"]))
+    for key, model in models.items():
+        results = {name: [torch.load(Path(tmp) / f"{key}_{name}_rank{r}.pt", weights_only=False)
+                          for r in range(NPROC)] for name in model["layouts"]}
+        reference = _single_process(data, model)
+        if ModelArch(**model["arch"]).is_moe:
+            reference["hf_logps"], reference["hf_entropies"] = hf_response_log_probs(hfs[key], data["samples"])
+        out[key] = (reference, results, ModelArch(**model["arch"]))
     return out
 
 
@@ -82,6 +132,23 @@ def test_log_probs_match_single_process(runs, model_type, layout):
         for i, logp, ent in zip(rank["indices"], rank["logps"], rank["entropies"], strict=True):
             torch.testing.assert_close(logp, reference["logps"][i], atol=2e-5, rtol=0)
             torch.testing.assert_close(ent, reference["entropies"][i], atol=2e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_type", "layout"), MOE_CASES, ids=[f"{m}-{lay}" for m, lay in MOE_CASES])
+def test_moe_log_probs_match_hf(runs, model_type, layout):
+    """Expert-parallel log-probs and entropies against HF's Qwen3MoeForCausalLM (and the single-process run's)."""
+    reference, results, _ = runs[model_type]
+    worst = {"logp": 0.0, "entropy": 0.0}
+    for i in range(len(reference["logps"])):
+        torch.testing.assert_close(reference["logps"][i], reference["hf_logps"][i], atol=2e-5, rtol=0)
+    for rank in results[layout]:
+        for i, logp, ent in zip(rank["indices"], rank["logps"], rank["entropies"], strict=True):
+            torch.testing.assert_close(logp, reference["hf_logps"][i], atol=2e-5, rtol=0)
+            torch.testing.assert_close(ent, reference["hf_entropies"][i], atol=2e-5, rtol=0)
+            worst["logp"] = max(worst["logp"], (logp - reference["hf_logps"][i]).abs().max().item())
+            worst["entropy"] = max(worst["entropy"], (ent - reference["hf_entropies"][i]).abs().max().item())
+    print(f"{model_type} {layout}: max |logp - HF| {worst['logp']:.2e}, max |entropy - HF| {worst['entropy']:.2e}")
 
 
 @pytest.mark.slow
@@ -99,13 +166,21 @@ def test_train_metrics_match_single_process(runs, model_type, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize(("model_type", "layout"), CASES, ids=IDS)
 def test_updated_weights_match_single_process(runs, model_type, layout):
+    """Every DP replica ends with the single-process weights; under EP every expert-DP replica holds every expert
+    (gathered over its EP and expert-TP ranks) with the single-process values."""
     reference, results, arch = runs[model_type]
     lay = LAYOUTS[layout]
-    ranks = results[layout]
-    for dp_rank in range(lay.dp):  # every DP replica ends with the single-process weights
-        shards = {(r["tp_rank"], r["pp_rank"]): r["weights"] for r in ranks if r["dp_rank"] == dp_rank}
-        assert len(shards) == lay.tp * lay.pp
-        _assert_weights_close(merge_rank_shards(shards, arch, tp=lay.tp, pp=lay.pp), reference["weights"])
+    dense, experts = merge_layout_shards(results[layout], arch, tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep,
+                                         etp=lay.expert_tp, edp=lay.expert_dp)
+    want_experts = {k: v for k, v in reference["weights"].items() if ".local_experts." in k}
+    for got in dense:
+        _assert_weights_close(got, {k: v for k, v in reference["weights"].items() if k not in want_experts})
+    assert len(experts) == (lay.expert_dp if arch.is_moe else 0)
+    for got in experts:
+        _assert_weights_close(got, want_experts)
+    if arch.is_moe:
+        worst = max((g[k] - reference["weights"][k]).abs().max().item() for g in dense + experts for k in g)
+        print(f"{model_type} {layout}: max |updated weight - single-process| {worst:.2e}")
 
 
 def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

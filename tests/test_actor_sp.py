@@ -4,7 +4,12 @@ the log-probs, metrics and updated weights of TP=2 without SP: one launch, sever
 Families: the first registered one, and every family with a per-head q/k norm (Qwen3): under SP its
 q_layernorm / k_layernorm are SequenceParallelRMSNorm (models/spec.py) and each TP rank holds the gradient
 of its own heads only, so the updated weights equal TP-only's only if finalize_model_grads sums them over TP.
-The others add no layer SP treats differently."""
+The others add no layer SP treats differently. A mixture-of-experts family (megatron-core refuses its TP > 1
+without SP) compares both SP variants with the single-process run instead: its router sees each TP rank's
+sequence slice (its weight's gradient is partial per rank, summed over TP like the norms'); its experts are split
+over expert-TP = TP. The load-balancing loss is off (CONFIG): the actor passes megatron no padding mask, so the
+loss counts the padded positions, and SP pads each sequence to a multiple of TP: with it on (0.001) the second
+step's pg_loss differs from the single-process run's by 1.1e-4 relative."""
 
 from __future__ import annotations
 
@@ -15,38 +20,81 @@ import pytest
 import torch
 
 from megatron_dapo import planner
-from megatron_dapo.actor import ActorConfig
+from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import families
-from tests.dist.actor_common import FAMILIES, make_samples, tiny_hf_model
-from tests.dist.actor_sp import LAYOUTS
+from tests.dist.actor_common import (
+    FAMILIES,
+    load_hf_state_dict,
+    make_samples,
+    merge_rank_shards,
+    reset_moe_tracker,
+    sharpen_router,
+    tiny_config,
+    tiny_hf_model,
+)
+from tests.dist.actor_sp import LAYOUTS, layouts
 from tests.torchrun import REPO, run_torchrun
 
 VARIANTS = ("tp2_sp", "tp2_sp_recompute")
 SP_FAMILIES = tuple(f for f in FAMILIES if f == FAMILIES[0] or families()[f].arch_defaults.get("qk_layernorm"))
+CONFIG = ActorConfig(lr=1e-3, clip_grad=1.0, max_tokens_per_micro_batch=48, use_fused_logprob=False,
+                     moe_aux_loss_coeff=0.0)
+
+
+def _is_moe(model_type: str) -> bool:
+    return ModelArch.from_hf(families()[model_type].hf_config(**tiny_config(model_type))).is_moe
+
+
+def _tiny(model_type: str):
+    hf = tiny_hf_model(model_type, tie=False, seed=2, num_hidden_layers=2)
+    return sharpen_router(hf) if ModelArch.from_hf(hf.config).is_moe else hf
+
+
+def _single_process(arch: ModelArch, hf_state_dict: dict, data: dict) -> dict:
+    """The TP=1 run of the same samples and steps, weights merged to `merge_rank_shards` names."""
+    layout = init_parallel(seed=data["seed"])
+    reset_moe_tracker()
+    try:
+        actor = MegatronActor(arch, data["config"], layout)
+        load_hf_state_dict(actor, hf_state_dict)
+        logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
+        metrics = [actor.train_step(data["samples"]) for _ in range(data["steps"])]
+        weights = merge_rank_shards({(0, 0): actor.state_dict_for_export()}, arch, tp=1, pp=1)
+    finally:
+        destroy_parallel()
+    return {"logps": logps, "entropies": ents, "metrics": metrics, "weights": weights}
 
 
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
     """model_type -> {layout: per-rank results, "arch": ModelArch}."""
     tmp = tmp_path_factory.mktemp("actor_sp")
-    hfs = {f: tiny_hf_model(f, tie=False, seed=2, num_hidden_layers=2) for f in SP_FAMILIES}
+    hfs = {f: _tiny(f) for f in SP_FAMILIES}
     samples = make_samples(7, seed=9)
     assert any(len(s.tokens) % 2 for s in samples)  # odd lengths: SP must pad s to a multiple of TP
     data = {"families": {f: {"arch": dataclasses.asdict(ModelArch.from_hf(hf.config)),
                              "hf_state_dict": hf.state_dict()} for f, hf in hfs.items()},
-            "config": ActorConfig(lr=1e-3, clip_grad=1.0, max_tokens_per_micro_batch=48, use_fused_logprob=False),
-            "seed": 5, "samples": samples, "steps": 2}
+            "config": CONFIG, "seed": 5, "samples": samples, "steps": 2}
     torch.save(data, tmp / "input.pt")
     run_torchrun(REPO / "tests/dist/actor_sp.py", str(tmp / "input.pt"), str(tmp))
-    return {f: {name: [torch.load(Path(tmp) / f"{f}_{name}_rank{r}.pt", weights_only=False) for r in range(2)]
-                for name in ("tp2", *VARIANTS)} | {"arch": ModelArch.from_hf(hf.config)} for f, hf in hfs.items()}
+    out = {}
+    for f, hf in hfs.items():
+        arch = ModelArch.from_hf(hf.config)
+        out[f] = {name: [torch.load(Path(tmp) / f"{f}_{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+                  for name in layouts(arch)} | {"arch": arch}
+        if arch.is_moe:  # no TP-only run: the reference is the single-process one
+            out[f]["single"] = _single_process(arch, hf.state_dict(), data)
+    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("model_type", SP_FAMILIES)
 def test_sequence_parallel_matches_tp_only(all_runs, model_type, variant):
     runs = all_runs[model_type]
+    if runs["arch"].is_moe:
+        _assert_matches_single_process(runs, variant)
+        return
     for rank in range(2):
         want, got = runs["tp2"][rank], runs[variant][rank]
         for key in ("logps", "entropies"):
@@ -60,18 +108,36 @@ def test_sequence_parallel_matches_tp_only(all_runs, model_type, variant):
             torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def _assert_matches_single_process(runs: dict, variant: str) -> None:
+    """Both TP ranks' log-probs, entropies and metrics, and the TP-merged updated weights, equal the TP=1 run's."""
+    want = runs["single"]
+    for rank in runs[variant]:
+        for key in ("logps", "entropies"):
+            for g, w in zip(rank[key], want[key], strict=True):
+                torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+        for g, w in zip(rank["metrics"], want["metrics"], strict=True):
+            for key in ("pg_loss", "entropy", "approx_kl", "grad_norm", "num_tokens"):
+                assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    got = merge_rank_shards({(r, 0): runs[variant][r]["weights"] for r in range(2)}, runs["arch"], tp=2, pp=1)
+    assert sorted(got) == sorted(want["weights"])
+    for name, w in want["weights"].items():  # the experts' fc1 / fc2 are split over expert-TP = TP as dense ones
+        torch.testing.assert_close(got[name], w, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("model_type", SP_FAMILIES)
 def test_sequence_parallel_tags_every_norm_weight(all_runs, model_type):
     runs = all_runs[model_type]
     tagged = runs["tp2_sp"][0]["norm_tagged"]
-    assert tagged and all("layernorm" in n for n in tagged)
     names = runs["tp2_sp"][0]["weights"]
-    assert sorted(n for n in names if "layernorm" in n) == tagged
-    assert runs["tp2"][0]["norm_tagged"] == []
+    # and an MoE model's routers: each TP rank routes its own sequence slice, so its router gradient is partial too
+    assert tagged and tagged == sorted(n for n in names if "layernorm" in n or n.endswith("mlp.router.weight"))
+    assert any("layernorm" in n for n in tagged)
+    if "tp2" in runs:
+        assert runs["tp2"][0]["norm_tagged"] == []
 
 
 @pytest.mark.parametrize("name", ["tp2", *VARIANTS])
-@pytest.mark.parametrize("model_type", SP_FAMILIES)
+@pytest.mark.parametrize("model_type", [f for f in SP_FAMILIES if not _is_moe(f)])
 def test_planner_matches_saved_tensors_at_tp2(all_runs, model_type, name):
     """The planner's TP / SP division (and its q/k-norm term) against the bytes megatron-core saves per rank:
     exact."""

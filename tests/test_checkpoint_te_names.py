@@ -81,7 +81,7 @@ def te_world(tmp_path_factory):
     def make_actor(te: bool, **overrides) -> MegatronActor:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("megatron_dapo.models.gpt.get_layer_spec",
-                       lambda use_te=None, config=None, options=None: te_spec if te else local_spec)
+                       lambda use_te=None, config=None, options=None, vp_stage=None: te_spec if te else local_spec)
             if te:  # a TE build's final norm (megatron-core's LayerNormImpl is TENorm there)
                 mp.setattr("megatron.core.transformer.transformer_block.LayerNormImpl", CpuTENorm)
             return MegatronActor(arch, ActorConfig(**{"lr": 1e-3, **overrides}), layout)

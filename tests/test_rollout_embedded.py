@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from megatron_dapo.models.hf_params import hf_state_dict
 from megatron_dapo.rollout import make_engine
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
@@ -29,8 +30,10 @@ def _hf_model(seed: int) -> Qwen2ForCausalLM:
     return model
 
 
-def _state(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under their on-disk HF names (an MoE model's experts one per tensor), as the export
+    sends them."""
+    return {k: v.clone() for k, v in hf_state_dict(model).items()}
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -154,6 +157,40 @@ def test_weight_sync_follows_new_weights(model0):
     s = after[0][0]
     torch.testing.assert_close(torch.tensor(s.logprobs), _teacher_forced_logprobs(model1, s.prompt_ids,
                                                                                   s.response_ids))
+
+
+def _moe_reference(seed: int) -> torch.nn.Module:
+    fields = dict(tiny_config("qwen3_moe", vocab_size=96, num_hidden_layers=2), model_type="qwen3_moe",
+                  tie_word_embeddings=False, eos_token_id=EOS)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields, attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0, 0.15)
+    return model
+
+
+def test_moe_weight_sync_writes_fused_experts_in_place():
+    """A qwen3_moe sync arrives one tensor per expert (on-disk names, in any order): each lands in the fused
+    [E, 2I, H] / [E, H, I] parameters in place, and the engine then generates what HF does with the new weights."""
+    old, new = _moe_reference(5), _moe_reference(6)
+    engine = EmbeddedEngine(old, max_batch_size=4)
+    fused = {n: (p.data_ptr(), p.shape) for n, p in engine.model.named_parameters() if "experts" in n}
+    assert len(fused) == 4  # gate_up_proj and down_proj of 2 layers
+    named = list(_state(new).items())
+    assert sum(".experts." in n for n, _ in named) == 2 * 8 * 3  # layers x experts x (gate, up, down)
+    engine.update_weights(reversed(named), version=1)
+    assert {n: (p.data_ptr(), p.shape) for n, p in engine.model.named_parameters() if "experts" in n} == fused
+    for name, param in engine.model.state_dict().items():
+        assert torch.equal(param, new.state_dict()[name]), name
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    for (s,) in engine.generate(_requests(_prompts(3, seed=8), 1, greedy)):
+        torch.testing.assert_close(torch.tensor(s.logprobs), _teacher_forced_logprobs(new, s.prompt_ids,
+                                                                                      s.response_ids),
+                                   atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="not sent"):  # one expert's up_proj missing
+        engine.update_weights([(n, t) for n, t in named if n != "model.layers.1.mlp.experts.3.up_proj.weight"],
+                              version=2)
 
 
 def test_weight_sync_rejects_bad_input(model0):

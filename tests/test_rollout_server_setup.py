@@ -131,3 +131,52 @@ def test_make_rollout_engine_on_cuda(on_cuda, capsys):
     with pytest.raises(ValueError, match="cannot open"):
         make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-gpus", "4,5", "--weight-sync-mode",
                                                               "tensor"]), None)
+
+
+@pytest.mark.parametrize("overrides", [dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)],
+                         ids=["mlp_only_layers", "decoder_sparse_step"])
+def test_sglang_refuses_moe_model_with_dense_layers_before_launch(tmp_path, monkeypatch, overrides):
+    """SGLang 0.5.23 builds every qwen3_moe layer sparse and drops dense weights: a model with dense layers is refused
+    at start-up (check_flags and make_rollout_engine), naming the dense layers as HF builds them and the fields."""
+    import json
+    import re
+
+    from megatron_dapo.models.registry import family
+    from megatron_dapo.rollout.build import check_rollout_model
+    from megatron_dapo.trainer.build import check_flags
+
+    fam = family("qwen3_moe")
+    fields = {**fam.tiny_config, "model_type": "qwen3_moe", **overrides}
+    hf = fam.hf_causal_lm()(fam.hf_config(**fields))
+    dense = [i for i, layer in enumerate(hf.model.layers) if not hasattr(layer.mlp, "gate")]  # HF's own choice
+    assert dense
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "config.json").write_text(json.dumps(fields))
+    args = build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "mixed")])
+    want = rf"layers {re.escape(str(dense))} .*dense .*mlp_only_layers / decoder_sparse_step.*qwen3_moe.py:877"
+    with pytest.raises(ValueError, match=want):
+        check_rollout_model(args)
+    with pytest.raises(ValueError, match=want):
+        check_flags(args)
+    launched = []
+    monkeypatch.setattr(rollout_pkg, "make_engine", lambda *a, **k: launched.append(a))
+    with pytest.raises(ValueError, match=want):
+        make_rollout_engine(args, None)
+    assert launched == []  # nothing was started
+    # the embedded engine serves it (transformers builds the dense layers), and an all-MoE model goes to SGLang
+    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "mixed"),
+                                                   "--rollout-engine", "embedded"]))
+    (tmp_path / "sparse").mkdir()
+    (tmp_path / "sparse" / "config.json").write_text(json.dumps({**fam.tiny_config, "model_type": "qwen3_moe"}))
+    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "sparse"),
+                                                   "--moe-routing-replay"]))
+    # --moe-routing-replay needs experts: refused for a dense model, whatever the engine
+    from megatron_dapo.models.registry import family as dense_family
+
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "dense" / "config.json").write_text(json.dumps({**dense_family("qwen3").tiny_config,
+                                                                "model_type": "qwen3"}))
+    for engine in ("sglang", "embedded"):
+        with pytest.raises(ValueError, match="--moe-routing-replay needs a mixture-of-experts model"):
+            check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "dense"),
+                                                           "--rollout-engine", engine, "--moe-routing-replay"]))

@@ -7,25 +7,37 @@ HF -> Megatron load) pushes its weights the way a PP1 training step does (`Serve
 then equal a teacher-forced HF forward of seed B (the reference) within 1e-4 (measured: 4.8e-7), so a server
 that kept any of A's tensors fails; and before the push, seed A's (SGLang serves the family as HF does).
 Qwen3 is tied (its small sizes are), over the tensor path (the CPU default); Llama untied with llama3 rope
-scaling on, over the distributed (gloo broadcast) path.
+scaling on, over the distributed (gloo broadcast) path; Qwen3-MoE (all layers MoE: 8 experts, top-2; 96 expert
+tensors by HF per-expert names) untied over the tensor path, its server started with
+--enable-return-routed-experts (--moe-routing-replay): the same server then shows that the experts it routed each
+token to, for every token and layer, equal HF's top-k on the pushed weights (a hook on `Qwen3MoeTopKRouter`), also
+for a partial rollout's continuation (prompt + prefix re-routed, rows for the whole sequence).
 Needs .venv-sglang (`make sglang-env`); skipped otherwise.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from megatron_dapo.models.registry import family
+from megatron_dapo.rollout.partial_rollout import continuation_request, extend
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, SamplingParams
 from megatron_dapo.weight_sync.server_push import ServerPush
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error
+
+GUARD_DIR = Path(__file__).resolve().parents[1] / "tools" / "sgl_kernel_stub"
+"""This checkout's CPU guard (the no-op `_cuda_host_register`), first on the server's path whatever checkout
+.venv-sglang's .pth names."""
 
 pytestmark = [*MARKS, pytest.mark.slow]
 
 CASES = [pytest.param("qwen3", True, "tensor", id="qwen3-tied-tensor"),
-         pytest.param("llama", False, "distributed", id="llama-untied-distributed")]
+         pytest.param("llama", False, "distributed", id="llama-untied-distributed"),
+         pytest.param("qwen3_moe", False, "tensor", id="qwen3_moe-untied-tensor-routing")]
 
 
 def _hf_model(model_type: str, *, tied: bool, seed: int):
@@ -40,9 +52,36 @@ def _hf_model(model_type: str, *, tied: bool, seed: int):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(10.0)
+            if name.endswith(("q_proj.weight", "k_proj.weight", "mlp.gate.weight")):
+                p.mul_(10.0)  # the router too: decisive top-k choices (no fp32 near-ties between engines)
     return model
+
+
+def hf_routes(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), num_layers, top_k] expert ids HF's routers pick in a teacher-forced forward of `ids` (the
+    reference): a forward hook on each `Qwen3MoeTopKRouter`, whose output is (logits, scores, indices)."""
+    picked, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2])))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(picked, dim=1)
+
+
+def _check_routes(model, samples) -> int:
+    """Asserts each sample's routed experts equal HF's (order included) for every fed-back token; returns rows."""
+    rows = 0
+    for s in samples:
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        assert s.routed_experts is not None and s.routed_experts.dtype == torch.uint8
+        want = hf_routes(model, ids)[:-1]  # the last token is never fed back
+        assert torch.equal(s.routed_experts.long(), want), s.request_id
+        rows += len(want)
+    return rows
 
 
 def _plain_rope_twin(model):
@@ -81,9 +120,13 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
     served, pushed = _hf_model(model_type, tied=tied, seed=1), _hf_model(model_type, tied=tied, seed=2)
     served.save_pretrained(tmp_path / "model")
     pushed.save_pretrained(tmp_path / "pushed")
+    moe = served.config.model_type == "qwen3_moe"
+    routing = RoutingShape(served.config.num_hidden_layers, served.config.num_experts_per_tok,
+                           served.config.num_experts) if moe else None
     client = ClientConfig(max_concurrency=8, control_timeout_s=120, update_mode=mode, sync_backend="gloo",
-                          sync_master_port=free_port())
-    engine = SGLangEngine(cpu_server_config(tmp_path), client=client)
+                          sync_master_port=free_port(), routing=routing)
+    server = cpu_server_config(tmp_path, return_routed_experts=moe, env={"PYTHONPATH": str(GUARD_DIR)})
+    engine = SGLangEngine(server, client=client)
     try:
         before = _samples(engine, seed=3)
         assert max_logprob_error(served, before) < 1e-4  # the server serves the family as HF computes it
@@ -104,5 +147,20 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
             plain = max_logprob_error(_plain_rope_twin(pushed), after)
             print(f"{model_type}: HF with plain RoPE vs the server {plain:.2e}")
             assert plain > 1e-4
+        if moe:
+            rows = _check_routes(pushed, after)
+            # a partial rollout: sample 0's first 5 tokens as a prefix, continued; the continuation re-routes prompt
+            # + prefix, so the joined sample's rows cover the whole sequence
+            first = after[0]
+            prefix = type(first)(request_id=first.request_id, index=first.index, prompt_ids=first.prompt_ids,
+                                 response_ids=first.response_ids[:5], logprobs=first.logprobs[:5],
+                                 finish_reason="abort", weight_version=1,
+                                 routed_experts=first.routed_experts[: len(first.prompt_ids) + 4])
+            req = continuation_request(first.prompt_ids, prefix, SamplingParams(max_new_tokens=12), 9, "cont")
+            (cont,), = engine.generate([req])
+            joined = extend(prefix, cont, first.prompt_ids)
+            rows += _check_routes(pushed, [joined])
+            print(f"{model_type}: routed experts equal HF's top-k on {rows} token rows x "
+                  f"{routing.num_layers} layers x top-{routing.top_k}")
     finally:
         engine.shutdown()

@@ -113,3 +113,34 @@ def test_the_trainer_calls_the_sync_it_was_built_with(monkeypatch):
     metrics = trainer.sync_weights(4)
     assert engine.names == ["w0", "w1", "w2"] and engine.version == 4
     assert metrics["engine/x"] == 1.0 and metrics["time/sync_s"] >= 0
+
+
+def test_requests_per_sync_follow_bytes_not_tensors_at_30b_a3b():
+    """A sync is as many requests per server as buckets. plan_buckets (the sizing) packs as iter_buckets (the push)
+    does, checked on real tensors; at Qwen3-30B-A3B's 18,867 tensors (18,432 experts) the count stays within
+    2 x ceil(bytes / bucket), and splitting every tensor into 8 pieces (8x the tensors, same bytes) barely moves it."""
+    import math
+
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.weight_sync.buckets import iter_buckets, plan_buckets
+    from megatron_dapo.weights.plan import hf_tensor_specs
+    from tools.bench_weight_sync import SIZING_MODELS
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.zeros(int(torch.randint(1, 400, (1,), generator=g)),
+                                   dtype=torch.bfloat16 if i % 17 else torch.float32)) for i in range(300)]
+    made = list(iter_buckets(named, 1000))
+    plan = plan_buckets(((t.numel() * t.element_size(), t.dtype) for _, t in named), 1000)
+    assert plan.buckets == len(made) and plan.tensors == 300
+    assert plan.nbytes == sum(b.nbytes for b in made) and plan.largest_bucket == max(b.nbytes for b in made)
+
+    arch = ModelArch.from_hf(SIZING_MODELS["qwen3-30B-A3B"])
+    specs = hf_tensor_specs(arch, torch.bfloat16)
+    assert len(specs) == 18_867 and sum(".experts." in t.name for t in specs) == 48 * 128 * 3
+    bucket = 512 << 20
+    plan = plan_buckets(((t.nbytes, t.dtype) for t in specs), bucket)
+    assert plan.nbytes == 2 * arch.num_parameters()  # bf16: every parameter once
+    assert plan.buckets <= 2 * math.ceil(plan.nbytes / bucket)
+    assert plan.buckets == 114  # measured; ceil(61.06 GB / 512 MiB) = 114: the expert tensors pack tightly
+    finer = plan_buckets(((t.nbytes // 8, t.dtype) for t in specs for _ in range(8)), bucket)
+    assert finer.tensors == 8 * plan.tensors and abs(finer.buckets - plan.buckets) <= 1

@@ -3,8 +3,10 @@
 
 TP=1/PP=1 runs in this process for every registered family; one 4-rank torchrun launch
 (tests/dist/weights_dist_ckpt.py) loads the first family's checkpoints (tied, untied) at TP x PP = 2x1, 1x2
-and 2x2 and every other family's at 2x2 (one model each, tied and untied alternating), and saves those of
-the 2x2 layout as training-style checkpoints that mcore-to-hf must convert back bit-exactly.
+and 2x2 and every other family's at 2x2 (one model each, tied and untied alternating), Qwen3-MoE also at EP2,
+TP2 x EP2 (expert-TP 1) and, with a dense layer among MoE ones, PP2 x EP2 (at EP2 megatron-core's own GPTModel
+loads it too), and saves those of the 2x2 layout and the MoE ones at EP2 as training-style checkpoints that
+mcore-to-hf must convert back bit-exactly.
 """
 
 from __future__ import annotations
@@ -113,23 +115,32 @@ def test_one_checkpoint_loads_at_tp_pp_1_2_and_training_checkpoints_convert_back
     # name -> (model_type, tied): the first family tied and untied, one model of each other family
     specs = {"untied": (FAMILIES[0], False), "tied": (FAMILIES[0], True)}
     specs |= {f: (f, i % 2 == 0) for i, f in enumerate(FAMILIES[1:])}
+    specs["moe_mixed"] = ("qwen3_moe", False)  # a dense layer 1 among MoE ones: per-layer checkpoint keys
     models = {}
     for tie, (model_type, tied) in specs.items():
-        models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tied, seed=len(tie), model_type=model_type)
-        ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(7))
+        overrides = {"mlp_only_layers": [1]} if tie == "moe_mixed" else None
+        models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tied, seed=len(tie), model_type=model_type,
+                                   overrides=overrides)
+        seq = 10 if model_type == "qwen3_moe" else 9  # MoE at TP2 runs sequence-parallel: a length TP divides
+        ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             save_file({"ids": ids, "logits": models[tie](ids).logits.contiguous()}, tmp_path / f"ref_{tie}.safetensors")
         _convert(tmp_path / f"hf_{tie}", tmp_path / f"mc_{tie}")
-    layouts = {"2x1": ["untied", "tied"], "1x2": ["untied", "tied"], "2x2": list(specs)}
+    # Qwen3-MoE also at EP2 (dp 4), TP2 x EP2 with expert-TP 1 (+ SP) and PP2 x EP2 (mixed model)
+    layouts = {"2x1": ["untied", "tied"], "1x2": ["untied", "tied"], "1x1x2": ["qwen3_moe"],
+               "2x1x2x1": ["qwen3_moe"], "1x2x2": ["moe_mixed"], "2x2": list(specs)}
     out = run_torchrun(WORKER, str(tmp_path), ",".join(f"{k}={'+'.join(v)}" for k, v in layouts.items()), nproc=4,
                        timeout=600)
     oks = [line for line in out.splitlines() if line.startswith("OK ")]
     assert oks == [f"OK {layout} {tie}" for layout, names in layouts.items() for tie in names], out[-3000:]
-    # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly.
-    for tie in specs:
-        argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{tie}"), "--save", str(tmp_path / f"back_{tie}")]
+    # The TP2 x PP2 training-style checkpoints (model under "model", step_N + latest) convert back exactly, and so do
+    # the MoE ones saved with their experts split over EP ranks.
+    saved = [(tie, tie) for tie in specs] + [(f"{tie}_{layout}", tie) for layout, names in layouts.items()
+                                             for tie in names if layout.count("x") > 1]
+    for run, tie in saved:
+        argv = ["mcore-to-hf", "--load", str(tmp_path / f"train_{run}"), "--save", str(tmp_path / f"back_{run}")]
         assert convert_main(argv) == 1  # a training checkpoint stores no HF config: --hf-config is required
         assert convert_main([*argv, "--hf-config", str(tmp_path / f"hf_{tie}")]) == 0
-        original, back = read_all(tmp_path / f"hf_{tie}"), read_all(tmp_path / f"back_{tie}")
+        original, back = read_all(tmp_path / f"hf_{tie}"), read_all(tmp_path / f"back_{run}")
         assert set(back) == set(original)
         assert all(torch.equal(back[n], t) for n, t in original.items())

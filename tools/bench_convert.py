@@ -2,6 +2,11 @@
 
     python tools/bench_convert.py --size-gb 2 [--shard-gb 0.5] [--repeat 7] [--warmup 1] [--fsync] [--cold]
                                   [--threads 4] [--workdir DIR]
+    python tools/bench_convert.py --plan qwen3-30b-a3b   # or --plan path/to/config.json: sizes only, no weights
+
+--plan prints, from config.json alone, what a conversion of that model moves and holds (`plan_numbers`): HF
+tensors and bytes, stored keys, chunks and ShardedObjects, the largest stored tensor and the converter's resident
+memory; Qwen3-30B-A3B's config is built in.
 
 Writes a random HF checkpoint of about --size-gb in shards of --shard-gb (streamed, never in memory) and
 converts it once to torch_dist (the fixed input of mcore-to-hf). Then --warmup rounds that are not
@@ -64,6 +69,73 @@ BASE = dict(
     tie_word_embeddings=False,
     torch_dtype="bfloat16",
 )
+
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1,
+    mlp_only_layers=[], max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+)
+"""Qwen3-30B-A3B's config.json (the model card's shapes), for --plan qwen3-30b-a3b."""
+PLANS = {"qwen3-30b-a3b": QWEN3_30B_A3B}
+
+
+def plan_numbers(arch: ModelArch, *, threads: int, chunk_mb: int, itemsize: int = 2) -> dict[str, int]:
+    """What converting `arch` (bf16 by default) moves and holds, from the config alone (the converters' own tables).
+
+    hf_tensors / hf_bytes: the HF checkpoint; stored_keys: torch_dist tensor keys (`stored_tensors`); chunks: stored
+    records at --chunk-mb (hf-to-mcore's `_row_chunks`: each HF row range cut at chunk_mb; its .metadata entries);
+    objects: the `_extra_state` ShardedObjects; largest_tensor / largest_slice: bytes of the biggest stored tensor
+    and of its biggest per-layer slice (what a writer that assembled one would hold; these converters never do);
+    resident_copy / resident_cast: hf-to-mcore's chunk memory without / with a --dtype cast (kernel copies: none;
+    a cast: `threads` mapped chunks plus their serialized records), and mcore-to-hf's (`threads` row blocks when a
+    block is assembled or cast; converter output is copied in the kernel).
+    """
+    from checkpoint_convert.hf_to_mcore import extra_state_objects
+    from megatron_dapo.checkpoint.ckpt_config import stored_tensors
+    from megatron_dapo.distributed.parallel import padded_vocab_size
+    from megatron_dapo.weights.layout import global_shape, hf_row_segments, hf_shapes
+
+    chunk_bytes = chunk_mb << 20
+    specs = hf_tensor_specs(arch, torch.bfloat16)
+    padded = padded_vocab_size(arch.vocab_size, 1)
+    chunks = largest_tensor = largest_slice = 0
+    stored = stored_tensors(arch)
+    for t in stored:
+        shape = global_shape(t.entry, arch, padded)
+        size = torch.Size(shape).numel() * itemsize
+        largest_tensor = max(largest_tensor, size)
+        largest_slice = max(largest_slice, size // (arch.num_layers if t.stacked else 1))
+        rows = [torch.Size(s[1:]).numel() * itemsize for s in hf_shapes(t.entry, arch)]
+        per_source = sum(-(-seg.rows // max(1, chunk_bytes // rows[seg.hf_index]))
+                         for seg in hf_row_segments(t.entry, arch))
+        sources = len(t.layers) * (arch.num_experts if t.entry.per_expert else 1)
+        chunks += per_source * sources + (t.entry.kind == "vocab" and padded > arch.vocab_size)
+    return dict(hf_tensors=len(specs), hf_bytes=sum(s.nbytes for s in specs), stored_keys=len(stored), chunks=chunks,
+                objects=len(extra_state_objects(arch)), largest_tensor=largest_tensor, largest_slice=largest_slice,
+                resident_copy=0, resident_cast=2 * threads * chunk_bytes, resident_m2h=threads * chunk_bytes)
+
+
+def print_plan(name: str, threads: int, chunk_mb: int) -> None:
+    config = PLANS.get(name.lower())
+    if config is None:
+        with open(name) as f:
+            config = json.load(f)
+    arch = ModelArch.from_hf(config)
+    n = plan_numbers(arch, threads=threads, chunk_mb=chunk_mb)
+    experts = (f"; {len(arch.moe_layers)} MoE layers x {arch.num_experts} experts x 3 = "
+               f"{len(arch.moe_layers) * arch.num_experts * 3} expert tensors" if arch.is_moe else "")
+    print(f"{name}: {arch.num_parameters() / 1e9:.1f}B parameters, bf16{experts}")
+    print(f"  HF checkpoint: {n['hf_tensors']} tensors, {n['hf_bytes'] / 1e9:.1f} GB")
+    print(f"  torch_dist: {n['stored_keys']} tensor keys in {n['chunks']} chunks of <= {chunk_mb} MiB, "
+          f"{n['objects']} _extra_state objects; largest tensor {n['largest_tensor'] / 1e9:.1f} GB "
+          f"(one layer of it {n['largest_slice'] / 1e6:.0f} MB, never assembled)")
+    print(f"  converter memory (chunks; --threads {threads} --chunk-mb {chunk_mb}): hf-to-mcore "
+          f"{n['resident_copy']} B without a cast (kernel copies), {n['resident_cast'] / 2**20:.0f} MiB with "
+          f"--dtype; mcore-to-hf 0 on converter output, <= {n['resident_m2h'] / 2**20:.0f} MiB on training "
+          "checkpoints (blocks assembled from TP / expert-TP shards)")
+
 
 # Imports happen before the clock and the RSS reference. {prepare} (drop inputs from the page cache)
 # runs before the clock too; {finish} (fsync of the outputs) inside it.
@@ -212,7 +284,12 @@ def main() -> None:
     parser.add_argument("--fsync", action="store_true", help="time includes fsync of every output file (both)")
     parser.add_argument("--cold", action="store_true", help="drop the input files from the page cache first (both)")
     parser.add_argument("--workdir", default="/tmp/bench_convert", help="scratch dir (removed first and after)")
+    parser.add_argument("--plan", help=f"print the sizes of converting this model and exit: {sorted(PLANS)} or a "
+                        "config.json path (no weights needed)")
     ns = parser.parse_args()
+    if ns.plan:
+        print_plan(ns.plan, ns.threads, ns.chunk_mb)
+        return
     if ns.repeat < 1 or ns.warmup < 0:
         parser.error(f"--repeat must be >= 1 and --warmup >= 0, got {ns.repeat} and {ns.warmup}")
     shutil.rmtree(ns.workdir, ignore_errors=True)

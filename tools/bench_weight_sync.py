@@ -14,6 +14,13 @@ the bytes each rank sent to the servers and over PP, then the same arithmetic at
 
 On this 2-core CPU host the fake servers and the ranks share the cores, so the seconds say little about a GPU
 cluster; the bytes are exact.
+
+    PYTHONPATH=. .venv/bin/python tools/bench_weight_sync.py --sizing-only
+
+prints only the per-sync sizing at the production settings, from config.json shapes (no weights, no launch):
+Qwen3-30B-A3B next to the dense Qwen2.5-32B: tensors, bytes (bf16), requests per server at the bucket size
+(weight_sync/buckets.py plan_buckets: the bucketing rule of every push), rank 0's host copy, and the tensor-mode
+handle bytes (each tensor of a bucket travels as a pickled view of the bucket's one shared buffer).
 """
 
 from __future__ import annotations
@@ -118,6 +125,62 @@ def production(model_gb: float = 65.0, tp: int = 8, pp: int = 2, nodes: int = 16
     ]
 
 
+SIZING_MODELS = {
+    "qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False,
+                          rms_norm_eps=1e-6),
+    "qwen2.5-32B": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False, rms_norm_eps=1e-5),
+}
+"""config.json fields of the production models (the shapes only; no weights are read)."""
+
+
+def handle_bytes_per_tensor(count: int = 256) -> float:
+    """Base64 bytes per tensor of a tensor-mode /update_weights_from_tensor body, measured: `count` views of one
+    shared-memory bucket serialized as the push does (weight_sync/tensor_ipc.py); per-expert-like names."""
+    from megatron_dapo.weight_sync.buckets import iter_buckets
+    from megatron_dapo.weight_sync.tensor_ipc import serialize_named_tensors
+
+    named = [(f"model.layers.47.mlp.experts.{e}.gate_proj.weight", torch.zeros(4, 4, dtype=torch.bfloat16))
+             for e in range(count)]
+    bucket = next(iter_buckets(named, 1 << 30))
+    bucket.flat.share_memory_()
+    return len(serialize_named_tensors(bucket.named_tensors())) / count
+
+
+def sizing(bucket_bytes: int) -> list[str]:
+    """Per-sync sizing of each SIZING_MODELS model in bf16 at `bucket_bytes`, side by side."""
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.weight_sync.buckets import plan_buckets
+    from megatron_dapo.weights.plan import hf_tensor_specs
+
+    per_tensor = handle_bytes_per_tensor()
+    cols = {}
+    for name, fields in SIZING_MODELS.items():
+        arch = ModelArch.from_hf(fields)
+        specs = hf_tensor_specs(arch, torch.bfloat16)
+        plan = plan_buckets(((t.nbytes, t.dtype) for t in specs), bucket_bytes)
+        experts = [t for t in specs if ".experts." in t.name]
+        cols[name] = [
+            f"{arch.num_parameters() / 1e9:.1f}B ({arch.num_parameters(active=True) / 1e9:.1f}B active)",
+            f"{plan.tensors:,}", f"{len(experts):,}",
+            f"{experts[0].nbytes / 2**20:.1f} MiB" if experts else "-",
+            f"{plan.nbytes / GB:.2f} GB", f"{plan.buckets}", f"{plan.largest_bucket / 2**20:.0f} MiB",
+            f"{(plan.nbytes + bucket_bytes) / 2**30:.1f} GiB", f"{plan.tensors * per_tensor / 2**20:.2f} MiB",
+        ]
+    labels = ["parameters", "tensors per sync", "of which expert tensors", "one expert tensor (bf16)",
+              "bytes per sync (bf16)", f"requests per server ({bucket_bytes >> 20} MiB buckets)", "largest bucket",
+              "rank 0 host copy (+ one bucket)", f"tensor-mode handles (~{per_tensor:.0f} B a tensor)"]
+    names = list(cols)
+    lines = [f"{'per sync, bf16':38}" + "".join(f"{n:>24}" for n in names)]
+    lines += [f"{label:38}" + "".join(f"{cols[n][i]:>24}" for n in names) for i, label in enumerate(labels)]
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -130,9 +193,17 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=32500, help="first master port of the sync groups")
+    p.add_argument("--sizing-only", action="store_true",
+                   help="print the per-sync sizing of Qwen3-30B-A3B and Qwen2.5-32B at --sizing-bucket-mb, no launch")
+    p.add_argument("--sizing-bucket-mb", type=int, default=512, help="bucket size of the sizing (the default "
+                   "--weight-sync-bucket-mb)")
     args = p.parse_args()
     if args.worker:
         _worker(args.worker)
+        return
+    if args.sizing_only:
+        for line in sizing(args.sizing_bucket_mb << 20):
+            print(line)
         return
     from megatron_dapo.models.hf_config import ModelArch
     from tests.dist.actor_common import tiny_hf_model
@@ -169,6 +240,8 @@ def main() -> None:
                            ("pp_sent", "sent over PP")):
             print(f"{who + ' ' + label:42}{b[key] / 2**20:10.2f}MiB{a[key] / 2**20:10.2f}MiB")
     for line in production():
+        print(line)
+    for line in sizing(512 << 20):
         print(line)
 
 

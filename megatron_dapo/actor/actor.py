@@ -38,6 +38,8 @@ from megatron_dapo.actor.batching import (
 )
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
+from megatron_dapo.actor.moe_replay import ReplayState, routing_inputs
+from megatron_dapo.actor.moe_stats import install_router_hooks
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.gpt import build_gpt_model
@@ -139,6 +141,14 @@ class MegatronActor:
             wd_incr_steps=1, wd_incr_style="constant",
         )
         self.steps = 0
+        # MoE: rollout routing replay, routing agreement and router statistics (actor/moe_replay.py, moe_stats.py)
+        self._routing = self._router_stats = None
+        if arch.is_moe:
+            self._routing = ReplayState(replay=config.moe_routing_replay,
+                                        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                                        tp_size=layout.tp, sequence_parallel=layout.sp)
+            self._router_stats = install_router_hooks(modules, self._routing, num_layers=arch.num_layers,
+                                                      num_experts=arch.num_experts, topk=arch.num_experts_per_tok)
 
     @property
     def model(self) -> DistributedDataParallel:
@@ -207,6 +217,11 @@ class MegatronActor:
                     qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                     max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
             module = unwrap(model)
+            if self._routing is not None:
+                self._routing.set_micro_batch(*routing_inputs(
+                    samples, mb.indices, mb.tokens, cu_seqlens=mb.cu_seqlens, num_layers=self.arch.num_layers,
+                    topk=self.arch.num_experts_per_tok, num_experts=self.arch.num_experts,
+                    moe_layers=self.arch.moe_layers), device=device)
             with self._rope_per_row(module, mb if packed and not te else None), self._hidden_output(module):
                 # last stage: logits [b, s, V/tp], or hidden [b, s, h] with --fused-linear-logprob
                 output = model(mb.tokens, mb.position_ids, mb.attention_mask, **extra)
@@ -290,6 +305,8 @@ class MegatronActor:
         Computed on the last PP stage and broadcast to every rank of the pipeline (TP ranks agree).
         """
         groups = self._micro_batches(samples)
+        if self._routing is not None:
+            self._routing.begin(training=False)
 
         def loss_fn(mb: MicroBatch, logits: Tensor):
             logp, entropy = self._token_log_probs(mb, logits, compute_entropy=with_entropy)
@@ -335,9 +352,14 @@ class MegatronActor:
         rollout steps, so every mini-batch of rollout step k trains at the same lr (lr * k / warmup while
         k <= --lr-warmup-steps). None makes this call a rollout step of its own (one update per step).
         Returns pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy (token
-        means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful.
+        means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful; MoE models add the
+        router statistics of actor/moe_stats.py (moe/aux_loss, moe/tokens_per_expert_*, moe/dropped_tokens,
+        and moe/routing_agreement of the compute_log_probs calls since the last train_step).
         """
         groups = self._micro_batches(samples)
+        if self._routing is not None:
+            self._router_stats.reset()
+            self._routing.begin(training=True)
         for chunk in self.chunks:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -361,6 +383,13 @@ class MegatronActor:
         metrics.update(num_tokens=tokens, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
                        lr=float(self.optimizer.param_groups[0]["lr"]),
                        update_successful=float(update_successful))
+        if self._routing is not None:
+            self._routing.training = False
+            metrics.update(self._router_stats.metrics(
+                moe_layers=list(self.arch.moe_layers), num_layers=self.arch.num_layers, num_micro_batches=len(groups),
+                aux_loss_on=self.chunks[0].module.config.moe_aux_loss_coeff > 0,
+                capacity=self.config.moe_expert_capacity_factor is not None,
+                replicated_tp=1 if self.layout.sp else self.layout.tp))
         return metrics
 
     def _schedule_rollout_step(self, rollout_step: int | None) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,14 @@ import torch
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import global_shape
-from megatron_dapo.weights.mapping import arch_mapping, dist_key
+from megatron_dapo.weights.mapping import (
+    MappingEntry,
+    arch_mapping,
+    dist_key,
+    entry_in_layer,
+    layer_dist_key,
+    stacked_layers,
+)
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
 DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -42,6 +50,13 @@ _FIELDS: tuple[tuple[str, Callable[[ModelArch], Any]], ...] = (
     ("qkv_bias", lambda a: a.qkv_bias),
     ("qk_layernorm", lambda a: a.qk_layernorm),
     ("family_options", lambda a: a.family_options),
+    # mixture of experts (0 / () for a dense model). router_aux_loss_coef is left out: it weights a training
+    # loss term (--moe-aux-loss-coeff overrides it), the forward pass is the same.
+    ("num_experts", lambda a: a.num_experts),
+    ("num_experts_per_tok", lambda a: a.num_experts_per_tok),
+    ("moe_intermediate_size", lambda a: a.moe_intermediate_size),
+    ("norm_topk_prob", lambda a: a.norm_topk_prob),
+    ("moe_layers (mlp_only_layers, decoder_sparse_step)", lambda a: a.moe_layers),
 )
 
 
@@ -94,13 +109,60 @@ def check_dtype(declared: torch.dtype | None, actual: torch.dtype, *, declared_f
         )
 
 
+@dataclass(frozen=True)
+class StoredTensor:
+    """One model tensor of a dist checkpoint of an arch: its key, its mapping entry and the global layers it holds.
+
+    Dense and all-MoE models stack the decoder layers on a leading axis (one key per entry, `layers` = every
+    layer); a mixed dense / MoE model has one key per layer (`decoder.layers.{L}.…`: megatron-core 0.16.1's
+    TransformerBlock.sharded_state_dict under a `moe_layer_freq` list, `mapping.stacked_layers`). An expert entry
+    has all E experts of a layer on a leading expert axis (after the layer axis when stacked), whatever the EP.
+    """
+
+    key: str
+    entry: MappingEntry
+    layers: tuple[int | None, ...]
+    """Global layers held: all of them on axis 0 when `stacked`, else the one in the key; (None,) off the layers."""
+    stacked: bool
+
+    def index(self, layer: int | None, expert: int | None) -> tuple[int, ...]:
+        """Leading indices of (global `layer`, global `expert`) in the stored tensor; the HF rows follow them."""
+        return (*((layer,) if self.stacked else ()), *((expert,) if self.entry.per_expert else ()))
+
+    def hf_sources(self, arch: ModelArch) -> Iterator[tuple[int | None, int | None]]:
+        """(layer, expert) of each HF tensor group the stored tensor is made of, in HF file order."""
+        for layer in self.layers:
+            for expert in range(arch.num_experts) if self.entry.per_expert else (None,):
+                yield layer, expert
+
+
+def stored_tensors(arch: ModelArch) -> list[StoredTensor]:
+    """Every model tensor of a dist checkpoint of `arch` (tied: no output layer), in table order.
+
+    At Qwen3-30B-A3B (48 all-MoE layers, stacked): 12 keys; the two expert keys are [48, 128, 1536, 2048] (fc1,
+    38.7 GB bf16) and [48, 128, 2048, 768] (fc2, 19.3 GB). A mixed model of L layers has one key per layer entry.
+    """
+    stacked = stacked_layers(arch)
+    out: list[StoredTensor] = []
+    for e in arch_mapping(arch):
+        if e.tied_hf and arch.tie_word_embeddings:
+            continue
+        if e.stage != "layer":
+            out.append(StoredTensor(dist_key(e), e, (None,), False))
+            continue
+        layers = tuple(layer for layer in range(arch.num_layers) if entry_in_layer(e, arch, layer))
+        if not layers:  # e.g. the dense MLP of an all-MoE model
+            continue
+        if stacked:
+            out.append(StoredTensor(dist_key(e), e, layers, True))
+        else:
+            out += [StoredTensor(layer_dist_key(e, arch, layer), e, (layer,), False) for layer in layers]
+    return out
+
+
 def expected_global_shapes(arch: ModelArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
     """dist-checkpoint key -> global shape of every model tensor of `arch` (tied: no output layer)."""
-    return {
-        dist_key(e): global_shape(e, arch, padded_vocab)
-        for e in arch_mapping(arch)
-        if not (e.tied_hf and arch.tie_word_embeddings)
-    }
+    return {t.key: global_shape(t.entry, arch, padded_vocab) for t in stored_tensors(arch)}
 
 
 def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, source: str, against: str) -> int:
@@ -108,7 +170,8 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
 
     The vocab may be padded to any multiple of 128 at or above vocab_size (megatron-core reshards the
     padding at load); every other shape must match exactly. Names the config field behind a mismatch:
-    qkv rows -> num_key_value_heads, a missing bias -> qkv bias, an output layer -> tie_word_embeddings.
+    qkv rows -> num_key_value_heads, a missing bias -> qkv bias, an output layer -> tie_word_embeddings, an
+    expert tensor -> num_experts / moe_intermediate_size, per-layer vs stacked keys -> mlp_only_layers.
     """
     embedding = next(e for e in arch_mapping(arch) if e.kind == "vocab" and e.stage == "first")
     emb = shapes.get(dist_key(embedding))
@@ -126,10 +189,12 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
         have = shapes.get(key)
         if have is None:
             hint = (f" (qkv bias: {arch.model_type} models have one)" if key.endswith("linear_qkv.bias")
-                    else "")
+                    else _layers_hint(key, shapes, arch) if arch.is_moe else "")
             problems.append(f"{key}: missing in {source}{hint}")
         elif tuple(have) != want:
-            problems.append(f"{key}: {source} has {list(have)}, {against} implies {list(want)}")
+            hint = (" (num_experts, moe_intermediate_size)" if ".experts." in key or key.endswith("router.weight")
+                    else "")
+            problems.append(f"{key}: {source} has {list(have)}, {against} implies {list(want)}{hint}")
     if arch.tie_word_embeddings and "output_layer.weight" in shapes:
         problems.append(
             f"output_layer.weight: {source} has an untied output layer, {against} has tie_word_embeddings=true"
@@ -137,3 +202,14 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
     if problems:
         raise CheckpointError("checkpoint does not match the config:\n  " + "\n  ".join(problems[:10]))
     return padded
+
+
+def _layers_hint(key: str, shapes: dict[str, tuple[int, ...]], arch: ModelArch) -> str:
+    """Why an MoE model's key may be missing: the checkpoint stacks the layers where `arch` mixes dense and MoE
+    layers (per-layer keys), or the reverse; both come from config.json's mlp_only_layers / decoder_sparse_step."""
+    stacked = not any(k.startswith("decoder.layers.") and k.split(".")[2].isdigit() for k in shapes)
+    if stacked == stacked_layers(arch):
+        return ""
+    have, want = ("stacked", "per-layer") if stacked else ("per-layer", "stacked")
+    return (f" (the checkpoint has {have} layer keys, the config's MoE layers {list(arch.moe_layers)} of "
+            f"{arch.num_layers} imply {want} ones: mlp_only_layers / decoder_sparse_step differ)")

@@ -1,4 +1,4 @@
-"""Megatron-core dist checkpoints (torch_dist) of a Qwen2 model, written and read without building a model.
+"""Megatron-core dist checkpoints (torch_dist) of a registered model family, written and read without building one.
 
 Layout written (Megatron-LM's, so `--load DIR` here and Megatron-LM's torch_dist loader
 open it)::
@@ -12,7 +12,8 @@ open it)::
 a release checkpoint is what it starts from at iteration 0 with a fresh optimizer and RNG.
 
 A tensor is stored under its `mapping.dist_key` with its global (TP=1) shape, decoder layers stacked on a
-leading axis; megatron-core reshards at load, so one checkpoint serves every TP/PP. Each tensor is a
+leading axis (per-layer keys in a mixed dense / MoE model), an MoE layer's experts on a global expert axis;
+megatron-core reshards at load, so one checkpoint serves every TP/PP/EP. Each tensor is a
 list of chunks (global offset, shape, where its bytes lie in a file or a function producing them): a
 writer thread copies a chunk's bytes file to file in the kernel into the record torch.save would write
 (`record_template`), or produces it only when it reaches it, so memory holds at most one produced
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
 import pickle
@@ -57,6 +59,12 @@ MEGATRON_CONFIG = {
 
 Offset = tuple[int, ...]
 Shape = tuple[int, ...]
+Index = int | tuple[int, ...] | None
+"""Leading indices of a stored tensor: a layer (stacked layers), (layer, expert), (expert,) or none."""
+
+
+def _leading(index: Index) -> tuple[int, ...]:
+    return () if index is None else (index,) if isinstance(index, int) else tuple(index)
 
 
 @dataclass(frozen=True)
@@ -487,7 +495,7 @@ class DistCheckpointReader:
         self.common = load_common(self.dir)
         self._fds: dict[str, int] = {}
         self._starts: dict[tuple[str, int], int | None] = {}
-        self._by_layer: dict[str, dict[int, list[Any]]] = {}
+        self._by_index: dict[tuple[str, int], dict[tuple[int, ...], list[Any]]] = {}
         self._lock = threading.Lock()
 
     def shape(self, key: str) -> Shape:
@@ -550,7 +558,7 @@ class DistCheckpointReader:
         whole = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True).reshape(sizes)
         return whole.narrow(axis, skip, rows)
 
-    def _locate(self, key: str, layer: int | None, rows: tuple[int, int] | None) -> tuple[
+    def _locate(self, key: str, index: Index, rows: tuple[int, int] | None) -> tuple[
         list[tuple[int, int]], int, list[Any], Any
     ]:
         """(region per axis, the row axis, the stored chunks overlapping the region, the one chunk holding the
@@ -558,14 +566,18 @@ class DistCheckpointReader:
         if key not in self.tensors:
             raise CheckpointError(f"{self.dir} has no tensor {key!r}")
         md = self.tensors[key]
+        lead = _leading(index)
+        if len(lead) >= len(md.size):
+            raise CheckpointError(f"{key} has {len(md.size)} axes; indices {list(lead)} leave no row axis")
         region = [(0, n) for n in md.size]
-        if layer is not None:
-            region[0] = (layer, layer + 1)
-        row_axis = 1 if layer is not None else 0
+        for axis, i in enumerate(lead):
+            region[axis] = (i, i + 1)
+        row_axis = len(lead)
         if rows is not None:
             region[row_axis] = rows
+        candidates = md.chunks if not lead else self._chunks_at(key, lead)
         pieces = [
-            c for c in (md.chunks if layer is None else self._layer_chunks(key).get(layer, []))
+            c for c in candidates
             if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
         ]
         inside = [
@@ -577,21 +589,24 @@ class DistCheckpointReader:
         )
         return region, row_axis, pieces, inside[0] if contiguous else None
 
-    def _layer_chunks(self, key: str) -> dict[int, list[Any]]:
-        """Stored chunks of `key` by the layers (dim 0) they cover: a layer's lookup scans its chunks only."""
+    def _chunks_at(self, key: str, lead: tuple[int, ...]) -> list[Any]:
+        """Stored chunks of `key` covering leading indices `lead` (a layer; (layer, expert) of a stacked expert
+        tensor; (expert,) of a per-layer one): a lookup scans those chunks only, not the key's all (at
+        Qwen3-30B-A3B a stacked expert key holds 48 x 128 x 2 chunks)."""
         with self._lock:
-            found = self._by_layer.get(key)
+            found = self._by_index.get((key, len(lead)))
         if found is None:
             found = {}
             for c in self.tensors[key].chunks:
-                for layer in range(c.offsets[0], c.offsets[0] + c.sizes[0]):
-                    found.setdefault(layer, []).append(c)
+                spans = [range(o, o + n) for o, n in zip(c.offsets[: len(lead)], c.sizes[: len(lead)])]
+                for at in itertools.product(*spans):
+                    found.setdefault(at, []).append(c)
             with self._lock:
-                self._by_layer[key] = found
-        return found
+                self._by_index[(key, len(lead))] = found
+        return found.get(lead, [])
 
     def byte_range(
-        self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None
+        self, key: str, layer: Index = None, rows: tuple[int, int] | None = None
     ) -> tuple[int, int] | None:
         """(fd, file offset) where the bytes of `read(key, layer, rows)` lie contiguously in one stored record,
         or None (the request spans chunks, or the record is not a plain torch.save): lets a caller copy them
@@ -605,11 +620,13 @@ class DistCheckpointReader:
         row_bytes = self.tensors[key].properties.dtype.itemsize * torch.Size(whole.sizes[row_axis + 1 :]).numel()
         return fd, start + (region[row_axis][0] - whole.offsets[row_axis]) * row_bytes
 
-    def read(self, key: str, layer: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, key: str, layer: Index = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The global tensor `key`, or its `layer` slice (without the layer axis), or rows lo:hi of that.
 
-        Reads only the stored chunks overlapping the request; when one chunk holds it (converter output
-        always, training checkpoints at TP=1), the result is a memory-mapped view of just those bytes.
+        `layer` may be a tuple of leading indices: (layer, expert) of a stacked expert tensor [L, E, rows, ...],
+        (expert,) of a per-layer one [E, rows, ...]; the rows are the axis after them. Reads only the stored
+        chunks overlapping the request; when one chunk holds it (converter output always, training checkpoints
+        at TP=1 / expert-TP 1), the result is a memory-mapped view of just those bytes.
         """
         region, row_axis, pieces, whole = self._locate(key, layer, rows)
         if whole is not None:
@@ -624,7 +641,7 @@ class DistCheckpointReader:
                 src = tuple(slice(max(lo, o) - o, min(hi, o + n) - o) for o, n, (lo, hi) in spans)
                 dst = tuple(slice(max(lo, o) - lo, min(hi, o + n) - lo) for o, n, (lo, hi) in spans)
                 out[dst] = data.reshape(tuple(c.sizes))[src]
-        return out[0] if layer is not None else out
+        return out[(0,) * len(_leading(layer))]
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -2,8 +2,9 @@
 
 `train.py --load DIR` calls this when DIR has Megatron-LM's `latest_checkpointed_iteration.txt` (what
 `checkpoint_convert hf-to-mcore` writes), or is its `release/` directory: the model loads at the run's
-TP/PP (megatron-core reshards), and the run starts at iteration 0 with a fresh optimizer. Resuming a run
-(model + optimizer + step) is `megatron_dapo.checkpoint.training.load_checkpoint`'s job.
+TP/PP/EP/expert-TP (megatron-core reshards; an MoE checkpoint holds every expert on a global axis), and the
+run starts at iteration 0 with a fresh optimizer. Resuming a run (model + optimizer + step) is
+`megatron_dapo.checkpoint.training.load_checkpoint`'s job.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arc
     is ignored; callers refresh the optimizer's main params afterwards (`optimizer.reload_model_params`).
     A TE `_extra_state` the checkpoint lacks loads as None (weights/extra_state.py).
     Cost at Qwen2.5-32B TP8 x PP2: each rank reads its 1/16 of 64 GB (4 GB); no rank waits on another
-    except the final barrier inside dist_checkpointing.load.
+    except the final barrier inside dist_checkpointing.load. At Qwen3-30B-A3B EP8 (TP1, PP1): a rank reads its 16 of
+    the 128 experts of each layer (58 GB of experts / 8 = 7.2 GB) plus the replicated rest (3.1 GB).
     """
     iter_dir = check_checkpoint_config(path, arch, flag=flag)
     sharded = model.sharded_state_dict()

@@ -123,6 +123,57 @@ def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None) -> di
     }
 
 
+def optimizer_layout(actor) -> dict[str, Any]:
+    """What the optimizer state's structure in a checkpoint depends on, beyond the model (saved in the common state
+    as "optimizer_layout" and checked by `check_optimizer_layout` on load).
+
+    Under --expert-model-parallel-size > 1 megatron-core builds two optimizers (dense, and the experts' over the
+    expert-DP group) chained, whose state keys carry `chained_0.` / `chained_1.`; at EP 1 the experts are ordinary
+    params of one optimizer. The distributed optimizer's dp_reshardable state is one flat buffer per model-parallel
+    rank: the experts' follows the EP x expert-TP split. At Qwen3-30B-A3B the experts are 29.0e9 of the 30.5e9
+    parameters (48 layers x 128 x 3 x 768 x 2048): their optimizer state (fp32 main params + Adam m, v: 12 B/param)
+    is 348 GB of the checkpoint's 366 GB, what an EP change would have to reshard."""
+    return {"expert_parallel": actor.layout.ep, "expert_tensor_parallel": actor.layout.expert_tp,
+            "distributed_optimizer": bool(actor.config.use_distributed_optimizer)}
+
+
+class CheckpointLayoutError(UserError):
+    """The checkpoint's optimizer state cannot be resharded to this run's layout (megatron-core 0.16.1 refuses)."""
+
+
+def check_optimizer_layout(saved: dict[str, Any] | None, actor, path: Path, *,
+                           cause: BaseException | None = None) -> None:
+    """Raise CheckpointLayoutError when `saved` (a checkpoint's `optimizer_layout`; None: an older checkpoint, not
+    checked) cannot resume under `actor`'s layout. Measured on megatron-core 0.16.1 (tests/test_checkpoint_ep.py,
+    a tiny Qwen3-MoE saved at EP 2 x expert-DP 2 on 4 ranks):
+
+    - the same EP: resumes exactly (regular and distributed optimizer);
+    - regular optimizer, EP 2 -> EP 4 (both > 1): resumes (the expert state is stored with a global expert axis);
+    - distributed optimizer, another EP or expert-TP: refused (the experts' flat dp_reshardable buffer has another
+      global size: CheckpointingException "Global shape mismatch");
+    - EP > 1 <-> EP 1, either optimizer: refused (chained vs single-optimizer state keys: KeyError).
+    The model weights alone load at any EP (a layout-independent [E, ...] tensor per layer): an HF export of the
+    checkpoint (checkpoint/hf_export.py) starts a run at another expert layout, with a fresh optimizer.
+    `cause`: the load error this explains (chained to the raised error)."""
+    if saved is None:
+        return
+    now = optimizer_layout(actor)
+    ep, etp = saved["expert_parallel"], saved["expert_tensor_parallel"]
+    chained_changed = (ep > 1) != (now["expert_parallel"] > 1)
+    sharding_changed = now["distributed_optimizer"] and saved["distributed_optimizer"] and (
+        (ep, etp) != (now["expert_parallel"], now["expert_tensor_parallel"]))
+    if chained_changed or sharding_changed:
+        why = ("megatron-core keeps the experts' optimizer state in a separate chained optimizer only when EP > 1"
+               if chained_changed else
+               "the distributed optimizer's expert state is flat per EP x expert-TP rank and cannot be resharded")
+        raise CheckpointLayoutError(
+            f"{path} was saved at --expert-model-parallel-size {ep} --expert-tensor-parallel-size {etp} "
+            f"(distributed optimizer {saved['distributed_optimizer']}); this run has "
+            f"--expert-model-parallel-size {now['expert_parallel']} --expert-tensor-parallel-size "
+            f"{now['expert_tensor_parallel']}: {why}; resume with the saved expert sizes"
+            + ("" if chained_changed else " or without --use-distributed-optimizer in both runs")) from cause
+
+
 class CheckpointSaver:
     """Writes checkpoints of one run: `save(step, actor, extra)` on every rank, `close()` at the end.
 
@@ -173,6 +224,7 @@ class CheckpointSaver:
         state = _sharded_state(actor, is_loading=False, rng=rng_state())
         state["scheduler"] = actor.scheduler.state_dict()
         state["extra"] = {"step": step, **extra}
+        state["optimizer_layout"] = optimizer_layout(actor)
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self.strategy,
                                           async_sharded_save=self.async_save, content_metadata=OPTIM_METADATA,
                                           preprocess_common_before_consistancy_check=_without_rank0_extra)
@@ -369,7 +421,7 @@ def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None
             try:
                 loaded = _read_step(path, actor)
             except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
-                if verified:
+                if verified or isinstance(err, CheckpointLayoutError):
                     raise
                 problems = [f"{path} has no {checkpoint_manifest.MANIFEST} and fails to load: {_first_error(err)}"]
             else:
@@ -411,7 +463,14 @@ def _read_step(path: Path, actor) -> dict[str, Any]:
     """Read a step directory's tensors and objects into a state dict shaped by `actor` (nothing applied yet)."""
     _materialise_distributed_optimizer_state(actor.optimizer)
     state = _sharded_state(actor, is_loading=True, rng=None)
-    return load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
+    try:
+        return load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
+    except (Exception, CheckpointException) as err:
+        # diagnosed only on failure: the common state (rank 0's, up to ~0.7 GB with an --async-rollout batch) is
+        # read once more here, by every rank; all ranks fail such a load together (the read errors are gathered)
+        saved = dist_checkpointing.load_common_state_dict(str(path)).get("optimizer_layout")
+        check_optimizer_layout(saved, actor, path, cause=err)
+        raise
 
 
 def _apply_step(loaded: dict[str, Any], actor) -> dict[str, Any]:

@@ -68,6 +68,10 @@ SHIMS: tuple[Shim, ...] = (
         "transformer/moe/token_dispatcher.py:444-445,862-901",
         "transformer/moe/moe_utils.py:1093",
     )),
+    Shim(name="uneven first-dim all-gather on gloo -> padded to the largest split, then cut", files=(
+        "tensor_parallel/mappings.py:148-150",
+        "transformer/moe/token_dispatcher.py:693-701",
+    )),
 )
 
 MOE_ROUTER_TE_FIX = "transformer/moe/moe_utils.py:22-39,1192,1225"
@@ -186,7 +190,8 @@ def install_moe_fixes() -> None:
     Any device: `te_general_gemm` bound to None when TE did not import (MOE_ROUTER_TE_FIX). Without CUDA: the
     alltoall dispatcher's DtoH side stream (a torch.cuda.Stream made in its constructor) is never created, and
     its `_maybe_dtoh_and_synchronize` only turns the all-to-all split sizes into numpy arrays, which is what
-    the CUDA path hands torch's all_to_all_single (CPU tensors stay tensors there and gloo's binding rejects them).
+    the CUDA path hands torch's all_to_all_single (CPU tensors stay tensors there and gloo's binding rejects them);
+    the dispatcher's uneven all-gather over the expert-TP group works on gloo (`_install_uneven_collectives`).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -209,6 +214,52 @@ def install_moe_fixes() -> None:
         return tokens_per_expert
 
     dispatcher._maybe_dtoh_and_synchronize = _maybe_dtoh_and_synchronize
+    _install_uneven_collectives()
+
+
+def _gloo_group(group) -> bool:
+    import torch.distributed as dist
+
+    return dist.get_backend(group) == "gloo"
+
+
+def _padded_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if t.shape[0] < rows else t.contiguous()
+
+
+def gather_uneven_first_dim(input_: torch.Tensor, group, output_split_sizes) -> torch.Tensor:
+    """All-gather along dim 0 where rank i contributes `output_split_sizes[i]` rows, over gloo: every rank pads
+    its rows to the largest split, one even all-gather, then each rank's padding is cut (exact: only copies).
+    Costs one extra (max split x world) buffer; this path exists on CPU only."""
+    from megatron_dapo.distributed import comm
+
+    sizes = [int(n) for n in output_split_sizes]
+    rows = max(sizes)
+    if input_.shape[0] != sizes[group.rank()]:
+        raise ValueError(f"gather_uneven_first_dim: this rank has {input_.shape[0]} rows, its split says "
+                         f"{sizes[group.rank()]}")
+    parts = comm.all_gather(_padded_rows(input_, rows), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _install_uneven_collectives() -> None:
+    """megatron's alltoall dispatcher with expert-TP > 1 all-gathers the routed tokens over the expert-TP group with
+    uneven `output_split_sizes` (token_dispatcher.py:693-701 -> mappings.py:148-150, a list all_gather), which gloo
+    rejects ("allgather: invalid tensor size"): route the uneven gloo case through `gather_uneven_first_dim`. The
+    backward's list reduce_scatter with the same uneven sizes (mappings.py:182-190) works on gloo as it is (torch
+    2.13; tests/dist/compat_uneven.py checks both)."""
+    from megatron.core.tensor_parallel import mappings
+
+    if "gather_first_dim" in _original:
+        return
+    gather = _original["gather_first_dim"] = mappings._gather_along_first_dim
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or not _gloo_group(group):
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return gather_uneven_first_dim(input_, group, output_split_sizes)
+
+    mappings._gather_along_first_dim = _gather_along_first_dim
 
 
 def is_installed() -> bool:

@@ -22,6 +22,32 @@ def rollout_engine_kind(args: argparse.Namespace) -> str:
     return args.rollout_engine or ("sglang" if torch.cuda.is_available() else "embedded")
 
 
+def check_rollout_model(args: argparse.Namespace) -> None:
+    """Refuses, before anything is built or launched, a --hf-checkpoint the chosen engine would serve wrong (ValueError
+    naming the config.json fields): SGLang and an MoE model with dense layers (sglang/setup.py check_sglang_serves);
+    --moe-routing-replay with a model without experts. Reads config.json only (milliseconds)."""
+    if args.hf_checkpoint is None or not (Path(args.hf_checkpoint) / "config.json").is_file():
+        return  # a missing config.json is check_model_config's error
+    _routing(args)
+    if rollout_engine_kind(args) != "sglang":
+        return
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.rollout.sglang.setup import check_sglang_serves
+
+    config = Path(args.hf_checkpoint) / "config.json"
+    check_sglang_serves(ModelArch.from_hf(args.hf_checkpoint), str(config))
+
+
+def _routing(args: argparse.Namespace):
+    """RoutingShape of --hf-checkpoint's model with --moe-routing-replay, else None (config.json only)."""
+    if not getattr(args, "moe_routing_replay", False):
+        return None
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.rollout.types import routing_of
+
+    return routing_of(ModelArch.from_hf(args.hf_checkpoint), True)
+
+
 def memory_server_args(args: argparse.Namespace, *, cuda: bool) -> tuple[str, ...]:
     """SGLang flags for the memory of launched CUDA servers: --mem-fraction-static (given, or with --colocate the
     planner's, megatron_dapo/planner.py) and, colocated, --enable-memory-saver (without it
@@ -44,9 +70,11 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout import make_engine
 
     kind = rollout_engine_kind(args)
+    routing = _routing(args)  # --moe-routing-replay: the engine returns each token's experts
     if kind == "embedded":
         kwargs = dict(tokenizer=tokenizer, seed=args.seed,
-                      max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt)
+                      max_batch_size=args.rollout_batch_size * args.n_samples_per_prompt,
+                      record_routing=routing is not None)
         if args.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
             from megatron_dapo.rollout.process_engine import ProcessEngine
 
@@ -55,6 +83,8 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout.sglang import setup as server_setup
     from megatron_dapo.rollout.sglang.engine import ClientConfig
     from megatron_dapo.rollout.sglang.server import ServerConfig
+
+    check_rollout_model(args)  # before any server is attached or launched
 
     attach = bool(args.sglang_server_urls)
     if args.sglang_router_url and not attach:
@@ -76,6 +106,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
         bucket_bytes=args.weight_sync_bucket_mb << 20,
         sync_backend="nccl" if cuda else "gloo",
         sync_master_address=args.weight_sync_master_addr, sync_master_port=args.weight_sync_master_port,
+        routing=routing,
     )
     if client.update_mode == "tensor" and not cuda:
         from megatron_dapo.weight_sync.tensor_ipc import check_shm_space
@@ -103,5 +134,6 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
                           host=args.sglang_host, extra_args=extra_args + deterministic,
                           device="cuda" if cuda else "cpu", python=python,
                           log_dir=str(Path(args.log_dir) / "sglang"), env=server_env,
-                          api_key=api_key, allow_no_api_key=args.sglang_allow_no_api_key)
+                          api_key=api_key, allow_no_api_key=args.sglang_allow_no_api_key,
+                          return_routed_experts=routing is not None)
     return make_engine("sglang", server, client=client)

@@ -4,10 +4,15 @@ The decode loop is our own (rather than `generate`) so that each sampled token's
 from the raw fp32 logits of the very forward pass that produced it, the quantity SGLang's return_logprob
 reports and the actor recomputes. Prompts are left-padded so every row's next token sits in the last
 column; rows leave the batch (and the KV cache) as soon as they stop, so short answers cost nothing.
+
+With `record_routing` (--moe-routing-replay on an MoE model) a forward hook on each MoE layer's router (HF's
+`mlp.gate`, whose forward returns (logits, scores, top-k indices)) keeps the experts every fed-in token was routed
+to, what SGLang's return_routed_experts gives: Sample.routed_experts, rows for prompt + response - 1 tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +27,7 @@ from megatron_dapo.models.hf_config import read_config_json
 from megatron_dapo.models.registry import family
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.sampling import row_seed, sample_tokens, skip_draws
-from megatron_dapo.rollout.types import FinishReason, RolloutRequest, Sample
+from megatron_dapo.rollout.types import FinishReason, RolloutRequest, RoutingShape, Sample
 from megatron_dapo.rollout.weights_load import load_named_tensors
 
 
@@ -38,6 +43,8 @@ class _Row:
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """record_routing: [tokens, num_layers, top_k] per forward pass this row took part in (prompt, then one a token)."""
 
 
 def _family(model_type: Any, where: str) -> ModelFamily:
@@ -96,6 +103,7 @@ class EmbeddedEngine(RolloutEngine):
     or a ready HF causal LM; the config's model_type picks the family (`models/registry.py`).
     `max_batch_size` bounds rows (samples) per forward pass.
     `seed` drives samples whose request has no seed, and the random init when no weights are given.
+    `record_routing`: MoE models, keep each sample's routed experts (Sample.routed_experts; --moe-routing-replay).
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class EmbeddedEngine(RolloutEngine):
         seed: int = 0,
         device: str | torch.device = "cpu",
         num_threads: int | None = None,
+        record_routing: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(
@@ -131,6 +140,23 @@ class EmbeddedEngine(RolloutEngine):
         self._closed = False
         self._live: set[str] = set()
         self._aborted: set[str] = set()
+        self.routing: RoutingShape | None = None
+        if record_routing:
+            self.routing = self._routing_shape()
+
+    def _routing_shape(self) -> RoutingShape:
+        config = self.model.config
+        routers = self._routers()
+        if not routers:
+            raise ValueError("EmbeddedEngine: record_routing (--moe-routing-replay) needs a mixture-of-experts model; "
+                             f"{config.model_type} has no router")
+        return RoutingShape(config.num_hidden_layers, config.num_experts_per_tok, config.num_experts)
+
+    def _routers(self) -> dict[int, torch.nn.Module]:
+        """{global layer index: HF router module} of the MoE layers (dense layers have no `mlp.gate` module)."""
+        layers = self.model.model.layers
+        return {i: layer.mlp.gate for i, layer in enumerate(layers)
+                if isinstance(getattr(layer.mlp, "gate", None), torch.nn.Module)}
 
     # ---- RolloutEngine -------------------------------------------------------------------------
 
@@ -226,6 +252,9 @@ class EmbeddedEngine(RolloutEngine):
             logprobs=row.logprobs,
             finish_reason=row.finish or "abort",
             weight_version=row.weight_version if row.weight_version >= 0 else self._version,
+            # every fed-in token's row: the prompt's, then each sampled token but the last (never fed back)
+            routed_experts=torch.cat(row.routes)[: len(row.req.prompt_ids) + len(row.response) - 1]
+            if row.routes else None,
         )
 
     @torch.inference_mode()
@@ -254,10 +283,15 @@ class EmbeddedEngine(RolloutEngine):
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
-            use_cache=True, logits_to_keep=1,
-        )
+        with self._recording() as picked:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+                use_cache=True, logits_to_keep=1,
+            )
+        if picked:  # [b * width, L, K] -> each row's own (unpadded) prompt positions
+            routes = picked[0].view(len(live), width, *picked[0].shape[1:])
+            for i, row in enumerate(live):
+                row.routes.append(routes[i, width - lengths[i]:])
         last_pos = position[:, -1]
         for row in live:
             row.weight_version = self._version
@@ -294,10 +328,36 @@ class EmbeddedEngine(RolloutEngine):
                 temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
             mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
             last_pos = last_pos + 1
-            out = self.model(
-                input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=last_pos.unsqueeze(1),
-                past_key_values=cache, use_cache=True,
-            )
+            with self._recording() as picked:
+                out = self.model(
+                    input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=last_pos.unsqueeze(1),
+                    past_key_values=cache, use_cache=True,
+                )
+            if picked:
+                for i, row in enumerate(live):
+                    row.routes.append(picked[0][i : i + 1])
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[list[torch.Tensor]]:
+        """Around one forward pass: with record_routing, yields a list that afterwards holds one [tokens, L, K]
+        tensor of routed ids (layers without a router: zeros, as SGLang's dense-layer columns); else stays empty."""
+        if self.routing is None:
+            yield []
+            return
+        picked: dict[int, torch.Tensor] = {}
+        hooks = [router.register_forward_hook(lambda _m, _i, out, i=i: picked.__setitem__(i, out[2]))
+                 for i, router in self._routers().items()]
+        box: list[torch.Tensor] = []
+        try:
+            yield box
+        finally:
+            for h in hooks:
+                h.remove()
+        tokens = next(iter(picked.values())).shape[0]
+        full = torch.zeros(tokens, self.routing.num_layers, self.routing.top_k, dtype=self.routing.dtype)
+        for i, ids in picked.items():
+            full[:, i] = ids.to(self.routing.dtype)
+        box.append(full)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -169,6 +169,8 @@ def extend(prefix: Sample | None, continuation: Sample, prompt_ids: Sequence[int
         logprobs=list(prefix.logprobs) + list(continuation.logprobs),
         finish_reason=continuation.finish_reason, weight_version=prefix.weight_version,
         token_versions=prefix.versions() + continuation.versions(),
+        # the continuation re-routed prompt + prefix in its prefill: its rows already cover the whole sequence
+        routed_experts=continuation.routed_experts,
     )
 
 
@@ -205,7 +207,8 @@ def drop_stale(groups: Sequence[CarriedGroup], current_version: int,
 
 def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
     """The carried groups as the checkpoint's `extra["carried"]`: 12 bytes per token (int32 ids, fp32 log-probs,
-    int32 versions); the rollout log-probs are fp32 values (the engines' and the trainer's precision)."""
+    int32 versions), plus with --moe-routing-replay the routed experts (L x K uint8 per prompt + response token:
+    384 B at 30B-A3B); the rollout log-probs are fp32 values (the engines' and the trainer's precision)."""
     return {"version": STATE_VERSION, "groups": [{
         "prompt_ids": torch.tensor(g.prompt.prompt_ids, dtype=torch.int32),
         "ground_truth": g.prompt.ground_truth, "index": g.prompt.index, "seed": g.seed,
@@ -214,7 +217,11 @@ def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
                      "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
                      "versions": torch.tensor(s.versions(), dtype=torch.int32),
                      "finish_reason": s.finish_reason, "weight_version": s.weight_version,
-                     "request_id": s.request_id} for s in g.samples],
+                     "request_id": s.request_id}
+                    # --moe-routing-replay: a finished sample of a carried group keeps its routes (384 B a token
+                    # at 30B-A3B); a continued one gets new rows for its whole sequence anyway
+                    | ({"routed_experts": s.routed_experts} if s.routed_experts is not None else {})
+                    for s in g.samples],
     } for g in groups]}
 
 
@@ -237,7 +244,8 @@ def from_state(data: dict[str, Any] | None) -> list[CarriedGroup]:
                                   response_ids=[int(t) for t in s["response_ids"].tolist()],
                                   logprobs=[float(x) for x in s["logprobs"].tolist()],
                                   finish_reason=s["finish_reason"], weight_version=int(s["weight_version"]),
-                                  token_versions=[] if uniform else versions))
+                                  token_versions=[] if uniform else versions,
+                                  routed_experts=s.get("routed_experts")))
         groups.append(CarriedGroup(prompt=prompt, samples=samples, seed=g["seed"], first_step=int(g["first_step"])))
     return groups
 

@@ -6,10 +6,43 @@ Nothing here imports an engine, so the trainer, the rollout manager and the engi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
+
+import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+class RoutingShape(NamedTuple):
+    """What a rollout's routed expert ids look like for one MoE model (ModelArch: num_layers, num_experts_per_tok,
+    num_experts): each token's row is [num_layers, top_k] ids below num_experts."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return routing_dtype(self.num_experts)
+
+
+def routing_of(arch: Any, replay: bool) -> RoutingShape | None:
+    """The RoutingShape rollouts record for `arch` (a ModelArch) when `replay` (--moe-routing-replay), else None. Layers
+    are global (a dense layer's column is never read). Raises ValueError for a model without experts."""
+    if not replay:
+        return None
+    if not arch.is_moe:
+        raise ValueError("--moe-routing-replay needs a mixture-of-experts model (config.json num_experts > 0)")
+    return RoutingShape(arch.num_layers, arch.num_experts_per_tok, arch.num_experts)
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The integer dtype rollouts keep routed expert ids in: uint8 up to 256 experts (Qwen3-30B-A3B's and 235B's 128,
+    DeepSeek-V3's 256), else int32 (gloo, which carries them to the DP ranks, has no int16)."""
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"routing_dtype: num_experts must be an int >= 1, got {num_experts!r}")
+    return torch.uint8 if num_experts <= 256 else torch.int32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,6 +187,12 @@ class Sample:
     """Per response token, the weight version that generated it; empty = every token came from
     `weight_version`. Set when tokens come from several versions (a partial-rollout prefix continued after a
     weight update); read it through `versions()`."""
+    routed_experts: torch.Tensor | None = None
+    """MoE models with --moe-routing-replay: [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] expert
+    ids (RoutingShape.dtype: uint8 up to 256 experts) the engine routed input token i to in each layer, best first;
+    the last token was never fed back, so it has no row. A partial rollout's continuation re-routes the whole
+    prompt + prefix, so its rows cover the whole sequence. None: not recorded. At Qwen3-30B-A3B 48 x 8 = 384 B a
+    token (TrainSample.routed_experts takes it as is)."""
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.response_ids):
@@ -170,6 +209,13 @@ class Sample:
             raise ValueError(
                 f"Sample {self.request_id!r}[{self.index}]: {len(self.token_versions)} token_versions for "
                 f"{len(self.response_ids)} response tokens"
+            )
+        routed = self.routed_experts
+        rows = len(self.prompt_ids) + len(self.response_ids) - 1
+        if routed is not None and (routed.dim() != 3 or routed.shape[0] != rows):
+            raise ValueError(
+                f"Sample {self.request_id!r}[{self.index}]: routed_experts has shape {tuple(routed.shape)}, expected "
+                f"[len(prompt_ids) + len(response_ids) - 1 = {rows}, num_layers, top_k]"
             )
 
     @property

@@ -1,10 +1,18 @@
-"""Loading a stream of full HF-named tensors into an HF model in place (the embedded engine's weight sync)."""
+"""Loading a stream of full HF-named tensors into an HF model in place (the embedded engine's weight sync).
+
+Names are the on-disk (safetensors) HF names the export and SGLang speak: an MoE model's experts go one per
+tensor (`mlp.experts.{e}.gate_proj.weight`, `up_proj`, `down_proj`) although transformers holds them fused in
+memory; `models.hf_params.hf_parameters` gives those names as views of the fused parameters, so each copy writes
+the model's own storage (no second copy of the model, no re-fusing step).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+
+from megatron_dapo.models.hf_params import hf_parameters
 
 
 @torch.no_grad()
@@ -14,9 +22,10 @@ def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str
     Every parameter must be given exactly once (a partial sync would leave the engine on mixed weights
     without anyone noticing). With tied embeddings `lm_head.weight` is the embedding itself: it is
     accepted when equal in shape and skipped, since the embedding carries it. Tensors are cast to the
-    parameter's dtype and device. Raises KeyError / ValueError naming the offending tensor.
+    parameter's dtype and device. An MoE model's experts are named one per tensor (on-disk names) and are
+    copied into views of the fused in-memory parameters. Raises KeyError / ValueError naming the offending tensor.
     """
-    params = dict(model.named_parameters())
+    params = hf_parameters(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     seen: set[str] = set()
     for name, tensor in named_tensors:

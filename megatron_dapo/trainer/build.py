@@ -215,6 +215,7 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)
         check_model_config(args.hf_checkpoint)
+        rollout_build.check_rollout_model(args)  # e.g. a model SGLang would serve wrong, before minutes of start-up
     except UserError:
         raise
     except ValueError as err:  # the config dataclasses name the flag

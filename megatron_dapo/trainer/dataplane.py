@@ -8,6 +8,9 @@ each DP rank's rows into four CPU tensors and sends them over gloo groups made o
     ints      int32   [3 * rows + ids]         per row (minibatch, prompt_len, response_len), then ids
     row_vals  float64 [2 * rows]               per row (advantage, loss-mask value)
     logp      float32 [sum(response_len)]      rollout engine log-probs of the response tokens
+    routes    uint8   [sum(len(tokens) - 1) * L * K]   --moe-routing-replay only: the experts the rollout routed
+                                               each fed-in token to (TrainSample.routed_experts; int32 above 256
+                                               experts); absent otherwise (chosen once, when the DataPlane is made)
 
 Route: rank 0 -> the lowest global rank of each DP replica (`send`/`recv` on the world gloo group), then
 that leader -> the replica's other ranks (TP/PP/CP peers need the same rows; `broadcast` on the
@@ -22,6 +25,12 @@ token of the share), 0.29 GB of host memory as TrainSamples; rank 0 sends 0.31 G
 leaders, and each leader broadcasts its share to its 15 peers. Every rank but 0 waits in `exchange` for
 the whole rollout (20-45 minutes per generation round) on gloo with the --rollout-timeout, not on an
 NCCL watchdog.
+
+With --moe-routing-replay at Qwen3-30B-A3B (48 layers x top-8 = 384 B a token as uint8; the same 44.8 M tokens,
+DP 8): 17.2 GB of routes per step, held by rank 0 from the end of the rollout (as Sample.routed_experts, then
+TrainSample.routed_experts) until `exchange` has sent them (rank 0 keeps its own share, 2.2 GB, through the
+step); each DP leader receives its 2.2 GB share and broadcasts it to its replica's peers, which hold it for the
+step's training. On the wire from SGLang the same routes were 2,048 B a token (base64 of int32) per response.
 
 Failures: a wait of hours must not outlive a failure on the rank it waits for. Rank 0 that fails before a batch
 sends `abort(what)` through the same exchange (a header and the UTF-8 text of `what`, ~60 bytes per leader);
@@ -42,6 +51,7 @@ import torch.distributed as dist
 
 from megatron_dapo.actor import TrainSample
 from megatron_dapo.distributed import comm
+from megatron_dapo.rollout.types import RoutingShape
 
 OK, ABORT = 0, 1
 
@@ -54,14 +64,25 @@ class PackedShare:
     ints: torch.Tensor
     row_vals: torch.Tensor
     logp: torch.Tensor
+    routes: torch.Tensor | None = None
+    """--moe-routing-replay: every row's routed_experts, flattened in row order; None otherwise."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.header, self.ints, self.row_vals, self.logp))
+        tensors = (self.header, self.ints, self.row_vals, self.logp) + ((self.routes,) if self.routes is not None
+                                                                        else ())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def pack(minibatches: Sequence[Sequence]) -> PackedShare:
-    """Rows (trainer `Rollout`s: .sample, .rollout_log_probs) of each mini-batch -> the wire tensors."""
+def _routes_numel(ints: torch.Tensor, n_rows: int, routing: RoutingShape) -> int:
+    """Ids in a share's routes tensor: sum over rows of (prompt_len + response_len - 1) x L x K."""
+    meta = ints[:3 * n_rows].reshape(n_rows, 3)
+    return int((meta[:, 1] + meta[:, 2] - 1).sum()) * routing.num_layers * routing.top_k
+
+
+def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -> PackedShare:
+    """Rows (trainer `Rollout`s: .sample, .rollout_log_probs) of each mini-batch -> the wire tensors; with `routing`
+    (--moe-routing-replay) each row's sample.routed_experts too, which every row must then have."""
     rows = [(m, r) for m, mb in enumerate(minibatches) for r in mb]
     meta = torch.tensor([(m, r.sample.prompt_len, r.sample.response_len) for m, r in rows],
                         dtype=torch.int32).reshape(-1)
@@ -71,7 +92,18 @@ def pack(minibatches: Sequence[Sequence]) -> PackedShare:
                             dtype=torch.float64).reshape(-1)
     logp = torch.cat([torch.zeros(0), *(r.rollout_log_probs.float() for _, r in rows)])
     header = torch.tensor([OK, len(minibatches), len(rows), ints.numel() - meta.numel()], dtype=torch.int64)
-    return PackedShare(header, ints, row_vals, logp)
+    routes = None
+    if routing is not None:
+        want = (routing.num_layers, routing.top_k)
+        for _, r in rows:
+            got = r.sample.routed_experts
+            if got is None or tuple(got.shape[1:]) != want:
+                raise ValueError(f"--moe-routing-replay: a row's routed experts are "
+                                 f"{None if got is None else tuple(got.shape)}, expected [len(tokens) - 1, *{want}] "
+                                 f"(the rollout engine must return them: Sample.routed_experts)")
+        routes = torch.cat([torch.zeros(0, dtype=routing.dtype),
+                            *(r.sample.routed_experts.to(routing.dtype).reshape(-1) for _, r in rows)])
+    return PackedShare(header, ints, row_vals, logp, routes)
 
 
 def abort_share(what: str) -> PackedShare:
@@ -96,17 +128,23 @@ def _mask_value(sample: TrainSample) -> float:
     return value
 
 
-def unpack(share: PackedShare, rollout_cls) -> list[list]:
-    """The wire tensors -> mini-batches of `rollout_cls(sample, rollout_log_probs)`, in the sent order."""
+def unpack(share: PackedShare, rollout_cls, routing: RoutingShape | None = None) -> list[list]:
+    """The wire tensors -> mini-batches of `rollout_cls(sample, rollout_log_probs)`, in the sent order; with
+    `routing` the samples get their routed_experts (views of share.routes)."""
     _, n_mb, n_rows, _ = share.header.tolist()
     meta = share.ints[:3 * n_rows].reshape(n_rows, 3).tolist()
     ids = share.ints[3 * n_rows:]
     vals = share.row_vals.reshape(n_rows, 2).tolist()
     out: list[list] = [[] for _ in range(n_mb)]
-    tok = lp = 0
+    tok = lp = rt = 0
+    row = routing.num_layers * routing.top_k if routing is not None else 0
     for (m, p, r), (adv, keep) in zip(meta, vals):
+        routed = None
+        if routing is not None:
+            routed = share.routes[rt:rt + (p + r - 1) * row].view(p + r - 1, routing.num_layers, routing.top_k)
+            rt += (p + r - 1) * row
         sample = TrainSample(tokens=ids[tok:tok + p + r].tolist(), prompt_len=p, advantage=adv,
-                             loss_mask=torch.full((r,), keep))
+                             loss_mask=torch.full((r,), keep), routed_experts=routed)
         out[m].append(rollout_cls(sample, share.logp[lp:lp + r].clone()))
         tok, lp = tok + p + r, lp + r
     return out
@@ -117,10 +155,12 @@ class DataPlane:
 
     `wait_group` spans the world with `timeout`: ranks that wait for rank 0 (the rollout, rank-0 eval, the
     sampler state at save) wait on it, never on an NCCL group with its 30-minute watchdog. A failure on rank 0
-    reaches them as an error within a round trip (`abort`, `section`), not after `timeout`."""
+    reaches them as an error within a round trip (`abort`, `section`), not after `timeout`.
+    `routing` (--moe-routing-replay, the same on every rank): shares carry the routed experts too."""
 
-    def __init__(self, dp_rank: int, *, timeout: timedelta):
+    def __init__(self, dp_rank: int, *, timeout: timedelta, routing: RoutingShape | None = None):
         self.rank = dist.get_rank()
+        self.routing = routing
         self.wait_group = comm.gloo_group(None, timeout=timeout)
         dp_of = [int(t) for t in comm.all_gather(torch.tensor([dp_rank], dtype=torch.int64), group=self.wait_group)]
         self.dp_size = max(dp_of) + 1
@@ -184,6 +224,15 @@ class DataPlane:
     def _send(self, share: PackedShare, dst: int) -> None:
         for t in (share.header, share.ints, share.row_vals, share.logp):
             comm.send(t, dst, group=self.wait_group)
+        if self.routing is not None:
+            comm.send(self._routes_of(share), dst, group=self.wait_group)
+
+    def _routes_of(self, share: PackedShare) -> torch.Tensor:
+        """The share's routes (an abort share has none: empty)."""
+        return share.routes if share.routes is not None else torch.zeros(0, dtype=self.routing.dtype)
+
+    def _routes_buffer(self, header: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+        return torch.empty(_routes_numel(ints, int(header[2]), self.routing), dtype=self.routing.dtype)
 
     def _recv(self, src: int, *, group) -> PackedShare:
         header = comm.recv(torch.empty(4, dtype=torch.int64), src, group=group)
@@ -193,7 +242,10 @@ class DataPlane:
         n_rows = int(header[2])
         logp = torch.empty(int(ints[:3 * n_rows].reshape(n_rows, 3)[:, 2].sum()), dtype=torch.float32)
         comm.recv(logp, src, group=group)
-        return PackedShare(header, ints, row_vals, logp)
+        routes = None
+        if self.routing is not None:
+            routes = comm.recv(self._routes_buffer(header, ints), src, group=group)
+        return PackedShare(header, ints, row_vals, logp, routes)
 
     def _broadcast(self, share: PackedShare | None) -> PackedShare:
         src = self.replica_ranks[0]
@@ -210,7 +262,11 @@ class DataPlane:
         logp = share.logp if share is not None else torch.empty(
             int(ints[:3 * n_rows].reshape(n_rows, 3)[:, 2].sum()), dtype=torch.float32)
         comm.broadcast(logp, src, group=group)
-        return PackedShare(header, ints, row_vals, logp)
+        routes = None
+        if self.routing is not None:
+            routes = self._routes_of(share) if share is not None else self._routes_buffer(header, ints)
+            comm.broadcast(routes, src, group=group)
+        return PackedShare(header, ints, row_vals, logp, routes)
 
 
 def _empty_body(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

@@ -50,7 +50,7 @@ from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn, Score
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.evaluation import evaluate
 from megatron_dapo.rollout.partial_rollout import CarriedGroups
-from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
 from megatron_dapo.weight_sync.base import WeightSync
@@ -136,9 +136,16 @@ class Trainer:
             raise ValueError("global rank 0 needs the rollout engine and the prompt sampler")
         if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes the groups
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
-                                    timeout=timedelta(hours=self.config.rollout_timeout_h))
+                                    timeout=timedelta(hours=self.config.rollout_timeout_h), routing=self.routing)
         if self.weight_sync is None:  # collective when world > 1: rank 0 tells the others its engine's kind, once
             self.weight_sync = build_weight_sync(self.engine, wait_group=self.wait_group)
+
+    @cached_property
+    def routing(self) -> RoutingShape | None:
+        """--moe-routing-replay: the shape of the rollout's routed experts, which TrainSamples then carry (rank 0 ->
+        the DP ranks in the data plane); None otherwise: nothing recorded, nothing moved."""
+        replay = getattr(getattr(self.actor, "config", None), "moe_routing_replay", False)
+        return routing_of(self.actor.arch, replay) if replay else None
 
     @cached_property
     def carried(self) -> CarriedGroups:
@@ -238,11 +245,11 @@ class Trainer:
         packed = None
         if shares is not None:
             try:
-                packed = [pack(share) for share in shares]
+                packed = [pack(share, self.routing) for share in shares]
             except BaseException:
                 self._plane.abort("while packing the rollout batch")
                 raise
-        return unpack(self._plane.exchange(packed), Rollout)
+        return unpack(self._plane.exchange(packed), Rollout, self.routing)
 
     def next_batch(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
         """Rank 0: the step's kept groups and rollout metrics, with `time/rollout_wait_s` (how long training
@@ -304,7 +311,8 @@ class Trainer:
         rollouts = [
             Rollout(
                 TrainSample(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
-                            advantage=float(a), loss_mask=torch.full((len(s.response_ids),), float(k))),
+                            advantage=float(a), loss_mask=torch.full((len(s.response_ids),), float(k)),
+                            routed_experts=s.routed_experts if self.routing is not None else None),
                 torch.tensor(s.logprobs, dtype=torch.float32),
             )
             for (_, s, _), a, k in zip(flat, adv.tolist(), keep.tolist())
@@ -342,11 +350,13 @@ class Trainer:
             for r, lp in zip(local, old):
                 r.sample.old_log_probs = lp
         sums: dict[str, float] = {}
+        counts: dict[str, int] = {}  # a metric some mini-batches lack (moe/routing_agreement: the first only)
         for mb in minibatches:
             step_metrics = self.actor.train_step([r.sample for r in mb], rollout_step=step)
             for k, v in step_metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
-        metrics |= {f"train/{k}": v / len(minibatches) for k, v in sums.items()}
+                counts[k] = counts.get(k, 0) + 1
+        metrics |= {f"train/{k}": v / counts[k] for k, v in sums.items()}
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 

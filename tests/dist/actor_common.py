@@ -45,6 +45,17 @@ def tiny_hf_model(model_type: str = "qwen2", *, tie: bool = False, seed: int = 0
     return model
 
 
+def sharpen_router(hf, scale: float = 10.0):
+    """Scale an MoE HF model's router weights (`mlp.gate.weight`, init std 0.02) by `scale` in place and return the
+    model: routing then decided by clear top-k margins, so a tie broken differently by reduction-order noise (a
+    different output, not a layout error) cannot happen in the layout comparisons."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(scale)
+    return hf
+
+
 def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, torch.Tensor]:
     """HF state dict -> TP=1 megatron names (global layers), unpadded vocab; q/k/v biases and the per-head
     q/k norms only where the state dict has them."""
@@ -225,3 +236,44 @@ def load_hf_state_dict(actor, state_dict: dict[str, torch.Tensor]) -> None:
     full = hf_to_full_mcore(state_dict, actor.arch)
     actor.load_shards(mcore_shards_for_rank(full, actor.arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
                                             padded_vocab=padded_vocab_size(actor.arch.vocab_size, 1)))
+
+
+def merge_layout_shards(ranks: list[dict], arch: ModelArch, *, tp: int, pp: int, dp: int, ep: int = 1,
+                        etp: int | None = None, edp: int = 1) -> tuple[list[dict], list[dict]]:
+    """Per-rank results (each with "weights" and its tp/pp/dp/ep/etp/edp ranks, as tests/dist/actor_parallel.py saves
+    them) -> (per DP replica: the non-expert weights, per expert-DP replica: the experts), in `merge_rank_shards`'
+    names with global expert numbers (EP rank r's local expert j is global r * E / ep + j)."""
+    etp = tp if etp is None else etp
+    per_rank = arch.num_experts // ep if arch.num_experts else 0
+    dense, experts = [], []
+    for d in range(dp):
+        shards = {(r["tp_rank"], r["pp_rank"]): {k: v for k, v in r["weights"].items() if ".local_experts." not in k}
+                  for r in ranks if r["dp_rank"] == d}
+        assert len(shards) == tp * pp, (d, sorted(shards))
+        dense.append(merge_rank_shards(shards, arch, tp=tp, pp=pp))
+    if not per_rank:
+        return dense, experts
+    for x in range(edp):
+        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        seen = set()
+        for r in ranks:
+            if r["edp_rank"] != x or (r["ep_rank"], r["etp_rank"], r["pp_rank"]) in seen:
+                continue  # the TP ranks of one expert-TP rank hold the same experts (expert-TP < TP)
+            seen.add((r["ep_rank"], r["etp_rank"], r["pp_rank"]))
+            part = shards.setdefault((r["etp_rank"], r["pp_rank"]), {})
+            for k, v in r["weights"].items():
+                if ".local_experts." in k:
+                    j = int(k.split(".local_experts.")[1].split(".")[0])
+                    part[k.replace(f".local_experts.{j}.", f".local_experts.{r['ep_rank'] * per_rank + j}.")] = v
+        assert len(seen) == ep * etp * pp, (x, sorted(seen))
+        experts.append(merge_rank_shards(shards, arch, tp=etp, pp=pp))
+    return dense, experts
+
+
+def reset_moe_tracker() -> None:
+    """Forget megatron-core's process-wide MoE logging tracker (per-layer aux-loss sums, sized by the FIRST MoE
+    model's layer count): a test building a second MoE model with more layers in the same process would index past
+    it (IndexError in moe_utils.save_to_aux_losses_tracker)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()

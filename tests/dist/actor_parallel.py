@@ -1,9 +1,11 @@
 """torchrun worker (4 ranks): run the actor of every model family at TP=2 (x DP=2), PP=2 (x DP=2),
-TP=2 x PP=2 and (the first family only) DP=4 on one world and save the results.
+TP=2 x PP=2 and (the first family only) DP=4, and a mixture-of-experts family at its expert-parallel layouts
+(EP=2 and EP=4 over DP=4, TP=2 x EP=2 + SP with expert-TP 1 and 2, PP=2 x EP=2), on one world; save the results.
 
-argv: <input .pt from tests/test_actor_parallel.py> <output dir>. The input holds, per model_type, the arch,
-the HF state dict and the layouts to run. For each (family, layout) every rank saves its log-probs, entropies,
-the metrics of two train steps and its weight shards to <out>/<model_type>_<layout>_rank<r>.pt.
+argv: <input .pt from tests/test_actor_parallel.py> <output dir>. The input holds, per model key, the arch,
+the HF state dict and the layouts to run. For each (model, layout) every rank saves its log-probs, entropies,
+the metrics of two train steps, its ranks (TP, PP, DP, EP, expert-TP, expert-DP) and its weight shards to
+<out>/<model>_<layout>_rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -18,44 +20,53 @@ from megatron.core import parallel_state
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
-from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
+from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, reset_moe_tracker
 
 NPROC = 4
 LAYOUTS = {"tp2": ParallelLayout(tp=2, pp=1, dp=2), "pp2": ParallelLayout(tp=1, pp=2, dp=2),
-           "tp2pp2": ParallelLayout(tp=2, pp=2, dp=1), "dp4": ParallelLayout(tp=1, pp=1, dp=4)}
+           "tp2pp2": ParallelLayout(tp=2, pp=2, dp=1), "dp4": ParallelLayout(tp=1, pp=1, dp=4),
+           # mixture of experts: EP spans DP ranks (expert-DP = DP x TP / (EP x expert-TP)); MoE with TP needs SP
+           "ep2": ParallelLayout(dp=4, ep=2), "ep4": ParallelLayout(dp=4, ep=4),
+           "tp2ep2": ParallelLayout(tp=2, dp=2, ep=2, etp=1, sp=True),
+           "tp2ep2etp2": ParallelLayout(tp=2, dp=2, ep=2, etp=2, sp=True),
+           "pp2ep2": ParallelLayout(pp=2, dp=2, ep=2)}
 
 
-def run_layout(model_type: str, name: str, data: dict, family: dict, out_dir: str) -> None:
+def run_layout(model_key: str, name: str, data: dict, family: dict, out_dir: str) -> None:
     layout = LAYOUTS[name]
     arch = ModelArch(**family["arch"])
     init_parallel(layout, seed=data["seed"])
-    config: ActorConfig = data["config"]
+    reset_moe_tracker()
+    config: ActorConfig = family.get("config", data["config"])
     if layout.dp > 1:  # the distributed optimizer only shards anything with DP > 1
         config = replace(config, use_distributed_optimizer=True)
     actor = MegatronActor(arch, config, layout)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    dp_rank = parallel_state.get_data_parallel_rank()
+    ranks = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+             "dp_rank": parallel_state.get_data_parallel_rank(),
+             "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+             "etp_rank": parallel_state.get_expert_tensor_parallel_rank(),
+             "edp_rank": parallel_state.get_expert_data_parallel_rank()}
     full = hf_to_full_mcore(family["hf_state_dict"], arch)
-    actor.load_shards(mcore_shards_for_rank(full, arch, tp=layout.tp, tp_rank=tp_rank, pp=layout.pp,
-                                            pp_rank=pp_rank, padded_vocab=padded_vocab_size(arch.vocab_size,
-                                                                                             layout.tp)))
-    indices = list(range(dp_rank, len(data["samples"]), layout.dp))
+    actor.load_shards(mcore_shards_for_rank(
+        full, arch, tp=layout.tp, tp_rank=ranks["tp_rank"], pp=layout.pp, pp_rank=ranks["pp_rank"],
+        padded_vocab=padded_vocab_size(arch.vocab_size, layout.tp), ep=layout.ep, ep_rank=ranks["ep_rank"],
+        etp=layout.expert_tp, etp_rank=ranks["etp_rank"]))
+    indices = list(range(ranks["dp_rank"], len(data["samples"]), layout.dp))
     samples = [data["samples"][i] for i in indices]
     logps, ents = actor.compute_log_probs(samples, with_entropy=True)
     metrics = [actor.train_step(samples) for _ in range(data["steps"])]
-    torch.save({"indices": indices, "logps": logps, "entropies": ents, "metrics": metrics,
-                "tp_rank": tp_rank, "pp_rank": pp_rank, "dp_rank": dp_rank,
+    torch.save({"indices": indices, "logps": logps, "entropies": ents, "metrics": metrics, **ranks,
                 "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
-               f"{out_dir}/{model_type}_{name}_rank{dist.get_rank()}.pt")
+               f"{out_dir}/{model_key}_{name}_rank{dist.get_rank()}.pt")
     destroy_parallel(keep_process_group=True)
 
 
 def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
-    for model_type, family in data["families"].items():
+    for model_key, family in data["families"].items():
         for name in family["layouts"]:
-            run_layout(model_type, name, data, family, sys.argv[2])
+            run_layout(model_key, name, data, family, sys.argv[2])
     destroy_parallel()
 
 

@@ -1,6 +1,7 @@
 """torchrun worker (2 ranks): the actor at TP=2 without and with sequence parallelism (and SP + full
 recompute) on one world, for each model family in the input; saves each layout's log-probs, entropies, step
-metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward.
+metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward. A mixture-of-experts
+family runs the SP layouts only (megatron-core's MoE layer needs SP with TP > 1).
 
 argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt
 """
@@ -16,7 +17,7 @@ from megatron.core import parallel_state
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
-from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
+from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, reset_moe_tracker
 from tests.test_planner import saved_activation_bytes
 
 LAYOUTS = {
@@ -25,6 +26,11 @@ LAYOUTS = {
     "tp2_sp_recompute": ParallelLayout(tp=2, sp=True, recompute_granularity="full", recompute_method="uniform",
                                        recompute_num_layers=1),
 }
+
+
+def layouts(arch: ModelArch) -> dict[str, ParallelLayout]:
+    """The layouts `arch` runs: all, or the SP ones for an MoE model."""
+    return {n: lay for n, lay in LAYOUTS.items() if lay.sp or not arch.is_moe}
 
 
 def main() -> None:
@@ -40,7 +46,8 @@ def run_family(model_type: str, arch: ModelArch, hf_state_dict: dict, data: dict
     full = hf_to_full_mcore(hf_state_dict, arch)
     shards = mcore_shards_for_rank(full, arch, tp=2, tp_rank=tp_rank, pp=1, pp_rank=0,
                                    padded_vocab=padded_vocab_size(arch.vocab_size, 2))
-    for name, layout in LAYOUTS.items():  # same process groups: only the model config differs
+    for name, layout in layouts(arch).items():  # same process groups: only the model config differs
+        reset_moe_tracker()
         actor = MegatronActor(arch, data["config"], layout)
         assert actor.module.config.sequence_parallel == layout.sp
         actor.load_shards(shards)

@@ -2,7 +2,8 @@
 
 The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one launch:
   A. DataPlane with two replicas (rank 0 -> rank 1 by send/recv) and with one replica of both ranks
-     (the leader's broadcast to its TP/PP peers): every rank gets exactly its share.
+     (the leader's broadcast to its TP/PP peers): every rank gets exactly its share; again with routed experts
+     (--moe-routing-replay: a plane made with a RoutingShape carries TrainSample.routed_experts, uint8).
   B. abort(): the waiting rank raises instead of waiting.
   C. A Trainer step whose rollout engine takes SLOW_S > DEFAULT_TIMEOUT_S: rank 1 waits that long in
      `distribute` and the step completes (train + weight sync). Meanwhile a control thread on rank 1
@@ -43,7 +44,20 @@ def check(name: str, value) -> None:
 
 def digest(minibatches) -> list:
     return [[(r.sample.tokens, r.sample.prompt_len, r.sample.advantage, r.sample.loss_mask.tolist(),
-              r.rollout_log_probs.tolist()) for r in mb] for mb in minibatches]
+              r.rollout_log_probs.tolist(),
+              None if r.sample.routed_experts is None else (str(r.sample.routed_experts.dtype),
+                                                            r.sample.routed_experts.tolist()))
+             for r in mb] for mb in minibatches]
+
+
+def with_routes(minibatches, shape, seed: int) -> list:
+    """The same rows with random routed experts [len(tokens) - 1, L, K] of `shape`'s dtype."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(seed)
+    return [[type(r)(dataclasses.replace(r.sample, routed_experts=torch.randint(
+        0, shape.num_experts, (len(r.sample.tokens) - 1, shape.num_layers, shape.top_k), generator=g).to(shape.dtype)),
+        r.rollout_log_probs) for r in mb] for mb in minibatches]
 
 
 def main() -> None:
@@ -67,14 +81,22 @@ def main() -> None:
     hour = timedelta(hours=1)
 
     # A. two replicas (dp rank = parallel_state's), then one replica holding both ranks
+    from megatron_dapo.rollout.types import RoutingShape
+
     shares = [[_rows(3, 10 + d), _rows(2, 20 + d)] for d in range(2)]
-    for name, dp_rank, expect in (("two_replicas", parallel_state.get_data_parallel_rank(), rank),
-                                  ("one_replica", 0, 0)):
-        plane = DataPlane(dp_rank, timeout=hour)
+    routing = RoutingShape(num_layers=3, top_k=2, num_experts=8)
+    routed = [with_routes(s, routing, seed=d) for d, s in enumerate(shares)]
+    for name, dp_rank, expect, route in (("two_replicas", parallel_state.get_data_parallel_rank(), rank, None),
+                                         ("one_replica", 0, 0, None),
+                                         ("two_replicas_routes", parallel_state.get_data_parallel_rank(), rank,
+                                          routing),
+                                         ("one_replica_routes", 0, 0, routing)):
+        plane = DataPlane(dp_rank, timeout=hour, routing=route)
         dp = plane.dp_size
-        got = unpack(plane.exchange([pack(s) for s in shares[:dp]] if rank == 0 else None), Rollout)
-        check(name, {"dp": dp, "equal": digest(got) == digest(shares[expect]), "bytes": plane.bytes_received,
-                     "expected_bytes": pack(shares[expect]).nbytes})
+        sent = routed if route is not None else shares
+        got = unpack(plane.exchange([pack(s, route) for s in sent[:dp]] if rank == 0 else None), Rollout, route)
+        check(name, {"dp": dp, "equal": digest(got) == digest(sent[expect]), "bytes": plane.bytes_received,
+                     "expected_bytes": pack(sent[expect], route).nbytes})
 
     # B. abort reaches the waiting rank
     if rank == 0:

@@ -1,4 +1,13 @@
-"""Lets PyPI's (CUDA-built) torchvision import next to a CPU torch in .venv-sglang.
+"""Two import-time fixes for SGLang 0.5.23 on a CPU torch in .venv-sglang.
+
+1. --enable-return-routed-experts (--moe-routing-replay) on a CPU server: the routed-experts host buffer is
+allocated with pin_memory=True (sglang/srt/layers/moe/state_capturer/base.py:68) through
+mem_cache/pool_host/common.py:349 alloc_with_host_register -> :147 `_cuda_host_register` -> torch.cuda.cudart(),
+which asserts "Torch not compiled with CUDA enabled" and kills the server at start-up. Without CUDA there is
+nothing to register: `_cuda_host_register` becomes a no-op when that module is imported and CUDA is unavailable
+(a CUDA build keeps SGLang's own). The buffer is then plain host memory, which is all a CPU server reads.
+
+2. PyPI's (CUDA-built) torchvision next to a CPU torch:
 
 torchvision's C++ ops cannot load without libtorch_cuda, and torchvision/_meta_registrations.py then dies at
 import ('operator torchvision::nms does not exist'), taking every module that imports torchvision down
@@ -16,6 +25,34 @@ import sys
 import types
 
 _GUARDED = "torchvision._meta_registrations"
+_HOST_REGISTER = "sglang.srt.mem_cache.pool_host.common"
+
+
+class _HostRegisterFinder(importlib.abc.MetaPathFinder):
+    """Loads _HOST_REGISTER as usual, then (no CUDA) replaces its `_cuda_host_register` with a no-op."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HOST_REGISTER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            import torch
+
+            if not torch.cuda.is_available() and hasattr(module, "_cuda_host_register"):
+                module._cuda_host_register = _no_host_register
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _no_host_register(*args, **kwargs):
+    """CPU torch: no page-locking to do (SGLang's `_cuda_host_register` would assert on torch.cuda.cudart())."""
+    return None
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -35,3 +72,4 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _Finder())
+sys.meta_path.insert(0, _HostRegisterFinder())

@@ -65,7 +65,7 @@ from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, 
 )
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
 from megatron_dapo.rollout.sglang.setup import check_attached, server_info, sync_ranks
-from megatron_dapo.rollout.types import RolloutRequest, Sample
+from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, Sample
 from megatron_dapo.weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
 UPDATE_MODES = ("tensor", "distributed", "disk")
@@ -108,6 +108,15 @@ class ClientConfig:
     stops with an error naming its URL (--sglang-server-wait-s)."""
     recovery_attempts: int = 3
     """Restarts (launch) or waits (attach) of one dead server, each followed by a re-sync, before giving up."""
+    routing: RoutingShape | None = None
+    """--moe-routing-replay: ask each /generate for the experts every token was routed to (`return_routed_experts`;
+    the servers run with --enable-return-routed-experts) and keep them in Sample.routed_experts, decoded for this
+    model's (num_layers, top_k, num_experts). None: not asked (dense models, replay off).
+    Cost at Qwen3-30B-A3B (48 layers x top-8): 2,048 B a token of base64 JSON from the servers (int32 on the wire),
+    384 B a token once decoded to uint8 on rank 0. A DAPO step of 512 prompts x 16 responses (44.8 M tokens at the
+    lognormal lengths of tools/bench_dataplane.py, median 4k, cap 20k): ~92 GB of JSON parsed by rank 0's client over
+    the rollout, 17.2 GB held by rank 0 until the data plane has sent it. Every sample carries its prompt's rows, so
+    a group's prompt is sent 16 times (not deduplicated: `routed_experts_start_len` could)."""
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -291,7 +300,8 @@ class SGLangEngine(RolloutEngine):
                     if req.request_id in self._aborted:  # abort() ran between the check and now
                         return aborted_sample(req, index, self._version)
                 try:
-                    body = await self._post(url, "/generate", generate_payload(req, index),
+                    payload = generate_payload(req, index, routed_experts=self.client.routing is not None)
+                    body = await self._post(url, "/generate", payload,
                                             timeout=self.client.generate_timeout_s(req.sampling.max_new_tokens))
                 except ServerDied as err:
                     failures += 1
@@ -313,7 +323,7 @@ class SGLangEngine(RolloutEngine):
                     self._router_down_at = None
                     print(f"[megatron-dapo] SGLang router {self.entry_url} answers again: generation goes through "
                           f"it", file=sys.stderr, flush=True)
-                out = parse_generate_response(body)
+                out = parse_generate_response(body, routing=self.client.routing)
                 if out.finish_reason == "abort" and req.request_id not in self._aborted:
                     # Aborted by the server, not by us (a restart, an abort-all racing a new request): redo it.
                     failures += 1

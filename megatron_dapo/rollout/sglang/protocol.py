@@ -6,13 +6,16 @@ One HTTP request per sample (not `n` in sampling_params): each sample then has i
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
+import torch
 
 from megatron_dapo.rollout.sampling import row_seed
-from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, Sample
+from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, RoutingShape, Sample
 
 CALL_MARGIN_S = 30.0
 """A thread waiting for HTTP calls made on the engine's loop waits their timeout plus this, so that the calls' own
@@ -47,8 +50,10 @@ def sample_rid(request_id: str, index: int) -> str:
     return f"{request_id}::{index}"
 
 
-def generate_payload(req: RolloutRequest, index: int) -> dict[str, Any]:
-    """Body of POST /generate for sample `index` (0..n-1) of `req`: token ids in, raw token log-probs out.
+def generate_payload(req: RolloutRequest, index: int, *, routed_experts: bool = False) -> dict[str, Any]:
+    """Body of POST /generate for sample `index` (0..n-1) of `req`: token ids in, raw token log-probs out;
+    `routed_experts`: also the experts each token was routed to (--moe-routing-replay; the server needs
+    --enable-return-routed-experts).
 
     The seed is that of group sample req.first_index + index. SGLang draws its seeded noise from (seed,
     absolute position), so a partial-rollout continuation (prompt + prefix as input_ids, the same seed) draws
@@ -64,7 +69,7 @@ def generate_payload(req: RolloutRequest, index: int) -> dict[str, Any]:
         # Only response tokens: prompt log-probs are not needed (the actor recomputes those it needs).
         "logprob_start_len": -1,
         "stream": False,
-    }
+    } | ({"return_routed_experts": True} if routed_experts else {})
 
 
 @dataclass(kw_only=True)
@@ -75,12 +80,34 @@ class ParsedOutput:
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None
+    routed_experts: torch.Tensor | None = None
+    """[rows, num_layers, top_k] when asked for (see decode_routed_experts)."""
 
 
-def parse_generate_response(body: dict[str, Any]) -> ParsedOutput:
+def decode_routed_experts(text: Any, shape: RoutingShape) -> torch.Tensor:
+    """SGLang 0.5.23's meta_info.routed_experts: base64 of the raw bytes of an int32 array [seqlen - 1, num_layers,
+    top_k] (seqlen = prompt + output tokens; row i = input token i; per layer the top-k ids by descending router
+    probability; the layer axis has every decoder layer, tokenizer_manager.py:2602), returned as shape.dtype
+    (uint8 up to 256 experts). Cost at Qwen3-30B-A3B: 48 x 8 x 4 B = 1,536 B a token on the wire, 2,048 B as base64
+    (a 20k-token sample: 41 MB of JSON), 384 B a token once kept as uint8."""
+    if not isinstance(text, str):
+        raise ValueError(f"SGLang response: meta_info.routed_experts is {type(text).__name__}, expected a base64 "
+                         f"string (is the server started with --enable-return-routed-experts?)")
+    flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
+    row = shape.num_layers * shape.top_k
+    if flat.size % row:
+        raise ValueError(f"SGLang response: meta_info.routed_experts holds {flat.size} ids, not a multiple of the "
+                         f"model's {shape.num_layers} layers x top-{shape.top_k}")
+    if flat.size and not 0 <= int(flat.min()) <= int(flat.max()) < shape.num_experts:
+        raise ValueError(f"SGLang response: meta_info.routed_experts has ids outside [0, {shape.num_experts})")
+    return torch.from_numpy(flat.reshape(-1, shape.num_layers, shape.top_k).astype(np.int64)).to(shape.dtype)
+
+
+def parse_generate_response(body: dict[str, Any], *, routing: RoutingShape | None = None) -> ParsedOutput:
     """Reads output_ids, meta_info.output_token_logprobs ([[logprob, token_id, text], ...]) and
-    meta_info.finish_reason.type ('length' = truncated, 'stop', 'abort'). Raises ValueError on a body
-    that does not follow that shape, naming the field."""
+    meta_info.finish_reason.type ('length' = truncated, 'stop', 'abort'); with `routing` (routed experts were
+    asked for) meta_info.routed_experts too. Raises ValueError on a
+    body that does not follow that shape, naming the field."""
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise ValueError(f"SGLang /generate response has no meta_info: keys {sorted(body)}")
@@ -101,7 +128,15 @@ def parse_generate_response(body: dict[str, Any]) -> ParsedOutput:
         version = int(version) if version is not None else None
     except (TypeError, ValueError):
         version = None  # a server started without --weight-version reports 'default'
-    return ParsedOutput(response_ids=ids, logprobs=logprobs, finish_reason=kind, weight_version=version)
+    routes = None
+    if routing is not None:
+        if "routed_experts" not in meta:
+            raise ValueError("SGLang response has no meta_info.routed_experts although the request asked for it: "
+                             "start the servers with --enable-return-routed-experts (launched ones get it with "
+                             "--moe-routing-replay)")
+        routes = decode_routed_experts(meta["routed_experts"], routing)
+    return ParsedOutput(response_ids=ids, logprobs=logprobs, finish_reason=kind, weight_version=version,
+                        routed_experts=routes)
 
 
 def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_version: int) -> Sample:
@@ -113,6 +148,7 @@ def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_versi
         logprobs=out.logprobs,
         finish_reason=out.finish_reason,
         weight_version=out.weight_version if out.weight_version is not None else fallback_version,
+        routed_experts=out.routed_experts,
     )
 
 

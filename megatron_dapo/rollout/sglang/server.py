@@ -70,6 +70,11 @@ class ServerConfig:
     """SGLang's api_key of each server (and the router); required when `host` is not loopback
     (--sglang-api-key-file, SGLANG_API_KEY or --sglang-api-key). Handed over in a 0600 file, never on a command
     line (see the module docstring)."""
+    return_routed_experts: bool = False
+    """Start the servers with --enable-return-routed-experts (--moe-routing-replay): they record the experts each
+    token is routed to (SGLang 0.5.23 keeps a host buffer of max_total_tokens x layers x top_k int32: at
+    Qwen3-30B-A3B 1,536 B a token) and return them when a request asks. On CPU the buffer's pin_memory needs the
+    no-op `_cuda_host_register` of tools/sgl_kernel_stub/megatron_dapo_cpu_guard.py."""
     allow_no_api_key: bool = False
     """Allow a non-loopback `host` without an API key (--sglang-allow-no-api-key): anyone who can reach the
     port can then push pickled tensors, i.e. run code, in the server."""
@@ -146,6 +151,8 @@ class ServerConfig:
                     "--max-total-tokens", "65536", "--mem-fraction-static", "0.5"]
         else:
             cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
+        if self.return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
         return cmd + self._key_args(key_file, "--config") + list(self.extra_args)
 
     def router_command(self, key_file: str | None = None) -> list[str]:
