@@ -593,6 +593,20 @@ def test_moe_launcher_dry_run_prints_the_moe_terms(tmp_path):
     assert "--expert-model-parallel-size 16: peak" in text and "--moe-expert-capacity-factor 1.0: peak" in text
 
 
+def test_moe_dry_run_default_world_holds_one_expert_grid(tmp_path, monkeypatch):
+    """Without --world-size or $WORLD_SIZE the plan takes the fewest GPUs that hold a model replica and an expert
+    grid: lcm(TP x CP, EP x ETP) x PP (8 at TP1, EP8; TP x PP x CP alone, 1, would fail the EP x ETP rule). One
+    node does not fit 30B-A3B: with one expert replica its Adam state is not sharded (16 experts x 48 layers x
+    3 x 2048 x 768 x 12 B = 40.5 GiB)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = _launcher_train_args(tmp_path, *A3B_LAUNCHER)
+    i = args.index("--world-size")
+    rc, lines = _dry_run(args[:i] + args[i + 2:])
+    assert rc == 1 and lines[0].startswith("layout: TP1 x PP1 x CP1 x DP8 = 8 GPUs; experts ETP1 x EP8 x EDP1")
+    row = next(line for line in lines if line.startswith("expert optimizer (/1 expert-DP)"))
+    assert float(row.split()[-1]) == round(48 * 16 * 3 * 2048 * 768 * 12 / planner.GIB, 2) == 40.5
+
+
 if __name__ == "__main__":  # the worker of test_planner_matches_saved_tensors_at_ep2 (under torchrun)
     _ep2_saved_bytes_worker()
 
