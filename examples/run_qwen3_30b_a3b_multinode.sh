@@ -15,7 +15,9 @@
 # Memory (python -m megatron_dapo.train <these flags> --dry-run --world-size 32): ~58 GiB of 80 (27% headroom):
 # expert weights 6.75 + grads 13.5 + optimizer 10.1 (sharded over the 4 expert-DP replicas, not the 32 DP ranks)
 # GiB, dense part 9.2 GiB, recompute working set and dispatcher buffers 10.7 GiB assuming the busiest EP rank
-# receives 2x the mean routed tokens (dropless; --moe-expert-capacity-factor caps it).
+# receives 2x the mean routed tokens (dropless; --moe-expert-capacity-factor caps it). The expert Adam state is what
+# sets the node count: ACTOR_NODES=2 plans 68.8 GiB (14.0% headroom), 8 nodes 52.8 GiB; one node (expert-DP 1,
+# 40.5 GiB of expert Adam state per GPU) plans 90.1 GiB and does not fit.
 #
 # usage: NODE_RANK=<i> MASTER_ADDR=<node 0> SGLANG_URLS="http://r0:30000 http://r0:30001 ..." \
 #        examples/run_qwen3_30b_a3b_multinode.sh [HF_CKPT] [RUN_DIR]
