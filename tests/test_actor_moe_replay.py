@@ -31,13 +31,8 @@ from tests.dist.actor_common import (
 
 @pytest.fixture(scope="module")
 def world():
-    gen = single_process_world(hf_seed=4, model_type="qwen3_moe")
-    layout, hf, arch = next(gen)
-    with torch.no_grad():  # HF initialises the router to zeros (a tie): draw it so routing is decided
-        for layer in hf.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.weight.normal_(0.0, 0.3)
-    yield layout, hf, arch
+    gen = single_process_world(hf_seed=4, model_type="qwen3_moe", router_std=0.3)
+    yield next(gen)
     next(gen, None)
 
 

@@ -13,7 +13,7 @@ from megatron_dapo.models import ModelArch, build_gpt_model, family, transformer
 from megatron_dapo.models.hf_params import hf_parameters
 from megatron_dapo.weights.mapping import canonical_mcore_name, resolve_mcore_name
 from megatron_dapo.weights.plan import stage_tensors
-from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import draw_routers, hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
 
 FAM = family("qwen3_moe")
 
@@ -159,11 +159,7 @@ def test_hf_parameters_are_views_under_the_saved_names(tmp_path):
                          ids=["mixed-dense-moe", "no-topk-renormalisation", "sparse-step-2"])
 def test_logits_match_hf(overrides):
     """megatron-core's MoE GPTModel (single process) gives HF's logits: routing, experts, dense layers in between."""
-    hf = tiny_hf_model("qwen3_moe", seed=4, **overrides)
-    with torch.no_grad():  # routers drawn wider than HF's init, so a routing mix-up moves the logits a lot
-        for layer in hf.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.weight.normal_(0.0, 0.3)
+    hf = draw_routers(tiny_hf_model("qwen3_moe", seed=4, **overrides), 0.3)
     arch = ModelArch.from_hf(hf.config)
     init_parallel(seed=0)
     try:

@@ -21,6 +21,7 @@ from megatron_dapo.rollout.sglang.server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, Sample, SamplingParams, routing_dtype, routing_of
 from megatron_dapo.trainer.dataplane import pack, unpack
 from tests.dist.actor_common import tiny_config
+from tests.hf_reference import hf_routes
 
 EOS = 1
 QWEN3_30B_A3B = RoutingShape(num_layers=48, top_k=8, num_experts=128)
@@ -38,28 +39,6 @@ def _moe_model(seed: int, **overrides) -> torch.nn.Module:
             if name.endswith("mlp.gate.weight"):
                 p.mul_(10.0)
     return model
-
-
-def hf_routes(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), num_layers, top_k] expert ids of a teacher-forced HF forward (hooks on `Qwen3MoeTopKRouter`, whose
-    forward returns (logits, scores, indices)); a dense layer's column stays 0."""
-    config = model.config
-    out = torch.zeros(len(ids), config.num_hidden_layers, config.num_experts_per_tok, dtype=torch.long)
-
-    def keep(i: int):
-        def hook(_module, _inputs, output) -> None:  # returns None: the router's output stays as it is
-            out[:, i] = output[2]
-        return hook
-
-    hooks = [layer.mlp.gate.register_forward_hook(keep(i))
-             for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
 
 
 def _requests(n_prompts: int, sampling: SamplingParams) -> list[RolloutRequest]:

@@ -27,6 +27,7 @@ from megatron_dapo.rollout.partial_rollout import continuation_request, extend
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, SamplingParams
 from megatron_dapo.weight_sync.server_push import ServerPush
+from tests.hf_reference import hf_routes
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error
 
 GUARD_DIR = Path(__file__).resolve().parents[1] / "tools" / "sgl_kernel_stub"
@@ -55,21 +56,6 @@ def _hf_model(model_type: str, *, tied: bool, seed: int):
             if name.endswith(("q_proj.weight", "k_proj.weight", "mlp.gate.weight")):
                 p.mul_(10.0)  # the router too: decisive top-k choices (no fp32 near-ties between engines)
     return model
-
-
-def hf_routes(model, ids: list[int]) -> torch.Tensor:
-    """[len(ids), num_layers, top_k] expert ids HF's routers pick in a teacher-forced forward of `ids` (the
-    reference): a forward hook on each `Qwen3MoeTopKRouter`, whose output is (logits, scores, indices)."""
-    picked, hooks = [], []
-    for layer in model.model.layers:
-        hooks.append(layer.mlp.gate.register_forward_hook(lambda _m, _i, out: picked.append(out[2])))
-    try:
-        with torch.no_grad():
-            model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.stack(picked, dim=1)
 
 
 def _check_routes(model, samples) -> int:

@@ -214,12 +214,26 @@ def hf_response_log_probs(model, samples) -> tuple[list[torch.Tensor], list[torc
     return logps, ents
 
 
-def single_process_world(hf_seed: int, model_type: str = "qwen2"):
-    """Generator for a module-scoped fixture: (layout, tiny HF model, arch) in a 1-rank parallel state."""
+def draw_routers(hf, std: float = 0.3):
+    """Redraw an MoE HF model's router weights (`mlp.gate.weight`) from N(0, std^2) in place and return the model:
+    at HF's init std 0.02 routing is decided by small margins; wider routers make a routing mix-up move the logits a
+    lot (the equivalence tests then see it)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, std)
+    return hf
+
+
+def single_process_world(hf_seed: int, model_type: str = "qwen2", *, router_std: float | None = None):
+    """Generator for a module-scoped fixture: (layout, tiny HF model, arch) in a 1-rank parallel state; an MoE
+    model's routers drawn at `router_std` (`draw_routers`) when given."""
     from megatron_dapo.actor import destroy_parallel, init_parallel
 
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(model_type, seed=hf_seed)
+    if router_std is not None:
+        draw_routers(hf, router_std)
     yield layout, hf, ModelArch.from_hf(hf.config)
     destroy_parallel()
 
