@@ -111,8 +111,12 @@ def dist_key(entry: MappingEntry) -> str:
     Under a mixed dense / MoE model megatron-core does not stack the layers (`stacked_layers`): the key then
     keeps `{layer}` for the caller to fill.
     """
-    name = entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
-    return name.replace("{layer}.", "")
+    return _dist_template(entry).replace("{layer}.", "")
+
+
+def _dist_template(entry: MappingEntry) -> str:
+    """An entry's dist-checkpoint key with its `{layer}` placeholder (see `dist_key`)."""
+    return entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
 
 
 def stacked_layers(arch: ModelArch) -> bool:
@@ -123,7 +127,7 @@ def stacked_layers(arch: ModelArch) -> bool:
 
 def layer_dist_key(entry: MappingEntry, arch: ModelArch, layer: int | None) -> str:
     """`dist_key` with the global `layer` in it where the layers are not stacked (`stacked_layers`)."""
-    name = entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
+    name = _dist_template(entry)
     if layer is None or stacked_layers(arch):
         return name.replace("{layer}.", "")
     return fill(name, layer)
