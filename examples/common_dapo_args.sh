@@ -15,3 +15,14 @@ DATA_ARGS=(
     --eval-prompt-data data/aime-2024-dapo-format.parquet --eval-interval 10 --n-samples-per-eval-prompt 32
     --eval-temperature 1.0 --eval-top-p 0.7 --eval-max-response-length 20480   # AIME avg@32 (tokens)
 )
+# DAPO's scale (Sec. 4.1) for the multi-node recipes: 512 prompts x 16 responses a step (1.3x over-sampled for
+# dynamic sampling), responses up to 20480 tokens, trained as one global batch in 24k-token packed micro-batches;
+# checkpoints every 10 steps, resumed from on restart.
+DAPO_ROLLOUT_ARGS=(--rollout-batch-size 512 --n-samples-per-prompt 16 --over-sample-factor 1.3
+                   --rollout-temperature 1.0 --max-response-length 20480 --max-prompt-length 2048)
+DAPO_BATCH_ARGS=(--global-batch-size 512 --max-tokens-per-micro-batch 24576 --pack-sequences --fused-linear-logprob
+                 --num-steps 400)
+dapo_run_args() {  # RUN_ARGS for RUN_DIR: logs, checkpoints every 10 steps, resume from the latest
+    RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 10 --load "$RUN_DIR/ckpt"
+              --wandb-project "${WANDB_PROJECT:-megatron-dapo}")
+}

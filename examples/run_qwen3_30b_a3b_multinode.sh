@@ -1,38 +1,14 @@
 #!/usr/bin/env bash
-# DAPO's own setting (arXiv 2503.14476, Sec. 4.1, examples/common_dapo_args.sh: prompt batch 512 x 16 responses,
-# max response 20480 with a 4096 overlong buffer, lr 1e-6) on Qwen3-30B-A3B (mixture of experts), with the actor on
-# ACTOR_NODES nodes of 8 80 GB GPUs (default 4: 32 GPUs, the size of NeMo-RL's Qwen3-30B-A3B row) and SGLang
-# servers already running on the rollout nodes (examples/launch_sglang_servers.sh, TP 4), weights broadcast to
-# them over NCCL after every step. Run this script on every actor node with NODE_RANK set.
-#
-# Layout, per 8-GPU node: TP 1 x PP 1 for the dense part (attention of hidden 2048 is 0.9B parameters: TP would
-# only shrink GEMMs that are already narrow), EP 8 for the experts: each GPU holds 16 of each layer's 128
-# experts, the token all-to-all stays on the node's NVLink, and the expert grid ETP 1 x EP 8 x expert-DP
-# (= 4 x ACTOR_NODES / 4) x PP 1 spans the same ranks as TP 1 x DP 32 (an expert's 768-wide linears are too
-# small to split over ETP). Full recompute of every layer: one 24k-token micro-batch of a dropless MoE layer
-# keeps ~6 GiB for backward, 48 layers of it would not fit; kept inputs are 4.5 GiB.
-#
-# Memory (python -m megatron_dapo.train <these flags> --dry-run --world-size 32): ~58 GiB of 80 (27% headroom):
-# expert weights 6.75 + grads 13.5 + optimizer 10.1 (sharded over the 4 expert-DP replicas, not the 32 DP ranks)
-# GiB, dense part 9.2 GiB, recompute working set and dispatcher buffers 10.7 GiB assuming the busiest EP rank
-# receives 2x the mean routed tokens (dropless; --moe-expert-capacity-factor caps it). The expert Adam state is what
-# sets the node count: ACTOR_NODES=2 plans 68.8 GiB (14.0% headroom), 8 nodes 52.8 GiB; one node (expert-DP 1,
-# 40.5 GiB of expert Adam state per GPU) plans 90.1 GiB and does not fit.
+# DAPO's setting on Qwen3-30B-A3B (examples/recipes/qwen3-30b-a3b.sh: EP 8 per node, ~58 GiB of 80 planned), launched
+# by hand on every actor node as examples/run_qwen2.5_32b_multinode.sh. On Slurm:
+#     sbatch -N 8 --gpus-per-node 8 examples/slurm/split.sbatch qwen3-30b-a3b /models/Qwen3-30B-A3B
 #
 # usage: NODE_RANK=<i> MASTER_ADDR=<node 0> SGLANG_URLS="http://r0:30000 http://r0:30001 ..." \
-#        examples/run_qwen3_30b_a3b_multinode.sh [HF_CKPT] [RUN_DIR]
+#        examples/run_qwen3_30b_a3b_multinode.sh [HF_CKPT] [RUN_DIR]    (DRY_RUN=1 or --dry-run: the plan)
+# ACTOR_NODES (4) from the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# PyTorch allocator: expandable segments, less fragmentation with micro-batches (and routed token counts) of
-# varying size. One hardware queue per GPU, as Megatron-LM's MoE recipes set.
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-HF_CKPT=${1:-${HF_CKPT:-/models/Qwen3-30B-A3B}}
-RUN_DIR=${2:-runs/qwen3-30b-a3b-dapo}
-ACTOR_NODES=${ACTOR_NODES:-4}
-: "${NODE_RANK:?set NODE_RANK}" "${MASTER_ADDR:?set MASTER_ADDR}" "${SGLANG_URLS:?set SGLANG_URLS}"
-source examples/models/qwen3-30B-A3B.sh
-source examples/common_dapo_args.sh
-
-PARALLEL_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
-source examples/common_multinode.sh
+source examples/lib/launch.sh
+launcher_args "$@"
+source examples/recipes/qwen3-30b-a3b.sh
+actor_node_by_hand

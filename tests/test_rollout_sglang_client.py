@@ -419,8 +419,10 @@ def test_launch_refuses_a_wide_bind_without_an_api_key():
 
 FAKE_PYTHON = """#!/usr/bin/env python3
 import json, sys
+argv = sys.argv[1:]
+config = open(argv[argv.index("--config") + 1]).read() if "--config" in argv else None
 with open({out!r}, "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
+    f.write(json.dumps({{"argv": argv, "config": config}}) + "\\n")
 """
 
 
@@ -432,32 +434,35 @@ with open({out!r}, "a") as f:
     ("0.0.0.0", {"SGLANG_API_KEY": "two words"}, False),   # no bearer token
 ], ids=["loopback", "wide-refused", "wide-key", "wide-allowed", "bad-key"])
 def test_launch_script_binds_loopback_and_needs_a_key_when_wide(tmp_path, host, env, ok):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    """examples/launch_sglang_servers.sh runs the rollout-node supervisor (megatron_dapo.launch.rollout_node), which
+    starts the servers with a stand-in SGLang interpreter (SGLANG_PY) recording each command line and the --config
+    file it was handed: a refused key or bind fails the script itself, before anything starts."""
     out = tmp_path / "argv.jsonl"
-    fake = bin_dir / "python"
+    fake = tmp_path / "sglang-python"
     fake.write_text(FAKE_PYTHON.format(out=str(out)))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     run_env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_API_KEY", "SGLANG_ALLOW_NO_API_KEY")}
-    run_env.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SGLANG_RUN_DIR=str(tmp_path / "runs"))
+    run_env.update(env, SGLANG_PY=str(fake), SGLANG_DEVICE="cpu", SGLANG_RUN_DIR=str(tmp_path / "runs"))
     args = ["bash", "examples/launch_sglang_servers.sh", "/models/fake", "2", "1", "31000"] + ([host] if host else [])
-    res = subprocess.run(args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=120)
     if not ok:
         assert res.returncode != 0 and "SGLANG_API_KEY" in res.stderr and not out.exists()
-        assert not (tmp_path / "runs" / "sglang-api-key.yaml").exists()
+        assert not (tmp_path / "runs" / "rollout-node.pid").exists()
         return
     assert res.returncode == 0, res.stderr
-    assert _poll(lambda: out.exists() and len(out.read_text().splitlines()) == 2, 10)
+    assert _poll(lambda: out.exists() and len(out.read_text().splitlines()) == 2, 60)
     for line in out.read_text().splitlines():
-        argv = json.loads(line)
+        record = json.loads(line)
+        argv = record["argv"]
         assert argv[argv.index("--host") + 1] == (host or "127.0.0.1")
         assert "--api-key" not in argv  # ps would show it to every user of the node
         if "SGLANG_API_KEY" in env:  # SGLang merges the --config YAML into its arguments
-            key_file = Path(argv[argv.index("--config") + 1])
-            assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and env["SGLANG_API_KEY"] not in " ".join(argv)
-            assert yaml.safe_load(key_file.read_text()) == {"api-key": env["SGLANG_API_KEY"]}
+            assert env["SGLANG_API_KEY"] not in " ".join(argv)
+            assert yaml.safe_load(record["config"]) == {"api-key": env["SGLANG_API_KEY"]}
         else:
             assert "--config" not in argv
+    pid = int((tmp_path / "runs" / "rollout-node.pid").read_text())
+    assert _poll(lambda: not running(pid), 60)  # the stand-ins exit at once: the supervisor gives up and stops
 
 
 # ---- launched servers die with the trainer ----------------------------------------------------------------

@@ -30,7 +30,8 @@ os.rename(out + ".tmp", out)
 
 
 def _run_launcher(tmp_path: Path, script: str, args: list[str], env: dict[str, str], servers: int) -> dict:
-    """Runs `script` with recording `python` and `torchrun`; {'python': [records], 'torchrun': [records]}."""
+    """Runs `script` with a recording `torchrun` and SGLang interpreter (SGLANG_PY: the servers the rollout-node
+    supervisor starts); {'python': [records], 'torchrun': [records]}."""
     bin_dir, out = tmp_path / "bin", tmp_path / "records"
     bin_dir.mkdir()
     out.mkdir()
@@ -39,7 +40,8 @@ def _run_launcher(tmp_path: Path, script: str, args: list[str], env: dict[str, s
         stub.write_text(RECORDER.format(out=str(out)))
         stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     run_env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    run_env |= {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **env}
+    run_env |= {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SGLANG_PY": str(bin_dir / "python"),
+                "SGLANG_DEVICE": "cpu", **env}
     subprocess.run(["bash", script, *args], cwd=REPO, env=run_env, check=True, capture_output=True, timeout=60)
     deadline = time.monotonic() + 60  # the servers are started in the background
     while len(list(out.glob("python.*.json"))) < servers and time.monotonic() < deadline:

@@ -160,9 +160,8 @@ class ServerConfig:
         megatron_dapo.rollout.sglang.router_launch, which reads the key from `key_file` (required then) and so
         needs megatron_dapo importable in `python`."""
         urls = [self.server_url(i) for i in range(self.num_servers)]
-        entry = "sglang_router.launch_router" if self.api_key is None else "megatron_dapo.rollout.sglang.router_launch"
-        return [self.python, "-m", entry, *self._key_args(key_file, "--api-key-file"), "--host", self.host,
-                "--port", str(self.base_port + self.num_servers), "--policy", "round_robin", "--worker-urls", *urls]
+        return router_command(self.python, self.host, self.base_port + self.num_servers, urls,
+                              self._key_args(key_file, "--api-key-file"))
 
     def _key_args(self, key_file: str | None, option: str) -> list[str]:
         if self.api_key is None:
@@ -171,6 +170,15 @@ class ServerConfig:
             raise ValueError("ServerConfig has an api_key: pass the key_file it was written to "
                              "(api_key.write_server_key_file); it never goes on a command line")
         return [option, str(key_file)]
+
+
+def router_command(python: str, host: str, port: int, worker_urls: list[str], key_args: list[str]) -> list[str]:
+    """sglang-router on `host:port` in front of `worker_urls`, round robin: sglang_router itself, or with
+    `key_args` (["--api-key-file", PATH]) megatron_dapo.rollout.sglang.router_launch, which reads the key from
+    PATH so that no command line carries it."""
+    entry = "megatron_dapo.rollout.sglang.router_launch" if key_args else "sglang_router.launch_router"
+    return [python, "-m", entry, *key_args, "--host", host, "--port", str(port), "--policy", "round_robin",
+            "--worker-urls", *worker_urls]
 
 
 def check_bind(host: str, api_key: str | None, *, allow_no_api_key: bool) -> None:
@@ -323,6 +331,24 @@ class ServerProcess:
             return "(no log)"
 
 
+def stop_all(procs: list[ServerProcess], grace_s: float = 10.0) -> None:
+    """Ends every process group of `procs` at once: SIGTERM to all, one shared `grace_s` for all to exit, then
+    SIGKILL to what is left (also when a leader is dead and some of its children are not). One after the other,
+    n processes would take up to n x grace_s, past Slurm's KillWait (30 s by default) for a node of 8 servers."""
+    started = [p for p in procs if p.proc is not None]
+    for p in started:
+        if p.proc.poll() is None:
+            _killpg(p.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.proc.wait(max(0.0, deadline - time.monotonic()))
+    for p in started:
+        _killpg(p.proc.pid, signal.SIGKILL)
+        if p.proc.poll() is None:
+            p.proc.wait(grace_s)
+
+
 def _killpg(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(pgid, sig)
@@ -411,8 +437,7 @@ class ServerGroup:
         """Ends the router and every server, then deletes the key file."""
         self.stopped = True
         try:
-            for proc in ([self.router] if self.router else []) + self.servers:
-                proc.stop()
+            stop_all(([self.router] if self.router else []) + self.servers)
         finally:
             if self.key_file is not None:
                 remove_server_key_file(self.key_file)

@@ -1,0 +1,140 @@
+# What every launcher shares: the by-hand per-node launchers (examples/run_*.sh) and the Slurm jobs
+# (examples/slurm/*.sbatch) source it after `cd` to the repository root. docs/LAUNCH.md explains the whole path.
+#
+# A run's flags live in one recipe, examples/recipes/<name>.sh, which every launcher of that setting sources; from
+# HF_CKPT and RUN_DIR (when set) it sets:
+#   MODE            split (actor nodes + rollout nodes) | colocated (every node both)
+#   MODEL           the model file examples/models/<MODEL>.sh it sourced (MODEL_ARGS, PARALLEL_ARGS, SGLANG_TP);
+#                   --dry-run plans with examples/models/<MODEL>/config.json when HF_CKPT has no config.json here
+#   ACTOR_NODES     nodes running torchrun (split: the first ones; colocated: all); ROLLOUT_NODES (split): the
+#                   rollout nodes a by-hand --dry-run shows (under Slurm: every node of the job past the actor's)
+#   GPUS_PER_NODE   actor ranks per node (torchrun --nproc_per_node); SERVERS_PER_NODE (optional): SGLang servers
+#                   per rollout node, default GPUS_PER_NODE / SGLANG_TP
+#   MODEL_ARGS PARALLEL_ARGS ROLLOUT_ARGS DAPO_ARGS OPTIM_ARGS DATA_ARGS BATCH_ARGS RUN_ARGS
+#                   the trainer's flags, all but the addresses added here (server URLs, router, weight-sync
+#                   master, API key file)
+#   SGLANG_SERVER_ARGS  more sglang.launch_server flags (colocated: --mem-fraction-static --enable-memory-saver)
+#   SGLANG_DEVICE (cuda), SGLANG_PY (the interpreter with sglang; default $PY), TRAIN_ENV (VAR=value words for
+#                   the trainer's environment)
+#
+# Environment every launcher reads: DRY_RUN=1 (or --dry-run among the arguments): print the node roles and the
+# memory plan, start nothing; PY (the trainer's interpreter: .venv/bin/python when it exists, else python3);
+# TORCHRUN (default: torchrun on PATH, else $PY -m torch.distributed.run).
+
+PY=${PY:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+DRY_RUN=${DRY_RUN:-0}
+
+# launcher_flags "$@": DRY_RUN=1 when --dry-run is among the arguments; POSITIONAL: the others, in order.
+launcher_flags() {
+    POSITIONAL=()
+    local a
+    for a in "$@"; do
+        if [[ "$a" == --dry-run ]]; then DRY_RUN=1; else POSITIONAL+=("$a"); fi
+    done
+}
+
+# launcher_args "$@": launcher_flags, then HF_CKPT and RUN_DIR from the first two other arguments when given (else
+# the environment's, else the recipe's defaults).
+launcher_args() {
+    launcher_flags "$@"
+    [[ -z "${POSITIONAL[0]:-}" ]] || HF_CKPT=${POSITIONAL[0]}
+    [[ -z "${POSITIONAL[1]:-}" ]] || RUN_DIR=${POSITIONAL[1]}
+    [[ ${#POSITIONAL[@]} -le 2 ]] || die "unexpected arguments: ${POSITIONAL[*]:2} (usage: [HF_CKPT] [RUN_DIR] [--dry-run])"
+}
+
+die() { echo "error: $*" >&2; exit 2; }
+
+# torchrun_cmd: TORCHRUN as an array (the command torchrun runs as).
+torchrun_cmd() {
+    if [[ -n "${TORCHRUN:-}" ]]; then read -r -a TORCHRUN_CMD <<<"$TORCHRUN"
+    elif command -v torchrun >/dev/null 2>&1; then TORCHRUN_CMD=(torchrun)
+    else TORCHRUN_CMD=("$PY" -m torch.distributed.run); fi
+}
+
+# node_address NAME: NAME's IPv4 address as this host resolves it; error when it is loopback (Debian's
+# `127.0.1.1 <hostname>` line): other nodes could not reach a rendezvous or weight-sync store there.
+node_address() {
+    local addr
+    addr=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}')
+    [[ -n "$addr" ]] || die "cannot resolve node $1 to an address: set MASTER_ADDR to node 0's address"
+    [[ "$addr" != 127.* ]] || die "node $1 resolves to $addr (loopback) here: set MASTER_ADDR to its address on the" \
+        "cluster network (and MEGATRON_DAPO_WEIGHT_SYNC_ADDR on each actor node)"
+    echo "$addr"
+}
+
+# roles NODE...: evaluates megatron_dapo.launch.roles' shell assignments (ACTOR_HOSTS, ROLLOUT_HOSTS, SERVER_URLS,
+# ROUTER_URL, WORLD_SIZE, SERVERS_PER_NODE) and prints its table.
+roles() {
+    local args=(--mode "$MODE" --nodes "$@" --actor-nodes "$ACTOR_NODES" --gpus-per-node "$GPUS_PER_NODE"
+                --sglang-tp "$SGLANG_TP" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+                --weight-sync-port "$WEIGHT_SYNC_PORT" --sglang-base-port "$SGLANG_BASE_PORT")
+    [[ -z "${SERVERS_PER_NODE:-}" ]] || args+=(--servers-per-node "$SERVERS_PER_NODE")
+    [[ "${ROUTER:-1}" == 1 ]] || args+=(--no-router)
+    local shell
+    shell=$("$PY" -m megatron_dapo.launch.roles "${args[@]}" --format shell) || exit 2
+    eval "$shell"
+    "$PY" -m megatron_dapo.launch.roles "${args[@]}" --format table
+}
+
+# trainer_args URL...: TRAIN_ARGS, the trainer's whole command line after `-m megatron_dapo.train`: the recipe's
+# arrays plus the servers (URL..., in global order), ROUTER_URL, the weight-sync master (split) and the key file.
+trainer_args() {
+    local attach=(--sglang-server-urls "$@")
+    if [[ "$MODE" == split ]]; then
+        [[ -z "${ROUTER_URL:-}" ]] || attach+=(--sglang-router-url "$ROUTER_URL")
+        attach+=(--weight-sync-mode distributed --weight-sync-master-addr "$MASTER_ADDR"
+                 --weight-sync-master-port "$WEIGHT_SYNC_PORT")
+    fi
+    [[ -z "${API_KEY_FILE:-}" ]] || attach+=(--sglang-api-key-file "$API_KEY_FILE")
+    TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${attach[@]}" "${DAPO_ARGS[@]}"
+                "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}")
+}
+
+# memory_plan: the trainer's --dry-run for TRAIN_ARGS at WORLD_SIZE ranks (reads only config.json; exit 1 when the
+# plan does not fit). HF_CKPT without a config.json on this host: the recipe's examples/models/<MODEL>/.
+memory_plan() {
+    local args=("${TRAIN_ARGS[@]}") i
+    if [[ ! -f "$HF_CKPT/config.json" ]]; then
+        [[ -f "examples/models/$MODEL/config.json" ]] || die "no config.json in $HF_CKPT to plan with"
+        echo "(planning with examples/models/$MODEL/config.json: $HF_CKPT/config.json is not on this host)"
+        for i in "${!args[@]}"; do [[ "${args[$i]}" != --hf-checkpoint ]] || args[i + 1]="examples/models/$MODEL"; done
+    fi
+    "$PY" -m megatron_dapo.train "${args[@]}" --dry-run --world-size "$WORLD_SIZE"
+}
+
+# The ports every launcher derives the same way (override any of them in the environment).
+MASTER_PORT=${MASTER_PORT:-29500}
+WEIGHT_SYNC_PORT=${WEIGHT_SYNC_PORT:-29650}
+SGLANG_BASE_PORT=${SGLANG_BASE_PORT:-30000}
+
+# actor_node_by_hand: the per-node launchers' end (examples/run_*_multinode.sh, colocated.sh): this node's torchrun
+# with NODE_RANK, MASTER_ADDR and SGLANG_URLS (every server, space-separated; SGLANG_ROUTER_URL optional) from the
+# environment, the API key from SGLANG_API_KEY or SGLANG_API_KEY_FILE. DRY_RUN=1: the roles and the memory plan.
+actor_node_by_hand() {
+    local nodes=() i
+    for ((i = 0; i < ACTOR_NODES; i++)); do nodes+=("actor$i"); done
+    if [[ "$MODE" == split ]]; then
+        for ((i = 0; i < ${ROLLOUT_NODES:-1}; i++)); do nodes+=("rollout$i"); done
+    fi
+    if [[ "$DRY_RUN" == 1 ]]; then
+        MASTER_ADDR=${MASTER_ADDR:-actor0}
+        roles "${nodes[@]}"
+        local urls=("${SERVER_URLS[@]}")
+        [[ -z "${SGLANG_URLS:-}" ]] || read -r -a urls <<<"$SGLANG_URLS"
+        ROUTER_URL=${SGLANG_ROUTER_URL:-$ROUTER_URL}
+        trainer_args "${urls[@]}"
+        memory_plan
+        exit $?
+    fi
+    : "${NODE_RANK:?set NODE_RANK (this node's rank among the ACTOR_NODES=$ACTOR_NODES actor nodes)}"
+    : "${MASTER_ADDR:?set MASTER_ADDR (node 0's address)}" "${SGLANG_URLS:?set SGLANG_URLS (every server URL)}"
+    local urls
+    read -r -a urls <<<"$SGLANG_URLS"
+    ROUTER_URL=${SGLANG_ROUTER_URL:-}
+    API_KEY_FILE=${SGLANG_API_KEY_FILE:-}
+    trainer_args "${urls[@]}"
+    torchrun_cmd
+    exec env ${TRAIN_ENV:-} "${TORCHRUN_CMD[@]}" --nnodes "$ACTOR_NODES" --node_rank "$NODE_RANK" \
+        --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+        -m megatron_dapo.train "${TRAIN_ARGS[@]}"
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One node of a colocated Slurm job (examples/slurm/job.sh's srun, one task a node): this node's engines under
+# megatron_dapo.launch.rollout_node (in the background), the wait until every node's engines answer, then torchrun
+# with this node's rank; when torchrun ends, the engines are stopped and its exit code is this script's. On SIGTERM
+# (scancel, the job ending) both get it: torchrun passes it to its workers, the supervisor stops the engines.
+set -euo pipefail
+source examples/lib/launch.sh
+read -r -a node_args <<<"$SGLANG_NODE_ARGS"
+"$PY" -m megatron_dapo.launch.rollout_node --hf-checkpoint "$HF_CKPT" "${node_args[@]}" \
+    --sglang-base-port "$SGLANG_BASE_PORT" --sglang-host 0.0.0.0 --sglang-api-key-file "$API_KEY_FILE" \
+    --sglang-extra-args "$SGLANG_SERVER_ARGS" --sglang-server-wait-s "$SERVER_WAIT_S" \
+    --log-dir "$JOB_DIR/sglang-$(hostname)" &
+ENGINES=$!
+stop_engines() { kill -TERM "$ENGINES" 2>/dev/null || true; wait "$ENGINES" 2>/dev/null || true; }
+trap stop_engines EXIT
+read -r -a urls <<<"$SERVER_URLS_LIST"
+"$PY" -m megatron_dapo.launch.wait_servers "${urls[@]}" --timeout-s "$SERVER_WAIT_S" --watch-pid "$ENGINES" \
+    --log-hint "the engines' logs: $JOB_DIR/sglang-<node>/"
+torchrun_cmd
+MEGATRON_DAPO_WEIGHT_SYNC_ADDR=${MEGATRON_DAPO_WEIGHT_SYNC_ADDR:-$(node_address "$(hostname)")}
+export MEGATRON_DAPO_WEIGHT_SYNC_ADDR
+set +e
+env ${TRAIN_ENV:-} "${TORCHRUN_CMD[@]}" --nnodes "$SLURM_STEP_NUM_NODES" --node_rank "$SLURM_PROCID" \
+    --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    -m megatron_dapo.train "$@"
+exit $?

@@ -1,0 +1,103 @@
+# The body of examples/slurm/split.sbatch and colocated.sbatch, sourced in the repository root with JOB_MODE set.
+# Arguments: RECIPE [HF_CKPT] [RUN_DIR] [--dry-run]. The batch script runs on the job's first node (node 0).
+#
+# 1. The recipe (examples/recipes/RECIPE.sh) gives the run's flags; the node list (scontrol show hostnames) and
+#    megatron_dapo.launch.roles give every role, URL and port; node 0's address is resolved here.
+# 2. The memory plan (the trainer's --dry-run, a few seconds): a layout that does not fit ends the job before any
+#    server starts. DRY_RUN=1 stops after printing it (outside Slurm: NODES=N names placeholder nodes).
+# 3. A fresh API key for this job: $RUN_DIR/slurm-$SLURM_JOB_ID/sglang-api-key, mode 0600 on the shared run
+#    directory, read by the servers and the trainer from there, never on a command line; removed when the job ends.
+# 4. split: one srun step on the rollout nodes (examples/slurm/rollout_node.sh: the servers, the router, their
+#    restarts), then the wait for every server (SERVER_WAIT_S, default 900 s: at 32B a server loads 65.5 GB and
+#    answers in 1-3 min; the error names the nodes that did not come up), then one srun step on the actor nodes
+#    (examples/slurm/actor_node.sh: torchrun). colocated: one srun step on every node
+#    (examples/slurm/colocated_node.sh: the engines, the wait, torchrun).
+# 5. Whichever step ends first ends the job: the actor's with exit 0 is a finished run (exit 0), anything else a
+#    failure (exit 1). Either way, Slurm then stops every step left on every node (SIGTERM, KillWait, SIGKILL); each
+#    node's launcher stops what it started on SIGTERM, so a scancel or a failed node leaves nothing behind,
+#    whatever the proctrack plugin. srun --kill-on-bad-exit ends a step when one of its nodes fails.
+source examples/lib/launch.sh
+launcher_flags "$@"
+RECIPE=${POSITIONAL[0]:-}
+if [[ -z "$RECIPE" || ! -f "examples/recipes/$RECIPE.sh" ]]; then
+    die "usage: sbatch -N NODES examples/slurm/$JOB_MODE.sbatch RECIPE [HF_CKPT] [RUN_DIR]; RECIPE '${RECIPE}' is" \
+        "not one of: $(cd examples/recipes && ls -- *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
+fi
+[[ -z "${POSITIONAL[1]:-}" ]] || HF_CKPT=${POSITIONAL[1]}
+[[ -z "${POSITIONAL[2]:-}" ]] || RUN_DIR=${POSITIONAL[2]}
+[[ ${#POSITIONAL[@]} -le 3 ]] || die "unexpected arguments: ${POSITIONAL[*]:3}"
+source "examples/recipes/$RECIPE.sh"
+[[ "$MODE" == "$JOB_MODE" ]] || die "recipe $RECIPE is a $MODE run: submit examples/slurm/$MODE.sbatch"
+
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    mapfile -t NODE_LIST < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    JOB_ID=$SLURM_JOB_ID
+elif [[ "$DRY_RUN" == 1 ]]; then
+    if [[ "$MODE" == split ]]; then count=${NODES:-$((ACTOR_NODES + ${ROLLOUT_NODES:-1}))}; else count=${NODES:-$ACTOR_NODES}; fi
+    NODE_LIST=()
+    for ((i = 0; i < count; i++)); do NODE_LIST+=("$(printf 'node%03d' "$i")"); done
+    JOB_ID=dry-run
+else
+    die "not inside a Slurm job: submit it with sbatch, or print the plan with DRY_RUN=1 NODES=N bash $0 $RECIPE"
+fi
+[[ "$MODE" == split ]] || ACTOR_NODES=${#NODE_LIST[@]}
+if [[ "$DRY_RUN" == 1 ]]; then MASTER_ADDR=${MASTER_ADDR:-${NODE_LIST[0]}}
+else MASTER_ADDR=${MASTER_ADDR:-$(node_address "${NODE_LIST[0]}")}; fi
+echo "== $RECIPE ($MODE), job $JOB_ID, run directory $RUN_DIR"
+roles "${NODE_LIST[@]}"
+JOB_DIR="$RUN_DIR/slurm-$JOB_ID"
+API_KEY_FILE="$JOB_DIR/sglang-api-key"
+trainer_args "${SERVER_URLS[@]}"
+echo "== memory plan (the trainer's --dry-run at $WORLD_SIZE ranks)"
+if [[ "$DRY_RUN" == 1 ]]; then memory_plan; exit $?; fi
+mkdir -p "$JOB_DIR"
+memory_plan >"$JOB_DIR/memory-plan.txt" 2>&1 || { cat "$JOB_DIR/memory-plan.txt" >&2; die "the memory plan does not fit (above)"; }
+tail -n 1 "$JOB_DIR/memory-plan.txt"
+
+rm -f "$API_KEY_FILE"
+(umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$API_KEY_FILE")
+trap 'rm -f "$API_KEY_FILE"' EXIT
+trap 'exit 143' TERM INT  # scancel: the EXIT trap removes the key; Slurm stops the steps
+# What the node scripts read (srun passes the environment on).
+export MASTER_ADDR MASTER_PORT GPUS_PER_NODE API_KEY_FILE JOB_DIR HF_CKPT SGLANG_BASE_PORT
+export TRAIN_ENV=${TRAIN_ENV:-} SERVER_WAIT_S=${SERVER_WAIT_S:-900} PY
+export SGLANG_NODE_ARGS="--sglang-tp-size $SGLANG_TP --sglang-num-servers $SERVERS_PER_NODE --sglang-device ${SGLANG_DEVICE:-cuda} --sglang-python ${SGLANG_PY:-$PY} --max-restarts ${MAX_SERVER_RESTARTS:-3}"
+export SGLANG_SERVER_ARGS=${SGLANG_SERVER_ARGS:-} SERVER_URLS_LIST="${SERVER_URLS[*]}" ROUTER_URL
+hosts() { local IFS=,; echo "$*"; }
+
+if [[ "$MODE" == split ]]; then
+    echo "== rollout nodes: ${ROLLOUT_HOSTS[*]} (logs: $JOB_DIR/rollout-<node>.log)"
+    srun --nodelist="$(hosts "${ROLLOUT_HOSTS[@]}")" --nodes=${#ROLLOUT_HOSTS[@]} --ntasks=${#ROLLOUT_HOSTS[@]} \
+        --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$JOB_DIR/rollout-%N.log" \
+        bash examples/slurm/rollout_node.sh &
+    ROLLOUT_STEP=$!
+    wait_urls=("${SERVER_URLS[@]}")
+    [[ -z "$ROUTER_URL" ]] || wait_urls+=("$ROUTER_URL")
+    "$PY" -m megatron_dapo.launch.wait_servers "${wait_urls[@]}" --timeout-s "$SERVER_WAIT_S" \
+        --watch-pid "$ROLLOUT_STEP" --log-hint "the servers' logs: $JOB_DIR/rollout-<node>.log" || exit 1
+    echo "== actor nodes: ${ACTOR_HOSTS[*]} (logs: $JOB_DIR/actor-<node>.log)"
+    srun --nodelist="$(hosts "${ACTOR_HOSTS[@]}")" --nodes=${#ACTOR_HOSTS[@]} --ntasks=${#ACTOR_HOSTS[@]} \
+        --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$JOB_DIR/actor-%N.log" \
+        bash examples/slurm/actor_node.sh "${TRAIN_ARGS[@]}" &
+    ACTOR_STEP=$!
+    set +e
+    wait -n -p DONE "$ROLLOUT_STEP" "$ACTOR_STEP"
+    rc=$?
+    set -e
+    if [[ "$DONE" == "$ACTOR_STEP" && $rc == 0 ]]; then
+        echo "== training finished: the rollout nodes' servers stop with the job"
+        exit 0
+    fi
+    [[ "$DONE" == "$ACTOR_STEP" ]] && which=actor || which=rollout
+    echo "error: the $which nodes' step ended with exit $rc: ending the job on every node (logs: $JOB_DIR/$which-<node>.log)" >&2
+    exit 1
+fi
+
+echo "== every node: its engines, then its actor ranks (logs: $JOB_DIR/node-<node>.log)"
+set +e
+srun --nodes=${#NODE_LIST[@]} --ntasks=${#NODE_LIST[@]} --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    --output="$JOB_DIR/node-%N.log" bash examples/slurm/colocated_node.sh "${TRAIN_ARGS[@]}"
+rc=$?
+set -e
+[[ $rc == 0 ]] && echo "== training finished" || echo "error: a node's step ended with exit $rc (logs: $JOB_DIR/node-<node>.log)" >&2
+exit $rc

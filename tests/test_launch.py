@@ -1,0 +1,248 @@
+"""The launch path without a cluster: node roles and derived addresses (megatron_dapo/launch/roles.py), the bounded
+wait for the servers (wait_servers.py), the rollout-node supervisor (rollout_node.py) on stand-in servers, and the
+Slurm scripts' DRY_RUN plans and refusals (examples/slurm/). tests/test_slurm_rehearsal.py runs the same scripts
+on a real Slurm cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.launch import wait_servers
+from megatron_dapo.launch.roles import JobRoles, describe, shell_assignments
+from tests.ports import free_port_block
+from tests.procs import processes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _roles(**kw) -> JobRoles:
+    base = dict(mode="split", nodes=tuple(f"n{i}" for i in range(16)), actor_nodes=8, gpus_per_node=8, sglang_tp=4,
+                master_addr="10.0.0.1")
+    return JobRoles(**(base | kw))
+
+
+def test_split_roles_at_dapo_32b_scale():
+    """sbatch -N 16 with the 32B recipe: nodes 0-7 hold the 64 actor ranks, nodes 8-15 two TP-4 servers each, the
+    router on node 8 (the first rollout node) at base + 2."""
+    r = _roles()
+    assert r.actor == tuple(f"n{i}" for i in range(8)) and r.rollout == tuple(f"n{i}" for i in range(8, 16))
+    assert r.world_size == 64 and r.servers_per_node == 2
+    urls = r.server_urls()
+    assert len(urls) == 16 and urls[:3] == ["http://n8:30000", "http://n8:30001", "http://n9:30000"]
+    assert r.server_urls("n15") == ["http://n15:30000", "http://n15:30001"]
+    assert r.router_url == "http://n8:30002"
+    table = describe(r)
+    assert "node   4 n4: torchrun node_rank 4 (global ranks 32-39)" in table
+    assert "node   8 n8: SGLang server(s) on port(s) 30000, 30001; router on port 30002" in table
+    assert "rendezvous 10.0.0.1:29500; weight sync from 10.0.0.1:29650" in table
+
+
+def test_colocated_roles_list_every_nodes_engines_in_global_rank_order():
+    r = _roles(mode="colocated", nodes=("a", "b"), actor_nodes=2)
+    assert r.actor == r.rollout == ("a", "b") and r.world_size == 16
+    assert r.server_urls() == ["http://a:30000", "http://a:30001", "http://b:30000", "http://b:30001"]
+    assert r.router_url is None  # the trainer addresses each engine itself
+    assert "node   1 b: torchrun node_rank 1 (global ranks 8-15); SGLang server(s)" in describe(r)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(nodes=tuple(f"n{i}" for i in range(8))), r"needs more nodes than its ACTOR_NODES=8 .* `sbatch -N 9`"),
+    (dict(sglang_tp=3), r"SGLANG_TP=3 .* must divide GPUS_PER_NODE=8"),
+    (dict(servers=3), r"SERVERS_PER_NODE=3 servers of SGLANG_TP=4 GPUs do not fit"),
+    (dict(mode="colocated"), r"colocated run's actor runs on every node: ACTOR_NODES=8 but the job has 16"),
+    (dict(mode="hybrid"), r"MODE='hybrid'"),
+    (dict(nodes=("a", "a")), r"names a node twice"),
+    (dict(master_port=80), r"MASTER_PORT=80"),
+], ids=["too-few-nodes", "tp-not-dividing", "servers-overflow", "colocated-count", "mode", "duplicate", "port"])
+def test_roles_refuse_what_cannot_run_naming_the_setting(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _roles(**kw)
+
+
+def test_shell_assignments_evaluate_to_the_same_roles():
+    r = _roles(nodes=("a", "b", "c"), actor_nodes=2, gpus_per_node=4, sglang_tp=1, servers=2)
+    script = (shell_assignments(r)
+              + '\necho "${ACTOR_HOSTS[*]}|${ROLLOUT_HOSTS[*]}|${SERVER_URLS[*]}|$ROUTER_URL|$WORLD_SIZE"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "a b|c|http://c:30000 http://c:30001|http://c:30002|8"
+
+
+def test_wait_names_the_nodes_whose_servers_never_answer():
+    up = {"http://n8:30000", "http://n8:30001", "http://n9:30000"}
+    urls = sorted(up) + ["http://n9:30001", "http://n10:30000"]
+    with pytest.raises(TimeoutError, match=r"node n9 \(http://n9:30001\); node n10 \(http://n10:30000\)"):
+        wait_servers.wait_for_servers(urls, 0.3, probe=lambda u: u in up, poll_s=0.05, log=lambda m: None)
+    calls = []
+    waited = wait_servers.wait_for_servers(sorted(up), 5, probe=lambda u: calls.append(u) or len(calls) > 3,
+                                           poll_s=0.01, log=lambda m: None)
+    assert waited < 5
+    with pytest.raises(RuntimeError, match="launcher exited while waiting for node n8"):
+        wait_servers.wait_for_servers(sorted(up), 60, alive=lambda: False, probe=lambda u: False, log=lambda m: None)
+
+
+def test_wait_cli_exits_1_with_the_hint(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_dapo.launch.wait_servers", "http://127.0.0.1:9",
+                          "--timeout-s", "0.5", "--log-hint", "see LOGS"], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert "not answering /health after 0 s: node 127.0.0.1 (http://127.0.0.1:9); see LOGS" in out.stderr
+
+
+# ---- the rollout-node supervisor on stand-in servers (tests/sglang/fake_server.py) ---------------------------
+
+def _fake_python(tmp_path: Path, lifetime: int = 120) -> Path:
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nFAKE_SGLANG_LIFETIME={lifetime} exec {sys.executable} '
+                       f'{REPO}/tests/sglang/fake_server.py "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _key_file(tmp_path: Path) -> Path:
+    key = tmp_path / "key"
+    key.write_text("job-key-0123456789\n")
+    key.chmod(0o600)
+    return key
+
+
+def _wait_for(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return pred()
+
+
+def _group_members(pgids: set[int]) -> list[int]:
+    return [pid for pid, f in processes() if int(f[2]) in pgids and f[0] != "Z"]
+
+
+def _supervisor(tmp_path: Path, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_dapo.launch.rollout_node", "--hf-checkpoint", "/m",
+           "--sglang-num-servers", "2", "--sglang-base-port", str(port), "--sglang-host", "0.0.0.0",
+           "--sglang-api-key-file", str(_key_file(tmp_path)), "--sglang-device", "cpu",
+           "--sglang-python", str(_fake_python(tmp_path)), "--sglang-server-wait-s", "30",
+           "--log-dir", str(tmp_path / "logs"), *extra]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc: subprocess.Popen, needle: str, timeout_s: float = 30) -> str:
+    """Lines of `proc` up to one containing `needle` (AssertionError with what was read if it exits first)."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return "".join(seen)
+    raise AssertionError(f"no {needle!r} in:\n{''.join(seen)}")
+
+
+def test_supervisor_restarts_a_killed_server_and_stops_everything_on_sigterm(tmp_path):
+    """Two servers and the router (in front of both): server 0's process group SIGKILLed is restarted at once and
+    answers again; SIGTERM ends the supervisor with exit 0 within its grace, and no process of any group it started
+    (restarted one included) is left, nor the key's 0600 copy; the key is on no command line."""
+    port = free_port_block(3)
+    workers = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
+    sup = _supervisor(tmp_path, port, "--router-worker-urls", *workers)
+    try:
+        _read_until(sup, f"router on port {port + 2} in front of 2 server(s)")
+        pgids = {pid for pid, f in processes() if int(f[1]) == sup.pid}
+        assert len(pgids) == 3  # two servers and the router, each its own process group
+        cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes() for p in pgids]
+        assert not any(b"job-key-0123456789" in c for c in cmdlines)
+        server0 = next(p for p, c in zip(pgids, cmdlines, strict=True) if f"--port\x00{port}\x00".encode() in c)
+        os.killpg(server0, signal.SIGKILL)
+        log = _read_until(sup, "sglang server 0 back after")
+        assert f"sglang server 0 (http://0.0.0.0:{port}) exited with -9: restart 1 of 3" in log
+        pgids |= {pid for pid, f in processes() if int(f[1]) == sup.pid}
+        t0 = time.monotonic()
+        sup.send_signal(signal.SIGTERM)
+        assert sup.wait(20) == 0
+        assert time.monotonic() - t0 < 10
+        assert _wait_for(lambda: not _group_members(pgids), 10), _group_members(pgids)
+        assert not list(Path("/tmp").glob(f"sglang_key-*-{sup.pid}-*"))
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+def test_supervisor_gives_up_after_max_restarts_with_exit_1(tmp_path):
+    """--max-restarts 0: the first server exit ends the node (exit 1: srun --kill-on-bad-exit then ends the job),
+    naming the server and the flag, and its other server is stopped."""
+    port = free_port_block(2)
+    sup = _supervisor(tmp_path, port, "--max-restarts", "0")
+    try:
+        _read_until(sup, "2 server(s) answer")
+        pgids = {pid for pid, f in processes() if int(f[1]) == sup.pid}
+        os.killpg(min(pgids), signal.SIGKILL)
+        rest = sup.communicate(timeout=30)[0]
+        assert sup.returncode == 1
+        assert "exited with -9 after 0 restart(s) (--max-restarts 0)" in rest
+        assert _wait_for(lambda: not _group_members(pgids), 10)
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+def test_supervisor_refuses_a_wide_bind_without_a_key(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_dapo.launch.rollout_node", "--hf-checkpoint", "/m",
+                          "--sglang-host", "0.0.0.0", "--log-dir", str(tmp_path), "--check-only"], cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if k != "SGLANG_API_KEY"}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "without an API key" in out.stderr and "--sglang-api-key-file" in out.stderr
+
+
+# ---- examples/slurm/ without Slurm: DRY_RUN and the refusals --------------------------------------------------
+
+def _job(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | env
+    return subprocess.run(["bash", f"examples/slurm/{script}", *args], cwd=REPO, env=run_env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_split_sbatch_dry_run_prints_the_roles_and_a_plan_that_fits():
+    out = _job("split.sbatch", "qwen2.5-32b", DRY_RUN="1", NODES="16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "split run on 16 nodes: 8 actor node(s) x 8 ranks = 64 actor ranks, 8 rollout node(s) x 2" in out.stdout
+    assert "node   8 node008: SGLang server(s) on port(s) 30000, 30001; router on port 30002" in out.stdout
+    assert "layout: TP8 x PP2 x CP1 x DP4 = 64 GPUs" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak ")
+
+
+def test_colocated_sbatch_dry_run_plans_both_phases_on_every_node():
+    out = _job("colocated.sbatch", "qwen2.5-32b-colocated", "--dry-run", NODES="16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "colocated run on 16 nodes: 16 actor node(s) x 8 ranks = 128 actor ranks" in out.stdout
+    assert "layout: TP8 x PP2 x CP1 x DP8 = 128 GPUs" in out.stdout
+
+
+@pytest.mark.parametrize("script,args,env,match", [
+    ("split.sbatch", ["qwen2.5-32b"], {"DRY_RUN": "1", "NODES": "8"}, "`sbatch -N 9` or more"),
+    ("split.sbatch", ["qwen2.5-32b-colocated"], {"DRY_RUN": "1"},
+     "is a colocated run: submit examples/slurm/colocated"),
+    ("split.sbatch", ["qwen9"], {"DRY_RUN": "1"}, "RECIPE 'qwen9' is not one of: cpu-rehearsal"),
+    ("split.sbatch", ["qwen2.5-32b"], {}, "not inside a Slurm job"),
+], ids=["too-few-nodes", "wrong-mode", "unknown-recipe", "outside-slurm"])
+def test_sbatch_scripts_refuse_naming_the_fix(script, args, env, match):
+    out = _job(script, *args, **env)
+    assert out.returncode == 2 and match in out.stderr, out.stderr
+
+
+def test_per_node_launcher_dry_run_needs_no_node_environment():
+    out = subprocess.run(["bash", "examples/run_qwen3_30b_a3b_multinode.sh", "--dry-run"], cwd=REPO,
+                         env={k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR")},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "split run on 8 nodes: 4 actor node(s) x 8 ranks = 32 actor ranks" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak 58.")
