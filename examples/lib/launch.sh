@@ -13,6 +13,7 @@
 #   MODEL_ARGS PARALLEL_ARGS ROLLOUT_ARGS DAPO_ARGS OPTIM_ARGS DATA_ARGS BATCH_ARGS RUN_ARGS
 #                   the trainer's flags, all but the addresses added here (server URLs, router, weight-sync
 #                   master, API key file)
+#   ROUTER          1 (default): an sglang-router on the first rollout node in front of every server; 0: none
 #   SGLANG_SERVER_ARGS  more sglang.launch_server flags (colocated: --mem-fraction-static --enable-memory-saver)
 #   SGLANG_DEVICE (cuda), SGLANG_PY (the interpreter with sglang; default $PY), TRAIN_ENV (VAR=value words for
 #                   the trainer's environment)
