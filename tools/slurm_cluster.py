@@ -49,6 +49,9 @@ PROCTRACK = ("pgid", "linuxproc", "cgroup")
 HOSTS = Path("/etc/hosts")
 SLURMCTLD_PORT = 6817  # each node has its own network namespace: the default ports never collide
 NETNS_DIR = Path("/run/netns")
+# Unix socket paths must fit 108 bytes: slurmd's step sockets (SlurmdSpoolDir/<node>_<job>.<step>) and munge's
+# are named through a short link /run/slurm_cluster/<id> -> D, so that any D (a deep pytest tmp_path) works.
+SHORT_DIR = Path("/run/slurm_cluster")
 STATE_ENTRIES = ("etc", "munge", "state", "run", "cluster.json")  # what `down` deletes under D (logs: log/)
 
 
@@ -225,6 +228,7 @@ class Cluster:
         self.id = cluster_id(self.dir)
         self.controller = f"{self.id}c"
         self.conf = self.dir / "etc" / "slurm.conf"
+        self.short = SHORT_DIR / self.id
 
     # --- bring up -------------------------------------------------------------------------------------------
 
@@ -254,6 +258,8 @@ class Cluster:
         for sub in ("etc", "munge", "state", "run", "log", *(f"state/{n}" for n in names)):
             (self.dir / sub).mkdir(parents=True, exist_ok=True)
         self._write_json(info)  # written first so that a failed `up` can still be torn down by pid
+        SHORT_DIR.mkdir(parents=True, exist_ok=True)
+        self.short.symlink_to(self.dir, target_is_directory=True)
         try:
             self._network(names, addrs)
             _edit_hosts(self.id, [f"{a} {n}" for n, a in addrs.items()])
@@ -295,11 +301,11 @@ class Cluster:
             _sh("ip", "-n", n, "link", "set", "eth0", "up")
 
     def _write_config(self, names: list[str], addrs: dict[str, str], proctrack: str, cpus: int) -> None:
-        d, etc = self.dir, self.dir / "etc"
+        d, etc = self.short, self.dir / "etc"
         node_lines = "\n".join(
             f"NodeName={n} NodeHostname={n} NodeAddr={addrs[n]} CPUs={cpus} State=UNKNOWN" for n in names)
         (etc / "slurm.conf").write_text(f"""\
-# Written by tools/slurm_cluster.py for the local cluster {self.id} ({d}).
+# Written by tools/slurm_cluster.py for the local cluster {self.id}; {d} -> {self.dir}
 ClusterName={self.id}
 SlurmctldPort={SLURMCTLD_PORT}
 SlurmctldHost={self.controller}({addrs[self.controller]})
@@ -342,7 +348,7 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def _start_munged(self) -> int:
         """munged with its own key, socket, pid and seed file under D/munge (mode 0755: munged refuses a socket
         directory others can write), in the controller's namespace so that `down`'s sweep finds it. ~50 ms."""
-        m = self.dir / "munge"
+        m = self.short / "munge"
         m.chmod(0o755)
         key = m / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -468,6 +474,8 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         for ns in self._namespaces():
             _sh("ip", "netns", "del", ns, check=False)
         _edit_hosts(self.id, [])
+        if self.short.is_symlink():
+            self.short.unlink()
         self._remove_cgroups()
         for entry in (*STATE_ENTRIES, "cluster.json.tmp", *(() if keep_logs else ("log",))):
             path = self.dir / entry
