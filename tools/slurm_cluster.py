@@ -46,6 +46,7 @@ CLIENT_BINARIES = ("sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
 TOOLS = ("ip", "nsenter", "unshare")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 PROCTRACK = ("pgid", "linuxproc", "cgroup")
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 HOSTS = Path("/etc/hosts")
 SLURMCTLD_PORT = 6817  # each node has its own network namespace: the default ports never collide
 NETNS_DIR = Path("/run/netns")
@@ -64,6 +65,16 @@ def subnet(cid: str) -> str:
     """The cluster's private /24 prefix, `10.X.Y`, X in 128..255 and Y from the id's hash (16 bits)."""
     h = int(cid[2:], 16)
     return f"10.{128 + (h >> 16) % 128}.{(h >> 8) % 256}"
+
+
+def _path(path: str | None = None) -> str:
+    """PATH plus the sbin directories: the daemons live in /usr/sbin, which a root shell's PATH may lack."""
+    dirs = (path if path is not None else os.environ.get("PATH", "")).split(os.pathsep)
+    return os.pathsep.join([d for d in dirs if d] + [d for d in SBIN if d not in dirs])
+
+
+def _which(binary: str) -> str | None:
+    return shutil.which(binary, path=_path())
 
 
 def _sh(*cmd: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -159,7 +170,7 @@ def check() -> str | None:
     made and deleted, and `unshare --uts true` is run."""
     if os.geteuid() != 0:
         return "not root (network namespaces, /etc/hosts and the daemons need root)"
-    missing = [b for b in TOOLS + DAEMON_BINARIES + CLIENT_BINARIES if shutil.which(b) is None]
+    missing = [b for b in TOOLS + DAEMON_BINARIES + CLIENT_BINARIES if _which(b) is None]
     if missing:
         return f"missing {' '.join(missing)} (tools/slurm_cluster.py install: apt-get install {' '.join(PACKAGES)})"
     probe = f"scprobe{os.getpid()}"
@@ -178,9 +189,9 @@ def install() -> str:
     Returns what it did. Debian's postinst scripts would start munge/slurm through invoke-rc.d: a policy-rc.d
     that answers 101 (the standard "do not start") is in place for the install, and any munged/slurm* process
     that appears during it is stopped by pid all the same."""
-    if all(shutil.which(b) for b in DAEMON_BINARIES + CLIENT_BINARIES):
+    if all(_which(b) for b in DAEMON_BINARIES + CLIENT_BINARIES):
         return "present"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+    if os.geteuid() != 0 or _which("apt-get") is None:
         return "not installed: needs root and apt-get"
     policy = Path("/usr/sbin/policy-rc.d")
     own_policy = not policy.exists()
@@ -188,7 +199,7 @@ def install() -> str:
         policy.write_text("#!/bin/sh\nexit 101\n")
         policy.chmod(0o755)
     before = set(_daemon_pids())
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "PATH": _path()}
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -206,11 +217,15 @@ def install() -> str:
 
 
 def _daemon_pids() -> list[int]:
+    """munged/slurmctld/slurmd processes started the init-script way (in the background). Clusters of this tool
+    run theirs in the foreground (-D / -F), so one that comes up during an install is never mistaken for one."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if Path(f"/proc/{entry}/comm").read_text().strip() in DAEMON_BINARIES:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if (Path(f"/proc/{entry}/comm").read_text().strip() in DAEMON_BINARIES
+                        and not {b"-D", b"-F"} & set(argv)):
                     pids.append(int(entry))
     return pids
 
@@ -413,7 +428,7 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """The environment a client command needs: `base` (os.environ by default) without any SLURM_* it may
         carry from an enclosing job, plus SLURM_CONF."""
         env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
-        return {**env, "SLURM_CONF": str(self.conf)}
+        return {**env, "SLURM_CONF": str(self.conf), "PATH": _path(env.get("PATH", ""))}
 
     def login_argv(self, cmd: list[str]) -> list[str]:
         """`cmd` as run on the login node: the controller's network namespace and its hostname (so that srun's
@@ -550,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("run: no command (run --dir D -- CMD...)")
         if cluster.info() is None:
             ap.error(f"run: no cluster in {args.dir} (up first)")
-        return cluster.run(cmd).returncode
+        # exec: the caller's signals (a timeout's SIGTERM) reach the command itself, its exit status is ours
+        os.execvpe("nsenter", cluster.login_argv(cmd), cluster.env())
     if args.command == "pids":
         for ns, pid, cmd in cluster.leftover_pids():
             print(f"{ns} {pid} {cmd}")
