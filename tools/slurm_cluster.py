@@ -260,7 +260,9 @@ class Cluster:
             raise ValueError(f"--cpus-per-node must be >= 1, got {cpus_per_node}")
         if reason := check():
             raise RuntimeError(f"cannot run a Slurm cluster here: {reason}")
-        self.down()
+        for ns, pid, cmd in self.down():
+            print(f"slurm_cluster: killed a leftover of the previous cluster in {self.dir}: {ns} {pid} {cmd}",
+                  file=sys.stderr)
         net = subnet(self.id)
         names = [f"{self.id}n{i}" for i in range(nodes)]
         addrs = {self.controller: f"{net}.1", **{n: f"{net}.{10 + i}" for i, n in enumerate(names)}}
