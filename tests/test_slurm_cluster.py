@@ -206,3 +206,29 @@ def test_up_twice_scancel_leftover_and_down_leave_nothing(tmp_path, cluster):
         assert c.id not in Path("/etc/hosts").read_text()
         assert not c.short.exists() and not (c.dir / "cluster.json").exists()
         assert c.down() == []  # idempotent
+
+
+def test_up_that_fails_names_the_node_shows_its_log_and_cleans_up(tmp_path, monkeypatch):
+    spawn = Cluster._spawn
+
+    def broken_slurmd(self, ns, log, argv):  # a slurmd that cannot find its NodeName exits at once
+        return spawn(self, ns, log, [*argv[:-1], "nosuchnode"] if argv[0] == "slurmd" else argv)
+
+    monkeypatch.setattr(Cluster, "_spawn", broken_slurmd)
+    c = Cluster(tmp_path / "broken")
+    with pytest.raises(RuntimeError) as err:
+        c.up(nodes=1, timeout=30)
+    node = f"{c.id}n0"
+    assert f"daemons exited: {node}; nodes not idle: {node}=" in str(err.value)
+    assert "nosuchnode" in str(err.value)  # slurmd's own words, from its log tail
+    assert c.id not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert c.id not in Path("/etc/hosts").read_text()
+    assert (c.dir / "log" / f"slurmd-{node}.out").exists()  # logs kept for the post-mortem
+
+
+def test_check_gives_one_line_and_exit_2_when_it_cannot_run(monkeypatch, capsys):
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    assert slurm_cluster.main(["check"]) == 2
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("not root")
+    assert slurm_cluster.main(["install"]) == 0  # present: a no-op (not root would only say why)

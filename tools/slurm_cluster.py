@@ -145,6 +145,16 @@ def _stop(pids: list[int], timeout: float) -> list[int]:
     return stubborn
 
 
+def _mem_mib() -> int:
+    """The machine's memory in MiB (/proc/meminfo): what each node claims, so that `--mem` requests that would fit
+    the machine are accepted (Slurm's default RealMemory is 1 MiB). Nothing enforces it."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    return 1
+
+
 def _wait_listening(pid: int, port: int, deadline: float) -> None:
     """Wait until `pid` listens on TCP `port`: /proc/<pid>/net/tcp lists the sockets of pid's network namespace
     (state 0A = LISTEN), so this needs no client in the namespace. Polled every 10 ms; returns early if pid
@@ -332,7 +342,8 @@ class Cluster:
     def _write_config(self, names: list[str], addrs: dict[str, str], proctrack: str, cpus: int) -> None:
         d, etc = self.short, self.dir / "etc"
         node_lines = "\n".join(
-            f"NodeName={n} NodeHostname={n} NodeAddr={addrs[n]} CPUs={cpus} State=UNKNOWN" for n in names)
+            f"NodeName={n} NodeHostname={n} NodeAddr={addrs[n]} CPUs={cpus} RealMemory={_mem_mib()} State=UNKNOWN"
+            for n in names)
         (etc / "slurm.conf").write_text(f"""\
 # Written by tools/slurm_cluster.py for the local cluster {self.id}; {d} -> {self.dir}
 ClusterName={self.id}
@@ -354,7 +365,7 @@ ProctrackType=proctrack/{proctrack}
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-# every node claims CPUs={cpus} whatever the machine has
+# every node claims CPUs={cpus} and the machine's memory whatever the machine has (so --mem requests fit)
 SlurmdParameters=config_overrides
 # an impossible request (-N3 on 2 nodes) fails at submit instead of pending for ever
 EnforcePartLimits=ALL
@@ -384,7 +395,7 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         key.chmod(0o400)
         pid = self._spawn(self.controller, "munged", [
             "munged", "-F", "--force", f"--key-file={key}", f"--socket={m}/munge.socket",
-            f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed", f"--log-file={self.dir}/log/munged.log"])
+            f"--pid-file={m}/munged.pid", f"--seed-file={m}/munged.seed"])
         deadline = time.monotonic() + 10
         while not (m / "munge.socket").exists():
             if not _alive(pid) or time.monotonic() > deadline:
@@ -419,15 +430,17 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         not_up = [f"{n}={states.get(n, 'absent')}" for n in names if states.get(n) != "idle"]
         logs = "\n".join(f"--- {k}:\n{self._tail(k if k in ('munged', 'slurmctld') else f'slurmd-{k}')}"
                          for k in info["pids"])
-        raise RuntimeError(f"cluster {self.id} not up after {timeout:.0f} s: nodes not idle: {' '.join(not_up)}; "
-                           f"daemons exited: {' '.join(dead) or 'none'}\n{logs}")
+        why = f"daemons exited: {' '.join(dead)}" if dead else f"not up after {timeout:.0f} s"
+        raise RuntimeError(f"cluster {self.id} in {self.dir}: {why}; nodes not idle: {' '.join(not_up)}\n{logs}")
 
     def _tail(self, name: str, lines: int = 15) -> str:
-        text = ""
-        for suffix in (".log", ".out"):
+        """The last lines a daemon wrote: its stderr (D/log/<name>.out: the daemons run in the foreground, so it
+        holds everything, errors before the log file opens included), else its log file."""
+        for suffix in (".out", ".log"):
             with contextlib.suppress(OSError):
-                text += (self.dir / "log" / f"{name}{suffix}").read_text(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+                if text := (self.dir / "log" / f"{name}{suffix}").read_text(errors="replace"):
+                    return "\n".join(text.splitlines()[-lines:])
+        return "(no output)"
 
     # --- use ------------------------------------------------------------------------------------------------
 
