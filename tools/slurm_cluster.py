@@ -159,13 +159,14 @@ def _wait_listening(pid: int, port: int, deadline: float) -> None:
     """Wait until `pid` listens on TCP `port`: /proc/<pid>/net/tcp lists the sockets of pid's network namespace
     (state 0A = LISTEN), so this needs no client in the namespace. Polled every 10 ms; returns early if pid
     exits (the caller's wait then reports it with the logs)."""
-    want = f":{port:04X} "
+    want = f":{port:04X}"
     while time.monotonic() < deadline and _alive(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-                fields = line.split()
-                if fields[1].endswith(want.strip()) and fields[3] == "0A":
-                    return
+        for table in ("tcp", "tcp6"):
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                    fields = line.split()
+                    if fields[1].endswith(want) and fields[3] == "0A":
+                        return
         time.sleep(0.01)
 
 
@@ -254,7 +255,8 @@ def _daemon_pids() -> list[int]:
 
 class Cluster:
     """One local cluster whose state lives under `directory` (config in D/etc, munge key + socket in D/munge,
-    daemon state in D/state, logs in D/log, the description in D/cluster.json).
+    daemon state and slurmd spools in D/state, pid files in D/run, logs in D/log, the description in
+    D/cluster.json); the daemons see D as /run/slurm_cluster/<id> (socket path length).
 
         with Cluster(tmp_path).up(nodes=2) as c:
             c.run(["srun", "-N2", "hostname"], capture_output=True, text=True)
@@ -271,9 +273,10 @@ class Cluster:
 
     def up(self, nodes: int = 2, proctrack: str = "pgid", cpus_per_node: int = 2, timeout: float = 60) -> Cluster:
         """Tear down whatever this D had, then start munged, slurmctld and `nodes` slurmd, and wait until sinfo
-        shows every node idle. With the packages present: ~0.5 s for 2 nodes on an idle 2-core machine (the
-        namespaces and veths ~0.1 s, the daemons' start and registration the rest); more under load, hence the
-        bounded wait (`timeout` s) that names what is not up and shows the daemon logs."""
+        shows every node idle. With the packages present, 2 nodes on the 2-core CI machine: ~0.3-0.4 s when it is
+        quiet (namespaces and veths ~0.07 s, munged ~0.02 s, slurmctld listening ~0.03-0.2 s, slurmd start and
+        registration ~0.12 s), up to ~1.7 s measured under load, hence the bounded wait (`timeout` s) whose error
+        names the nodes not idle and the daemons that exited, with their output."""
         if not 1 <= nodes <= 200:
             raise ValueError(f"--nodes must be in 1..200, got {nodes}")
         if proctrack not in PROCTRACK:
@@ -414,6 +417,7 @@ PartitionName={self.id} Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return p.pid
 
     def _wait_idle(self, names: list[str], info: dict, timeout: float) -> None:
+        """Poll `sinfo` (15-40 ms a call) every 0.1 s until every node is idle; stop early when a daemon exits."""
         deadline = time.monotonic() + timeout
         states: dict[str, str] = {}
         while time.monotonic() < deadline:
