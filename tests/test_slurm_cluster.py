@@ -201,6 +201,7 @@ def test_up_twice_scancel_leftover_and_down_leave_nothing(tmp_path, cluster):
         assert [pid for _, pid, _ in forced] == [survivor]
         assert not running(survivor)
         assert not any(pid in info["pids"].values() and fields[0] != "Z" for pid, fields in processes())
+        assert not [cmd for pid, _ in processes() if c.id in (cmd := slurm_cluster._cmdline(pid))]
         netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert c.id not in netns
         assert c.id not in Path("/etc/hosts").read_text()
