@@ -5,9 +5,9 @@ One module cluster (2 nodes, 4 CPUs per node so that the batch jobs below run si
 the batch jobs are all submitted when it comes up and each test waits for its own, so the module costs about one
 job's time. It uses proctrack/linuxproc: works wherever /proc does, and a job that ran steps completes ~0.9 s after
 submit, against ~3.8 s under proctrack/pgid (its slurmstepd polls the process group with a 1 s, then 2 s back-off).
-The last test uses pgid on purpose: what a step's setsid child does on scancel there. ~12 s in all on the 2-core
-CI machine. Skipped, with the reason, where `tools/slurm_cluster.py check` fails (not root, no slurm/munge
-packages, no `ip netns`).
+test_up_twice_... uses pgid on purpose: what a step's setsid child does on scancel there. 8-13 s in all on the
+2-core CI machine (measured with other work running). Skipped, with the reason, where `tools/slurm_cluster.py
+check` fails (not root, no slurm/munge packages, no `ip netns`).
 """
 
 from __future__ import annotations
