@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU requirements unless a GPU driver is present.
 REQS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo requirements.txt || echo requirements-cpu.txt)
 
-.PHONY: demo test lint venv sglang-env envs clean
+.PHONY: demo test lint venv sglang-env slurm-packages envs clean
 
 # GPU: TransformerEngine's torch binding is an sdist; it is built against the torch pinned in requirements.txt
 # (installed first), not against whatever torch an isolated build environment would pull.
@@ -31,11 +31,17 @@ venv: $(VENV)/.installed
 
 sglang-env: $(if $(SKIP_SGLANG),,$(if $(filter requirements-cpu.txt,$(REQS)),.venv-sglang/.installed))
 
-# Both environments, built side by side: they share nothing, and each pip is mostly one core's unpacking.
-envs:
-	$(MAKE) -j2 venv sglang-env
+# Debian's slurm 22.05 + munge for the Slurm rehearsal's local cluster (tools/slurm_cluster.py install: apt-get,
+# ~10 s, as root only; elsewhere it says why and the rehearsal skips with that reason). SKIP_REHEARSAL=1 skips it.
+slurm-packages:
+	$(if $(SKIP_REHEARSAL),,$(PYTHON) tools/slurm_cluster.py install)
 
-# Everything, the multi-node rehearsal included (~4 min of the ~34); SKIP_REHEARSAL=1 leaves it out.
+# Both environments (and the Slurm packages), built side by side: they share nothing, and each pip is mostly one
+# core's unpacking.
+envs:
+	$(MAKE) -j3 venv sglang-env slurm-packages
+
+# Everything, the Slurm rehearsal included (~5 min of the ~34); SKIP_REHEARSAL=1 leaves it out.
 test: envs
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(if $(SKIP_REHEARSAL),-m "not rehearsal") $(PYTEST_ARGS)
 

@@ -52,6 +52,19 @@ def test_colocated_roles_list_every_nodes_engines_in_global_rank_order():
     assert "node   1 b: torchrun node_rank 1 (global ranks 8-15); SGLang server(s)" in describe(r)
 
 
+def test_attached_roles_use_the_running_servers_and_every_node_for_the_actor():
+    """SGLANG_URLS given to split.sbatch: the job's nodes are all actor nodes, the URLs (and router) are the given
+    ones, and a node count that leaves nodes idle is refused."""
+    urls = ("http://r0:30000", "http://r0:30001")
+    r = _roles(nodes=tuple(f"n{i}" for i in range(8)), attached=urls, attached_router="http://r0:30002")
+    assert r.rollout == () and r.server_urls() == list(urls) and r.router_url == "http://r0:30002"
+    assert "its SGLang servers already running elsewhere" in describe(r)
+    with pytest.raises(ValueError, match=r"every node of the job runs the actor: submit with `sbatch -N 8`"):
+        _roles(attached=urls)
+    with pytest.raises(ValueError, match="for split runs"):
+        _roles(mode="colocated", actor_nodes=16, attached=urls)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(nodes=tuple(f"n{i}" for i in range(8))), r"needs more nodes than its ACTOR_NODES=8 .* `sbatch -N 9`"),
     (dict(sglang_tp=3), r"SGLANG_TP=3 .* must divide GPUS_PER_NODE=8"),
@@ -217,6 +230,15 @@ def test_split_sbatch_dry_run_prints_the_roles_and_a_plan_that_fits():
     assert "split run on 16 nodes: 8 actor node(s) x 8 ranks = 64 actor ranks, 8 rollout node(s) x 2" in out.stdout
     assert "node   8 node008: SGLang server(s) on port(s) 30000, 30001; router on port 30002" in out.stdout
     assert "layout: TP8 x PP2 x CP1 x DP4 = 64 GPUs" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak ")
+
+
+def test_split_sbatch_attached_to_running_servers_plans_the_actor_on_every_node():
+    out = _job("split.sbatch", "qwen2.5-32b", DRY_RUN="1", NODES="8",
+               SGLANG_URLS="http://r0:30000 http://r0:30001", SGLANG_ROUTER_URL="http://r0:30002")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "split run on 8 nodes: 8 actor node(s) x 8 ranks = 64 actor ranks, its SGLang servers already" in out.stdout
+    assert "attached to 2 server(s) already running: http://r0:30000 http://r0:30001" in out.stdout
     assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak ")
 
 

@@ -2,7 +2,7 @@
 
 torchrun sets TORCHELASTIC_USE_AGENT_STORE=True, under which dist.rendezvous on rank 0 only connects as a client
 to the agent's store; at the sync port nobody hosts one and the first weight sync of a torchrun-launched trainer
-waited for ever (found by examples/rehearse_multinode.sh). The peer here joins the way SGLang 0.5.23's
+waited for ever (found by the multi-node rehearsal). The peer here joins the way SGLang 0.5.23's
 init_custom_process_group does (tcp:// rendezvous, store prefixed by the group name) and must receive the
 broadcast tensors.
 

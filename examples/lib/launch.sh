@@ -71,6 +71,12 @@ roles() {
                 --weight-sync-port "$WEIGHT_SYNC_PORT" --sglang-base-port "$SGLANG_BASE_PORT")
     [[ -z "${SERVERS_PER_NODE:-}" ]] || args+=(--servers-per-node "$SERVERS_PER_NODE")
     [[ "${ROUTER:-1}" == 1 ]] || args+=(--no-router)
+    if [[ -n "${ATTACH_URLS:-}" ]]; then  # servers already running (split.sbatch with SGLANG_URLS)
+        local attach
+        read -r -a attach <<<"$ATTACH_URLS"
+        args+=(--attach-urls "${attach[@]}")
+        [[ -z "${ATTACH_ROUTER_URL:-}" ]] || args+=(--attach-router-url "$ATTACH_ROUTER_URL")
+    fi
     local shell
     shell=$("$PY" -m megatron_dapo.launch.roles "${args[@]}" --format shell) || exit 2
     eval "$shell"

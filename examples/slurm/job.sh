@@ -41,6 +41,9 @@ else
     die "not inside a Slurm job: submit it with sbatch, or print the plan with DRY_RUN=1 NODES=N bash $0 $RECIPE"
 fi
 [[ "$MODE" == split ]] || ACTOR_NODES=${#NODE_LIST[@]}
+# SGLANG_URLS: attach to servers already running (a long-lived rollout fleet): every node of the job is an actor node
+ATTACH_URLS=${SGLANG_URLS:-}
+ATTACH_ROUTER_URL=${SGLANG_ROUTER_URL:-}
 if [[ "$DRY_RUN" == 1 ]]; then MASTER_ADDR=${MASTER_ADDR:-${NODE_LIST[0]}}
 else MASTER_ADDR=${MASTER_ADDR:-$(node_address "${NODE_LIST[0]}")}; fi
 echo "== $RECIPE ($MODE), job $JOB_ID, run directory $RUN_DIR"
@@ -54,9 +57,14 @@ mkdir -p "$JOB_DIR"
 memory_plan >"$JOB_DIR/memory-plan.txt" 2>&1 || { cat "$JOB_DIR/memory-plan.txt" >&2; die "the memory plan does not fit (above)"; }
 tail -n 1 "$JOB_DIR/memory-plan.txt"
 
-rm -f "$API_KEY_FILE"
-(umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$API_KEY_FILE")
-trap 'rm -f "$API_KEY_FILE"' EXIT
+if [[ -n "$ATTACH_URLS" ]]; then  # their key, if they have one: a 0600 file the trainer reads
+    API_KEY_FILE=${SGLANG_API_KEY_FILE:-}
+else
+    rm -f "$API_KEY_FILE"
+    (umask 077 && "$PY" -c 'import secrets; print(secrets.token_hex(32))' >"$API_KEY_FILE")
+    trap 'rm -f "$API_KEY_FILE"' EXIT
+fi
+trainer_args "${SERVER_URLS[@]}"
 trap 'exit 143' TERM INT  # scancel: the EXIT trap removes the key; Slurm stops the steps
 # What the node scripts read (srun passes the environment on).
 export MASTER_ADDR MASTER_PORT GPUS_PER_NODE API_KEY_FILE JOB_DIR HF_CKPT SGLANG_BASE_PORT
@@ -65,39 +73,53 @@ export SGLANG_NODE_ARGS="--sglang-tp-size $SGLANG_TP --sglang-num-servers $SERVE
 export SGLANG_SERVER_ARGS=${SGLANG_SERVER_ARGS:-} SERVER_URLS_LIST="${SERVER_URLS[*]}" ROUTER_URL
 hosts() { local IFS=,; echo "$*"; }
 
-if [[ "$MODE" == split ]]; then
-    echo "== rollout nodes: ${ROLLOUT_HOSTS[*]} (logs: $JOB_DIR/rollout-<node>.log)"
-    srun --nodelist="$(hosts "${ROLLOUT_HOSTS[@]}")" --nodes=${#ROLLOUT_HOSTS[@]} --ntasks=${#ROLLOUT_HOSTS[@]} \
-        --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$JOB_DIR/rollout-%N.log" \
-        bash examples/slurm/rollout_node.sh &
-    ROLLOUT_STEP=$!
-    wait_urls=("${SERVER_URLS[@]}")
-    [[ -z "$ROUTER_URL" ]] || wait_urls+=("$ROUTER_URL")
-    "$PY" -m megatron_dapo.launch.wait_servers "${wait_urls[@]}" --timeout-s "$SERVER_WAIT_S" \
-        --watch-pid "$ROLLOUT_STEP" --log-hint "the servers' logs: $JOB_DIR/rollout-<node>.log" || exit 1
-    echo "== actor nodes: ${ACTOR_HOSTS[*]} (logs: $JOB_DIR/actor-<node>.log)"
-    srun --nodelist="$(hosts "${ACTOR_HOSTS[@]}")" --nodes=${#ACTOR_HOSTS[@]} --ntasks=${#ACTOR_HOSTS[@]} \
-        --ntasks-per-node=1 --kill-on-bad-exit=1 --output="$JOB_DIR/actor-%N.log" \
-        bash examples/slurm/actor_node.sh "${TRAIN_ARGS[@]}" &
-    ACTOR_STEP=$!
-    set +e
-    wait -n -p DONE "$ROLLOUT_STEP" "$ACTOR_STEP"
-    rc=$?
-    set -e
-    if [[ "$DONE" == "$ACTOR_STEP" && $rc == 0 ]]; then
-        echo "== training finished: the rollout nodes' servers stop with the job"
-        exit 0
-    fi
-    [[ "$DONE" == "$ACTOR_STEP" ]] && which=actor || which=rollout
-    echo "error: the $which nodes' step ended with exit $rc: ending the job on every node (logs: $JOB_DIR/$which-<node>.log)" >&2
-    exit 1
-fi
+# wait_for_servers [--watch-pid PID]: every server (and the router) answers /health within SERVER_WAIT_S, else exit 1
+# naming the nodes that did not.
+wait_for_servers() {
+    local urls=("${SERVER_URLS[@]}")
+    [[ -z "$ROUTER_URL" ]] || urls+=("$ROUTER_URL")
+    "$PY" -m megatron_dapo.launch.wait_servers "${urls[@]}" --timeout-s "$SERVER_WAIT_S" "$@" \
+        --log-hint "the servers' logs: $JOB_DIR/rollout-<node>.log" || exit 1
+}
 
-echo "== every node: its engines, then its actor ranks (logs: $JOB_DIR/node-<node>.log)"
-set +e
-srun --nodes=${#NODE_LIST[@]} --ntasks=${#NODE_LIST[@]} --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    --output="$JOB_DIR/node-%N.log" bash examples/slurm/colocated_node.sh "${TRAIN_ARGS[@]}"
-rc=$?
-set -e
-[[ $rc == 0 ]] && echo "== training finished" || echo "error: a node's step ended with exit $rc (logs: $JOB_DIR/node-<node>.log)" >&2
-exit $rc
+# step NAME NODE_CSV SCRIPT [ARGS...]: one srun step, one task on each of those nodes, its output in
+# $JOB_DIR/NAME-<node>.log; any task failing ends the step on all of its nodes.
+step() {
+    local name=$1 nodes=$2 count
+    shift 2
+    count=$(tr ',' '\n' <<<"$nodes" | wc -l)
+    srun --nodelist="$nodes" --nodes="$count" --ntasks="$count" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+        --output="$JOB_DIR/$name-%N.log" bash "$@"
+}
+
+finish() {  # finish RC WHAT: the job's exit, said once
+    if [[ $1 == 0 ]]; then echo "== training finished"; else echo "error: $2 ended with exit $1: ending the job on every node" >&2; fi
+    exit "$1"
+}
+
+if [[ "$MODE" == colocated ]]; then
+    echo "== every node: its engines, then its actor ranks (logs: $JOB_DIR/node-<node>.log)"
+    rc=0
+    step node "$(hosts "${NODE_LIST[@]}")" examples/slurm/colocated_node.sh "${TRAIN_ARGS[@]}" || rc=$?
+    finish $rc "a node's step (logs: $JOB_DIR/node-<node>.log)"
+fi
+if [[ -n "$ATTACH_URLS" ]]; then  # split, the servers already running elsewhere
+    wait_for_servers
+    echo "== actor nodes: ${ACTOR_HOSTS[*]} (logs: $JOB_DIR/actor-<node>.log)"
+    rc=0
+    step actor "$(hosts "${ACTOR_HOSTS[@]}")" examples/slurm/actor_node.sh "${TRAIN_ARGS[@]}" || rc=$?
+    finish $rc "the actor nodes' step (logs: $JOB_DIR/actor-<node>.log)"
+fi
+echo "== rollout nodes: ${ROLLOUT_HOSTS[*]} (logs: $JOB_DIR/rollout-<node>.log)"
+step rollout "$(hosts "${ROLLOUT_HOSTS[@]}")" examples/slurm/rollout_node.sh &
+ROLLOUT_STEP=$!
+wait_for_servers --watch-pid "$ROLLOUT_STEP"
+echo "== actor nodes: ${ACTOR_HOSTS[*]} (logs: $JOB_DIR/actor-<node>.log)"
+step actor "$(hosts "${ACTOR_HOSTS[@]}")" examples/slurm/actor_node.sh "${TRAIN_ARGS[@]}" &
+ACTOR_STEP=$!
+rc=0
+wait -n -p DONE "$ROLLOUT_STEP" "$ACTOR_STEP" || rc=$?
+if [[ "$DONE" == "$ACTOR_STEP" ]]; then
+    finish $rc "the actor nodes' step (logs: $JOB_DIR/actor-<node>.log)"  # 0: the servers stop with the job
+fi
+finish $((rc == 0 ? 1 : rc)) "the rollout nodes' step, while training ran (logs: $JOB_DIR/rollout-<node>.log)"

@@ -51,6 +51,10 @@ class JobRoles:
     """Split: an sglang-router on the first rollout node in front of every server (--sglang-router-url)."""
     servers: int | None = None
     """SGLang servers per rollout node (SERVERS_PER_NODE); default gpus_per_node / sglang_tp, every GPU used."""
+    attached: tuple[str, ...] = ()
+    """Split, attached to servers already running elsewhere (SGLANG_URLS): every node of the job is an actor node
+    and these are the server URLs; `attached_router` (SGLANG_ROUTER_URL) the router in front of them, if any."""
+    attached_router: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -65,7 +69,13 @@ class JobRoles:
         if self.servers is not None and not 1 <= self.servers * self.sglang_tp <= self.gpus_per_node:
             raise ValueError(f"SERVERS_PER_NODE={self.servers} servers of SGLANG_TP={self.sglang_tp} GPUs do not fit "
                              f"a node of GPUS_PER_NODE={self.gpus_per_node}")
-        if self.mode == "split":
+        if self.attached and self.mode != "split":
+            raise ValueError("SGLANG_URLS (servers already running) is for split runs: a colocated run starts its "
+                             "engines on its own GPUs")
+        if self.attached and len(self.nodes) != self.actor_nodes:
+            raise ValueError(f"attached to running servers (SGLANG_URLS), every node of the job runs the actor: "
+                             f"submit with `sbatch -N {self.actor_nodes}` (ACTOR_NODES), the job has {len(self.nodes)}")
+        if self.mode == "split" and not self.attached:
             if self.actor_nodes < 1:
                 raise ValueError(f"ACTOR_NODES={self.actor_nodes} must be >= 1")
             if len(self.nodes) <= self.actor_nodes:
@@ -101,11 +111,15 @@ class JobRoles:
 
     def server_urls(self, node: str | None = None) -> list[str]:
         """Every server's URL in global order (node by node), or those of `node` only."""
+        if self.attached:
+            return list(self.attached) if node is None else []
         return [f"http://{n}:{self.sglang_base_port + i}" for n in self.rollout if node in (None, n)
                 for i in range(self.servers_per_node)]
 
     @property
     def router_url(self) -> str | None:
+        if self.attached:
+            return self.attached_router
         if self.mode != "split" or not self.router:
             return None
         return f"http://{self.rollout[0]}:{self.sglang_base_port + self.servers_per_node}"
@@ -115,7 +129,8 @@ def describe(roles: JobRoles) -> str:
     """A table of what runs on each node, the derived addresses, and the world size."""
     lines = [f"{roles.mode} run on {len(roles.nodes)} nodes: {roles.actor_nodes} actor node(s) x "
              f"{roles.gpus_per_node} ranks = {roles.world_size} actor ranks"
-             + (f", {len(roles.rollout)} rollout node(s) x {roles.servers_per_node} SGLang server(s) at TP "
+             + (", its SGLang servers already running elsewhere" if roles.attached else
+                f", {len(roles.rollout)} rollout node(s) x {roles.servers_per_node} SGLang server(s) at TP "
                 f"{roles.sglang_tp}" if roles.mode == "split" else
                 f", each node also {roles.servers_per_node} SGLang engine(s) at TP {roles.sglang_tp}")]
     for k, node in enumerate(roles.nodes):
@@ -130,6 +145,8 @@ def describe(roles: JobRoles) -> str:
             if roles.router_url and node == roles.rollout[0]:
                 parts.append(f"router on port {roles.sglang_base_port + roles.servers_per_node}")
         lines.append(f"  node {k:>3} {node}: " + "; ".join(parts))
+    if roles.attached:
+        lines.append(f"  attached to {len(roles.attached)} server(s) already running: {' '.join(roles.attached)}")
     lines.append(f"  rendezvous {roles.master_addr}:{roles.master_port}; weight sync from "
                  f"{roles.master_addr}:{roles.weight_sync_port}"
                  + (f"; router {roles.router_url}" if roles.router_url else "")
@@ -163,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sglang-base-port", type=int, default=30000)
     p.add_argument("--servers-per-node", type=int, default=None)
     p.add_argument("--no-router", dest="router", action="store_false")
+    p.add_argument("--attach-urls", nargs="+", default=[], help="servers already running (split runs)")
+    p.add_argument("--attach-router-url", default=None)
     p.add_argument("--format", choices=("table", "shell"), default="table")
     return p
 
@@ -173,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         roles = JobRoles(mode=a.mode, nodes=tuple(a.nodes), actor_nodes=a.actor_nodes, gpus_per_node=a.gpus_per_node,
                          sglang_tp=a.sglang_tp, master_addr=a.master_addr, master_port=a.master_port,
                          weight_sync_port=a.weight_sync_port, sglang_base_port=a.sglang_base_port, router=a.router,
-                         servers=a.servers_per_node)
+                         servers=a.servers_per_node, attached=tuple(a.attach_urls),
+                         attached_router=a.attach_router_url)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
