@@ -4,7 +4,7 @@
 # usage: examples/launch_sglang_servers.sh HF_CKPT [NUM_SERVERS] [TP] [BASE_PORT] [HOST]
 #
 # It starts `python -m megatron_dapo.launch.rollout_node` in the background (its own session), which starts the
-# servers, restarts one that exits (up to 3 times) and stops them all when it gets SIGTERM:
+# servers, restarts one that exits (up to MAX_SERVER_RESTARTS=3 times an hour) and stops them all on SIGTERM:
 #     kill $(cat ${SGLANG_RUN_DIR:-runs}/rollout-node.pid)
 # Logs: ${SGLANG_RUN_DIR:-runs}/sglang_<i>.log and rollout-node.log. Prints the URLs to pass as SGLANG_URLS.
 # HOST defaults to 127.0.0.1. SGLang's weight endpoints unpickle what they receive, so a wider bind (0.0.0.0 for a
@@ -27,7 +27,7 @@ RUN_DIR=${SGLANG_RUN_DIR:-runs}
 mkdir -p "$RUN_DIR"
 ARGS=(--hf-checkpoint "$HF_CKPT" --sglang-num-servers "$NUM" --sglang-tp-size "$TP" --sglang-base-port "$BASE_PORT"
       --sglang-host "$HOST" --sglang-extra-args "${SGLANG_EXTRA_ARGS:-}" --sglang-python "${SGLANG_PY:-$PY}"
-      --sglang-device "${SGLANG_DEVICE:-cuda}" --log-dir "$RUN_DIR")
+      --sglang-device "${SGLANG_DEVICE:-cuda}" --max-restarts "${MAX_SERVER_RESTARTS:-3}" --log-dir "$RUN_DIR")
 [[ -z "${SGLANG_API_KEY_FILE:-}" ]] || ARGS+=(--sglang-api-key-file "$SGLANG_API_KEY_FILE")
 [[ "${SGLANG_ALLOW_NO_API_KEY:-0}" != 1 ]] || ARGS+=(--sglang-allow-no-api-key)
 if [[ -n "${SGLANG_ROUTER_WORKERS:-}" ]]; then

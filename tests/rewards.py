@@ -35,7 +35,10 @@ def length_parity_held(response: str, ground_truth: str) -> RewardResult:
     At 32B a step takes 20-45 min and a server restart 1-3 min, so a killed server is back and re-synced
     within the step that lost it; here a tiny step takes under a second and a restarted CPU server 15-60 s.
     Without the second hold an idle machine ran the last step's update before the re-sync, whose counts then
-    came after the last metrics record."""
+    came after the last metrics record.
+
+    Also, while `pause` exists and holds a step number N, it holds the scoring of every step after step N is logged:
+    the servers then keep step N's weights while the test compares them."""
     import os
     import time
     from pathlib import Path
@@ -54,6 +57,9 @@ def length_parity_held(response: str, ground_truth: str) -> RewardResult:
 def _rehearsal_must_wait(hold: Path) -> bool:
     """length_parity_held's condition (see there); records in `hold`/back_step the last logged step when the
     return is first seen."""
+    pause = hold / "pause"
+    if pause.exists() and _last_logged_step(hold) >= int(pause.read_text()):
+        return True
     if not (hold / "killed").exists() or (hold / "resynced").exists():
         return False
     if not (hold / "back").exists():

@@ -177,7 +177,7 @@ def test_supervisor_restarts_a_killed_server_and_stops_everything_on_sigterm(tmp
         server0 = next(p for p, c in zip(pgids, cmdlines, strict=True) if f"--port\x00{port}\x00".encode() in c)
         os.killpg(server0, signal.SIGKILL)
         log = _read_until(sup, "sglang server 0 back after")
-        assert f"sglang server 0 (http://0.0.0.0:{port}) exited with -9: restart 1 of 3" in log
+        assert f"sglang server 0 (http://0.0.0.0:{port}) exited with -9: restart 1 of 3 within 3600 s" in log
         pgids |= {pid for pid, f in processes() if int(f[1]) == sup.pid}
         t0 = time.monotonic()
         sup.send_signal(signal.SIGTERM)
@@ -201,8 +201,34 @@ def test_supervisor_gives_up_after_max_restarts_with_exit_1(tmp_path):
         os.killpg(min(pgids), signal.SIGKILL)
         rest = sup.communicate(timeout=30)[0]
         assert sup.returncode == 1
-        assert "exited with -9 after 0 restart(s) (--max-restarts 0)" in rest
+        assert "exited with -9 after 0 restart(s) within 3600 s (--max-restarts 0, --restart-window-s)" in rest
         assert _wait_for(lambda: not _group_members(pgids), 10)
+    finally:
+        sup.kill()
+        sup.wait()
+
+
+def test_supervisor_counts_restarts_within_its_window(tmp_path):
+    """--max-restarts 1 --restart-window-s 3: a server killed, restarted, killed again after the window is restarted
+    again (a long run outlives unrelated crashes); killed twice within the window, the node gives up (exit 1)."""
+    port = free_port_block(2)
+    sup = _supervisor(tmp_path, port, "--max-restarts", "1", "--restart-window-s", "3")
+
+    def kill_server0() -> None:
+        pgid = next(p for p, f in processes() if int(f[1]) == sup.pid
+                    and f"--port\x00{port}\x00".encode() in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.killpg(pgid, signal.SIGKILL)
+
+    try:
+        _read_until(sup, "2 server(s) answer")
+        kill_server0()
+        assert "restart 1 of 1 within 3 s" in _read_until(sup, "sglang server 0 back after")
+        time.sleep(3.5)
+        kill_server0()
+        assert "restart 1 of 1 within 3 s" in _read_until(sup, "sglang server 0 back after")
+        kill_server0()
+        rest = sup.communicate(timeout=30)[0]
+        assert sup.returncode == 1 and "after 1 restart(s) within 3 s" in rest, rest
     finally:
         sup.kill()
         sup.wait()

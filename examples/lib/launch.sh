@@ -93,6 +93,8 @@ trainer_args() {
                  --weight-sync-master-port "$WEIGHT_SYNC_PORT")
     fi
     [[ -z "${API_KEY_FILE:-}" ]] || attach+=(--sglang-api-key-file "$API_KEY_FILE")
+    # the trainer waits for a lost server as long as the job waits for one to start (a restart is a start)
+    [[ -z "${SERVER_WAIT_S:-}" ]] || attach+=(--sglang-server-wait-s "$SERVER_WAIT_S")
     TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${attach[@]}" "${DAPO_ARGS[@]}"
                 "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}")
 }

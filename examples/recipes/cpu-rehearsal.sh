@@ -24,8 +24,8 @@ RUN_DIR=${RUN_DIR:-runs/cpu-rehearsal}
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 PARALLEL_ARGS=(--tensor-model-parallel-size "${ACTOR_TP:-2}" --pipeline-model-parallel-size "${ACTOR_PP:-2}"
                --use-distributed-optimizer)
-ROLLOUT_ARGS=(--rollout-engine sglang --sglang-max-concurrency 64 --sglang-server-wait-s 300
-              --rollout-batch-size 4 --n-samples-per-prompt 4 --over-sample-factor 1.3
+SERVER_WAIT_S=${SERVER_WAIT_S:-300}
+ROLLOUT_ARGS=(--rollout-engine sglang --sglang-max-concurrency 64 --rollout-batch-size 4 --n-samples-per-prompt 4 --over-sample-factor 1.3
               --rollout-temperature 1.0 --max-response-length 40 --max-prompt-length 16)
 DAPO_ARGS+=(--overlong-buffer-length 8 --reward-fn tests.rewards:length_parity_held --on-gen-exhausted partial)
 DATA_ARGS=(--prompt-data "${PROMPT_DATA:-$(dirname "$HF_CKPT")/train.jsonl}")

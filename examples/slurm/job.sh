@@ -48,6 +48,7 @@ if [[ "$DRY_RUN" == 1 ]]; then MASTER_ADDR=${MASTER_ADDR:-${NODE_LIST[0]}}
 else MASTER_ADDR=${MASTER_ADDR:-$(node_address "${NODE_LIST[0]}")}; fi
 echo "== $RECIPE ($MODE), job $JOB_ID, run directory $RUN_DIR"
 roles "${NODE_LIST[@]}"
+SERVER_WAIT_S=${SERVER_WAIT_S:-900}
 JOB_DIR="$RUN_DIR/slurm-$JOB_ID"
 API_KEY_FILE="$JOB_DIR/sglang-api-key"
 trainer_args "${SERVER_URLS[@]}"
@@ -68,7 +69,7 @@ trainer_args "${SERVER_URLS[@]}"
 trap 'exit 143' TERM INT  # scancel: the EXIT trap removes the key; Slurm stops the steps
 # What the node scripts read (srun passes the environment on).
 export MASTER_ADDR MASTER_PORT GPUS_PER_NODE API_KEY_FILE JOB_DIR HF_CKPT SGLANG_BASE_PORT
-export TRAIN_ENV=${TRAIN_ENV:-} SERVER_WAIT_S=${SERVER_WAIT_S:-900} PY
+export TRAIN_ENV=${TRAIN_ENV:-} SERVER_WAIT_S PY
 export SGLANG_NODE_ARGS="--sglang-tp-size $SGLANG_TP --sglang-num-servers $SERVERS_PER_NODE --sglang-device ${SGLANG_DEVICE:-cuda} --sglang-python ${SGLANG_PY:-$PY} --max-restarts ${MAX_SERVER_RESTARTS:-3}"
 export SGLANG_SERVER_ARGS=${SGLANG_SERVER_ARGS:-} SERVER_URLS_LIST="${SERVER_URLS[*]}" ROUTER_URL
 hosts() { local IFS=,; echo "$*"; }

@@ -12,7 +12,8 @@ hand. It
   on base port + S;
 - restarts a server (or the router) that exits, at once: the trainer finds a restarted server by its weight
   version before the next update and re-syncs it (rollout/sglang/engine.py). More than --max-restarts restarts
-  of one process end this one with exit 1, which ends the srun step (--kill-on-bad-exit) and so the job;
+  of one process within --restart-window-s (an hour: a multi-day run outlives a few unrelated crashes) end this
+  one with exit 1, which ends the srun step (--kill-on-bad-exit) and so the job;
 - on SIGTERM or SIGINT (scancel, srun forwarding a signal, the batch script when training is done) stops every
   process group it started and exits 0. SIGKILLed instead (Slurm's KillWait ran out), PR_SET_PDEATHSIG takes the
   servers with it: under any proctrack plugin nothing it started outlives it.
@@ -32,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_dapo.launch.wait_servers import answering, describe_pending
 from megatron_dapo.rollout.sglang.api_key import resolve_api_key
@@ -57,7 +58,8 @@ class Watched:
     """One supervised process: its restarts so far and, while it is starting, since when."""
 
     proc: ServerProcess
-    restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    """When it was restarted within the current window (time.monotonic())."""
     starting_since: float | None = None
 
 
@@ -65,8 +67,9 @@ class RolloutNode:
     """The servers (and router) of this node; `run` supervises them until stopped."""
 
     def __init__(self, config: ServerConfig, *, router_workers: list[str], router_port: int | None,
-                 max_restarts: int, server_wait_s: float):
+                 max_restarts: int, server_wait_s: float, restart_window_s: float = 3600.0):
         self.config, self.max_restarts, self.server_wait_s = config, max_restarts, server_wait_s
+        self.restart_window_s = restart_window_s
         self.group = ServerGroup(config)
         self.router_workers = router_workers
         self.router_port = router_port
@@ -108,12 +111,15 @@ class RolloutNode:
                 w.starting_since = None
             if w.proc.alive():
                 continue
-            code = w.proc.proc.returncode
-            if w.restarts >= self.max_restarts:
-                raise RuntimeError(f"{w.proc.name} ({w.proc.url}) exited with {code} after {w.restarts} restart(s) "
-                                   f"(--max-restarts {self.max_restarts}); log tail:\n{w.proc.log_tail()}")
-            w.restarts += 1
-            log(f"{w.proc.name} ({w.proc.url}) exited with {code}: restart {w.restarts} of {self.max_restarts}")
+            code, now = w.proc.proc.returncode, time.monotonic()
+            w.restart_times = [t for t in w.restart_times if now - t < self.restart_window_s]
+            if len(w.restart_times) >= self.max_restarts:
+                raise RuntimeError(f"{w.proc.name} ({w.proc.url}) exited with {code} after {len(w.restart_times)} "
+                                   f"restart(s) within {self.restart_window_s:.0f} s (--max-restarts "
+                                   f"{self.max_restarts}, --restart-window-s); log tail:\n{w.proc.log_tail()}")
+            w.restart_times.append(now)
+            log(f"{w.proc.name} ({w.proc.url}) exited with {code}: restart {len(w.restart_times)} of "
+                f"{self.max_restarts} within {self.restart_window_s:.0f} s")
             w.proc.stop()  # what is left of its process group
             w.proc.start()  # from this (main) thread, which outlives it: PR_SET_PDEATHSIG
             w.starting_since = time.monotonic()
@@ -143,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long a server (and the router's workers) may take to answer /health")
     p.add_argument("--router-worker-urls", nargs="+", default=[],
                    help="start sglang-router on base + num-servers in front of these (every node's servers)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of one server before the node gives up")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of one server within --restart-window-s before the node gives up")
+    p.add_argument("--restart-window-s", type=float, default=3600.0, help="the window --max-restarts counts in")
     p.add_argument("--log-dir", required=True, help="sglang_<i>.log and router.log go here")
     p.add_argument("--check-only", action="store_true", help="validate the flags and the API key, start nothing")
     return p
@@ -155,8 +163,9 @@ def _raise_stop(signum: int, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    if a.max_restarts < 0:
-        build_parser().error(f"--max-restarts must be >= 0, got {a.max_restarts}")
+    if a.max_restarts < 0 or a.restart_window_s <= 0:
+        build_parser().error(f"--max-restarts must be >= 0 and --restart-window-s > 0, got {a.max_restarts} and "
+                             f"{a.restart_window_s}")
     try:
         key = resolve_api_key(None, a.sglang_api_key_file, os.environ)
         config = ServerConfig(model_path=a.hf_checkpoint, num_servers=a.sglang_num_servers,
@@ -171,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     router_port = a.sglang_base_port + a.sglang_num_servers if a.router_worker_urls else None
     node = RolloutNode(config, router_workers=a.router_worker_urls, router_port=router_port,
-                       max_restarts=a.max_restarts, server_wait_s=a.sglang_server_wait_s)
+                       max_restarts=a.max_restarts, server_wait_s=a.sglang_server_wait_s,
+                       restart_window_s=a.restart_window_s)
     assert threading.current_thread() is threading.main_thread()  # signals and PR_SET_PDEATHSIG need it
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
