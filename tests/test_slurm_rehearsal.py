@@ -2,13 +2,16 @@
 namespaces on this machine (tools/slurm_cluster.py, proctrack/pgid: the plugin that kills least, so what is left
 after a job is what the launchers failed to stop).
 
-- The dense job (examples/recipes/cpu-rehearsal.sh, `sbatch -N 3`): two actor nodes of 4 gloo ranks (TP 2 x PP 2 x
-  DP 2, one torchrun per node, rendezvous on node 0), a rollout node with two real CPU SGLang servers behind the
-  router, weights synced over gloo from both pipeline stages' source ranks (node 0 and node 1) to the rollout node
-  after every step. Once step 1 is logged the test SIGKILLs server 0's process group on the rollout node: the
-  node's supervisor restarts it, the trainer finds it restarted before the next update and re-syncs it; after
-  step 3 both servers score one sequence alike (the restarted one holds the current weights). The job ends by
-  itself after 4 steps; nothing it started is left on any node, and the API key was on no command line.
+- The dense job (examples/recipes/cpu-rehearsal.sh, `sbatch -N 3`): two actor nodes of 2 gloo ranks (TP 2 x PP 2,
+  one pipeline stage a node as in the 32B layout, one torchrun per node, rendezvous on node 0), a rollout node with
+  two real CPU SGLang servers behind the router, weights synced over gloo from both pipeline stages' source ranks
+  (node 0 and node 1) to the rollout node after every step. Once step 1 is logged the test SIGKILLs server 0's
+  process group on the rollout node: the node's supervisor restarts it, the trainer finds it restarted before the
+  next update and re-syncs it; after step 3 both servers score one sequence alike (the restarted one holds the
+  current weights). The job ends by itself after 4 steps; nothing it started is left on any node, and the API key
+  was on no command line.
+- The colocated job (examples/recipes/cpu-rehearsal-colocated.sh with examples/slurm/colocated.sbatch, 2 nodes), with
+  REHEARSAL_ALL=1 only (~2.5 min).
 - The MoE job (examples/recipes/cpu-rehearsal-moe.sh, `sbatch -N 2`): a tiny Qwen3-MoE, the actor at EP 2 on one
   node, one server on the other; after step 2 the test runs `scancel`: every process on every node is gone within
   Slurm's KillWait.
@@ -65,10 +68,11 @@ def _wait(pred, timeout_s: float, what: str, poll_s: float = 0.5):
     raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
-def _submit(cluster, nodes: int, recipe: str, model: Path, run_dir: Path, env: dict[str, str]) -> tuple[int, Path]:
+def _submit(cluster, nodes: int, recipe: str, model: Path, run_dir: Path, env: dict[str, str],
+            script: str = "split.sbatch") -> tuple[int, Path]:
     """sbatch from the repository root (the job cds to SLURM_SUBMIT_DIR); (job id, the batch script's output)."""
     out = run_dir.parent / f"{run_dir.name}-slurm.out"
-    res = cluster.run(["sbatch", "--parsable", "-N", str(nodes), "-o", str(out), "examples/slurm/split.sbatch",
+    res = cluster.run(["sbatch", "--parsable", "-N", str(nodes), "-o", str(out), f"examples/slurm/{script}",
                        recipe, str(model), str(run_dir)], cwd=REPO, env=cluster.env(train_env() | env),
                       capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -194,7 +198,7 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     # derived, not typed: three nodes, two of them actor nodes, the third the rollout node behind its router
     nodes = cluster.info()["nodes"]
     assert f"node   2 {nodes[2]}: SGLang server(s) on port(s) 30000, 30001; router on port 30002" in batch
-    assert f"node   1 {nodes[1]}: torchrun node_rank 1 (global ranks 4-7)" in batch
+    assert f"node   1 {nodes[1]}: torchrun node_rank 1 (global ranks 2-3)" in batch
     records = _records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     # the restarted server, re-synced, serves what the other one does (the router may not have sent it work yet),
@@ -216,6 +220,24 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     assert not key_file.exists()  # removed when the job ended
     assert _wait(lambda: not cluster.leftover_pids(), 30, "no process left on any node", poll_s=1) is True
     print(f"dense rehearsal: {wall:.0f} s from sbatch to the job leaving the queue")
+
+
+@pytest.mark.skipif(os.environ.get("REHEARSAL_ALL") != "1",
+                    reason="the colocated job (~2.5 min) runs with REHEARSAL_ALL=1: make test stays within its budget")
+def test_colocated_job_trains_with_an_engine_on_every_node(cluster, tiny_base, tmp_path):
+    """examples/slurm/colocated.sbatch with examples/recipes/cpu-rehearsal-colocated.sh on 2 nodes: each node's
+    engine (one real CPU SGLang server at TP 2) and its 2 actor ranks (TP 2 x DP 2 over the nodes), weights handed
+    over by shared memory to the node's own engine; 3 steps at fp32-noise mismatch, nothing left after."""
+    run_dir = tmp_path / "colocated"
+    job, out = _submit(cluster, 2, "cpu-rehearsal-colocated", tiny_base / "model", run_dir, {"NUM_STEPS": "3"},
+                       script="colocated.sbatch")
+    _wait(lambda: not _queued(cluster, job), 900, f"the colocated job {job} to end")
+    assert "== training finished" in out.read_text(), out.read_text()[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["mismatch/logprob_abs_diff_mean"] < 1e-3 and r["train/grad_norm"] > 0, r
+    assert _wait(lambda: not cluster.leftover_pids(), 30, "no process left on any node", poll_s=1) is True
 
 
 def _make_tiny_moe(base_model: Path, out: Path) -> Path:

@@ -1,13 +1,14 @@
 # The CPU rehearsal (docs/REHEARSAL.md; tests/test_slurm_rehearsal.py): the 32B split recipe's code path at a size two
 # CPU cores run, submitted with examples/slurm/split.sbatch to a real Slurm cluster (tools/slurm_cluster.py). Two
-# actor nodes of 4 gloo ranks (TP 2 x PP 2 x DP 2) on a tiny Qwen2 (HF_CKPT, made by tools/make_tiny_base.py), a
-# rollout node with two real CPU SGLang servers (.venv-sglang) behind the router, distributed weight sync over gloo
-# across the nodes, the DAPO flags of examples/common_dapo_args.sh with sizes that fit.
+# actor nodes of 2 gloo ranks (TP 2 x PP 2: each node one pipeline stage, the 32B layout's shape) on a tiny Qwen2
+# (HF_CKPT, made by tools/make_tiny_base.py), a rollout node with two real CPU SGLang servers (.venv-sglang) behind
+# the router, distributed weight sync over gloo from both stages' nodes, the DAPO flags of
+# examples/common_dapo_args.sh with sizes that fit.
 #
 # The tiny model answers no sum right (every group all wrong, nothing for dynamic sampling to keep): the rehearsal
 # rewards the response length's parity instead (tests/rewards.py), which also holds a step's scoring while a killed
 # server comes back ($REHEARSAL_HOLD_DIR). PROMPT_DATA: the tiny base's train.jsonl (default: next to HF_CKPT).
-# NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), ACTOR_NODES (2), RANKS_PER_NODE (4) from the environment.
+# NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), ACTOR_NODES (2), RANKS_PER_NODE (2) from the environment.
 MODE=split
 MODEL=qwen2.5-0.5B  # the family's model file; HF_CKPT (required) is the tiny model
 : "${HF_CKPT:?set HF_CKPT to the tiny model (tools/make_tiny_base.py --out DIR: DIR/model)}"
@@ -15,7 +16,7 @@ source "examples/models/$MODEL.sh"
 source examples/common_dapo_args.sh
 ACTOR_NODES=${ACTOR_NODES:-2}
 ROLLOUT_NODES=1
-GPUS_PER_NODE=${RANKS_PER_NODE:-4}  # gloo ranks per actor node
+GPUS_PER_NODE=${RANKS_PER_NODE:-2}  # gloo ranks per actor node
 SGLANG_TP=1
 SERVERS_PER_NODE=2
 SGLANG_DEVICE=cpu

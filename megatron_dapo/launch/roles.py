@@ -147,8 +147,9 @@ def describe(roles: JobRoles) -> str:
         lines.append(f"  node {k:>3} {node}: " + "; ".join(parts))
     if roles.attached:
         lines.append(f"  attached to {len(roles.attached)} server(s) already running: {' '.join(roles.attached)}")
-    lines.append(f"  rendezvous {roles.master_addr}:{roles.master_port}; weight sync from "
-                 f"{roles.master_addr}:{roles.weight_sync_port}"
+    lines.append(f"  rendezvous {roles.master_addr}:{roles.master_port}; weight sync "
+                 + (f"from {roles.master_addr}:{roles.weight_sync_port}" if roles.mode == "split" else
+                    "by shared handles to each node's own engines")
                  + (f"; router {roles.router_url}" if roles.router_url else "")
                  + f"; {len(roles.server_urls())} server URL(s)")
     return "\n".join(lines)

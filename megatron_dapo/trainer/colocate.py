@@ -88,8 +88,9 @@ def check_colocate_flags(*, colocate: bool, world_size: int, gpus_per_node: int 
     elif num_servers * gpus_per_engine != world_size:
         raise ValueError(f"--colocate launches --sglang-num-servers {num_servers} engines of "
                          f"--rollout-num-gpus-per-engine {gpus_per_engine} GPUs from global rank 0, which must "
-                         f"cover the {world_size} actor GPUs; across nodes start them with the launcher "
-                         f"(examples/run_qwen2.5_32b_colocated.sh) and pass --sglang-server-urls")
+                         f"cover the {world_size} actor GPUs; across nodes start them with the launchers "
+                         f"(examples/slurm/colocated.sbatch, examples/run_qwen2.5_32b_colocated.sh), which pass "
+                         f"--sglang-server-urls")
 
 
 def engine_of_rank(rank: int, gpus_per_engine: int) -> tuple[int, int]:
