@@ -52,15 +52,12 @@ torchrun_cmd() {
     else TORCHRUN_CMD=("$PY" -m torch.distributed.run); fi
 }
 
-# node_address NAME: NAME's IPv4 address as this host resolves it; error when it is loopback (Debian's
-# `127.0.1.1 <hostname>` line): other nodes could not reach a rendezvous or weight-sync store there.
+# node_address NAME: NAME's IPv4 address as this host resolves it, or nothing when it resolves to none or to loopback
+# (Debian's `127.0.1.1 <hostname>` line): other nodes could not reach a rendezvous or weight-sync store there.
 node_address() {
     local addr
     addr=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}')
-    [[ -n "$addr" ]] || die "cannot resolve node $1 to an address: set MASTER_ADDR to node 0's address"
-    [[ "$addr" != 127.* ]] || die "node $1 resolves to $addr (loopback) here: set MASTER_ADDR to its address on the" \
-        "cluster network (and MEGATRON_DAPO_WEIGHT_SYNC_ADDR on each actor node)"
-    echo "$addr"
+    [[ -z "$addr" || "$addr" == 127.* ]] || echo "$addr"
 }
 
 # roles NODE...: evaluates megatron_dapo.launch.roles' shell assignments (ACTOR_HOSTS, ROLLOUT_HOSTS, SERVER_URLS,

@@ -45,7 +45,12 @@ fi
 ATTACH_URLS=${SGLANG_URLS:-}
 ATTACH_ROUTER_URL=${SGLANG_ROUTER_URL:-}
 if [[ "$DRY_RUN" == 1 ]]; then MASTER_ADDR=${MASTER_ADDR:-${NODE_LIST[0]}}
-else MASTER_ADDR=${MASTER_ADDR:-$(node_address "${NODE_LIST[0]}")}; fi
+else
+    # node 0's address; where it resolves to loopback here, its name (the other nodes resolve it, the stores on
+    # node 0 listen on every interface)
+    [[ -n "${MASTER_ADDR:-}" ]] || MASTER_ADDR=$(node_address "${NODE_LIST[0]}")
+    MASTER_ADDR=${MASTER_ADDR:-${NODE_LIST[0]}}
+fi
 echo "== $RECIPE ($MODE), job $JOB_ID, run directory $RUN_DIR"
 roles "${NODE_LIST[@]}"
 SERVER_WAIT_S=${SERVER_WAIT_S:-900}
@@ -58,6 +63,7 @@ mkdir -p "$JOB_DIR"
 memory_plan >"$JOB_DIR/memory-plan.txt" 2>&1 || { cat "$JOB_DIR/memory-plan.txt" >&2; die "the memory plan does not fit (above)"; }
 tail -n 1 "$JOB_DIR/memory-plan.txt"
 
+trap 'exit 143' TERM INT  # scancel: exit through the EXIT trap (the key's removal); Slurm stops the steps
 if [[ -n "$ATTACH_URLS" ]]; then  # their key, if they have one: a 0600 file the trainer reads
     API_KEY_FILE=${SGLANG_API_KEY_FILE:-}
 else
@@ -66,7 +72,6 @@ else
     trap 'rm -f "$API_KEY_FILE"' EXIT
 fi
 trainer_args "${SERVER_URLS[@]}"
-trap 'exit 143' TERM INT  # scancel: the EXIT trap removes the key; Slurm stops the steps
 # What the node scripts read (srun passes the environment on).
 export MASTER_ADDR MASTER_PORT GPUS_PER_NODE API_KEY_FILE JOB_DIR HF_CKPT SGLANG_BASE_PORT
 export TRAIN_ENV=${TRAIN_ENV:-} SERVER_WAIT_S PY
