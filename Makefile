@@ -41,7 +41,7 @@ slurm-packages:
 envs:
 	$(MAKE) -j3 venv sglang-env slurm-packages
 
-# Everything, the Slurm rehearsal included (~5 min of the ~34); SKIP_REHEARSAL=1 leaves it out.
+# Everything, the Slurm rehearsal included (~3.5 min of the ~31); SKIP_REHEARSAL=1 leaves it out.
 test: envs
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(if $(SKIP_REHEARSAL),-m "not rehearsal") $(PYTEST_ARGS)
 
