@@ -93,26 +93,30 @@ def _job_dir(run_dir: Path, job: int) -> Path:
     return run_dir / f"slurm-{job}"
 
 
-def _server_pgid(port: int) -> int | None:
-    """The process group of the SGLang server listening on `port` (its leader's pid; started with setsid)."""
-    for pid, fields in processes():
+def _server_pgid(cluster, node: str, port: int) -> int | None:
+    """The process group of the SGLang server listening on `port` on `node` (its leader's pid: the supervisor starts
+    each server with setsid), among the processes of that node's network namespace only."""
+    stat = dict(processes())
+    for ns, pid, _ in cluster.leftover_pids():
+        if ns != node or pid not in stat or int(stat[pid][2]) != pid:
+            continue
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"sglang.launch_server" in argv and str(port).encode() in argv and int(fields[2]) == pid:
+        if b"sglang.launch_server" in argv and str(port).encode() in argv:
             return pid
     return None
 
 
-def _play_the_kill(run_dir: Path, job_dir: Path, errors: list[str]) -> None:
+def _play_the_kill(cluster, run_dir: Path, job_dir: Path, errors: list[str]) -> None:
     """Once step 1 is logged: SIGKILL server 0's process group on the rollout node and tell the rehearsal's reward
     (tests/rewards.py: length_parity_held) `killed`; `back` once the node's supervisor logs it answering again;
     `resynced` once the trainer logs its re-sync. The reward holds the steps in between (a restarted CPU server
     takes ~40-100 s, a tiny step seconds; at 32B a restart is 1-3 min against a 20-45 min step)."""
     try:
         _wait(lambda: any(r["step"] >= 1 for r in _records(run_dir)), 600, "step 1 logged")
-        pgid = _wait(lambda: _server_pgid(30000), 30, "server 0's process")
+        pgid = _wait(lambda: _server_pgid(cluster, cluster.info()["nodes"][2], 30000), 30, "server 0's process")
         os.killpg(pgid, signal.SIGKILL)
         (run_dir / "killed").touch()
         logs = lambda pattern: [p for p in job_dir.glob(pattern)]  # noqa: E731
@@ -178,7 +182,7 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     assert key_file.stat().st_mode & 0o777 == 0o600
     key = key_file.read_text().strip()
     errors: list[str] = []
-    killer = threading.Thread(target=_play_the_kill, args=(run_dir, job_dir, errors), daemon=True)
+    killer = threading.Thread(target=_play_the_kill, args=(cluster, run_dir, job_dir, errors), daemon=True)
     killer.start()
     clean_ps = True
     compared = None
