@@ -5,8 +5,8 @@
 # Memory (--dry-run --world-size 4): one packed 16k-token micro-batch at ~62 GiB of 80 (22% headroom).
 # DAPO's math verifier reads "Answer: ..." lines: use an instruct model or expect a low start on a base one.
 #
-# usage: examples/run_llama3.1_8b_single_node.sh [HF_CKPT] [RUN_DIR]
+# usage: examples/run_llama3.1_8b_single_node.sh [HF_CKPT] [RUN_DIR]    (DRY_RUN=1 or --dry-run: the plan)
 set -euo pipefail
 HERE="$(dirname "$0")"
-MODEL=llama3.1-8B exec bash "$HERE/run_qwen2.5_7b_single_node.sh" "${1:-${HF_CKPT:-/models/Llama-3.1-8B}}" \
-    "${2:-runs/llama3.1-8b-dapo}"
+MODEL=llama3.1-8B HF_CKPT=${HF_CKPT:-/models/Llama-3.1-8B} RUN_DIR=${RUN_DIR:-runs/llama3.1-8b-dapo} \
+    exec bash "$HERE/run_qwen2.5_7b_single_node.sh" "$@"

@@ -294,3 +294,14 @@ def test_per_node_launcher_dry_run_needs_no_node_environment():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "split run on 8 nodes: 4 actor node(s) x 8 ranks = 32 actor ranks" in out.stdout
     assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak 58.")
+
+
+def test_single_node_launcher_dry_run_through_a_model_wrapper():
+    """--dry-run reaches the 7B launcher through the Llama wrapper (the arguments forwarded, not taken for HF_CKPT):
+    the node's roles and the plan at 4 actor ranks, from the shipped config.json."""
+    out = subprocess.run(["bash", "examples/run_llama3.1_8b_single_node.sh", "--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "single node: actor ranks 0-3 on GPUs 0-3 (torchrun), 2 SGLang servers at TP 2 on GPUs 4-7" in out.stdout
+    assert "examples/models/llama3.1-8B/config.json" in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak 62.")
