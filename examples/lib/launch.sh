@@ -45,11 +45,25 @@ launcher_args() {
 
 die() { echo "error: $*" >&2; exit 2; }
 
-# torchrun_cmd: TORCHRUN as an array (the command torchrun runs as).
-torchrun_cmd() {
-    if [[ -n "${TORCHRUN:-}" ]]; then read -r -a TORCHRUN_CMD <<<"$TORCHRUN"
-    elif command -v torchrun >/dev/null 2>&1; then TORCHRUN_CMD=(torchrun)
-    else TORCHRUN_CMD=("$PY" -m torch.distributed.run); fi
+# torchrun_node NNODES NODE_RANK: NODE_CMD, this node's torchrun of the trainer (TORCHRUN: default torchrun on PATH,
+# else $PY -m torch.distributed.run) over NNODES nodes, GPUS_PER_NODE ranks each, rendezvous at MASTER_ADDR; the
+# caller appends the trainer's arguments and runs (or execs) it.
+torchrun_node() {
+    local launcher
+    if [[ -n "${TORCHRUN:-}" ]]; then read -r -a launcher <<<"$TORCHRUN"
+    elif command -v torchrun >/dev/null 2>&1; then launcher=(torchrun)
+    else launcher=("$PY" -m torch.distributed.run); fi
+    NODE_CMD=(env ${TRAIN_ENV:-} "${launcher[@]}" --nnodes "$1" --node_rank "$2" --nproc_per_node "$GPUS_PER_NODE"
+              --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" -m megatron_dapo.train)
+}
+
+# export_weight_sync_addr: where this node's pipeline-stage source ranks open their weight-sync groups, its address
+# on the cluster network (MEGATRON_DAPO_WEIGHT_SYNC_ADDR); left to the trainer (weight_sync/stage_sync.py) when the
+# hostname resolves to loopback here.
+export_weight_sync_addr() {
+    MEGATRON_DAPO_WEIGHT_SYNC_ADDR=${MEGATRON_DAPO_WEIGHT_SYNC_ADDR:-$(node_address "$(hostname)")}
+    if [[ -n "$MEGATRON_DAPO_WEIGHT_SYNC_ADDR" ]]; then export MEGATRON_DAPO_WEIGHT_SYNC_ADDR
+    else unset MEGATRON_DAPO_WEIGHT_SYNC_ADDR; fi
 }
 
 # node_address NAME: NAME's IPv4 address as this host resolves it, or nothing when it resolves to none or to loopback
@@ -139,8 +153,6 @@ actor_node_by_hand() {
     ROUTER_URL=${SGLANG_ROUTER_URL:-}
     API_KEY_FILE=${SGLANG_API_KEY_FILE:-}
     trainer_args "${urls[@]}"
-    torchrun_cmd
-    exec env ${TRAIN_ENV:-} "${TORCHRUN_CMD[@]}" --nnodes "$ACTOR_NODES" --node_rank "$NODE_RANK" \
-        --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-        -m megatron_dapo.train "${TRAIN_ARGS[@]}"
+    torchrun_node "$ACTOR_NODES" "$NODE_RANK"
+    exec "${NODE_CMD[@]}" "${TRAIN_ARGS[@]}"
 }

@@ -16,13 +16,8 @@ trap stop_engines EXIT
 read -r -a urls <<<"$SERVER_URLS_LIST"
 "$PY" -m megatron_dapo.launch.wait_servers "${urls[@]}" --timeout-s "$SERVER_WAIT_S" --watch-pid "$ENGINES" \
     --log-hint "the engines' logs: $JOB_DIR/sglang-<node>/"
-torchrun_cmd
-# where this node's pipeline-stage source ranks open their weight-sync groups: its address on the cluster network
-# (left to the trainer, weight_sync/stage_sync.py, when the hostname resolves to loopback here)
-MEGATRON_DAPO_WEIGHT_SYNC_ADDR=${MEGATRON_DAPO_WEIGHT_SYNC_ADDR:-$(node_address "$(hostname)")}
-[[ -z "$MEGATRON_DAPO_WEIGHT_SYNC_ADDR" ]] && unset MEGATRON_DAPO_WEIGHT_SYNC_ADDR || export MEGATRON_DAPO_WEIGHT_SYNC_ADDR
+export_weight_sync_addr
+torchrun_node "$SLURM_STEP_NUM_NODES" "$SLURM_PROCID"
 set +e
-env ${TRAIN_ENV:-} "${TORCHRUN_CMD[@]}" --nnodes "$SLURM_STEP_NUM_NODES" --node_rank "$SLURM_PROCID" \
-    --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    -m megatron_dapo.train "$@"
+"${NODE_CMD[@]}" "$@"
 exit $?
