@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU requirements unless a GPU driver is present.
 REQS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo requirements.txt || echo requirements-cpu.txt)
 
-.PHONY: demo test lint venv sglang-env slurm-packages envs clean
+.PHONY: demo test lint venv sglang-env slurm-packages envs ablation ablation-quick clean
 
 # GPU: TransformerEngine's torch binding is an sdist; it is built against the torch pinned in requirements.txt
 # (installed first), not against whatever torch an isolated build environment would pull.
@@ -50,6 +50,14 @@ lint: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	bash examples/run_embedded_demo.sh
+
+# DAPO's Table 1 on the remainder task (tools/ablation.py, docs/ABLATION.md): 6 arms x 3 seeds, ~30 min on 2
+# cores; ablation-quick (or `make ablation QUICK=1`) one seed, fewer steps, ~5 min. Interrupted: run it again.
+ablation: $(VENV)/.installed
+	$(PY) tools/ablation.py $(if $(QUICK),--quick) $(ABLATION_ARGS)
+
+ablation-quick: $(VENV)/.installed
+	$(PY) tools/ablation.py --quick $(ABLATION_ARGS)
 
 clean:
 	rm -rf runs outputs .pytest_cache

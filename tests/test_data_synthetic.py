@@ -109,3 +109,18 @@ def test_char_tokenizer_chat_template(tmp_path):
     record = make_arithmetic_problems(1, seed=0)[0]
     ids = render_prompt(record, AutoTokenizer.from_pretrained(tmp_path))
     assert tok.decode(ids) == f"<|im_start|>user\n{record.prompt_text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_char_tokenizer_round_trips_through_auto_tokenizer_of_a_qwen2_directory(tmp_path):
+    """transformers 5 reloads a qwen2 directory's tokenizer as Qwen2Tokenizer (byte-level encoding): spaces and
+    newlines must keep their ids (they were dropped before, so a prompt "47 mod 6=" lost its spaces)."""
+    from transformers import Qwen2Config
+
+    tokenizer = build_char_tokenizer(str(tmp_path))
+    Qwen2Config(vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["47 mod 6=", "\n47-6=41\nAnswer: 5", "37+45=", "a<|endoftext|>b", CHARACTERS]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert reloaded.encode(text, add_special_tokens=False) == ids
+        assert len(ids) == len(text.replace("<|endoftext|>", "#"))
+        assert reloaded.decode(ids) == tokenizer.decode(ids) == text

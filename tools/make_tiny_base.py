@@ -24,6 +24,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -32,6 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_dapo.data import PromptRecord, render_prompt  # noqa: E402
+from megatron_dapo.data.remainder import (  # noqa: E402
+    ABLATION_MAX_RESPONSE_LENGTH,
+    RemainderTask,
+    WarmupStyle,
+    make_remainder_problems,
+    warmup_response,
+)
 from megatron_dapo.data.synthetic import (  # noqa: E402
     ArithmeticTask,
     build_char_tokenizer,
@@ -78,17 +86,33 @@ def tiny_qwen2_config(vocab_size: int, eos_id: int, *, hidden: int, layers: int,
     )
 
 
-def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random, correct_fraction: float,
-              batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [B, S], attention [B, S], loss mask [B, S]) of prompt + noisy answer + eos, right-padded."""
-    seqs, masks = [], []
-    for r in rng.sample(records, batch_size):
+def addition_warmup(correct_fraction: float) -> Callable[[PromptRecord, random.Random], str]:
+    """The addition task's warm-up response: worked column sums, a final answer right `correct_fraction`
+    of the time (otherwise off by 1-3)."""
+    def response(r: PromptRecord, rng: random.Random) -> str:
         answer = int(r.ground_truth)
         if rng.random() >= correct_fraction:
             answer += rng.choice((-3, -2, -1, 1, 2, 3))
+        return worked_response(r.extra["expression"], answer)
+    return response
+
+
+def remainder_warmup(style: WarmupStyle) -> Callable[[PromptRecord, random.Random], str]:
+    """The remainder task's warm-up response (megatron_dapo/data/remainder.py: slips and repeats)."""
+    return lambda r, rng: warmup_response(r.extra["a"], r.extra["b"], rng, style)
+
+
+def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random,
+              response_fn: Callable[[PromptRecord, random.Random], str],
+              batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [B, S], attention [B, S], loss mask [B, S]) of prompt + warm-up response + eos, right-padded."""
+    seqs, masks = [], []
+    for r in rng.sample(records, batch_size):
         prompt = render_prompt(r, tokenizer)
-        response = tokenizer.encode(worked_response(r.extra["expression"], answer), add_special_tokens=False)
-        response.append(tokenizer.eos_token_id)
+        text = response_fn(r, rng)
+        response = tokenizer.encode(text, add_special_tokens=False)
+        if "Answer:" in text.rsplit("\n", 1)[-1]:  # one without its answer line was cut off: it has no end
+            response.append(tokenizer.eos_token_id)
         seqs.append(prompt + response)
         masks.append([0] * len(prompt) + [1] * len(response))
     width = max(map(len, seqs))
@@ -126,9 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-train", type=int, default=20000, help="training prompts")
     ap.add_argument("--num-eval", type=int, default=200, help="held-out prompts (none shared with train)")
-    ap.add_argument("--min-operand", type=int, default=10)
-    ap.add_argument("--max-operand", type=int, default=99)
-    ap.add_argument("--max-response-length", type=int, default=40, help="tokens sampled when measuring")
+    ap.add_argument("--task", choices=("addition", "remainder"), default="addition",
+                    help="addition: the demo's two-digit sums; remainder: the ablation's 'a mod b' by repeated "
+                         "subtraction (megatron_dapo/data/remainder.py), whose warm-up slips and rambles")
+    ap.add_argument("--min-operand", type=int, default=10, help="addition task")
+    ap.add_argument("--max-operand", type=int, default=99, help="addition task")
+    ap.add_argument("--max-response-length", type=int, default=None,
+                    help="tokens sampled when measuring (default: 40 for addition, "
+                         f"{ABLATION_MAX_RESPONSE_LENGTH} for remainder)")
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-heads", type=int, default=4)
@@ -138,18 +167,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sft-batch-size", type=int, default=64)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--correct-fraction", type=float, default=0.3,
-                    help="fraction of warm-up final answers that are right (the rest are off by 1-3)")
+                    help="addition task: fraction of warm-up final answers that are right (the rest are off by 1-3)")
     args = ap.parse_args(argv)
     if not 0.0 < args.correct_fraction <= 1.0:
         raise SystemExit("--correct-fraction must be in (0, 1]")
+    if args.max_response_length is None:
+        args.max_response_length = 40 if args.task == "addition" else ABLATION_MAX_RESPONSE_LENGTH
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(args.seed)
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
-    task = ArithmeticTask(min_operand=args.min_operand, max_operand=args.max_operand, min_operations=1,
-                          max_operations=1, operators=("+",), prompt_template="{expression}=")
-    pool = make_arithmetic_problems(args.num_train + 4 * args.num_eval, seed=args.seed, difficulty=task)
+    if args.task == "addition":
+        task = ArithmeticTask(min_operand=args.min_operand, max_operand=args.max_operand, min_operations=1,
+                              max_operations=1, operators=("+",), prompt_template="{expression}=")
+        pool = make_arithmetic_problems(args.num_train + 4 * args.num_eval, seed=args.seed, difficulty=task)
+        response_fn = addition_warmup(args.correct_fraction)
+        max_positions = 128
+    else:
+        task = RemainderTask()
+        pool = make_remainder_problems(args.num_train + 4 * args.num_eval, seed=args.seed, task=task)
+        response_fn = remainder_warmup(WarmupStyle())
+        max_positions = 256
     # held-out = expressions never seen in training
     eval_records, seen = [], set()
     for r in pool[args.num_train:]:
@@ -164,14 +203,14 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = build_char_tokenizer(str(out / "model"))
     config = tiny_qwen2_config(len(tokenizer), tokenizer.eos_token_id, hidden=args.hidden_size,
                                layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
-                               ffn=args.ffn_hidden_size, max_len=128)
+                               ffn=args.ffn_hidden_size, max_len=max_positions)
     model = Qwen2ForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     for step in range(1, args.sft_steps + 1):
-        ids, att, mask = sft_batch(train_records, tokenizer, rng, args.correct_fraction, args.sft_batch_size)
+        ids, att, mask = sft_batch(train_records, tokenizer, rng, response_fn, args.sft_batch_size)
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
@@ -197,6 +236,13 @@ def main(argv: list[str] | None = None) -> None:
         "task": asdict(task),
         "args": vars(args),
     }
+    if args.task == "remainder":
+        from megatron_dapo.rollout.embedded import EmbeddedEngine
+        from megatron_dapo.rollout.remainder_eval import remainder_sample_stats
+
+        with EmbeddedEngine(model, tokenizer=tokenizer, seed=args.seed, max_batch_size=256) as engine:
+            report["sampled"] = remainder_sample_stats(engine, tokenizer, eval_records, k=4,
+                                                       max_new_tokens=max_new, seed=args.seed)
     model.save_pretrained(out / "model", safe_serialization=True)
     (out / "base_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("task", "args")}, indent=2))

@@ -126,22 +126,39 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_level_name(char: str) -> str:
+    """The name of an ASCII character in GPT-2's byte-level alphabet: '!'..'~' keep their own; bytes 0-32 are
+    named chr(256 + byte) (' ' -> 'Ġ', '\\n' -> 'Ċ'), and DEL chr(289)."""
+    code = ord(char)
+    if code >= 128:
+        raise ValueError(f"_byte_level_name: {char!r} is not ASCII")
+    if ord("!") <= code <= ord("~"):
+        return char
+    return chr(256 + code) if code <= 32 else chr(289)
+
+
 def build_char_tokenizer(save_dir: str | None = None, *, with_chat_template: bool = False):
     """A character-level `PreTrainedTokenizerFast` (len 80): specials get ids 0-3, then one id per char.
 
-    `<|endoftext|>` is both eos and pad; characters outside `CHARACTERS` map to `<|unk|>`.
-    With `save_dir`, the files are written there and `AutoTokenizer.from_pretrained(save_dir)`
-    reloads identical ids. `with_chat_template` adds a ChatML template (longer prompts), otherwise
-    prompts are rendered as plain text.
+    `<|endoftext|>` is both eos and pad; characters outside `CHARACTERS` map to `<|unk|>`. The characters are
+    named in the byte-level alphabet (space 'Ġ', newline 'Ċ'), behind a byte-level pre-tokenizer and decoder:
+    transformers 5 reloads a directory whose config.json says qwen2 as a `Qwen2Tokenizer`, which keeps the
+    vocabulary but byte-level encodes the text, and would drop a plain ' ' or '\\n' entry's text (prompts with
+    spaces lost them). With `save_dir`, the files are written there and `AutoTokenizer.from_pretrained(save_dir)`
+    then encodes and decodes every text with the same ids. `with_chat_template` adds a ChatML template (longer
+    prompts), otherwise prompts are rendered as plain text.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *map(_byte_level_name, CHARACTERS)))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # Every character (newline included) is its own pre-token; Fuse joins them back without spaces.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    # Every character (newline included) is its own pre-token, then named by its byte.
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, unk_token=UNK_TOKEN

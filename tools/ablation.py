@@ -1,0 +1,549 @@
+"""DAPO's Table 1 on a laptop: its techniques added one at a time, each arm trained with the real trainer.
+
+    python tools/ablation.py                 # 6 arms x 3 seeds (make ablation)
+    python tools/ablation.py --quick         # 6 arms x 1 seed, fewer steps (make ablation-quick)
+    python tools/ablation.py --arms naive,dapo --seeds 1 --steps 2   # any subset
+
+Every run is `python -m megatron_dapo.train` (megatron-core actor, embedded engine) on the remainder task
+(megatron_dapo/data/remainder.py: "47 mod 6=" worked by repeated subtraction) from one base policy
+(`data/remainder-base`, built by `tools/make_tiny_base.py --task remainder`); the arms differ only in the flags
+of `ARMS`, in Table 1's order, each adding one technique to the one before. After training, the exported policy
+samples the held-out problems (`megatron_dapo/rollout/remainder_eval.py`: avg@k, length tail, truncated and
+sound-but-truncated shares, entropy). Outputs in --out: one directory per run (metrics.jsonl, checkpoints,
+heldout.json, timing.json), `ablation.png` (curves per arm, mean and min-max over seeds), `summary.json` and
+`table.md` (held-out avg@k per arm beside the paper's AIME numbers, the reading of each technique, wall time per
+arm).
+
+An interrupted ablation resumes where it stopped: a finished run is skipped, a run cut short restarts from its
+last checkpoint (--save-interval) with the same seed, so it continues the same trajectory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_dapo.data.remainder import ABLATION_MAX_RESPONSE_LENGTH  # noqa: E402
+
+DEFAULT_BASE = REPO / "data" / "remainder-base"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    """One row of DAPO's Table 1: the techniques on, and the paper's AIME 2024 avg@32 for that row."""
+
+    key: str
+    label: str
+    paper_aime: int
+    clip_high: float = 0.2
+    token_level_loss: bool = False
+    overlong_filter: bool = False
+    soft_punishment: bool = False
+    dynamic_sampling: bool = False
+
+
+ARMS: tuple[Arm, ...] = (
+    Arm(key="naive", label="naive GRPO", paper_aime=30),
+    Arm(key="filter", label="+ overlong filtering", paper_aime=36, overlong_filter=True),
+    Arm(key="clip_higher", label="+ clip-higher", paper_aime=38, overlong_filter=True, clip_high=0.28),
+    Arm(key="soft_punish", label="+ soft overlong punishment", paper_aime=41, overlong_filter=True,
+        clip_high=0.28, soft_punishment=True),
+    Arm(key="token_loss", label="+ token-level loss", paper_aime=42, overlong_filter=True, clip_high=0.28,
+        soft_punishment=True, token_level_loss=True),
+    Arm(key="dapo", label="+ dynamic sampling (DAPO)", paper_aime=50, overlong_filter=True, clip_high=0.28,
+        soft_punishment=True, token_level_loss=True, dynamic_sampling=True),
+)
+ARM_BY_KEY = {a.key: a for a in ARMS}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """What every arm shares: the rollout, the optimizer, the length limits."""
+
+    steps: int = 40
+    rollout_batch_size: int = 16
+    n_samples: int = 8
+    global_batch_size: int = 16
+    """Responses per optimizer step: 128 per rollout step in 8 mini-batches, so 7 of 8 updates are off-policy
+    and the clip acts (DAPO: 16 updates a rollout step)."""
+    lr: float = 3e-4
+    max_response_length: int = ABLATION_MAX_RESPONSE_LENGTH
+    overlong_buffer: int = 32
+    """L_cache of the soft punishment: the last 32 of 160 tokens (DAPO: 4096 of 20480)."""
+    save_interval: int = 10
+    eval_prompts: int = 200
+    eval_k: int = 4
+
+
+def arm_flags(arm: Arm, schedule: Schedule) -> list[str]:
+    """The trainer flags that make `arm` what it is (the rest of the command is the same for every arm)."""
+    flags = ["--clip-ratio-low", "0.2", "--clip-ratio-high", str(arm.clip_high),
+             "--loss-agg-mode", "token-mean" if arm.token_level_loss else "seq-mean-token-mean"]
+    flags += ["--overlong-filter"] if arm.overlong_filter else []
+    flags += ["--overlong-buffer-length", str(schedule.overlong_buffer if arm.soft_punishment else 0),
+              "--overlong-penalty-factor", "1.0"]
+    if arm.dynamic_sampling:
+        flags += ["--dynamic-sampling", "--over-sample-factor", "1.5", "--max-num-gen-batches", "8",
+                  "--on-gen-exhausted", "partial"]
+    else:
+        flags += ["--no-dynamic-sampling"]
+    return flags
+
+
+def train_command(arm: Arm, seed: int, run_dir: Path, base: Path, schedule: Schedule) -> list[str]:
+    """The whole `python -m megatron_dapo.train` command line of one run; --load = --save resumes it."""
+    ckpt = run_dir / "ckpt"
+    return [
+        sys.executable, "-m", "megatron_dapo.train",
+        "--hf-checkpoint", str(base / "model"), "--prompt-data", str(base / "train.jsonl"),
+        "--rollout-engine", "embedded", "--rollout-batch-size", str(schedule.rollout_batch_size),
+        "--n-samples-per-prompt", str(schedule.n_samples), "--rollout-temperature", "1.0",
+        "--max-response-length", str(schedule.max_response_length), "--max-prompt-length", "24",
+        "--reward-fn", "math_dapo", *arm_flags(arm, schedule),
+        "--lr", str(schedule.lr), "--lr-warmup-steps", "3", "--weight-decay", "0.0", "--clip-grad", "1.0",
+        "--global-batch-size", str(schedule.global_batch_size), "--seed", str(seed),
+        "--num-steps", str(schedule.steps), "--log-dir", str(run_dir),
+        "--save", str(ckpt), "--load", str(ckpt), "--save-interval", str(schedule.save_interval),
+        "--export-hf", str(run_dir / "hf"), "--no-wandb",
+    ]
+
+
+@dataclass
+class Job:
+    arm: Arm
+    seed: int
+    run_dir: Path
+    log: list[str] = field(default_factory=list)
+
+
+class Runner:
+    """Runs jobs `jobs` at a time as child processes; stops them all (by pid) on SIGINT / SIGTERM."""
+
+    def __init__(self, base: Path, schedule: Schedule, jobs: int) -> None:
+        self.base, self.schedule, self.jobs = base, schedule, jobs
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self.stopping = False
+
+    def _child(self, cmd: list[str], log_path: Path) -> int:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
+               "PYTHONPATH": str(REPO)}
+        with open(log_path, "a") as log:
+            with self._lock:
+                if self.stopping:
+                    return -signal.SIGTERM
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                self._procs.add(proc)
+            try:
+                return proc.wait()
+            finally:
+                with self._lock:
+                    self._procs.discard(proc)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopping = True
+            procs = list(self._procs)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def run(self, job: Job) -> None:
+        """Train (or resume) one run, then sample its exported policy on the held-out problems."""
+        heldout = job.run_dir / "heldout.json"
+        if heldout.is_file():
+            return
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        timing_path = job.run_dir / "timing.json"
+        timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "attempts": 0}
+        if not (job.run_dir / "train.done").is_file():
+            t0 = time.perf_counter()
+            rc = self._child(train_command(job.arm, job.seed, job.run_dir, self.base, self.schedule),
+                             job.run_dir / "train.log")
+            timing["train_s"] += time.perf_counter() - t0
+            timing["attempts"] += 1
+            timing_path.write_text(json.dumps(timing))
+            if rc != 0:
+                if not self.stopping:
+                    raise RuntimeError(f"{job.arm.key} seed {job.seed}: the trainer exited {rc}; see "
+                                       f"{job.run_dir / 'train.log'}")
+                return
+            (job.run_dir / "train.done").touch()
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "heldout", "--model", str(job.run_dir / "hf"),
+               "--base", str(self.base), "--out", str(heldout), "--seed", str(job.seed),
+               "--num-prompts", str(self.schedule.eval_prompts), "--k", str(self.schedule.eval_k),
+               "--max-response-length", str(self.schedule.max_response_length)]
+        rc = self._child(cmd, job.run_dir / "heldout.log")
+        if rc != 0 and not self.stopping:
+            raise RuntimeError(f"{job.arm.key} seed {job.seed}: the held-out evaluation exited {rc}; see "
+                               f"{job.run_dir / 'heldout.log'}")
+        timing["heldout_s"] = time.perf_counter() - t0
+        timing_path.write_text(json.dumps(timing))
+
+
+def heldout_main(argv: list[str]) -> None:
+    """`ablation.py heldout`: one policy's remainder_sample_stats on the held-out problems, written as JSON."""
+    ap = argparse.ArgumentParser(prog="ablation.py heldout")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--num-prompts", type=int, required=True)
+    ap.add_argument("--k", type=int, required=True)
+    ap.add_argument("--max-response-length", type=int, required=True)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.rollout.embedded import EmbeddedEngine
+    from megatron_dapo.rollout.remainder_eval import remainder_sample_stats
+
+    records = load_heldout(Path(args.base), args.num_prompts)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    with EmbeddedEngine(args.model, tokenizer=tokenizer, seed=args.seed, max_batch_size=256) as engine:
+        stats = remainder_sample_stats(engine, tokenizer, records, k=args.k,
+                                       max_new_tokens=args.max_response_length, seed=args.seed)
+    tmp = Path(args.out + ".tmp")
+    tmp.write_text(json.dumps(stats, indent=1))
+    tmp.replace(args.out)
+
+
+def load_heldout(base: Path, n: int):
+    """The first `n` held-out problems of the base's eval.jsonl as PromptRecords with their a and b."""
+    from megatron_dapo.data.records import PromptRecord
+    from megatron_dapo.data.remainder import REMAINDER_DATA_SOURCE, parse_prompt
+
+    records = []
+    with open(base / "eval.jsonl") as f:
+        for index, line in enumerate(f):
+            if index >= n:
+                break
+            row = json.loads(line)
+            a, b = parse_prompt(row["prompt"][-1]["content"])
+            records.append(PromptRecord(messages=row["prompt"], ground_truth=row["reward_model"]["ground_truth"],
+                                        data_source=REMAINDER_DATA_SOURCE, index=index,
+                                        extra={"a": a, "b": b, "expression": f"{a} mod {b}"}))
+    if not records:
+        raise SystemExit(f"{base / 'eval.jsonl'} holds no problems")
+    return records
+
+
+# ---- reading the runs -------------------------------------------------------------------------------------
+
+CURVES = (  # (panel title, metric key in metrics.jsonl, how to combine several keys)
+    ("accuracy (rollout, temperature 1)", ("rollout/accuracy",)),
+    ("entropy (nats/token)", ("train/entropy",)),
+    ("response length (mean, tokens)", ("rollout/response_len_mean",)),
+    ("response length (max, tokens)", ("rollout/response_len_max",)),
+    ("clip fraction (low + high)", ("train/clipfrac_low", "train/clipfrac_high")),
+    ("truncated share", ("rollout/clip_ratio",)),
+)
+
+
+def read_run(run_dir: Path) -> dict:
+    """One finished run: its per-step metrics, held-out stats and timing."""
+    from megatron_dapo.trainer.metrics_log import read_metrics
+
+    return {"steps": read_metrics(run_dir / "metrics.jsonl"),
+            "heldout": json.loads((run_dir / "heldout.json").read_text()),
+            "timing": json.loads((run_dir / "timing.json").read_text())}
+
+
+def curve(records: list[dict], keys: tuple[str, ...]) -> list[float]:
+    """The per-step series of the sum of `keys` (a step lacking one of them counts it as 0)."""
+    return [sum(float(r.get(k, 0.0)) for k in keys) for r in records]
+
+
+def late_mean(values: list[float]) -> float:
+    """Mean over the second half of a run: where the arms have separated, less noisy than the last step."""
+    tail = values[len(values) // 2:] or values
+    return statistics.fmean(tail)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def steps_to(accuracy: list[float], target: float, window: int = 3) -> int | None:
+    """First step (1-based) at which the running mean of `window` steps of accuracy reaches `target`."""
+    for i in range(len(accuracy)):
+        lo = max(0, i - window + 1)
+        if statistics.fmean(accuracy[lo:i + 1]) >= target:
+            return i + 1
+    return None
+
+
+def run_readings(run: dict) -> dict[str, float]:
+    """The per-run numbers the techniques are read by (see READINGS)."""
+    steps = run["steps"]
+    acc = curve(steps, ("rollout/accuracy",))
+    lengths = curve(steps, ("rollout/response_len_mean",))
+    out = {
+        "entropy_late": late_mean(curve(steps, ("train/entropy",))),
+        "clipfrac_high_late": late_mean(curve(steps, ("train/clipfrac_high",))),
+        "clipfrac_low_late": late_mean(curve(steps, ("train/clipfrac_low",))),
+        "len_mean_late": late_mean(lengths),
+        "len_max_late": late_mean(curve(steps, ("rollout/response_len_max",))),
+        "truncated_late": late_mean(curve(steps, ("rollout/clip_ratio",))),
+        "acc_late": late_mean(acc),
+        "generated": sum(curve(steps, ("rollout/responses",))),
+        "wall_s": run["timing"]["train_s"] + run["timing"].get("heldout_s", 0.0),
+    }
+    for key, value in run["heldout"].items():
+        out[f"heldout_{key}"] = value
+    return out
+
+
+@dataclass(frozen=True)
+class Reading:
+    """How one technique is read: the arm before and with it, and the metric the paper says it moves."""
+
+    technique: str
+    before: str
+    after: str
+    metric: str
+    expected: str
+    """'up' or 'down': the direction DAPO reports."""
+    paper: str
+
+
+READINGS = (
+    Reading("overlong filtering", "naive", "filter", "heldout_sound_truncated", "down",
+            "a truncated response scores -1 even when its reasoning was sound: reward noise (Sec. 3.4)"),
+    Reading("overlong filtering", "naive", "filter", "heldout_avg", "up",
+            "masking truncated samples steadies training and lifts accuracy (Fig. 5): AIME 30 -> 36"),
+    Reading("clip-higher", "filter", "clip_higher", "entropy_late", "up",
+            "symmetric clipping collapses entropy; eps_high 0.28 keeps it (Fig. 2)"),
+    Reading("clip-higher", "filter", "clip_higher", "heldout_avg", "up", "AIME 36 -> 38"),
+    Reading("soft overlong punishment", "clip_higher", "soft_punish", "truncated_late", "down",
+            "a graded penalty in the last L_cache tokens steers length before the cut (Sec. 3.4)"),
+    Reading("soft overlong punishment", "clip_higher", "soft_punish", "heldout_avg", "up", "AIME 38 -> 41"),
+    Reading("token-level loss", "soft_punish", "token_loss", "len_mean_late", "down",
+            "sample-level loss lets long responses grow unhealthily (Fig. 4)"),
+    Reading("token-level loss", "soft_punish", "token_loss", "len_max_late", "down",
+            "and their tail: the longest response of each step"),
+    Reading("token-level loss", "soft_punish", "token_loss", "heldout_repeat", "down",
+            "the repeating pattern is what a long low-quality response is made of here"),
+    Reading("dynamic sampling", "token_loss", "dapo", "steps_to_target", "down",
+            "zero-advantage groups removed: the same accuracy in fewer steps (Fig. 6)"),
+    Reading("dynamic sampling", "token_loss", "dapo", "generated_to_target", "up",
+            "at the cost of more samples generated per step"),
+    Reading("dynamic sampling", "token_loss", "dapo", "heldout_avg", "up", "AIME 42 -> 50"),
+)
+
+
+def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
+    """Per arm: mean +- std over seeds of every reading, held-out avg@k, wall time; per technique: the delta."""
+    k = schedule.eval_k
+    arms = {}
+    for key, seed_runs in runs.items():
+        per_seed = [run_readings(r) for r in seed_runs]
+        for r in per_seed:
+            r["heldout_avg"] = r[f"heldout_avg@{k}"]
+        arms[key] = {"seeds": len(per_seed),
+                     "metrics": {m: mean_std([r[m] for r in per_seed]) for m in per_seed[0]},
+                     "per_seed": per_seed}
+    # dynamic sampling: steps and generated responses to the accuracy both arms reach
+    if "token_loss" in runs and "dapo" in runs:
+        finals = [late_mean(curve(r["steps"], ("rollout/accuracy",))) for key in ("token_loss", "dapo")
+                  for r in runs[key]]
+        target = 0.9 * min(finals)
+        for key in ("token_loss", "dapo"):
+            reached, generated = [], []
+            for r in runs[key]:
+                acc = curve(r["steps"], ("rollout/accuracy",))
+                step = steps_to(acc, target)
+                reached.append(float(step if step is not None else len(acc) + 1))
+                made = curve(r["steps"], ("rollout/responses",))
+                generated.append(float(sum(made[:int(reached[-1])])))
+            arms[key]["metrics"]["steps_to_target"] = mean_std(reached)
+            arms[key]["metrics"]["generated_to_target"] = mean_std(generated)
+        arms["dapo"]["target_accuracy"] = target
+    readings = []
+    for rd in READINGS:
+        if rd.before not in arms or rd.after not in arms or rd.metric not in arms[rd.after]["metrics"]:
+            continue
+        (b, bs), (a, as_) = arms[rd.before]["metrics"][rd.metric], arms[rd.after]["metrics"][rd.metric]
+        delta = a - b
+        spread = (bs ** 2 + as_ ** 2) ** 0.5
+        moved = "up" if delta > 0 else "down" if delta < 0 else "flat"
+        readings.append({"technique": rd.technique, "metric": rd.metric, "before": b, "before_std": bs,
+                         "after": a, "after_std": as_, "delta": delta, "spread": spread,
+                         "expected": rd.expected, "direction_reproduces": moved == rd.expected,
+                         "beyond_spread": abs(delta) > spread, "paper": rd.paper})
+    return {"arms": arms, "readings": readings, "schedule": schedule.__dict__}
+
+
+def table_markdown(summary: dict, schedule: Schedule) -> str:
+    """The held-out table (beside the paper's numbers) and the readings, as markdown."""
+    k = schedule.eval_k
+    lines = [f"| arm | paper AIME avg@32 | held-out avg@{k} | entropy (held-out) | length p90 | truncated | "
+             "sound but truncated | repeats | wall s / run |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm in ARMS:
+        if arm.key not in summary["arms"]:
+            continue
+        m = summary["arms"][arm.key]["metrics"]
+
+        def cell(name: str, fmt: str = ".3f", metrics: dict = m) -> str:
+            mean, std = metrics[name]
+            return f"{mean:{fmt}} +- {std:{fmt}}"
+        lines.append(f"| {arm.label} | {arm.paper_aime} | {cell(f'heldout_avg@{k}')} | {cell('heldout_entropy')} | "
+                     f"{cell('heldout_len_p90', '.1f')} | {cell('heldout_truncated')} | "
+                     f"{cell('heldout_sound_truncated')} | {cell('heldout_repeat')} | {cell('wall_s', '.0f')} |")
+    lines += ["", "| technique | metric (arm before -> with it) | before | with it | delta | seed spread | "
+              "expected | reproduces in direction |", "|---|---|---|---|---|---|---|---|"]
+    for r in summary["readings"]:
+        verdict = ("yes" if r["direction_reproduces"] else "no") + ("" if r["beyond_spread"] else " (within spread)")
+        lines.append(f"| {r['technique']} | {r['metric']} | {r['before']:.4f} +- {r['before_std']:.4f} | "
+                     f"{r['after']:.4f} +- {r['after_std']:.4f} | {r['delta']:+.4f} | {r['spread']:.4f} | "
+                     f"{r['expected']} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
+    """One PNG: a panel per curve, one line per arm (mean over seeds) with its min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9))
+    for ax, (name, keys) in zip(axes.flat, CURVES):
+        for arm in ARMS:
+            if arm.key not in runs:
+                continue
+            series = [curve(r["steps"], keys) for r in runs[arm.key]]
+            n = min(map(len, series))
+            xs = list(range(1, n + 1))
+            columns = list(zip(*(s[:n] for s in series)))
+            mean = [statistics.fmean(c) for c in columns]
+            line, = ax.plot(xs, mean, label=arm.label, linewidth=1.4)
+            if len(series) > 1:
+                ax.fill_between(xs, [min(c) for c in columns], [max(c) for c in columns],
+                                color=line.get_color(), alpha=0.12)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+# ---- entry point ------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one seed and 20 steps (unless --seeds / --steps say "
+                                                         "otherwise): the whole table in ~5 min")
+    ap.add_argument("--arms", default=",".join(a.key for a in ARMS),
+                    help=f"comma-separated, from {', '.join(a.key for a in ARMS)}")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3 (--quick: 1)")
+    ap.add_argument("--steps", type=int, default=None, help="rollout steps per run (default 40, --quick 20)")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once, one core each")
+    ap.add_argument("--base", default=str(DEFAULT_BASE), help="the base policy directory (model/, train.jsonl, "
+                                                              "eval.jsonl)")
+    ap.add_argument("--out", default=None, help="default runs/ablation (--quick: runs/ablation-quick)")
+    ap.add_argument("--eval-prompts", type=int, default=200, help="held-out problems sampled per run")
+    ap.add_argument("--lr", type=float, default=Schedule.lr, help="the trainer's --lr, every arm")
+    ap.add_argument("--global-batch-size", type=int, default=Schedule.global_batch_size,
+                    help="responses per optimizer step, every arm (128 per rollout step)")
+    args = ap.parse_args(argv)
+    unknown = [a for a in args.arms.split(",") if a not in ARM_BY_KEY]
+    if unknown:
+        ap.error(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARM_BY_KEY)}")
+    if args.jobs < 1:
+        ap.error("--jobs must be >= 1")
+    if args.seeds is None:
+        args.seeds = [1] if args.quick else [1, 2, 3]
+    if args.steps is None:
+        args.steps = 20 if args.quick else 40
+    if args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.out is None:
+        args.out = str(REPO / "runs" / ("ablation-quick" if args.quick else "ablation"))
+    base = Path(args.base)
+    for name in ("model/config.json", "train.jsonl", "eval.jsonl"):
+        if not (base / name).is_file():
+            ap.error(f"--base {base}: no {name}; build one with "
+                     f"`python tools/make_tiny_base.py --task remainder --out {base}`")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["heldout"]:
+        heldout_main(argv[1:])
+        return 0
+    args = parse_args(argv)
+    schedule = Schedule(steps=args.steps, eval_prompts=args.eval_prompts, lr=args.lr,
+                        global_batch_size=args.global_batch_size)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"steps": args.steps, "base": str(Path(args.base).resolve()), "eval_prompts": args.eval_prompts,
+                "lr": args.lr, "global_batch_size": args.global_batch_size}
+    settings_path = out / "settings.json"
+    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
+        raise SystemExit(f"{out} holds runs made with {settings_path.read_text().strip()}; these flags ask for "
+                         f"{json.dumps(settings)}: pass another --out (or remove {out})")
+    settings_path.write_text(json.dumps(settings))
+    arms = [ARM_BY_KEY[k] for k in args.arms.split(",")]
+    # seed-major order: an interrupted ablation has whole seeds done, every arm compared on the same ones
+    jobs = [Job(arm=arm, seed=seed, run_dir=out / f"{arm.key}-seed{seed}") for seed in args.seeds for arm in arms]
+    runner = Runner(Path(args.base), schedule, args.jobs)
+
+    def on_signal(signum, _frame):
+        runner.stop()
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, on_signal)
+    t0 = time.perf_counter()
+    print(f"== {len(jobs)} runs ({len(arms)} arms x {len(args.seeds)} seeds, {args.steps} steps), "
+          f"{args.jobs} at a time, in {out}", flush=True)
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = {pool.submit(runner.run, job): job for job in jobs}
+            for future, job in futures.items():
+                future.result()
+                print(f"   {job.arm.key} seed {job.seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    except KeyboardInterrupt:
+        runner.stop()
+        print(f"interrupted: run the same command again to resume from {out}", file=sys.stderr)
+        return 130
+    except BaseException:
+        runner.stop()
+        raise
+    runs = {arm.key: [read_run(out / f"{arm.key}-seed{seed}") for seed in args.seeds] for arm in arms}
+    summary = summarize(runs, schedule)
+    summary["wall_s_total"] = time.perf_counter() - t0
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    table = table_markdown(summary, schedule)
+    (out / "table.md").write_text(table)
+    plot(runs, out / "ablation.png", f"DAPO ablation on the remainder task: {len(args.seeds)} seed(s), "
+                                     f"{args.steps} steps per arm")
+    print(table)
+    print(f"wrote {out / 'ablation.png'}, {out / 'table.md'}, {out / 'summary.json'} "
+          f"({summary['wall_s_total']:.0f} s this invocation)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
