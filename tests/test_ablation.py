@@ -228,9 +228,11 @@ def test_the_tool_runs_two_arms_on_two_steps_and_resumes(tmp_path):
         late = statistics.fmean(s["train/entropy"] for s in steps[1:])
         assert metrics["entropy_late"][0] == pytest.approx(late)
         assert metrics["generated"][0] == sum(s["rollout/responses"] for s in steps)
-    # the arms differ where their flags say: naive never over-samples, DAPO's first round does (1.5x)
+    # the arms differ where their flags say: naive trains on every group it drew, DAPO asks 1.5x and keeps 16
     assert summary["arms"]["naive"]["metrics"]["generated"][0] == 2 * 16 * 8
-    assert summary["arms"]["dapo"]["metrics"]["generated"][0] >= 2 * 24 * 8
+    dapo_steps = [json.loads(line) for line in (out / "dapo-seed1" / "metrics.jsonl").read_text().splitlines()]
+    assert all(s["dynamic_sampling/kept_groups"] == 16 and s["dynamic_sampling/requested_groups"] >= 24
+               for s in dapo_steps)
     table = (out / "table.md").read_text()
     assert "| naive GRPO | 30 |" in table and "| + dynamic sampling (DAPO) | 50 |" in table
     assert (out / "ablation.png").stat().st_size > 10_000

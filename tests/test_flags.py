@@ -34,6 +34,7 @@ EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's
     "megatron_dapo/launch/rollout_node.py": {"--config", "--kill-on-bad-exit"},  # SGLang's; srun's
     "tools/slurm_cluster.py": {"--mem", "--net", "--uts", "--wait"},  # sbatch's, nsenter's, unshare's
+    "tools/ablation.py": {"--task"},  # tools/make_tiny_base.py's, in the hint to build a base
     "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver", "--enable-return-routed-experts"},  # SGLang's
     "megatron_dapo/rollout/build.py": {"--enable-memory-saver"},  # passed to launched colocated servers
     "megatron_dapo/arguments.py": {"--enable-return-routed-experts"},  # SGLang's, in --moe-routing-replay's help

@@ -31,6 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -247,14 +248,16 @@ def load_heldout(base: Path, n: int):
 
 # ---- reading the runs -------------------------------------------------------------------------------------
 
-CURVES = (  # (panel title, metric key in metrics.jsonl, how to combine several keys)
-    ("accuracy (rollout, temperature 1)", ("rollout/accuracy",)),
-    ("entropy (nats/token)", ("train/entropy",)),
-    ("response length (mean, tokens)", ("rollout/response_len_mean",)),
-    ("response length (max, tokens)", ("rollout/response_len_max",)),
-    ("clip fraction (low + high)", ("train/clipfrac_low", "train/clipfrac_high")),
-    ("truncated share", ("rollout/clip_ratio",)),
+CURVES = (  # (panel title, the metrics.jsonl keys summed, cumulative)
+    ("accuracy (rollout, temperature 1)", ("rollout/accuracy",), False),
+    ("entropy (nats/token)", ("train/entropy",), False),
+    ("response length (mean, tokens)", ("rollout/response_len_mean",), False),
+    ("clip fraction (low + high)", ("train/clipfrac_low", "train/clipfrac_high"), False),
+    ("truncated share", ("rollout/clip_ratio",), False),
+    ("responses generated (cumulative)", ("rollout/responses",), True),
 )
+SMOOTH = 5
+"""Steps in the running mean the per-step curves are drawn with (128 responses a step are a noisy sample)."""
 
 
 def read_run(run_dir: Path) -> dict:
@@ -269,6 +272,11 @@ def read_run(run_dir: Path) -> dict:
 def curve(records: list[dict], keys: tuple[str, ...]) -> list[float]:
     """The per-step series of the sum of `keys` (a step lacking one of them counts it as 0)."""
     return [sum(float(r.get(k, 0.0)) for k in keys) for r in records]
+
+
+def running_mean(values: list[float], window: int) -> list[float]:
+    """values[i] averaged with up to window - 1 values before it."""
+    return [statistics.fmean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
 
 
 def late_mean(values: list[float]) -> float:
@@ -346,8 +354,14 @@ READINGS = (
             "zero-advantage groups removed: the same accuracy in fewer steps (Fig. 6)"),
     Reading("dynamic sampling", "token_loss", "dapo", "generated_to_target", "up",
             "at the cost of more samples generated per step"),
+    Reading("dynamic sampling", "token_loss", "dapo", "steps_to_fixed", "down",
+            "steps to a 0.5 rollout accuracy (3-step running mean; never reached counts as steps + 1)"),
     Reading("dynamic sampling", "token_loss", "dapo", "heldout_avg", "up", "AIME 42 -> 50"),
 )
+
+
+FIXED_TARGET = 0.5
+"""A second accuracy to count steps to (rollout accuracy, 3-step running mean): twice the base's."""
 
 
 def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
@@ -361,11 +375,10 @@ def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
         arms[key] = {"seeds": len(per_seed),
                      "metrics": {m: mean_std([r[m] for r in per_seed]) for m in per_seed[0]},
                      "per_seed": per_seed}
-    # dynamic sampling: steps and generated responses to the accuracy both arms reach
+    # dynamic sampling: steps and generated responses to the accuracy the arm without it settles at (the mean over
+    # its seeds of the second half's rollout accuracy); a run that never gets there counts as steps + 1
     if "token_loss" in runs and "dapo" in runs:
-        finals = [late_mean(curve(r["steps"], ("rollout/accuracy",))) for key in ("token_loss", "dapo")
-                  for r in runs[key]]
-        target = 0.9 * min(finals)
+        target = statistics.fmean(late_mean(curve(r["steps"], ("rollout/accuracy",))) for r in runs["token_loss"])
         for key in ("token_loss", "dapo"):
             reached, generated = [], []
             for r in runs[key]:
@@ -376,6 +389,10 @@ def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
                 generated.append(float(sum(made[:int(reached[-1])])))
             arms[key]["metrics"]["steps_to_target"] = mean_std(reached)
             arms[key]["metrics"]["generated_to_target"] = mean_std(generated)
+            half = [steps_to(curve(r["steps"], ("rollout/accuracy",)), FIXED_TARGET) for r in runs[key]]
+            arms[key]["metrics"]["steps_to_fixed"] = mean_std([float(h if h else len(r["steps"]) + 1)
+                                                               for h, r in zip(half, runs[key])])
+            arms[key]["reached_fixed"] = sum(h is not None for h in half)
         arms["dapo"]["target_accuracy"] = target
     readings = []
     for rd in READINGS:
@@ -426,11 +443,12 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for ax, (name, keys) in zip(axes.flat, CURVES):
+    for ax, (name, keys, cumulative) in zip(axes.flat, CURVES):
         for arm in ARMS:
             if arm.key not in runs:
                 continue
             series = [curve(r["steps"], keys) for r in runs[arm.key]]
+            series = [list(accumulate(s)) if cumulative else running_mean(s, SMOOTH) for s in series]
             n = min(map(len, series))
             xs = list(range(1, n + 1))
             columns = list(zip(*(s[:n] for s in series)))
@@ -439,7 +457,7 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
             if len(series) > 1:
                 ax.fill_between(xs, [min(c) for c in columns], [max(c) for c in columns],
                                 color=line.get_color(), alpha=0.12)
-        ax.set_title(name)
+        ax.set_title(name if cumulative else f"{name}, {SMOOTH}-step running mean")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -533,7 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         raise
     runs = {arm.key: [read_run(out / f"{arm.key}-seed{seed}") for seed in args.seeds] for arm in arms}
     summary = summarize(runs, schedule)
-    summary["wall_s_total"] = time.perf_counter() - t0
+    summary["invocation_wall_s"] = time.perf_counter() - t0
+    summary["run_wall_s_sum"] = sum(r["timing"]["train_s"] + r["timing"].get("heldout_s", 0.0)
+                                    for seed_runs in runs.values() for r in seed_runs)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     table = table_markdown(summary, schedule)
     (out / "table.md").write_text(table)
@@ -541,7 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                                      f"{args.steps} steps per arm")
     print(table)
     print(f"wrote {out / 'ablation.png'}, {out / 'table.md'}, {out / 'summary.json'} "
-          f"({summary['wall_s_total']:.0f} s this invocation)")
+          f"({summary['invocation_wall_s']:.0f} s this invocation; the runs took {summary['run_wall_s_sum']:.0f} s "
+          f"one after another, {args.jobs} at a time here)")
     return 0
 
 

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--num-kv-heads", type=int, default=2)
     ap.add_argument("--ffn-hidden-size", type=int, default=256)
-    ap.add_argument("--sft-steps", type=int, default=600)
+    ap.add_argument("--sft-steps", type=int, default=None, help="default: 600 for addition, 500 for remainder")
     ap.add_argument("--sft-batch-size", type=int, default=64)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
     ap.add_argument("--correct-fraction", type=float, default=0.3,
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not 0.0 < args.correct_fraction <= 1.0:
         raise SystemExit("--correct-fraction must be in (0, 1]")
+    if args.sft_steps is None:
+        args.sft_steps = 600 if args.task == "addition" else 500
     if args.max_response_length is None:
         args.max_response_length = 40 if args.task == "addition" else ABLATION_MAX_RESPONSE_LENGTH
     from transformers import Qwen2ForCausalLM
