@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
@@ -124,10 +124,11 @@ def train_command(arm: Arm, seed: int, run_dir: Path, base: Path, schedule: Sche
 
 @dataclass
 class Job:
+    """One run: an arm at a seed, in its own directory."""
+
     arm: Arm
     seed: int
     run_dir: Path
-    log: list[str] = field(default_factory=list)
 
 
 class Runner:
