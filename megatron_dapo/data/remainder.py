@@ -8,7 +8,7 @@ A problem is "47 mod 6=" (a in 10..99, b in 4..9); the worked solution subtracts
     11-6=5
     Answer: 5
 
-so it takes a // b lines, from 2 to 24, and 20 to ~200 tokens under the demo's character tokenizer (one token a
+so it takes a // b lines, from 1 to 24, and 20 to ~200 tokens under the demo's character tokenizer (one token a
 character). Every line is a local fact (copy the last result, subtract one digit), which a two-layer model
 learns in minutes; what makes the task hard is its length. Each property is there to give one of DAPO's
 techniques room to act:
@@ -24,6 +24,9 @@ techniques room to act:
   tokens, ~19 lines): a right solution of 20+ lines (b = 4, a >= 80), or a long one with a repeated line,
   is cut off and scores -1 like a wrong one. That is the reward noise overlong filtering masks and the soft
   punishment (Sec. 3.4) grades within its buffer.
+- **A systematic mistake** (`WarmupStyle.early_stop_prob`): a third of the warm-up responses stop one
+  subtraction early and answer a number >= b. It is made the same way on every problem, so a few dozen RL steps
+  find it (as the demo's misreported sums); the per-line slips are what stays hard.
 - **Real entropy** (`WarmupStyle.error_prob`): the warm-up writes a wrong difference on some lines, so the
   base policy samples with entropy in the digits and in whether to repeat. That entropy is what symmetric
   clipping collapses and Clip-Higher keeps (Sec. 3.1).
