@@ -429,7 +429,11 @@ def table_markdown(summary: dict, schedule: Schedule) -> str:
     lines += ["", "| technique | metric (arm before -> with it) | before | with it | delta | seed spread | "
               "expected | reproduces in direction |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["readings"]:
-        verdict = ("yes" if r["direction_reproduces"] else "no") + ("" if r["beyond_spread"] else " (within spread)")
+        if r["spread"] == 0.0:
+            spread_note = " (one seed: no spread)"
+        else:
+            spread_note = "" if r["beyond_spread"] else " (within spread)"
+        verdict = ("yes" if r["direction_reproduces"] else "no") + spread_note
         lines.append(f"| {r['technique']} | {r['metric']} | {r['before']:.4f} +- {r['before_std']:.4f} | "
                      f"{r['after']:.4f} +- {r['after_std']:.4f} | {r['delta']:+.4f} | {r['spread']:.4f} | "
                      f"{r['expected']} | {verdict} |")

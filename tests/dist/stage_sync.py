@@ -50,7 +50,9 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
             update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
             sync_master_port=data["ports"][version - 1], control_timeout_s=60, server_wait_s=60))
-    sync = build_weight_sync(engine, wait_group=wait_group, lock_timeout_s=120)  # rank 0's facts, sent once
+    # The lock's holder may wait out a killed server's control (60 s) and HTTP (60 s) timeouts, longer on a loaded
+    # machine: the other stage's wait for the lock must outlast that (120 s did not, once, in a full `make test`).
+    sync = build_weight_sync(engine, wait_group=wait_group, lock_timeout_s=400)  # rank 0's facts, sent once
     pushed, broadcasts = _counting_broadcasts(lambda: sync.push(actor, version), wait_group)
     metrics = {k: v for k, v in pushed.items() if k.startswith("sync/stage")}  # the stages' own seconds
     assert pushed["time/sync_s"] > 0
