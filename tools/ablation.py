@@ -132,10 +132,10 @@ class Job:
 
 
 class Runner:
-    """Runs jobs `jobs` at a time as child processes; stops them all (by pid) on SIGINT / SIGTERM."""
+    """Runs each job's trainer and evaluation as child processes; stop() ends them all by pid (SIGINT / SIGTERM)."""
 
-    def __init__(self, base: Path, schedule: Schedule, jobs: int) -> None:
-        self.base, self.schedule, self.jobs = base, schedule, jobs
+    def __init__(self, base: Path, schedule: Schedule) -> None:
+        self.base, self.schedule = base, schedule
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self.stopping = False
@@ -228,20 +228,16 @@ def heldout_main(argv: list[str]) -> None:
 
 
 def load_heldout(base: Path, n: int):
-    """The first `n` held-out problems of the base's eval.jsonl as PromptRecords with their a and b."""
-    from megatron_dapo.data.records import PromptRecord
-    from megatron_dapo.data.remainder import REMAINDER_DATA_SOURCE, parse_prompt
+    """The first `n` held-out problems of the base's eval.jsonl (the trainer's loader), with their a and b."""
+    import dataclasses
+
+    from megatron_dapo.data import load_prompts
+    from megatron_dapo.data.remainder import parse_prompt
 
     records = []
-    with open(base / "eval.jsonl") as f:
-        for index, line in enumerate(f):
-            if index >= n:
-                break
-            row = json.loads(line)
-            a, b = parse_prompt(row["prompt"][-1]["content"])
-            records.append(PromptRecord(messages=row["prompt"], ground_truth=row["reward_model"]["ground_truth"],
-                                        data_source=REMAINDER_DATA_SOURCE, index=index,
-                                        extra={"a": a, "b": b, "expression": f"{a} mod {b}"}))
+    for r in load_prompts(base / "eval.jsonl", limit=n):
+        a, b = parse_prompt(r.messages[-1]["content"])
+        records.append(dataclasses.replace(r, extra={**r.extra, "a": a, "b": b}))
     if not records:
         raise SystemExit(f"{base / 'eval.jsonl'} holds no problems")
     return records
@@ -532,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     arms = [ARM_BY_KEY[k] for k in args.arms.split(",")]
     # seed-major order: an interrupted ablation has whole seeds done, every arm compared on the same ones
     jobs = [Job(arm=arm, seed=seed, run_dir=out / f"{arm.key}-seed{seed}") for seed in args.seeds for arm in arms]
-    runner = Runner(Path(args.base), schedule, args.jobs)
+    runner = Runner(Path(args.base), schedule)
 
     def on_signal(signum, _frame):
         runner.stop()
