@@ -289,11 +289,13 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 def steps_to(accuracy: list[float], target: float, window: int = 3) -> int | None:
     """First step (1-based) at which the running mean of `window` steps of accuracy reaches `target`."""
-    for i in range(len(accuracy)):
-        lo = max(0, i - window + 1)
-        if statistics.fmean(accuracy[lo:i + 1]) >= target:
-            return i + 1
-    return None
+    return next((i + 1 for i, m in enumerate(running_mean(accuracy, window)) if m >= target), None)
+
+
+def steps_or_after(accuracy: list[float], target: float) -> float:
+    """steps_to(accuracy, target), or one step past the run (len + 1) when it never gets there."""
+    step = steps_to(accuracy, target)
+    return float(step if step is not None else len(accuracy) + 1)
 
 
 def run_readings(run: dict) -> dict[str, float]:
@@ -377,19 +379,17 @@ def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
     if "token_loss" in runs and "dapo" in runs:
         target = statistics.fmean(late_mean(curve(r["steps"], ("rollout/accuracy",))) for r in runs["token_loss"])
         for key in ("token_loss", "dapo"):
-            reached, generated = [], []
+            reached, generated, fixed = [], [], []
             for r in runs[key]:
                 acc = curve(r["steps"], ("rollout/accuracy",))
-                step = steps_to(acc, target)
-                reached.append(float(step if step is not None else len(acc) + 1))
+                reached.append(steps_or_after(acc, target))
                 made = curve(r["steps"], ("rollout/responses",))
                 generated.append(float(sum(made[:int(reached[-1])])))
+                fixed.append(steps_or_after(acc, FIXED_TARGET))
             arms[key]["metrics"]["steps_to_target"] = mean_std(reached)
             arms[key]["metrics"]["generated_to_target"] = mean_std(generated)
-            half = [steps_to(curve(r["steps"], ("rollout/accuracy",)), FIXED_TARGET) for r in runs[key]]
-            arms[key]["metrics"]["steps_to_fixed"] = mean_std([float(h if h else len(r["steps"]) + 1)
-                                                               for h, r in zip(half, runs[key])])
-            arms[key]["reached_fixed"] = sum(h is not None for h in half)
+            arms[key]["metrics"]["steps_to_fixed"] = mean_std(fixed)
+            arms[key]["reached_fixed"] = sum(f <= len(r["steps"]) for f, r in zip(fixed, runs[key]))
         arms["dapo"]["target_accuracy"] = target
     readings = []
     for rd in READINGS:
