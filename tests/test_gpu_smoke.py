@@ -39,6 +39,16 @@ def test_dry_run_reports_every_part_with_numbers(dry_run):
     parts = merged["parts"]
     assert all(p["status"] == "ok" and p["exit_code"] == 0 for p in parts.values()), parts
 
+    # Issue 37 defect 1: every part that builds a model took the CUDA machine's branch of the layer-spec choice
+    # (--dry answers CUDA-available there) and, TransformerEngine being absent, built megatron-core's local
+    # layers by passing the choice explicitly; left to the default, those builders raise ImportError.
+    for part in ("hf_logits", "trainer", "scale", "colocate"):
+        layers = parts[part]["layers"]
+        assert layers["cuda"] is True and layers["te"] is False, (part, layers)
+        assert layers["transformer_impl"] == "local" and "transformer_engine is not installed" in layers["why"]
+    assert parts["trainer"]["runs"]["device"]["layers"]["transformer_impl"] == "local"
+    assert parts["hf_logits"]["rows"][0]["fusions"]["apply_rope_fusion"] is False  # only the choice pretended
+
     hf = parts["hf_logits"]["rows"]
     assert [r["dtype"] for r in hf] == ["float32", "bfloat16"]
     assert hf[0]["max_abs_logprob_err"] < 1e-4 and all(_number(r["max_abs_logit_err"]) for r in hf)
@@ -99,3 +109,27 @@ def test_training_flops_formula():
     matmul = layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + v * h
     assert gpu_smoke.train_flops_per_token(arch, 2048) == 6 * matmul + 12 * layers * 2048 * q
     assert 1.4e9 < matmul < 1.6e9  # "1.5B": the matmul parameters are the model less norms and biases
+
+
+@pytest.mark.parametrize("cuda, te, want", [
+    pytest.param(True, False, "local", id="lent-gpu-machine-without-te"),
+    pytest.param(True, True, "transformer_engine", id="production-gpu"),
+    pytest.param(False, False, "local", id="cpu"),
+    pytest.param(False, True, "local", id="cpu-with-te-installed"),
+])
+def test_the_smoke_builds_with_te_only_where_cuda_and_te_both_are(cuda, te, want):
+    assert gpu_smoke.choose_transformer_impl(cuda=cuda, te=te)["transformer_impl"] == want
+
+
+def test_the_dry_path_takes_the_cuda_branch_of_the_layer_choice():
+    """Under --dry, models.spec reads CUDA as available, so the trainer's default (TransformerEngine, required)
+    is what a part would get on the lent GPU machine without the explicit choice: ImportError naming the flag."""
+    from megatron_dapo.models import spec
+
+    with gpu_smoke.device_path(True):
+        assert spec.cuda_available() is True
+        with pytest.raises(ImportError, match="--transformer-impl local"):
+            spec.resolve_transformer_impl(None)
+        assert gpu_smoke.layer_choice()["transformer_impl"] == "local"
+        assert gpu_smoke._impl_flags() == ["--transformer-impl", "local"]
+    assert spec.cuda_available() is False  # CPU again outside

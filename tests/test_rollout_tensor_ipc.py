@@ -102,9 +102,10 @@ def test_engine_checks_shm_before_the_update_session(monkeypatch):
 
 
 class _RecordingPool(tensor_ipc.IpcBucketPool):
-    """IpcBucketPool whose torch.cuda.MemPool / use_mem_pool are fakes that record; allocations land on the CPU."""
+    """IpcBucketPool whose torch.cuda.MemPool / use_mem_pool are fakes that record; allocations land on the CPU.
+    `reserved` / `expandable`: the allocator's reserved bytes (one value a call) and the snapshot's verdict."""
 
-    def __init__(self, log: list):
+    def __init__(self, log: list, reserved=None, expandable=False):
         def make_pool():
             log.append("make_pool")
             return "pool"
@@ -115,7 +116,13 @@ class _RecordingPool(tensor_ipc.IpcBucketPool):
             yield
             log.append("exit")
 
-        super().__init__(make_pool=make_pool, use_pool=use_pool)
+        def is_expandable(ptr):
+            log.append("snapshot")
+            return expandable
+
+        sizes = iter(reserved or [])
+        super().__init__(make_pool=make_pool, use_pool=use_pool, reserved=lambda device: next(sizes, 0),
+                         is_expandable=is_expandable)
         self.log = log
 
     def empty(self, numel, dtype, device):
@@ -143,3 +150,107 @@ def test_cuda_bucket_is_copied_into_the_ipc_pool():
     log.clear()
     shm = stage_bucket(flat, cuda=False, pool=pool)
     assert log == [] and shm.is_shared() and torch.equal(shm, flat)
+
+
+@pytest.mark.parametrize("conf, last, want", [
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, True, id="launchers-env"),
+    pytest.param({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}, None, True,
+                 id="new-env-name"),
+    pytest.param({"PYTORCH_ALLOC_CONF": "expandable_segments:False",
+                  "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None, False, id="new-name-first"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,expandable_segments:False"}, None, False,
+                 id="last-wins"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:False", False,
+                 id="set-at-run-time"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "max_split_size_mb:64", True,
+                 id="run-time-string-without-the-key"),
+    pytest.param({}, None, False, id="unset"),
+])
+def test_expandable_segments_setting_is_read_like_torch(conf, last, want):
+    assert tensor_ipc.expandable_segments_on(last, conf) is want
+
+
+def test_pool_allocates_with_expandable_segments_off_and_gives_the_setting_back(monkeypatch):
+    """Issue 37 defect 3: a recent torch's MemPool() follows the global expandable_segments setting, which the
+    launchers turn on, so the pool alone does not keep buckets out of expandable segments. The allocation must
+    run with the setting off (inside the pool's context) and the trainer's setting come back after it, on error
+    too; with the setting off already nothing is touched."""
+    state = {"conf": "expandable_segments:True"}
+    calls: list = []
+
+    def set_settings(conf):
+        calls.append(conf)
+        state["conf"] = conf
+
+    monkeypatch.setattr(tensor_ipc, "_last_allocator_settings", lambda: state["conf"])
+    monkeypatch.setattr(tensor_ipc, "_set_allocator_settings", set_settings)
+    seen: list = []
+
+    @contextmanager
+    def use_pool(pool, device):
+        seen.append(state["conf"])  # the setting the pool's allocation is made under
+        yield
+
+    pool = tensor_ipc.IpcBucketPool(make_pool=lambda: "pool", use_pool=use_pool, reserved=lambda d: 0)
+    staged = pool.empty(4, torch.float32, torch.device("cpu"))  # no GPU here: the same path on the CPU
+    assert staged.numel() == 4
+    assert seen == ["expandable_segments:False"]
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]
+
+    @contextmanager
+    def failing_pool(pool, device):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+        yield
+
+    calls.clear()
+    pool = tensor_ipc.IpcBucketPool(make_pool=lambda: "pool", use_pool=failing_pool, reserved=lambda d: 0)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.empty(4, torch.float32, torch.device("cpu"))
+    assert calls == ["expandable_segments:False", "expandable_segments:True"]  # given back on error
+
+    calls.clear()
+    state["conf"] = "expandable_segments:False"
+    pool = tensor_ipc.IpcBucketPool(make_pool=lambda: "pool", use_pool=use_pool, reserved=lambda d: 0)
+    pool.empty(4, torch.float32, torch.device("cpu"))
+    assert calls == []
+
+
+def test_the_real_allocator_settings_switch_and_come_back(tmp_path):
+    """The same switch through this torch's own settings calls (torch._C._accelerator_{get,set}AllocatorSettings
+    or the older wrapper), in a process started with the launchers' setting. Only the settings plumbing shows on
+    CPU; the segment it produces is the GPU smoke's `ipc` part."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from megatron_dapo.weight_sync import tensor_ipc as t\n"
+        "assert t.expandable_segments_on(t._last_allocator_settings())\n"
+        "with t.expandable_segments_off():\n"
+        "    assert not t.expandable_segments_on(t._last_allocator_settings()), t._last_allocator_settings()\n"
+        "assert t.expandable_segments_on(t._last_allocator_settings())\n"
+        "print('ok')\n")
+    from tests.torchrun import REPO, subprocess_env
+
+    env = dict(subprocess_env(), PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_pool_segment_that_is_expandable_anyway_is_refused_naming_the_way_out():
+    """A torch whose private pools ignored the switch would hand SGLang a segment it cannot open without ptrace:
+    refused at the allocation, naming the setting and the other sync mode. Only a bucket that grew the pool
+    (reserved bytes changed) is looked up in the snapshot."""
+    log: list = []
+    pool = _RecordingPool(log, reserved=[0, 0], expandable=True)
+    pool.empty(4, torch.float32, torch.device("cpu"))  # reserved unchanged: from a checked segment
+    assert "snapshot" not in log
+    pool = _RecordingPool(log, reserved=[0, 2 << 20], expandable=True)
+    with pytest.raises(RuntimeError, match="expandable_segments:True.*--weight-sync-mode distributed"):
+        pool.empty(4, torch.float32, torch.device("cpu"))
+    assert log[-1] == "snapshot"
+    log.clear()
+    pool = _RecordingPool(log, reserved=[0, 2 << 20], expandable=False)
+    assert pool.empty(4, torch.float32, torch.device("cpu")).numel() == 4 and log[-1] == "snapshot"

@@ -58,11 +58,24 @@ SIZES = {  # full: one H200 (141 GB), a few minutes per part; dry: a few seconds
 
 
 def _device_info() -> dict:
+    """The device and the versions that ran (the lent machine's Python, torch and transformers are its own, not
+    the pins of requirements.txt; megatron-core comes from the carried wheels)."""
+    import platform
+    from importlib import metadata
+
     import torch
 
     cuda = torch.cuda.is_available()
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
     return {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda if cuda else None}
+            "cuda": torch.version.cuda if cuda else None, "python": platform.python_version(),
+            "packages": {d: version(d) for d in ("megatron-core", "transformers", "triton")}}
 
 
 def _write(out: Path, part: str, result: dict) -> None:
@@ -76,14 +89,47 @@ def _fusions(config) -> dict:
     return {f: bool(getattr(config, f)) for f in FUSIONS}
 
 
-def _layer_impl() -> str:
-    import torch
+def choose_transformer_impl(*, cuda: bool, te: bool) -> dict:
+    """The --transformer-impl every part builds its models with, and why: TransformerEngine where CUDA and TE
+    both are, else megatron-core's local layers. The trainer's own default on CUDA is TE *required* (no silent
+    fallback, models/spec.py), so on the lent GPU machine, which has no TE (its wheels do not travel), a part
+    that left the flag out would die at model build: every part passes this choice explicitly."""
+    if cuda and te:
+        return {"transformer_impl": "transformer_engine", "cuda": cuda, "te": te,
+                "why": "CUDA and transformer_engine are both here"}
+    why = ("transformer_engine is not installed on this CUDA machine (its wheels do not travel with the tree): "
+           "megatron-core's local layers, [b, heads, s, s] attention scores, no fused RoPE") if cuda else \
+        "no CUDA: megatron-core's local layers"
+    return {"transformer_impl": "local", "cuda": cuda, "te": te, "why": why}
 
-    from megatron_dapo.models.spec import te_available
 
-    if torch.cuda.is_available() and te_available():
-        return "transformer_engine"
-    return "local (megatron-core torch layers; transformer_engine not installed)"
+def layer_choice() -> dict:
+    """choose_transformer_impl for this machine, as the layer-spec code sees it (models.spec.cuda_available:
+    under --dry it answers True, so the CPU run takes the GPU machine's branch)."""
+    from megatron_dapo.models import spec
+
+    return choose_transformer_impl(cuda=spec.cuda_available(), te=spec.te_available())
+
+
+@contextlib.contextmanager
+def device_path(dry: bool):
+    """--dry: models.spec.cuda_available() answers True for the part's whole run, so the layer-spec choice of a
+    CUDA machine is exercised on CPU (a builder left to its default would ask for TransformerEngine and raise,
+    as it would on the lent GPU machine). Only that choice: tensors, fusions and process groups still follow
+    the real device."""
+    if not dry:
+        yield
+        return
+    from unittest import mock
+
+    from megatron_dapo.models import spec
+
+    with mock.patch.object(spec, "cuda_available", return_value=True):
+        yield
+
+
+def _impl_flags() -> list[str]:
+    return ["--transformer-impl", layer_choice()["transformer_impl"]]
 
 
 # ---- part 1: HF weights -> Megatron model, logits vs transformers ----------------------------------------
@@ -103,6 +149,8 @@ def part_hf_logits(dry: bool) -> dict:
 
     size = SIZES[dry]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    choice = layer_choice()
+    use_te = choice["transformer_impl"] == "transformer_engine"
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config(**size["hf"], max_position_embeddings=256, tie_word_embeddings=False))
     rows = []
@@ -117,7 +165,7 @@ def part_hf_logits(dry: bool) -> dict:
         for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
             row = {"dtype": str(dtype).removeprefix("torch."), "tolerance": tol}
             try:
-                model = build_gpt_model(arch, params_dtype=dtype)
+                model = build_gpt_model(arch, params_dtype=dtype, use_te=use_te)
                 with HFCheckpointReader(tmp) as reader, torch.no_grad():
                     params = dict(model.named_parameters())
                     for name, shards in iter_mcore_shards(reader.get, arch, layout, 0):
@@ -132,7 +180,7 @@ def part_hf_logits(dry: bool) -> dict:
                 row |= {"ok": False, "error": f"{type(e).__name__}: {e}"}
             rows.append(row)
         destroy_parallel()
-    return {"status": "ok" if all(r["ok"] for r in rows) else "fail", "layers": _layer_impl(), "rows": rows,
+    return {"status": "ok" if all(r["ok"] for r in rows) else "fail", "layers": choice, "rows": rows,
             "shape": [b, s], "vocab": arch.vocab_size}
 
 
@@ -163,7 +211,7 @@ def demo_args(base: Path, dry: bool, log_dir: Path) -> list[str]:
             "--lr-warmup-steps", "5", "--weight-decay", "0.0", "--clip-grad", "1.0", "--seed", "1234",
             "--num-steps", "3",
             "--params-dtype", "float32", "--use-fused-logprob", "--log-dir", str(log_dir), "--no-wandb",
-            "--no-progress", *SIZES[dry]["demo"]]
+            "--no-progress", *_impl_flags(), *SIZES[dry]["demo"]]
 
 
 def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
@@ -171,7 +219,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from megatron_dapo.actor import MegatronActor, TrainSample, init_parallel
+    from megatron_dapo.actor import MegatronActor, TrainSample
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.data.prompt_set import load_prompt_set
@@ -183,7 +231,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.trainer.run_config import build_configs
 
     args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
-    layout = init_parallel(tp=1, pp=1, seed=args.seed)
+    layout = _init_layout(args)  # the flags' layout, --transformer-impl included
     arch = ModelArch.from_hf(args.hf_checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
     eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
@@ -205,7 +253,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     t0 = time.perf_counter()
     trainer.run()
     engine.shutdown()
-    return {"label": label, **_device_info(), "backend": torch.distributed.get_backend(),
+    return {"label": label, **_device_info(), "layers": layer_choice(), "backend": torch.distributed.get_backend(),
             "fusions": _fusions(actor.module.config), "seconds": time.perf_counter() - t0,
             "probe_logp": [t.tolist() for t in logp], "probe_entropy": [t.tolist() for t in entropy],
             "steps": recorder.steps}
@@ -250,6 +298,7 @@ def part_trainer(dry: bool, out: Path) -> dict:
     for label, run in runs.items():
         result[f"{label}_run"] = f"{run['device']}, {run['backend']}, {run['seconds']:.1f} s for 3 steps"
     result["device_run_fusions"] = dev["fusions"]
+    result["layers"] = dev["layers"]
     return {"status": "ok" if ok else "fail", "probe_logp_max_abs_diff_device_vs_cpu": diff,
             "probe_entropy_max_abs_diff_device_vs_cpu": ent, "rows": rows, **result}
 
@@ -344,14 +393,11 @@ def _recompute_flags() -> list[str] | None:
 
 
 def _init_layout(args):
-    """init_parallel from the flags, as train.main does (layouts that carry recompute options included)."""
+    """init_parallel from the flags, as train.main does (recompute options and --transformer-impl included)."""
     from megatron_dapo.actor import init_parallel
     from megatron_dapo.distributed.parallel import ParallelLayout
 
-    from_args = getattr(ParallelLayout, "options_from_args", None)
-    if from_args is not None:
-        return init_parallel(seed=args.seed, **from_args(args))
-    return init_parallel(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size, seed=args.seed)
+    return init_parallel(seed=args.seed, **ParallelLayout.options_from_args(args))
 
 
 def _config_only_model(model_dir: Path, config: dict):
@@ -386,7 +432,8 @@ def part_scale(dry: bool, out: Path) -> dict:
     variants = [("none", [])] + ([("full", recompute)] if recompute is not None else [])
     rows = []
     base_flags = ["--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl", "--num-steps", "1",
-                  "--lr", "1e-6", "--params-dtype", "bfloat16" if cuda else "float32", "--use-fused-logprob"]
+                  "--lr", "1e-6", "--params-dtype", "bfloat16" if cuda else "float32", "--use-fused-logprob",
+                  *_impl_flags()]
     for label, flags in variants:
         try:
             args = build_parser().parse_args(base_flags + flags)
@@ -437,7 +484,7 @@ def part_scale(dry: bool, out: Path) -> dict:
             torch.cuda.empty_cache()
         destroy_parallel(keep_process_group=True)
     ok = all("error" not in r for r in rows)
-    return {"status": "ok" if ok else "fail", **_device_info(), "layers": _layer_impl(),
+    return {"status": "ok" if ok else "fail", **_device_info(), "layers": layer_choice(),
             "parameters": arch.num_parameters(), "peak_flops": peak, "notes": notes, "rows": rows}
 
 
@@ -484,7 +531,7 @@ def part_colocate(dry: bool, out: Path) -> dict:
     args = build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data", "unused.jsonl",
                                       "--num-steps", "1", "--lr", "1e-5", "--params-dtype",
                                       "bfloat16" if cuda else "float32",
-                                      "--max-tokens-per-micro-batch", str(size["budgets"][0])])
+                                      "--max-tokens-per-micro-batch", str(size["budgets"][0]), *_impl_flags()])
     layout = _init_layout(args)
     actor_cfg, _, _ = build_configs(args)
     gen = torch.Generator().manual_seed(5)
@@ -530,7 +577,7 @@ def part_colocate(dry: bool, out: Path) -> dict:
     except Exception as e:
         result = {"status": "fail", "error": f"{type(e).__name__}: {e}"}
     destroy_parallel(keep_process_group=True)
-    return {**result, **_device_info(), "layers": _layer_impl(), "parameters": arch.num_parameters(),
+    return {**result, **_device_info(), "layers": layer_choice(), "parameters": arch.num_parameters(),
             "notes": notes, "rows": rows}
 
 
@@ -549,28 +596,25 @@ for line in sys.stdin:
 """
 
 
-def _segment_expandable(ptr: int) -> bool | None:
-    """Whether the CUDA caching allocator segment holding `ptr` is an expandable one (None: not found)."""
-    import torch
-
-    for seg in torch.cuda.memory_snapshot():
-        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
-            return bool(seg.get("is_expandable"))
-    return None
-
-
 def part_ipc(dry: bool, out: Path) -> dict:
     """Tensor-mode weight sync's CUDA IPC (megatron_dapo/weight_sync/tensor_ipc.py) between two processes on one GPU,
     this one running with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (gpu_smoke.sh exports it, as the
     launchers do): a bucket staged in the IpcBucketPool must open in a second process (its sha256 equal), its
     segment must not be expandable. The same bytes in the trainer's own allocator (an expandable segment) are
     tried too, for the record only: that import needs pidfd_getfd, i.e. ptrace permission, which this machine
-    may or may not grant. Dry: CPU buckets through /dev/shm (the protocol, not the allocator)."""
+    may or may not grant; so is a bucket in a private MemPool made without switching expandable segments off
+    (whether this torch's pools follow the global setting). Dry: CPU buckets through /dev/shm (the protocol,
+    not the allocator)."""
     import hashlib
 
     import torch
 
-    from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, serialize_named_tensors, stage_bucket
+    from megatron_dapo.weight_sync.tensor_ipc import (
+        IpcBucketPool,
+        segment_is_expandable,
+        serialize_named_tensors,
+        stage_bucket,
+    )
 
     cuda = torch.cuda.is_available()
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
@@ -585,6 +629,11 @@ def part_ipc(dry: bool, out: Path) -> dict:
     buckets = {"ipc_pool": staged}
     if cuda:
         buckets["default_allocator"] = flat  # the old path: the trainer's own (expandable) block
+        # For the record: a private MemPool *without* the switch, the code before issue 37 defect 3. Expandable
+        # here means this torch's pools follow the global setting, i.e. the switch is what keeps ipc_pool plain.
+        bare = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(bare):
+            buckets["mempool_without_switch"] = flat.clone()
     want = hashlib.sha256(src.view(torch.uint8).numpy().tobytes()).hexdigest()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-c", IPC_RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -593,12 +642,15 @@ def part_ipc(dry: bool, out: Path) -> dict:
     try:
         for name, t in buckets.items():
             handle = serialize_named_tensors([(name, t)], uuid_of=lambda index: index)  # plain torch handle
-            proc.stdin.write(handle + "\n")
-            proc.stdin.flush()
-            reply = proc.stdout.readline().split(maxsplit=1)
-            got = reply[1].strip() if len(reply) == 2 else "no reply"
+            try:
+                proc.stdin.write(handle + "\n")
+                proc.stdin.flush()
+                reply = proc.stdout.readline().split(maxsplit=1)
+                got = reply[1].strip() if len(reply) == 2 else "no reply"
+            except BrokenPipeError:  # the receiver died on an earlier handle: this row says so
+                got = f"receiver exited ({proc.poll()})"
             rows.append({"bucket": name, "bytes": t.numel() * t.element_size(),
-                         "expandable_segment": _segment_expandable(t.data_ptr()) if cuda else None,
+                         "expandable_segment": segment_is_expandable(t.data_ptr()) if cuda else None,
                          "opened_in_receiver": got == want, "receiver": "sha256 equal" if got == want else got})
     finally:
         with contextlib.suppress(BrokenPipeError):  # the receiver died on a handle: its row says so
@@ -672,22 +724,24 @@ def main(argv: list[str] | None = None) -> int:
         print((a.out / "gpu_smoke.md").read_text())
         return 0 if all(r.get("status") == "ok" for r in merged["parts"].values()) else 1
     if a.part == "trainer_run":
-        result = part_trainer_run(a.base, a.dry, a.out, a.label)
+        with device_path(a.dry):
+            result = part_trainer_run(a.base, a.dry, a.out, a.label)
         (a.out / f"trainer_run_{a.label}.json").write_text(json.dumps(result))
         return 0
     t0 = time.perf_counter()
-    if a.part == "hf_logits":
-        result = part_hf_logits(a.dry)
-    elif a.part == "trainer":
-        result = part_trainer(a.dry, a.out)
-    elif a.part == "kernels":
-        result = part_kernels(a.dry)
-    elif a.part == "scale":
-        result = part_scale(a.dry, a.out)
-    elif a.part == "colocate":
-        result = part_colocate(a.dry, a.out)
-    else:
-        result = part_ipc(a.dry, a.out)
+    with device_path(a.dry):
+        if a.part == "hf_logits":
+            result = part_hf_logits(a.dry)
+        elif a.part == "trainer":
+            result = part_trainer(a.dry, a.out)
+        elif a.part == "kernels":
+            result = part_kernels(a.dry)
+        elif a.part == "scale":
+            result = part_scale(a.dry, a.out)
+        elif a.part == "colocate":
+            result = part_colocate(a.dry, a.out)
+        else:
+            result = part_ipc(a.dry, a.out)
     result["seconds"] = time.perf_counter() - t0
     _write(a.out, a.part, result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "runs")}, default=str))

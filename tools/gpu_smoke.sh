@@ -16,7 +16,10 @@
 # The GPU machine needs PyTorch with CUDA, Triton and transformers. megatron-core 0.16.1 (and einops / psutil
 # when missing) come as wheels in .whl/ (tools/fetch_gpu_wheels.sh, run beforehand on a machine with
 # internet) and are installed here with pip --no-index into .whl/site. TransformerEngine is not carried
-# (its wheels are far over the 64 MiB limit): the model runs megatron-core's local layers.
+# (its wheels are far over the 64 MiB limit): every part that builds a model passes --transformer-impl local
+# where TE does not import (the trainer's own CUDA default requires TE) and says so in its `layers` line.
+# Python, torch and transformers are the machine's own (the lent one: Python 3.12, torch 2.11, not the pins of
+# requirements.txt); the versions that ran are printed first and recorded in every part's result.
 #
 # usage: bash tools/gpu_smoke.sh [--dry] [PART ...]
 #   --dry   tiny sizes on CPU (gloo): checks this script's plumbing (tests/test_gpu_smoke.py), measures nothing
@@ -67,6 +70,20 @@ if [ -n "$missing" ]; then
         || { echo "gpu_smoke: installing $missing from .whl/ failed (run tools/fetch_gpu_wheels.sh first)" >&2; exit 2; }
 fi
 [ -d .whl/site ] && export PYTHONPATH="$PWD/.whl/site:$PYTHONPATH"
+"$PY" - <<'EOF'
+import platform
+from importlib import metadata, util
+import torch
+te = "imports" if util.find_spec("transformer_engine") else "absent: local layers"
+versions = []
+for dist in ("megatron-core", "transformers", "triton"):
+    try:
+        versions.append(f"{dist} {metadata.version(dist)}")
+    except metadata.PackageNotFoundError:
+        versions.append(f"{dist} absent")
+print(f"== python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}, "
+      f"available: {torch.cuda.is_available()}), {', '.join(versions)}; transformer_engine {te}")
+EOF
 
 # Per-part limits (s): the sum is 9 minutes; the parts usually end well before their limits.
 declare -A LIMIT=([hf_logits]=60 [trainer]=150 [kernels]=90 [scale]=150 [colocate]=60 [ipc]=30)

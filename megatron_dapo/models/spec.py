@@ -27,18 +27,25 @@ def te_available() -> bool:
     return True
 
 
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), as the layer-spec choice asks it: the one place that choice reads the device
+    (`tools/gpu_smoke.py --dry` answers True here to rehearse a CUDA machine's choice on CPU)."""
+    return torch.cuda.is_available()
+
+
 def resolve_transformer_impl(impl: str | None) -> str:
     """--transformer-impl -> 'transformer_engine' or 'local'.
 
     None: transformer_engine when CUDA is available (and then TE must import: no silent fallback to the
     local spec), local otherwise. Raises ImportError naming the flag when TE is asked for but missing.
     """
+    cuda = cuda_available()
     if impl is None:
-        impl = "transformer_engine" if torch.cuda.is_available() else "local"
+        impl = "transformer_engine" if cuda else "local"
     if impl not in ("transformer_engine", "local"):
         raise ValueError(f"--transformer-impl must be transformer_engine or local, got {impl!r}")
     if impl == "transformer_engine" and not te_available():
-        where = "CUDA is available, so " if torch.cuda.is_available() else ""
+        where = "CUDA is available, so " if cuda else ""
         raise ImportError(
             f"{where}the decoder layers need transformer_engine, which does not import ({TE_HINT}); pass "
             "--transformer-impl local to run megatron-core's local spec instead (it materialises "

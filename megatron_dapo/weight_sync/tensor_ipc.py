@@ -10,10 +10,15 @@ format); the bytes stay where they are:
   allocator: the launchers set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and a tensor in an
   expandable segment is shared by a POSIX file descriptor that the receiver imports with pidfd_getfd, which
   needs ptrace permission over the sender (refused under Yama ptrace_scope >= 1 between sibling processes
-  and in containers without CAP_SYS_PTRACE: pytorch issue 165685, verl issue 3377). torch's caching
-  allocator never uses expandable segments for a private pool (CUDACachingAllocator alloc_block: "our
-  checkpointing logic for private pools doesn't support the expandable_segments_ structure"), so a pool's
-  block is a plain cudaMalloc segment, shared with cudaIpcGetMemHandle like any pre-2.x torch tensor.
+  and in containers without CAP_SYS_PTRACE: pytorch issue 165685, verl issue 3377). A private pool alone is
+  not enough: older torch kept private pools out of expandable segments (CUDACachingAllocator alloc_block:
+  "our checkpointing logic for private pools doesn't support the expandable_segments_ structure"), but a
+  recent `MemPool()` without its own allocator "follows the default/current configuration of the
+  CUDACachingAllocator" (torch 2.13's MemPool docstring), expandable segments included. So the pool's
+  allocations are made with the setting switched off (`expandable_segments:False` for the duration of the
+  allocation, the way torch's own Note [Expandable Segments] suggests for tensors shared across processes)
+  and each new segment is checked in `torch.cuda.memory_snapshot()`: a pool block is then a plain cudaMalloc
+  segment, shared with cudaIpcGetMemHandle like any pre-2.x torch tensor.
 - CPU: the bucket is copied to shared memory (a file in /dev/shm, `file_system` sharing strategy) and
   travels as that file's name. Containers default to a 64 MB /dev/shm, so the free space is checked first.
 
@@ -27,9 +32,11 @@ same bytes in /dev/shm.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from multiprocessing.reduction import ForkingPickler
 
@@ -108,27 +115,106 @@ def check_shm_space(nbytes: int, shm_dir: str = SHM_DIR,
         )
 
 
+def conf_value(conf: str, key: str) -> str | None:
+    """The value of `key` in a caching-allocator config string ("k1:v1,k2:v2"), the last one when repeated;
+    None when the string does not name it."""
+    value = None
+    for item in conf.split(","):
+        name, sep, val = item.partition(":")
+        if sep and name.strip() == key:
+            value = val.strip()
+    return value
+
+
+def expandable_segments_on(last_settings: str | None, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the CUDA caching allocator puts new blocks in expandable segments now: the last settings string
+    torch was given at run time (`last_settings`, torch._C._accelerator_getAllocatorSettings where the torch has
+    it) when it names the key, else what torch read at start-up (PYTORCH_ALLOC_CONF, which newer torch reads
+    first, then PYTORCH_CUDA_ALLOC_CONF). torch has no getter for the flag itself."""
+    for conf in (last_settings, environ.get("PYTORCH_ALLOC_CONF"), environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+        value = conf_value(conf or "", "expandable_segments")
+        if value is not None:
+            return value == "True"
+    return False
+
+
+def _last_allocator_settings() -> str | None:
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch 2.13 has it; older may not
+    return getter() if getter is not None else None
+
+
+def _set_allocator_settings(conf: str) -> None:
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # older torch: the (later deprecated) wrapper
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(conf)
+
+
+@contextlib.contextmanager
+def expandable_segments_off() -> Iterator[None]:
+    """New CUDA blocks in plain cudaMalloc segments while inside, the setting given back after (also on error);
+    nothing is touched when expandable segments are off already. The setting is process-wide: another thread
+    allocating meanwhile gets a plain segment too, which costs it nothing but fragmentation. Costs one settings
+    parse each way (microseconds)."""
+    if not expandable_segments_on(_last_allocator_settings()):
+        yield
+        return
+    _set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        _set_allocator_settings("expandable_segments:True")
+
+
+def segment_is_expandable(ptr: int) -> bool | None:
+    """Whether the caching-allocator segment holding device pointer `ptr` is an expandable segment
+    (torch.cuda.memory_snapshot's `is_expandable`); None when no segment holds it."""
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return bool(seg.get("is_expandable"))
+    return None
+
+
 class IpcBucketPool:
     """GPU memory for tensor-mode buckets that another process can open with a plain cudaIpcOpenMemHandle:
-    a private torch.cuda.MemPool (plain cudaMalloc segments even when the process runs with expandable
-    segments; see the module docstring), made on the first CUDA allocation, so building one costs nothing on
-    CPU. One pool per push: `release()` at its end drops the pool and returns its cached segment (the
-    largest bucket, up to 1.5 GiB at 32B) before SGLang takes its KV cache back.
+    a private torch.cuda.MemPool whose allocations are made with expandable segments switched off
+    (`expandable_segments_off`; see the module docstring), made on the first CUDA allocation, so building one
+    costs nothing on CPU. A bucket that grew the pool (a new segment) is checked in the allocator's snapshot
+    and refused if expandable anyway, naming the way out, rather than failing in SGLang's import. One pool per
+    push: `release()` at its end drops the pool and returns its cached segment (the largest bucket, up to
+    1.5 GiB at 32B) before SGLang takes its KV cache back.
 
-    `make_pool` / `use_pool`: torch.cuda.MemPool / torch.cuda.use_mem_pool (injected by CPU tests)."""
+    `make_pool` / `use_pool`: torch.cuda.MemPool / torch.cuda.use_mem_pool; `non_expandable`: the context
+    that switches expandable segments off; `reserved` / `is_expandable`: torch.cuda.memory_reserved /
+    segment_is_expandable (all injected by CPU tests)."""
 
     def __init__(self, make_pool: Callable[[], object] | None = None,
-                 use_pool: Callable[..., AbstractContextManager] | None = None) -> None:
+                 use_pool: Callable[..., AbstractContextManager] | None = None,
+                 non_expandable: Callable[[], AbstractContextManager] = expandable_segments_off,
+                 reserved: Callable[[torch.device], int] | None = None,
+                 is_expandable: Callable[[int], bool | None] = segment_is_expandable) -> None:
         self._make_pool = make_pool or torch.cuda.MemPool
         self._use_pool = use_pool or torch.cuda.use_mem_pool
+        self._non_expandable = non_expandable
+        self._reserved = reserved or torch.cuda.memory_reserved
+        self._is_expandable = is_expandable
         self._pool: object | None = None
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised 1-D CUDA tensor allocated in the pool."""
+        """An uninitialised 1-D CUDA tensor allocated in the pool, in a segment that is not expandable."""
         if self._pool is None:
             self._pool = self._make_pool()
-        with self._use_pool(self._pool, device):
-            return torch.empty(numel, dtype=dtype, device=device)
+        before = self._reserved(device)
+        with self._non_expandable(), self._use_pool(self._pool, device):
+            t = torch.empty(numel, dtype=dtype, device=device)
+        # Only a new segment needs a look (a snapshot lists every segment of the process: ~ms, once per growth).
+        if self._reserved(device) != before and self._is_expandable(t.data_ptr()):
+            raise RuntimeError(
+                "tensor-mode weight sync: a bucket of the IPC pool landed in an expandable segment although "
+                "expandable segments were switched off for it (this torch's private pools ignore the setting); "
+                "SGLang could not open it without ptrace permission. Drop expandable_segments:True from "
+                "PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF, or use --weight-sync-mode distributed")
+        return t
 
     def release(self) -> None:
         """Drops the pool (its blocks go back to the driver once no tensor and no receiver holds them)."""
