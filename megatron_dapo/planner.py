@@ -59,6 +59,11 @@ Colocated (--colocate): every GPU holds an actor rank and a shard of an SGLang e
     buffers) next to the released engines. The old order built the actor next to resident engines: SGLang's
     static pool and runtime on top: at the 32B colocated launcher 82.9 GiB per 80 GB GPU while building,
     88.6 GiB while resuming, against 19.3 / 25.0 GiB now.
+  - save (save_lines): a checkpoint is written in the training phase after the step's update, before the push
+    (trainer/loop.py Trainer.save): weights, grads and the optimizer shard next to the released engine, the
+    activations freed; the tensors are staged to host memory (megatron-core's D2H preload), no GPU buffers. The
+    old save ran in the generation phase and onloaded grads and optimizer state next to SGLang's static pool and
+    runtime: at the 32B colocated launcher 81.9 GiB per 80 GB GPU, against 18.3 GiB now.
 SGLang 0.5.23 sizes its KV pool as (free memory at start) x mem_fraction_static - its weights
 (mem_cache/kv_cache_configurator._profile_available_bytes); free <= GPU memory, so frac x GPU memory bounds it.
 The computed --mem-fraction-static is the largest (in 0.01 steps) that keeps the generation phase under
@@ -653,6 +658,31 @@ def startup_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, b
     return new, new + resident
 
 
+def save_lines(plan: StagePlan, inputs: PlanInputs) -> dict[str, float]:
+    """Component -> bytes on one GPU while a colocated run writes a checkpoint: in the training phase, after the
+    step's update (the activations freed) and before the push, next to the released engine. The save reads the
+    weights and the optimizer shard (fp32 main params + Adam moments: megatron-core's dp_reshardable state reads
+    only the grad buffers' sizes); the grads stay allocated, as the training phase left them."""
+    return {"SGLang (colocated, released)": inputs.sglang_gib * GIB,
+            f"weights ({inputs.params_dtype})": static_bytes(plan, "weights"),
+            "grads (fp32 DDP buffer)": static_bytes(plan, "grads"),
+            "optimizer (main params + Adam, read by the save)": static_bytes(plan, "optimizer"),
+            "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
+
+
+def save_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
+               ) -> tuple[float, float]:
+    """(now, old) bytes of the fullest GPU while a colocated run saves: in the training phase (save_lines), against
+    the old save in the generation phase, which onloaded grads and optimizer state next to everything the
+    generation phase holds (generation_lines)."""
+    share = sglang_share(arch, plans, inputs, bytes_per_element)
+    engine = sum(generation_lines(share).values()) - sum(share.actor_generation.values())
+    new = max(sum(save_lines(p, inputs).values()) for p in plans)
+    old = max(engine + sum(actor_generation_lines(p).values()) + static_bytes(p, "grads")
+              + static_bytes(p, "optimizer") for p in plans)
+    return new, old
+
+
 # ---- --dry-run ---------------------------------------------------------------------------------------
 def world_size_from_args(args: argparse.Namespace) -> int:
     """--world-size, else $WORLD_SIZE, else the fewest ranks that hold one model replica and one expert grid
@@ -807,6 +837,15 @@ def colocated_lines(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs,
                  f"{sum(r for _, r in start.values()) / GIB:>10.2f}")
     lines.append(f"start-up: worst {new / GIB:.2f} GiB per GPU; the old order (actor built next to resident "
                  f"engines) held {old / GIB:.2f} GiB")
+    worst = max(plans, key=lambda p: sum(save_lines(p, inputs).values()))
+    save = save_lines(worst, inputs)
+    lines.append(f"phase: save, stage {worst.stage} (--save: training phase, before the push){'GiB per GPU':>14}")
+    for key, value in save.items():
+        lines.append(f"{key:<48}{value / GIB:>10.2f}")
+    lines.append(f"{'total':<48}{sum(save.values()) / GIB:>10.2f}")
+    new, old = save_peaks(arch, plans, inputs, spec.bytes_per_element)
+    lines.append(f"save: {new / GIB:.2f} GiB per GPU; saved in the generation phase (grads and optimizer onloaded "
+                 f"next to the resident engines) it held {old / GIB:.2f} GiB")
     lines.append(
         f"SGLang share: --mem-fraction-static {share.mem_fraction_static:.2f} "
         f"({'computed from this plan' if share.computed else 'given'}) = {share.static / GIB:.2f} GiB of "
@@ -834,9 +873,10 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
         lines = format_plan(arch, layout, inputs, spec)
         phases = phase_peaks_gib(arch, layout, inputs, spec)
         peak = max(phases.values())
-        if inputs.colocate:  # the start-up's worst moment counts too (printed above the phases line)
-            peak = max(peak, startup_peaks(arch, plan_stages(arch, layout, inputs, spec), inputs,
-                                           spec.bytes_per_element)[0] / GIB)
+        if inputs.colocate:  # the start-up's and the save's worst moments count too (printed above the phases line)
+            plans = plan_stages(arch, layout, inputs, spec)
+            peak = max(peak, startup_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB,
+                       save_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB)
     except (ValueError, FileNotFoundError) as exc:
         print(f"plan: error: {exc}", file=out)
         return 2

@@ -3,6 +3,7 @@ SGLang in the right order, the flag combinations fail with errors naming the fla
 
 from __future__ import annotations
 
+import contextlib
 from contextlib import contextmanager
 
 import pytest
@@ -250,9 +251,11 @@ class _StartupEngine(_Recorder):
         self.weight_sync = sync
 
 
-def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
+def _run_startup(world, tmp_path, monkeypatch, *, resume: bool, extra: tuple[str, ...] = (), run=None) -> list:
     """train.train(--colocate) in this process with the heavy parts faked, recording the start-up events: the
-    engine coming up and its memory calls, the actor's build, the checkpoint load, the offload and the push."""
+    engine coming up and its memory calls, the actor's build, the checkpoint load, the offload and the push.
+    `run(trainer)`: stands in for Trainer.run, and train.train then goes on to its end (without: the run stops
+    where its first step would begin); `extra`: more flags."""
     from types import SimpleNamespace
 
     from megatron_dapo import actor as actor_mod
@@ -285,6 +288,9 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
         raise _Stop
 
     monkeypatch.setattr(Trainer, "rank0_batch", first_step)
+    if run is not None:
+        monkeypatch.setattr(Trainer, "run", run)
+    monkeypatch.setattr(build, "export_hf", lambda actor, out, hf, step: log.append(("export", step)))
     # the fixture's one-rank process group outlives this run: train's own `dist` sees none to destroy
     monkeypatch.setattr(train_mod, "dist", SimpleNamespace(is_initialized=lambda: False, get_rank=lambda: 0))
     argv = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "2", "--colocate",
@@ -292,8 +298,8 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool) -> list:
             "--seed", "7", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2"]
     if resume:
         argv += ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "ckpt")]  # the launchers' pattern
-    with pytest.raises(_Stop):
-        train_mod.train(build_parser().parse_args(argv))
+    with pytest.raises(_Stop) if run is None else contextlib.nullcontext():
+        train_mod.train(build_parser().parse_args(argv + list(extra)))
     return log
 
 
@@ -310,3 +316,102 @@ def test_engines_are_released_before_the_actor_allocates(world, tmp_path, monkey
     assert log == ["engine up", released, "build actor", *(["load checkpoint"] if resume else []), "offload",
                    ("resume", ("weights",)), ("push", step), ("resume", ("kv_cache", "cuda_graph")),
                    ("step", step + 1), "shutdown"]
+
+
+def test_the_engines_release_their_memory_before_the_hf_export(world, tmp_path, monkeypatch):
+    """--colocate --export-hf: the run ends in a generation phase (engines resident: at 32B 65.6 GiB of SGLang next
+    to the actor's weights, 71.4 GiB planned of 80); the engines release weights, KV cache and CUDA graphs before
+    the export's TP gathers (up to 2.9 GiB at 32B) allocate, and the export then runs."""
+    def run(trainer):  # the loop's last step ends generating, as every step does
+        trainer.phases.to_generation(lambda: {})
+
+    log = _run_startup(world, tmp_path, monkeypatch, resume=False, extra=("--export-hf", str(tmp_path / "hf")),
+                       run=run)
+    released = ("release", ("weights", "kv_cache", "cuda_graph"))
+    assert log[-5:] == [("resume", ("weights",)), ("resume", ("kv_cache", "cuda_graph")), released, ("export", 0),
+                        "shutdown"]
+
+
+# ---- what is resident when a colocated run saves (issue 37 defect 4) ----------------------------------------
+class _MemoryEngine:
+    """SGLang's memory stand-in: which of its tags (weights, kv_cache, cuda_graph) it holds now. It starts released,
+    as start_colocated_engines leaves the engines before the actor is built."""
+
+    def __init__(self) -> None:
+        self.resident: set[str] = set()
+
+    def release_memory_occupation(self, tags) -> None:
+        self.resident -= set(tags)
+
+    def resume_memory_occupation(self, tags) -> None:
+        self.resident |= set(tags)
+
+
+def _resident(actor: MegatronActor, engine: _MemoryEngine) -> set[str]:
+    """What holds device memory now: the actor's params, its DDP grad buffers, its optimizer state (fp32 main params
+    and Adam moments), and the engine's tags."""
+    def held(tensors) -> bool:
+        sizes = [t.untyped_storage().nbytes() for t in tensors]
+        assert all(sizes) or not any(sizes), "partly offloaded"
+        return bool(sizes) and all(sizes)
+
+    leaves = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    state = [v for o in leaves for s in o.optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.dim() > 0]
+    parts = {"actor params": held([p for c in actor.chunks for p in c.parameters()]),
+             "actor grads": held([b.grad_data for c in actor.chunks for b in c.buffers]),
+             "optimizer state": held(state)}
+    return {k for k, v in parts.items() if v} | {f"engine {t}" for t in engine.resident}
+
+
+def test_a_colocated_save_runs_in_the_training_phase_and_holds_the_steps_state(world, tmp_path):
+    """Trainer.run --colocate with --save every step: each save runs while the engine is released (at 32B its weights,
+    KV cache and graphs, 65.6 GiB, cannot sit next to the actor's onloaded grads and optimizer state: 81.9 GiB on an
+    80 GB GPU, the planner's save row), and the step-2 checkpoint loads into a fresh actor equal, bit for bit, to an
+    actor that trained the same two steps never offloaded (params, fp32 main params and Adam state, scheduler).
+    After the run the actor is offloaded and the engine resident, as every generation phase leaves them."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.checkpoint.checkpointer import Checkpointer
+    from megatron_dapo.checkpoint.training import load_checkpoint
+    from megatron_dapo.rollout.collect import CollectConfig, DynamicSamplingConfig, OverlongConfig
+    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
+    from tests.checkpoint_helpers import optimizer_state
+
+    cfg = {"params_dtype": "bfloat16", "use_distributed_optimizer": True}  # the production optimizer
+    actor, engine, pushed = _actor(world, **cfg), _MemoryEngine(), []
+    collect = CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3),
+                            dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1, enabled=False),
+                            overlong=OverlongConfig(max_response_length=3))
+    trainer = Trainer(config=TrainerConfig(num_steps=2, save_dir=str(tmp_path), save_interval=1), collect=collect,
+                      actor=actor, engine=engine, next_prompts=lambda k: [], eval_prompts=[], decode=str,
+                      reward_fn=None, logger=None,
+                      phases=PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine),
+                      weight_sync=SimpleNamespace(push=lambda a, v: pushed.append(v) or {}))
+    # one mini-batch a step, the rollout stood in for: the batch train() gets is the one the reference trains on
+    trainer.rank0_batch = lambda step: ({}, [[[Rollout(s, torch.zeros(s.response_len))
+                                               for s in make_samples(4, seed=40 + step)]]])
+    trainer.checkpointer = Checkpointer({"trainer": trainer}, actor=actor, save_dir=str(tmp_path), load_dir=None)
+    saver_save, at_save = trainer.checkpointer.saver.save, []
+    trainer.checkpointer.saver.save = lambda step, a, extra: at_save.append((step, _resident(actor, engine))) \
+        or saver_save(step, a, extra)
+    trainer.run()
+    trainer.checkpointer.close()
+    everything_but_the_engine = {"actor params", "actor grads", "optimizer state"}
+    assert at_save == [(1, everything_but_the_engine), (2, everything_but_the_engine)]
+    assert pushed == [0, 1, 2] and trainer.phases.phase == "generation"
+    assert _resident(actor, engine) == {"actor params", "engine weights", "engine kv_cache", "engine cuda_graph"}
+    with pytest.raises(RuntimeError, match="in the colocated 'generation' phase"):
+        trainer.save(3)  # the old save's moment: refused, not onloaded next to the engine
+
+    ref = _actor(world, **cfg)
+    for step in (1, 2):
+        ref.train_step(make_samples(4, seed=40 + step), rollout_step=step)
+    resumed = _actor(world, **cfg)
+    assert load_checkpoint(tmp_path, resumed)["step"] == 2
+    want, got = optimizer_state(ref), optimizer_state(resumed)
+    assert set(want) == set(got) and any(k.startswith("model.") for k in want)
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+    assert resumed.scheduler.state_dict() == ref.scheduler.state_dict()

@@ -94,8 +94,8 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    # a resume: the checkpoint (saved with the optimizer state onloaded around the save) is pushed to a fresh
-    # server with the actor offloaded, and step 4's rollouts come from the resumed weights
+    # a resume: the checkpoint (saved in the training phase, before the push) is pushed to a fresh server with the
+    # actor offloaded, and step 4's rollouts come from the resumed weights
     cmd[cmd.index("--num-steps") + 1] = "4"
     cmd[cmd.index("--sglang-base-port") + 1] = str(free_port_block(2))
     cmd[cmd.index("--log-dir") + 1] = str(tmp_path / "log2")

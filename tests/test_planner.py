@@ -506,6 +506,32 @@ def test_colocated_startup_rows_by_hand(tmp_path):
     assert old / gib > 80 > 72 > resume / gib  # the old order overflowed the GPU; the new one fits with headroom
 
 
+def test_colocated_save_row_by_hand(tmp_path):
+    """The save rows of the 32B colocated launcher, written out: a save runs in the training phase after the update
+    (trainer/loop.py), so stage 1 holds P = 32 layers' TP8 shard + the final norm + the padded head's shard as bf16
+    weights, fp32 grads and the optimizer shard (12 B/P / DP 8), next to the released engine (2 GiB) and the context
+    (2 GiB). The old save, in the generation phase, onloaded grads and optimizer next to SGLang's static pool
+    (0.77 x 80 GiB), its runtime (4 GiB), the actor's weights and context: over the 80 GB GPU."""
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
+    assert rc == 0, "\n".join(lines)
+    h, q, kv, f = 5120, 5120, 1024, 27648
+    per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f) // 8 + 2 * h
+    P = 32 * per_layer + h + -(-152064 // 1024) * 1024 * h // 8
+    gib = planner.GIB
+    save = 2 * gib + 2 * P + 4 * P + 12 * P / 8 + 2 * gib
+    old = 0.77 * 80 * gib + 4 * gib + 2 * P + 2 * gib + 4 * P + 12 * P / 8
+    table = lines.index(next(line for line in lines if line.startswith("phase: save, stage 1")))
+    rows = {line[:48].strip(): float(line[48:]) for line in lines[table + 1:table + 7]}
+    assert rows == {"SGLang (colocated, released)": 2.0, "weights (bfloat16)": round(2 * P / gib, 2),
+                    "grads (fp32 DDP buffer)": round(4 * P / gib, 2),
+                    "optimizer (main params + Adam, read by the save)": round(12 * P / 8 / gib, 2),
+                    "CUDA context, NCCL, workspaces (assumed)": 2.0, "total": round(save / gib, 2)}
+    summary = next(line for line in lines if line.startswith("save:"))
+    assert summary == f"save: {save / gib:.2f} GiB per GPU; saved in the generation phase (grads and optimizer " \
+                      f"onloaded next to the resident engines) it held {old / gib:.2f} GiB"
+    assert old / gib > 80 > 72 > save / gib  # the old save overflowed the GPU; this one fits with headroom
+
+
 # ---- mixture of experts ----------------------------------------------------------------------------------
 
 A3B = REPO / "examples/models/qwen3-30B-A3B"

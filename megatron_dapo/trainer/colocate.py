@@ -10,10 +10,19 @@
                  release dropped the engines' own). The planner's "start-up" rows size this moment.
   to_training:   SGLang /release_memory_occupation (weights, KV cache, CUDA graphs); the actor onloads its
                  optimizer state (host -> device) and re-allocates its grad buffers (zeroed).
+  save:          a due checkpoint (--save-interval, the last step) is written in the training phase, after the
+                 step's update and before to_generation (Trainer.save): everything it reads is resident and SGLang
+                 holds only its released leftovers; 18.3 GiB per GPU at 32B (the planner's save row), where a save
+                 in the generation phase onloaded grads and optimizer state next to SGLang's weights, KV cache
+                 and graphs: 81.9 GiB on an 80 GB GPU.
   to_generation: the actor offloads optimizer state to host and frees its grad buffers, empties the CUDA
                  cache; SGLang /resume_memory_occupation of its weights, the new weights are pushed, then
                  its KV cache and CUDA graphs are resumed (the order of slime and verl: the push needs the
                  weight memory back, the KV pool would otherwise sit next to the push buffers).
+  end:           after the last step the engines release everything once more (PhaseSwitcher.end) before
+                 --export-hf gathers each full parameter over TP next to the actor's resident weights (up to
+                 2.9 GiB at 32B: the padded embedding's 1.46 GiB of gathered shards and their merge), which
+                 the generation phase's plan (71.4 GiB of 80) has no room for under its 10% headroom.
 
 Offload moves whole tensor storages (`untyped_storage().resize_(0)` after a copy to pinned host memory; back
 with resize_ and a copy), as megatron-core's DDP.offload_grad_buffers does for grads: every view (param.
@@ -308,6 +317,14 @@ class PhaseSwitcher:
         self.phase = "generation"
         return metrics | {"colocate/to_generation_s": time.perf_counter() - t0 - push_s,
                           "colocate/actor_resident_gib_generation": resident / 2**30}
+
+    def end(self) -> None:
+        """After the run's last step (train.py, before --export-hf): the engines, no longer needed, release weights,
+        KV cache and CUDA graphs (a section, as in to_training); the actor stays offloaded, its weights (all the
+        export reads) resident. Later phase switches are refused."""
+        if self.phase == "generation":
+            release_engines(self.engine, self.section, "while SGLang released its GPU memory for the HF export")
+        self.phase = "ended"
 
     def start(self) -> dict[str, float]:
         """Engines that were never released (still holding their initial weights) and a resident actor: offload
