@@ -13,8 +13,10 @@
 # those with ps): the servers read it from a 0600 --config file. SGLANG_ALLOW_NO_API_KEY=1 overrides the refusal on
 # a trusted network. SGLANG_EXTRA_ARGS: more sglang.launch_server flags (the colocated recipe's
 # --mem-fraction-static and --enable-memory-saver; with the latter the servers start without expandable_segments in
-# PYTORCH_CUDA_ALLOC_CONF, which torch_memory_saver refuses). SGLANG_ROUTER_WORKERS="URL ...": also start
-# sglang-router on BASE_PORT + NUM_SERVERS in front of those servers (every rollout node's).
+# PYTORCH_CUDA_ALLOC_CONF, which torch_memory_saver refuses; a trainer with --moe-routing-replay needs
+# --enable-return-routed-experts, which the actor launcher's --dry-run names and the trainer checks when it attaches).
+# SGLANG_ROUTER_WORKERS="URL ...": also start sglang-router on BASE_PORT + NUM_SERVERS in front of those servers
+# (every rollout node's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/lib/launch.sh
@@ -26,7 +28,7 @@ HOST=${5:-127.0.0.1}
 RUN_DIR=${SGLANG_RUN_DIR:-runs}
 mkdir -p "$RUN_DIR"
 ARGS=(--hf-checkpoint "$HF_CKPT" --sglang-num-servers "$NUM" --sglang-tp-size "$TP" --sglang-base-port "$BASE_PORT"
-      --sglang-host "$HOST" --sglang-extra-args "${SGLANG_EXTRA_ARGS:-}" --sglang-python "${SGLANG_PY:-$PY}"
+      --sglang-host "$HOST" "--sglang-extra-args=${SGLANG_EXTRA_ARGS:-}" --sglang-python "${SGLANG_PY:-$PY}"
       --sglang-device "${SGLANG_DEVICE:-cuda}" --max-restarts "${MAX_SERVER_RESTARTS:-3}" --log-dir "$RUN_DIR")
 [[ -z "${SGLANG_API_KEY_FILE:-}" ]] || ARGS+=(--sglang-api-key-file "$SGLANG_API_KEY_FILE")
 [[ "${SGLANG_ALLOW_NO_API_KEY:-0}" != 1 ]] || ARGS+=(--sglang-allow-no-api-key)

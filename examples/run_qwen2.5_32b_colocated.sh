@@ -16,6 +16,7 @@ source examples/lib/launch.sh
 launcher_args "$@"
 source examples/recipes/qwen2.5-32b-colocated.sh
 if [[ "$DRY_RUN" != 1 && "${LAUNCH_ENGINES:-1}" == 1 ]]; then
+    server_flags  # the recipe's, and what its trainer flags require of every engine
     SGLANG_RUN_DIR="$RUN_DIR/sglang" SGLANG_EXTRA_ARGS="$SGLANG_SERVER_ARGS" \
         examples/launch_sglang_servers.sh "$HF_CKPT" "$((GPUS_PER_NODE / SGLANG_TP))" "$SGLANG_TP" "$SGLANG_BASE_PORT" \
         "${SGLANG_HOST:-0.0.0.0}"

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_dapo.arguments import build_parser
@@ -21,6 +22,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.rollout import build as rollout_build
 from megatron_dapo.trainer import build, colocate
 from megatron_dapo.trainer.validation import share_verdict
+from megatron_dapo.weight_sync import nccl_env
 
 QUIET_EXIT_DELAY_S = 2.0
 """How much later than the rank that prints an input error the ranks that stay quiet exit."""
@@ -58,9 +60,13 @@ def train(args: argparse.Namespace) -> None:
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         run, reward_fn = build.check_flags(args)
+        # before any NCCL communicator: NCCL reads it once per process (weight_sync/nccl_env.py)
+        cumem = nccl_env.match_sglang_cumem(args, os.environ, cuda=torch.cuda.is_available())
     except UserError as err:
         err.echo = rank0  # every rank reaches the same verdict; one prints it
         raise
+    if cumem and os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node: nodes may decide differently
+        print(cumem, flush=True)
     engine, inputs, verdict = None, None, None
     if rank0:
         try:
@@ -101,6 +107,8 @@ def train(args: argparse.Namespace) -> None:
         trainer.run()
         trainer.checkpointer.close()  # an --async-save in flight is finished and renamed here
         if args.export_hf:
+            if trainer.phases is not None:  # the export's TP gathers need not sit next to SGLang's KV cache
+                trainer.phases.end()
             build.export_hf(actor, args.export_hf, args.hf_checkpoint, trainer.step)
     finally:
         if logger is not None:

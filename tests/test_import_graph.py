@@ -2,7 +2,8 @@
 
 Every import counts, also those inside functions (a cycle broken only by a deferred import is still two
 modules that cannot be understood, tested or moved apart). The entry points that may read the CLI module:
-`train.py` (it parses the flags) and `planner.py` (`python -m megatron_dapo.planner`). A module importing its
+`train.py` (it parses the flags), `planner.py` (`python -m megatron_dapo.planner`) and `launch/server_args.py`
+(`python -m megatron_dapo.launch.server_args`: the servers' flags from the trainer's). A module importing its
 own package (`megatron_dapo.x.y` -> `megatron_dapo.x`) is not an edge: Python runs the package first anyway.
 """
 
@@ -14,7 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "megatron_dapo"
 CLI = "megatron_dapo.arguments"
-ENTRY_POINTS = {"megatron_dapo.train", "megatron_dapo.planner"}
+ENTRY_POINTS = {"megatron_dapo.train", "megatron_dapo.planner", "megatron_dapo.launch.server_args"}
 
 
 def module_name(path: Path) -> str:

@@ -5,6 +5,7 @@ on a real Slurm cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -305,3 +306,192 @@ def test_single_node_launcher_dry_run_through_a_model_wrapper():
     assert "single node: actor ranks 0-3 on GPUs 0-3 (torchrun), 2 SGLang servers at TP 2 on GPUs 4-7" in out.stdout
     assert "examples/models/llama3.1-8B/config.json" in out.stdout
     assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak 62.")
+
+
+# ---- examples/slurm/ inside a stand-in Slurm job: what the job refuses and what each step gets -----------------
+
+FAKE_SCONTROL = '#!/bin/sh\n[ "$1" = show ] && [ "$2" = hostnames ] && echo "$3" | tr "," "\\n"\n'
+RECORDER = """#!{python}
+import json, os, sys
+out = os.path.join({out!r}, f"{{os.path.basename(sys.argv[0])}}.{{os.getpid()}}.json")
+json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, open(out, "w"))
+"""
+
+
+def _in_job(tmp_path: Path, script: str, args: list[str], nodes: int, **env: str) -> tuple[subprocess.CompletedProcess,
+                                                                                           list[dict]]:
+    """Runs examples/slurm/SCRIPT as Slurm would inside job 4242 on `nodes` nodes (SLURM_* as sbatch sets them),
+    with a stand-in `scontrol` and an `srun` that records each step (its arguments and environment) and ends at
+    once; (the job's result, the steps' records)."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "records"
+    bin_dir.mkdir()
+    out.mkdir()
+    (bin_dir / "scontrol").write_text(FAKE_SCONTROL)
+    (bin_dir / "srun").write_text(RECORDER.format(python=sys.executable, out=str(out)))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    run_env |= {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+                "SLURM_JOB_NODELIST": ",".join(f"gpu{i:03d}" for i in range(nodes)), "MASTER_ADDR": "127.0.0.1",
+                "SERVER_WAIT_S": "30", **env}
+    res = subprocess.run(["bash", f"examples/slurm/{script}", *args], cwd=REPO, env=run_env, capture_output=True,
+                         text=True, timeout=180)
+    return res, [json.loads(f.read_text()) for f in sorted(out.glob("srun.*.json"))]
+
+
+@pytest.mark.parametrize("script,recipe,env,said", [
+    ("split.sbatch", "qwen2.5-32b", {"CUDA_VISIBLE_DEVICES": ""},
+     "the job asked Slurm for no GPU, and torch sees 0 on node 0"),
+    ("colocated.sbatch", "qwen2.5-32b-colocated", {"CUDA_VISIBLE_DEVICES": ""},
+     "the job asked Slurm for no GPU, and torch sees 0 on node 0"),
+    ("split.sbatch", "qwen3-30b-a3b", {"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+], ids=["split-none", "colocated-none", "split-too-few"])
+def test_a_gpu_recipe_without_its_gpus_is_refused_at_the_start_with_the_line_to_add(tmp_path, script, recipe, env,
+                                                                                    said):
+    """Submitted without --gpus-per-node (or --gres), the trainer would silently fall back to CPU, gloo and fp32
+    and fail late: the job ends first, before the plan, the key or any step, naming the #SBATCH line."""
+    res, steps = _in_job(tmp_path, script, [recipe, "/models/fake", str(tmp_path / "run")], 16, **env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert said in res.stderr and "the trainer would fall back to CPU, gloo and fp32" in res.stderr
+    assert f"Add `#SBATCH --gpus-per-node=8` to examples/slurm/{script}" in res.stderr
+    assert "`--gres=gpu:8`" in res.stderr
+    assert not steps and not (tmp_path / "run").exists()
+
+
+def test_the_cpu_rehearsal_needs_no_gpu_request(tmp_path):
+    """The rehearsal's recipes run SGLang on CPU (SGLANG_DEVICE=cpu) and gloo ranks: no GPU asked, none refused;
+    the job goes on to its plan."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "examples/models/qwen2.5-7B/config.json").read_text())
+    res, _ = _in_job(tmp_path, "split.sbatch", ["cpu-rehearsal", str(model), str(tmp_path / "run"), "--dry-run"], 3,
+                     CUDA_VISIBLE_DEVICES="")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "gpus-per-node" not in res.stderr and "== memory plan" in res.stdout
+
+
+def test_routing_replay_in_a_slurm_job_starts_the_servers_that_return_routed_experts(tmp_path):
+    """MOE_ROUTING_REPLAY=1 with the Qwen3-30B-A3B recipe (--moe-routing-replay): the rollout step's servers get
+    --enable-return-routed-experts (derived from the trainer's flags: examples/lib/launch.sh server_flags), down to
+    the supervisor's --sglang-extra-args, which ServerConfig puts on every sglang.launch_server command line. The
+    stand-in srun ends the rollout step at once, so the job ends there (exit 1, the servers never answer)."""
+    from megatron_dapo.launch.rollout_node import build_parser as rollout_parser
+    from megatron_dapo.rollout.sglang.server import ServerConfig
+
+    res, steps = _in_job(tmp_path, "split.sbatch", ["qwen3-30b-a3b", "/models/fake", str(tmp_path / "run")], 8,
+                         SLURM_GPUS_ON_NODE="8", MOE_ROUTING_REPLAY="1")
+    assert res.returncode == 1 and "launcher exited while waiting" in res.stderr, res.stderr[-2000:]
+    (rollout,) = steps
+    assert rollout["argv"][-1] == "examples/slurm/rollout_node.sh"
+    assert rollout["env"]["SGLANG_SERVER_ARGS"] == "--enable-return-routed-experts"
+    assert "== SGLang servers' extra flags: --enable-return-routed-experts" in res.stdout
+    # the rollout node's script itself, with that step's environment, a recording $PY, as node rollout 0
+    py = tmp_path / "py"
+    py.write_text(RECORDER.format(python=sys.executable, out=str(tmp_path)))
+    py.chmod(0o755)
+    subprocess.run(["bash", "examples/slurm/rollout_node.sh"], cwd=REPO, check=True, timeout=60,
+                   env=rollout["env"] | {"PY": str(py), "SLURM_PROCID": "0"})
+    (rec,) = [json.loads(f.read_text()) for f in tmp_path.glob("py.*.json")]
+    a = rollout_parser().parse_args(rec["argv"][2:])
+    assert rec["argv"][:2] == ["-m", "megatron_dapo.launch.rollout_node"]
+    config = ServerConfig(model_path=a.hf_checkpoint, extra_args=tuple(a.sglang_extra_args.split()))
+    assert "--enable-return-routed-experts" in config.server_command(0)
+
+
+def test_routing_replay_reaches_the_trainer_and_the_by_hand_servers_are_told(tmp_path):
+    """The by-hand launcher of the same recipe: the trainer gets --moe-routing-replay, and its --dry-run names the
+    flag the servers started apart (examples/launch_sglang_servers.sh) need."""
+    from tests.test_examples import launcher_args
+
+    _, train_args = launcher_args(tmp_path, "examples/run_qwen3_30b_a3b_multinode.sh",
+                                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000",
+                                   "MOE_ROUTING_REPLAY": "1"})
+    assert "--moe-routing-replay" in train_args
+    out = subprocess.run(["bash", "examples/run_qwen3_30b_a3b_multinode.sh", "--dry-run"], cwd=REPO,
+                         env=dict(os.environ, MOE_ROUTING_REPLAY="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ("SGLang servers' extra flags: --enable-return-routed-experts (start them with "
+            "SGLANG_EXTRA_ARGS=\"--enable-return-routed-experts\" examples/launch_sglang_servers.sh)") in out.stdout
+
+
+def test_servers_started_by_hand_take_the_lone_flag(tmp_path):
+    """examples/launch_sglang_servers.sh with SGLANG_EXTRA_ARGS=--enable-return-routed-experts (what the by-hand
+    --dry-run names): one flag and no space, which argparse took for an option of rollout_node's own when passed
+    as a separate word (exit 2 before any server); passed as --sglang-extra-args=VALUE it reaches every server."""
+    from tests.test_server_alloc_conf import _run_launcher
+
+    records = _run_launcher(tmp_path, "examples/launch_sglang_servers.sh",
+                            ["/models/fake", "1", "1", str(free_port_block(2))],
+                            {"SGLANG_EXTRA_ARGS": "--enable-return-routed-experts", "SGLANG_RUN_DIR": str(tmp_path)},
+                            servers=1)
+    argv = records["python"][0]["argv"]
+    assert argv[:2] == ["-m", "sglang.launch_server"] and "--enable-return-routed-experts" in argv
+
+
+def test_attached_servers_without_routed_experts_are_refused_before_the_run_starts():
+    """The by-hand and fleet paths (servers started apart): the trainer asks each attached server's /server_info
+    and names every one that runs without --enable-return-routed-experts; one that does not say is left to the
+    first response."""
+    import httpx
+
+    from megatron_dapo.errors import UserError
+    from megatron_dapo.rollout.sglang.setup import check_attached_routes
+
+    infos = {"http://r0:30000": {"enable_return_routed_experts": True},
+             "http://r0:30001": {"enable_return_routed_experts": False}, "http://r1:30000": {"tp_size": 4},
+             "http://r1:30001": {"enable_return_routed_experts": False}}
+
+    def get(url, timeout, headers):
+        base = url.rsplit("/", 1)[0]
+        return httpx.Response(200, json=infos[base]) if url.endswith("/server_info") else httpx.Response(404)
+
+    with pytest.raises(UserError, match=r"--moe-routing-replay needs every SGLang server started with "
+                                        r"--enable-return-routed-experts, and http://r0:30001, http://r1:30001 run"):
+        check_attached_routes(list(infos), get=get)
+    check_attached_routes(["http://r0:30000", "http://r1:30000"], get=get)  # on, and silent: no error
+
+
+SERVER_INFO_PROBE = """
+import json, sys
+from sglang.srt.server_args import prepare_server_args
+for flags in json.loads(sys.argv[1]):
+    info = prepare_server_args(["--model-path", "/m", "--device", "cpu", *flags]).resolved_dict()
+    print(json.dumps({"enable_return_routed_experts": info["enable_return_routed_experts"]}))
+"""
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not (REPO / ".venv-sglang/bin/python").exists(), reason="no .venv-sglang: run `make sglang-env`")
+def test_the_attach_check_reads_what_sglang_reports():
+    """SGLang 0.5.23's /server_info is its resolved server arguments (utils/common.py build_server_info): the field
+    the attach check reads is there, False without the flag and True with it."""
+    out = subprocess.run([str(REPO / ".venv-sglang/bin/python"), "-c", SERVER_INFO_PROBE,
+                          json.dumps([[], ["--enable-return-routed-experts"]])], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, SGLANG_USE_CPU_ENGINE="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(line) for line in out.stdout.splitlines()] == [{"enable_return_routed_experts": False},
+                                                                      {"enable_return_routed_experts": True}]
+
+
+@pytest.mark.parametrize("given,trainer,want", [
+    ("", ["--moe-routing-replay"], "--enable-return-routed-experts"),
+    ("", ["--moe-routing-rep"], "--enable-return-routed-experts"),  # argparse's abbreviation: the trainer takes it
+    ("--mem-fraction-static 0.77 --enable-return-routed-experts", ["--moe-routing-replay"],
+     "--mem-fraction-static 0.77 --enable-return-routed-experts"),  # once
+    ("--mem-fraction-static 0.77", [], "--mem-fraction-static 0.77"),
+], ids=["replay", "abbreviated", "already-given", "no-replay"])
+def test_server_args_follow_the_trainers_parser(given, trainer, want):
+    from megatron_dapo.launch.server_args import server_args
+
+    base = ["--hf-checkpoint", "/m", "--prompt-data", "p.jsonl", "--num-steps", "1"]
+    assert server_args(given, base + trainer) == want
+
+
+def test_server_args_cli_takes_flags_that_look_like_options():
+    """What examples/lib/launch.sh runs: the servers' flags so far (starting with --) after `=`, then `--`."""
+    out = subprocess.run([sys.executable, "-m", "megatron_dapo.launch.server_args",
+                          "--server-args=--mem-fraction-static 0.77 --enable-memory-saver", "--", "--hf-checkpoint",
+                          "/m", "--prompt-data", "p.jsonl", "--num-steps", "1", "--moe-routing-replay"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "--mem-fraction-static 0.77 --enable-memory-saver --enable-return-routed-experts"

@@ -14,7 +14,9 @@
 #                   the trainer's flags, all but the addresses added here (server URLs, router, weight-sync
 #                   master, API key file)
 #   ROUTER          1 (default): an sglang-router on the first rollout node in front of every server; 0: none
-#   SGLANG_SERVER_ARGS  more sglang.launch_server flags (colocated: --mem-fraction-static --enable-memory-saver)
+#   SGLANG_SERVER_ARGS  more sglang.launch_server flags (colocated: --mem-fraction-static --enable-memory-saver);
+#                   server_flags adds what the trainer's flags require of every server (--moe-routing-replay:
+#                   --enable-return-routed-experts)
 #   SGLANG_DEVICE (cuda), SGLANG_PY (the interpreter with sglang; default $PY), TRAIN_ENV (VAR=value words for
 #                   the trainer's environment)
 #
@@ -110,6 +112,15 @@ trainer_args() {
                 "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}")
 }
 
+# server_flags: SGLANG_SERVER_ARGS completed with the sglang.launch_server flags the recipe's trainer flags require of
+# every server, each added once (python -m megatron_dapo.launch.server_args, the rule the trainer applies to the
+# servers it launches itself: --enable-return-routed-experts with --moe-routing-replay). Exit 2 when they do not parse.
+server_flags() {
+    SGLANG_SERVER_ARGS=$("$PY" -m megatron_dapo.launch.server_args "--server-args=${SGLANG_SERVER_ARGS:-}" -- \
+        "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}" \
+        "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}") || exit 2
+}
+
 # memory_plan: the trainer's --dry-run for TRAIN_ARGS at WORLD_SIZE ranks (reads only config.json; exit 1 when the
 # plan does not fit). HF_CKPT without a config.json on this host: the recipe's examples/models/<MODEL>/.
 memory_plan() {
@@ -143,6 +154,11 @@ actor_node_by_hand() {
         [[ -z "${SGLANG_URLS:-}" ]] || read -r -a urls <<<"$SGLANG_URLS"
         ROUTER_URL=${SGLANG_ROUTER_URL:-$ROUTER_URL}
         trainer_args "${urls[@]}"
+        server_flags
+        if [[ "$MODE" == split && -n "${SGLANG_SERVER_ARGS:-}" ]]; then  # started apart, on each rollout node
+            echo "SGLang servers' extra flags: $SGLANG_SERVER_ARGS (start them with" \
+                 "SGLANG_EXTRA_ARGS=\"$SGLANG_SERVER_ARGS\" examples/launch_sglang_servers.sh)"
+        else echo "SGLang servers' extra flags: ${SGLANG_SERVER_ARGS:-(none)}"; fi
         memory_plan
         exit $?
     fi

@@ -32,3 +32,13 @@ PARALLEL_ARGS+=(--recompute-granularity full --recompute-method uniform --recomp
 ROLLOUT_ARGS=(--rollout-engine sglang --sglang-max-concurrency 2048 "${DAPO_ROLLOUT_ARGS[@]}")
 BATCH_ARGS=("${DAPO_BATCH_ARGS[@]}")
 dapo_run_args
+# MOE_ROUTING_REPLAY=1: train on the experts the servers routed each token to (--moe-routing-replay, R3); every
+# launcher then starts the servers with --enable-return-routed-experts (examples/lib/launch.sh server_flags). Its cost
+# per step: 2,048 B a token of base64 from the servers, ~92 GB parsed by rank 0, 17.2 GB of routes held there as
+# uint8 (rollout/sglang/engine.py ClientConfig.routing); each server keeps 1,536 B a token of its KV cache's
+# capacity in host memory (rollout/sglang/server.py ServerConfig.return_routed_experts).
+case ${MOE_ROUTING_REPLAY:-0} in
+    0) ;;
+    1) DAPO_ARGS+=(--moe-routing-replay) ;;
+    *) die "MOE_ROUTING_REPLAY must be 0 or 1, got '$MOE_ROUTING_REPLAY'" ;;
+esac

@@ -1,8 +1,9 @@
 # The body of examples/slurm/split.sbatch and colocated.sbatch, sourced in the repository root with JOB_MODE set.
 # Arguments: RECIPE [HF_CKPT] [RUN_DIR] [--dry-run]. The batch script runs on the job's first node (node 0).
 #
-# 1. The recipe (examples/recipes/RECIPE.sh) gives the run's flags; the node list (scontrol show hostnames) and
-#    megatron_dapo.launch.roles give every role, URL and port; node 0's address is resolved here.
+# 1. The recipe (examples/recipes/RECIPE.sh) gives the run's flags; a GPU recipe in a job without its GPUs ends here
+#    (require_gpus). The node list (scontrol show hostnames) and megatron_dapo.launch.roles give every role, URL and
+#    port; node 0's address is resolved here; the servers' flags follow from the recipe's (server_flags).
 # 2. The memory plan (the trainer's --dry-run, a few seconds): a layout that does not fit ends the job before any
 #    server starts. DRY_RUN=1 stops after printing it (outside Slurm: NODES=N names placeholder nodes).
 # 3. A fresh API key for this job: $RUN_DIR/slurm-$SLURM_JOB_ID/sglang-api-key, mode 0600 on the shared run
@@ -28,6 +29,28 @@ fi
 [[ ${#POSITIONAL[@]} -le 3 ]] || die "unexpected arguments: ${POSITIONAL[*]:3}"
 source "examples/recipes/$RECIPE.sh"
 [[ "$MODE" == "$JOB_MODE" ]] || die "recipe $RECIPE is a $MODE run: submit examples/slurm/$MODE.sbatch"
+
+# require_gpus: a GPU recipe (SGLANG_DEVICE cuda, the default; the CPU rehearsals' recipes set cpu) in a job that got
+# no GPUs would run the trainer on CPU with gloo and fp32 and fail late: refuse it here, naming the line to add. Node
+# 0's GPUs: Slurm's count when the job asked for GPUs (SLURM_GPUS_ON_NODE, set by --gpus-per-node and --gres=gpu:N
+# alike), else what torch sees there (a cluster where GPUs are no Slurm resource shows them all).
+require_gpus() {
+    [[ "${SGLANG_DEVICE:-cuda}" != cpu ]] || return 0
+    local have=${SLURM_GPUS_ON_NODE:-} how
+    if [[ "$have" =~ ^[0-9]+$ ]]; then
+        how="SLURM_GPUS_ON_NODE=$have"
+    else
+        have=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) || have=0
+        [[ "$have" =~ ^[0-9]+$ ]] || have=0
+        how="the job asked Slurm for no GPU, and torch sees $have on node 0"
+    fi
+    ((have >= GPUS_PER_NODE)) && return 0
+    die "recipe $RECIPE runs $GPUS_PER_NODE GPU ranks a node, but node 0 of this job has $have GPU(s) ($how): the" \
+        "trainer would fall back to CPU, gloo and fp32. Add \`#SBATCH --gpus-per-node=$GPUS_PER_NODE\` to" \
+        "examples/slurm/$JOB_MODE.sbatch or submit with \`sbatch --gpus-per-node $GPUS_PER_NODE ...\`" \
+        "(\`--gres=gpu:$GPUS_PER_NODE\` where your cluster names GPUs so)"
+}
+[[ -z "${SLURM_JOB_ID:-}" ]] || require_gpus
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     mapfile -t NODE_LIST < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -57,6 +80,9 @@ SERVER_WAIT_S=${SERVER_WAIT_S:-900}
 JOB_DIR="$RUN_DIR/slurm-$JOB_ID"
 API_KEY_FILE="$JOB_DIR/sglang-api-key"
 trainer_args "${SERVER_URLS[@]}"
+server_flags  # what the recipe's trainer flags require of every server (--moe-routing-replay: routed experts)
+if [[ -n "$ATTACH_URLS" ]]; then echo "== the attached servers must run with: ${SGLANG_SERVER_ARGS:-(no extra flags)}"
+else echo "== SGLang servers' extra flags: ${SGLANG_SERVER_ARGS:-(none)}"; fi
 echo "== memory plan (the trainer's --dry-run at $WORLD_SIZE ranks)"
 if [[ "$DRY_RUN" == 1 ]]; then memory_plan; exit $?; fi
 mkdir -p "$JOB_DIR"

@@ -29,7 +29,7 @@ def te_available() -> bool:
 
 def cuda_available() -> bool:
     """torch.cuda.is_available(), as the layer-spec choice asks it: the one place that choice reads the device
-    (`tools/gpu_smoke.py --dry` answers True here to rehearse a CUDA machine's choice on CPU)."""
+    (the GPU smoke's dry run on CPU answers True here to rehearse a CUDA machine's choice)."""
     return torch.cuda.is_available()
 
 

@@ -115,6 +115,13 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     if attach:  # the engine first checks that every URL is SGLang (UserError naming the one that is not)
         engine = make_engine("sglang", client=client, server_urls=args.sglang_server_urls,
                              router_url=args.sglang_router_url)
+        if routing is not None:  # before the start-up's weight push, not at the first response
+            try:
+                server_setup.check_attached_routes(args.sglang_server_urls, timeout_s=client.http_timeout_s,
+                                                   headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+            except BaseException:
+                engine.shutdown()
+                raise
         for line in server_setup.attached_determinism_warnings(
                 args.sglang_server_urls, seeded=seeded, timeout_s=client.http_timeout_s,
                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None):

@@ -151,8 +151,7 @@ class ServerConfig:
                     "--max-total-tokens", "65536", "--mem-fraction-static", "0.5"]
         else:
             cmd += ["--base-gpu-id", str(i * self.tp_per_server)]
-        if self.return_routed_experts:
-            cmd.append("--enable-return-routed-experts")
+        cmd += trainer_server_flags(moe_routing_replay=self.return_routed_experts)
         return cmd + self._key_args(key_file, "--config") + list(self.extra_args)
 
     def router_command(self, key_file: str | None = None) -> list[str]:
@@ -170,6 +169,19 @@ class ServerConfig:
             raise ValueError("ServerConfig has an api_key: pass the key_file it was written to "
                              "(api_key.write_server_key_file); it never goes on a command line")
         return [option, str(key_file)]
+
+
+RETURN_ROUTES_FLAG = "--enable-return-routed-experts"
+
+
+def trainer_server_flags(*, moe_routing_replay: bool) -> tuple[str, ...]:
+    """The sglang.launch_server flags the trainer's flags require of every server it uses, launched or attached:
+    --enable-return-routed-experts with --moe-routing-replay (without it a /generate that asks for the routed
+    experts gets none, and the run stops at the first response: protocol.parse_generate_response). The one rule
+    for the servers ServerConfig launches (`return_routed_experts`) and for those a launcher starts
+    (launch/server_args.py: examples/slurm/job.sh, the by-hand launchers). Cost at Qwen3-30B-A3B:
+    ServerConfig.return_routed_experts (server) and ClientConfig.routing (rank 0)."""
+    return (RETURN_ROUTES_FLAG,) if moe_routing_replay else ()
 
 
 def router_command(python: str, host: str, port: int, worker_urls: list[str], key_args: list[str]) -> list[str]:

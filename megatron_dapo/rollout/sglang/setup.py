@@ -1,6 +1,6 @@
 """Choices made before SGLang servers take work: which GPUs launched servers use, how weights reach them,
-and whether a seeded run's rollouts are reproducible on them. Pure functions of the flags, plus one
-/server_info query for attached servers."""
+and whether a seeded run's rollouts are reproducible on them. Pure functions of the flags, plus /server_info
+queries of attached servers (their determinism; with --moe-routing-replay, whether they return routed experts)."""
 
 from __future__ import annotations
 
@@ -191,6 +191,24 @@ def attached_determinism_warnings(urls: Sequence[str], *, seeded: bool, get: Cal
                          f"/server_info: rollouts are reproducible from --seed only if it runs with "
                          f"{DETERMINISTIC_FLAG}")
     return lines
+
+
+def check_attached_routes(urls: Sequence[str], *, get: Callable[..., Any] = httpx.get,
+                          headers: dict[str, str] | None = None, timeout_s: float = 10.0) -> None:
+    """--moe-routing-replay with attached servers: UserError naming every server whose /server_info says it runs
+    without --enable-return-routed-experts (each /generate asking for the routed experts would get none, and the
+    run would stop at the first response, after the start-up and the first weight push); one that does not say is
+    left to that first response. One /server_info GET a server, milliseconds each."""
+    from megatron_dapo.errors import UserError
+    from megatron_dapo.rollout.sglang.server import RETURN_ROUTES_FLAG
+
+    off = [u for u in urls if (server_info(u, get, timeout_s, headers) or {}).get("enable_return_routed_experts")
+           is False]
+    if off:
+        raise UserError(f"--moe-routing-replay needs every SGLang server started with {RETURN_ROUTES_FLAG}, and "
+                        f"{', '.join(off)} run(s) without it (/server_info): restart them with it "
+                        f"(examples/launch_sglang_servers.sh: SGLANG_EXTRA_ARGS={RETURN_ROUTES_FLAG}; a Slurm job "
+                        f"adds it from the recipe's trainer flags)")
 
 
 def check_attached(urls: Sequence[str], router_url: str | None, *, timeout_s: float, wait_s: float,
