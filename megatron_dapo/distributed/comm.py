@@ -70,6 +70,16 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup = None) -> tor
     return _back(work, tensor)
 
 
+def broadcast_async(tensor: torch.Tensor, src: int, group: ProcessGroup = None) -> dist.Work:
+    """Starts an in-place broadcast of `tensor` from global rank `src` over `group` (async_op=True) and returns its
+    Work without waiting. `tensor` must already be on the group's device: copying the result back would wait for it.
+    On NCCL the kernel runs on the group's own stream, and Work.is_completed() asks without blocking anything."""
+    device = group_device(group)
+    if tensor.device != device:
+        raise ValueError(f"broadcast_async: the tensor is on {tensor.device}, the group works on {device}")
+    return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+
 def send(tensor: torch.Tensor, dst: int, group: ProcessGroup = None) -> None:
     """Point-to-point send to global rank `dst` over `group` (blocks until delivered)."""
     dist.send(_on(tensor, group_device(group)), dst=dst, group=group)

@@ -21,16 +21,33 @@ arrives, so at most one version plus one bucket is held): 61.03 GiB of rank 0's 
 planner.host_copy_bytes) and one device-to-host copy of 65 GB per update (~3 s at ~20 GB/s). "disk" keeps no
 host copy: the last version's shards on disk (65 GB) are the copy. `recover(server)` re-syncs a lost server
 from it (~4-7 s at 32B; from disk ~30 s).
+
+A server lost during a "distributed" broadcast (issue 37). Over gloo the broadcast raises on every member: the
+survivors get the whole version again over a fresh group and the lost one is recovered, as for any loss. Over
+NCCL the broadcast never completes (the kernels spin) and SGLang 0.5.23 cannot abort its side of the group, so
+this is decision (b), end the run at once: each bucket is broadcast with async_op=True and polled against a
+deadline of ClientConfig.broadcast_floor_s + its bytes at 1 GB/s (sync_group.broadcast_deadline_s; no stream or
+host sync meanwhile), given up at once when a server's call fails; then the group's communicator is aborted here,
+and the update raises WeightSyncStalled naming the lost server and the step whenever another server of the group
+answers (it may be stuck in the receive); the checkpoint is the recovery. A group left with no answering server
+(the re-sync of one server, every target lost) is recovered as before. At 32B a 512 MiB bucket takes ~21 ms at
+25 GB/s and gets 30.5 s (31.6 s for the 1.56 GB embedding): a dead server (its connection reset) is seen within a
+poll (1 ms), a hung one at the deadline plus its /health check (<= --sglang-http-timeout, 60 s), instead of the
+600 s NCCL watchdog (the group's timeout, ClientConfig.control_timeout_s) killing rank 0 with no server named. (A
+group's first broadcast call also makes its NCCL communicator: that call is waited for up to the group's timeout, or
+until a server's call fails, and the deadline counts from the enqueued broadcast.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,12 +208,22 @@ class ServerPush(WeightSync):
     def push_distributed(self, targets: list[int], buckets: Iterable[Bucket], version: int,
                          session: UpdateSession | None) -> set[int]:
         """One broadcast per bucket over a group of this process and the targets' TP ranks. The group is built
-        for a set of servers and rebuilt when that set changes (a server lost or re-synced alone). A server
-        lost mid-broadcast breaks the collective: the rest of the version is kept, the group torn down, and
-        the survivors get the whole version again (from `kept`) over a fresh group. Returns the servers lost."""
-        from megatron_dapo.weight_sync.sync_group import broadcast_tensors
+        for a set of servers and rebuilt when that set changes (a server lost or re-synced alone). Returns the
+        servers lost.
 
-        engine = self.engine
+        A server lost mid-broadcast, over gloo: the broadcast raises; the rest of the version is kept, the group
+        torn down, and the survivors get the whole version again (from `kept`) over a fresh group. Over NCCL the
+        broadcast never completes: it is given up at its deadline (broadcast_deadline_s, 30.5 s a 512 MiB bucket),
+        or at once when the lost server's call fails, and `_stalled` aborts the group; the run stops with
+        WeightSyncStalled naming the lost server unless no other server of the group answers (issue 37)."""
+        from megatron_dapo.weight_sync.sync_group import (
+            any_died,
+            broadcast_bucket,
+            broadcast_deadline_s,
+            raises_on_loss,
+        )
+
+        engine, client = self.engine, self.engine.client
         lost: set[int] = set()
         if not targets:
             return lost
@@ -212,7 +239,7 @@ class ServerPush(WeightSync):
         live = engine.send(targets, "/begin_weight_update", {}, lost)
         broken = False
         try:
-            for bucket in buckets:
+            for k, bucket in enumerate(buckets):
                 if broken or live != targets:
                     broken = True
                     continue  # the group lost a member: keep draining (and keeping) the version
@@ -224,21 +251,26 @@ class ServerPush(WeightSync):
                 # The servers block in their receive until we broadcast: post first, then send.
                 futures = {i: engine.post_later(i, "/update_weights_from_distributed", body) for i in live}
                 flat = bucket.flat.contiguous()
-                if engine.client.sync_backend == "nccl":
+                if client.sync_backend == "nccl":
                     flat = flat.cuda()
+                nbytes = flat.numel() * flat.element_size()
+                deadline = broadcast_deadline_s(nbytes, client.control_timeout_s, floor_s=client.broadcast_floor_s)
                 try:
-                    broadcast_tensors(self._group, [flat.view(torch.uint8)])
-                    if session is not None:
-                        session.nbytes += flat.numel() * flat.element_size()  # once over the group
-                except RuntimeError:
-                    broken = True
-                for i, f in futures.items():
-                    try:
-                        check_success(f.result(engine.client.control_timeout_s + CALL_MARGIN_S),
-                                      "update_weights_from_distributed")
-                    except ServerDied:
-                        lost.add(i)
-                        broken = True
+                    done = broadcast_bucket(self._group, flat.view(torch.uint8), deadline_s=deadline,
+                                            call_timeout_s=client.control_timeout_s,
+                                            gone=functools.partial(any_died, futures))
+                except RuntimeError:  # gloo: a member died mid-broadcast (every member's receive failed with it)
+                    done = broken = True
+                if done and not broken and session is not None:
+                    session.nbytes += nbytes  # once over the group
+                died_now = self._replies(futures) if done else set()
+                if died_now and not raises_on_loss(self._group):
+                    done = False  # NCCL: rank 0's part can end before the lost server's successors got theirs
+                if not done:  # NCCL: no more calls to anyone, the others may be stuck in the receive
+                    live = []
+                    return lost | self._stalled(targets, futures, version, k, nbytes, deadline)
+                lost |= died_now
+                broken = broken or bool(died_now)
                 live = [i for i in live if i not in lost]
         finally:
             live = engine.send(live, "/end_weight_update", {}, lost)
@@ -252,6 +284,42 @@ class ServerPush(WeightSync):
             return lost
         engine.flush(live)
         return lost
+
+    def _replies(self, futures: dict[int, Future]) -> set[int]:
+        """Waits for each server's reply to a bucket (up to control_timeout_s); returns those lost meanwhile. A
+        refusal is raised."""
+        died_now: set[int] = set()
+        for i, f in futures.items():
+            try:
+                check_success(f.result(self.engine.client.control_timeout_s + CALL_MARGIN_S),
+                              "update_weights_from_distributed")
+            except ServerDied:
+                died_now.add(i)
+        return died_now
+
+    def _stalled(self, targets: list[int], futures: dict[int, Future], version: int, bucket: int, nbytes: int,
+                 deadline_s: float) -> set[int]:
+        """After an NCCL broadcast that did not complete: aborts the group here (the spinning kernels stop; the
+        host never waited on them) and finds the lost servers (their call failed, or no /health answer within
+        http_timeout_s). If no other server of the group answers, returns them: they are recovered as usual (a
+        re-sync of one server is such a group). Else raises WeightSyncStalled naming them and the step: the
+        others may be stuck in the receive for good (SGLang 0.5.23 cannot abort its side of the group; its
+        destroy_process_group waits for the receive), so the run stops and the checkpoint is the recovery."""
+        from megatron_dapo.weight_sync.sync_group import WeightSyncStalled, abort_group, died, stall_message
+
+        engine = self.engine
+        failed = {i for i, f in futures.items() if died(f)}
+        for f in futures.values():
+            f.cancel()
+        group, self._group = self._group, None
+        abort_group(group)
+        lost = failed | {i for i in targets if i not in failed and not engine.answers(i)}
+        answering = [i for i in targets if i not in lost]
+        if not answering:
+            return lost
+        raise WeightSyncStalled(stall_message(
+            version=version, lost=[engine.urls[i] for i in sorted(lost)], answering=len(answering), bucket=bucket,
+            nbytes=nbytes, deadline_s=deadline_s, call_failed=bool(failed)))
 
     def _ensure_group(self, targets: list[int]) -> str:
         """The broadcast group of exactly `targets` (rank 0 = this process, then each server's TP ranks), rebuilt

@@ -44,6 +44,7 @@ from megatron_dapo.weight_sync.stage_sync import (
     bucket_dtype,
     merge_outcomes,
 )
+from megatron_dapo.weight_sync.sync_group import WeightSyncStalled
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
@@ -100,10 +101,11 @@ class StageCoordinator:
             full.kept = []
             try:
                 outcome = push_stages([engine.urls[i] for i in live], [engine.tps[i] for i in live], tag, first_port)
-            except BaseException:
+            except BaseException as e:
                 self.stage_groups = None
-                with contextlib.suppress(Exception):
-                    engine.send(live, "/end_weight_update", {}, set())
+                if not isinstance(e, WeightSyncStalled):  # else the servers may be stuck in a receive: no more calls
+                    with contextlib.suppress(Exception):
+                        engine.send(live, "/end_weight_update", {}, set())
                 raise
             lost |= {live[k] for k in outcome.lost}
             self.stage_groups = None if outcome.broken else (live, losses, tag)
@@ -187,7 +189,8 @@ class StagePush(WeightSync):
             plan = SyncPlan(version=version, urls=tuple(urls), tps=tuple(tps), tag=tag, first_port=first_port,
                             master_address=c.sync_master_address, rank0_host=socket.gethostname(),
                             backend=c.sync_backend, bucket_bytes=c.bucket_bytes, api_key=engine.api_key,
-                            timeout_s=c.control_timeout_s, http_timeout_s=c.http_timeout_s)
+                            timeout_s=c.control_timeout_s, http_timeout_s=c.http_timeout_s,
+                            broadcast_floor_s=c.broadcast_floor_s)
             comm.broadcast_object(("stage", plan), 0, self.wait_group)
             announced = True
             mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock)

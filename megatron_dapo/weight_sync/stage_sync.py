@@ -24,6 +24,13 @@ store, and its replies are awaited before the lock is released (slime serialises
 the same way). What runs in parallel across stages is everything else: TP gather, HF conversion, bucket
 packing and the device-to-host copy of the host copy, while another stage's bucket is on the wire.
 
+A server lost during a stage's NCCL broadcast (issue 37): that broadcast is given up at its deadline (or at once
+when the server's call fails), the source aborts its group, and when other servers answer it reports the stall
+(StageOutcome.stalled, and STALLED on the store for the other stages, which abort their groups too); rank 0 then
+raises WeightSyncStalled without another call to the servers (they may be stuck in the receive): the run stops,
+as decided for the full push (weight_sync/server_push.py). Over gloo the broadcast raises and the push is
+recovered as below.
+
 The host copy for re-syncing a lost server stays whole on rank 0: after its push each source s > 0 sends its
 stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.distributed.comm), so
 the recovery (ServerPush.recover of one server, its re-push to the survivors after a broken push) is unchanged.
@@ -43,6 +50,7 @@ Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buck
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import os
 import socket
@@ -62,6 +70,8 @@ from megatron_dapo.rollout.sglang.protocol import ServerDied, check_success, rea
 from megatron_dapo.rollout.sglang.setup import sync_group_layout
 from megatron_dapo.weight_sync.buckets import Bucket, TensorMeta, iter_buckets
 
+STALLED = b"stalled"
+"""The value of a push's broken key on the store when a stage's broadcast stalled with servers answering (else 1)."""
 SYNC_ADDR_ENV = "MEGATRON_DAPO_WEIGHT_SYNC_ADDR"
 """Set on the node of a stage source s > 0: the address the servers reach that node at (its group's master
 address). Unset: rank 0's --weight-sync-master-addr on rank 0's own host, else the local address of the interface
@@ -91,12 +101,16 @@ class SyncPlan:
     """Each weight-update call (ClientConfig.control_timeout_s)."""
     http_timeout_s: float = 60.0
     """A /health check of a target (--sglang-http-timeout)."""
+    broadcast_floor_s: float = 30.0
+    """The fixed part of each NCCL bucket broadcast's deadline (ClientConfig.broadcast_floor_s)."""
 
     def __post_init__(self) -> None:
         if len(self.urls) != len(self.tps):
             raise ValueError(f"SyncPlan: {len(self.urls)} urls but {len(self.tps)} TP sizes")
         if self.bucket_bytes < 1 or self.timeout_s <= 0:
             raise ValueError("SyncPlan: bucket_bytes (--weight-sync-bucket-mb) and timeout_s must be > 0")
+        if self.broadcast_floor_s <= 0:
+            raise ValueError(f"SyncPlan: broadcast_floor_s must be > 0, got {self.broadcast_floor_s}")
 
     def group_name(self, stage: int) -> str:
         return f"megatron_dapo_stage_sync_{self.tag}_pp{stage}"
@@ -118,6 +132,9 @@ class StageOutcome:
     seconds: float = 0.0
     error: str | None = None
     """An unexpected failure (a refusal by a server, a bad address): rank 0 raises it after the push."""
+    stalled: str | None = None
+    """An NCCL broadcast of this stage that did not complete while other servers answer (sync_group.stall_message):
+    rank 0 raises WeightSyncStalled with it and makes no more calls to the servers (issue 37)."""
 
 
 @dataclass
@@ -133,7 +150,13 @@ class StagesOutcome:
 
 
 def merge_outcomes(outcomes: list[StageOutcome]) -> StagesOutcome:
-    """Stage order; raises RuntimeError naming the stage when a source failed unexpectedly."""
+    """Stage order; raises WeightSyncStalled when a stage's broadcast stalled with other servers answering, and
+    RuntimeError naming the stage when a source failed unexpectedly."""
+    from megatron_dapo.weight_sync.sync_group import WeightSyncStalled
+
+    for o in outcomes:
+        if o.stalled is not None:
+            raise WeightSyncStalled(o.stalled)
     for o in outcomes:
         if o.error is not None:
             raise RuntimeError(f"weight sync: the source of pipeline stage {o.stage} failed: {o.error}")
@@ -239,8 +262,10 @@ class StageClient:
         self._http = httpx.Client(headers=headers, timeout=timeout_s)
         self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="stage-sync-http")
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self, *, wait: bool = True) -> None:
+        """Ends the client; `wait=False` after a stalled broadcast: posts still in flight to servers that may never
+        answer are dropped instead of waited for (up to the plan's timeout_s each)."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
         self._http.close()
 
     def post(self, server: int, path: str, body: dict) -> Any:
@@ -298,35 +323,41 @@ class StageSender:
 
         Consumes `named` to the end whatever happens (the stage's TP peers iterate the same collective). Once a
         stage's push breaks (a server lost), it says so on the store and the other stages stop sending too: their
-        broadcasts would wait on the dead member, and rank 0 re-pushes the whole version to the survivors."""
+        broadcasts would wait on the dead member, and rank 0 re-pushes the whole version to the survivors. When the
+        break is a stalled NCCL broadcast with servers still answering (out.stalled, issue 37), every source ends
+        its group here only (abort) and calls no server again: they may be stuck in the receive, and the run stops."""
         t0 = time.perf_counter()
         out = StageOutcome(stage=self.stage)
         client = StageClient(plan.urls, api_key=plan.api_key, timeout_s=plan.timeout_s,
                              http_timeout_s=plan.http_timeout_s)
         broken_key = f"megatron_dapo/stage_sync_broken/{plan.tag}/{plan.version}"
+        stalled = False
         try:
-            for bucket in iter_buckets(named, plan.bucket_bytes):
+            for k, bucket in enumerate(iter_buckets(named, plan.bucket_bytes)):
                 out.kept.append(Bucket(flat=bucket.flat.detach().to("cpu", copy=True), metas=bucket.metas))
                 if out.broken or out.error is not None or not plan.urls:
                     continue  # keep draining (and keeping) the version
                 try:
                     with lock.held():
                         if lock.store.check([broken_key]):  # another stage's push broke: rank 0 re-pushes it all
-                            out.broken = True
+                            out.broken, stalled = True, lock.store.get(broken_key) == STALLED
                             continue
                         self._ensure_group(plan, client, out)
                         if not out.broken:
-                            self._send_bucket(plan, client, bucket, out)
+                            self._send_bucket(plan, client, bucket, k, out)
                         if out.broken:
-                            lock.store.set(broken_key, "1")
+                            stalled = out.stalled is not None
+                            lock.store.set(broken_key, STALLED if stalled else b"1")
                 except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
                     out.error = f"{type(e).__name__}: {e}"
-            if out.broken:
+            if stalled:
+                self.abort()
+            elif out.broken:
                 out.lost |= {i for i in range(len(plan.urls)) if not client.alive(i)}
                 with lock.held():
                     self.drop(client, [i for i in range(len(plan.urls)) if i not in out.lost])
         finally:
-            client.close()
+            client.close(wait=not stalled)
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -352,8 +383,17 @@ class StageSender:
         self.group, self.name, self.members = group, name, list(plan.urls)
         _settle(futures, out, plan.timeout_s)
 
-    def _send_bucket(self, plan: SyncPlan, client: StageClient, bucket: Bucket, out: StageOutcome) -> None:
-        from megatron_dapo.weight_sync.sync_group import broadcast_tensors
+    def _send_bucket(self, plan: SyncPlan, client: StageClient, bucket: Bucket, index: int,
+                     out: StageOutcome) -> None:
+        """Posts the bucket's receive to every server, broadcasts it (sync_group.broadcast_bucket) and settles the
+        replies. A lost server breaks the push; over NCCL it is a stall (`_stalled`), as is a broadcast not done by
+        its deadline (broadcast_deadline_s: 30.5 s a 512 MiB bucket)."""
+        from megatron_dapo.weight_sync.sync_group import (
+            any_died,
+            broadcast_bucket,
+            broadcast_deadline_s,
+            raises_on_loss,
+        )
 
         body = {"names": [m.name for m in bucket.metas],
                 "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
@@ -364,12 +404,54 @@ class StageSender:
         flat = bucket.flat.contiguous()
         if plan.backend == "nccl":
             flat = flat.cuda()
+        nbytes = flat.numel() * flat.element_size()
+        deadline = broadcast_deadline_s(nbytes, plan.timeout_s, floor_s=plan.broadcast_floor_s)
         try:
-            broadcast_tensors(self.group, [flat.view(torch.uint8)])
-            out.nbytes += flat.numel() * flat.element_size()
-        except RuntimeError:  # a member died mid-broadcast
+            done = broadcast_bucket(self.group, flat.view(torch.uint8), deadline_s=deadline,
+                                    call_timeout_s=plan.timeout_s, gone=functools.partial(any_died, futures))
+        except RuntimeError:  # gloo: a member died mid-broadcast (every member's receive failed with it)
             out.broken = True
-        _settle(futures, out, plan.timeout_s)
+            _settle(futures, out, plan.timeout_s)
+            return
+        if done:
+            out.nbytes += nbytes
+            before = len(out.lost)
+            _settle(futures, out, plan.timeout_s)
+            # NCCL: rank 0's part can end before a lost server's successors got theirs; they may be stuck
+            if len(out.lost) == before or raises_on_loss(self.group):
+                return
+        self._stalled(plan, client, futures, out, index, nbytes, deadline)
+
+    def _stalled(self, plan: SyncPlan, client: StageClient, futures: dict[int, Future], out: StageOutcome,
+                 bucket: int, nbytes: int, deadline_s: float) -> None:
+        """After an NCCL broadcast of this stage that did not complete, as ServerPush._stalled: aborts the group
+        here and counts the servers whose call failed or that do not answer /health as lost. If others answer,
+        out.stalled gets the one-line error (rank 0 raises it: the run stops); else the push is only broken, and
+        the lost servers are recovered."""
+        from megatron_dapo.weight_sync.sync_group import died, stall_message
+
+        failed = {i for i, f in futures.items() if died(f)} | out.lost
+        for f in futures.values():
+            f.cancel()
+        self.abort()
+        lost = failed | {i for i in range(len(plan.urls)) if i not in failed and not client.alive(i)}
+        out.lost |= lost
+        out.broken = True
+        answering = len(plan.urls) - len(lost)
+        if answering:
+            out.stalled = stall_message(version=plan.version, lost=[plan.urls[i] for i in sorted(lost)],
+                                        answering=answering, bucket=bucket, nbytes=nbytes, deadline_s=deadline_s,
+                                        call_failed=bool(failed), stage=self.stage)
+
+    def abort(self) -> None:
+        """Ends this source's group here only, without waiting for what is in flight on it (sync_group.abort_group)
+        and without a call to the servers."""
+        from megatron_dapo.weight_sync.sync_group import abort_group
+
+        if self.group is None:
+            return
+        group, self.group, self.name, self.members = self.group, None, None, []
+        abort_group(group)
 
     def drop(self, client: StageClient, alive: list[int], timeout_s: float = 60.0) -> None:
         """Forgets this source's group here and on the given servers (a restarted server answers 400: ignored)."""

@@ -11,7 +11,8 @@ scheduler; /stats "received" says which group brought which tensors). Bound to 1
 Run as a script (it accepts --api-key, or a --config YAML with api-key, and ignores sglang.launch_server's
 other flags) or in a thread via serve(); kill() makes a threaded one die like a real server (in-flight requests
 get their connection dropped, new ones are refused) and serve(port=...) brings one back on the same port with
-fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill().
+fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill();
+`state.stuck_receive = True` hangs only its weight receive (/health answers 503), as a server hung mid-update.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class FakeState:
         # SGLang's scheduler runs one request at a time: a group init or a receive blocks the server's others
         self.collective = threading.Lock()
         self.receive_delay_s = 0.0  # a slow receive (a bucket taking time to load), --receive-delay
+        # a hung server: /update_weights_from_distributed never enters the broadcast and /health answers 503 (SGLang's
+        # /health when its scheduler does not answer), until kill()
+        self.stuck_receive = False
         self.released: set[str] = set()  # memory tags released (/release_memory_occupation)
         self.memory_calls: list[tuple[str, list[str]]] = []
 
@@ -159,6 +163,10 @@ def _receive(state: FakeState, body: dict) -> tuple[int, dict]:
         return 400, {"success": False, "message": f"no group {body['group_name']}"}
     dtype = getattr(torch, body["dtypes"][0])
     numels = [int(torch.Size(s).numel()) for s in body["shapes"]]
+    while state.stuck_receive and not state.dead:
+        time.sleep(0.05)
+    if state.dead:
+        raise ServerKilled("/update_weights_from_distributed")
 
     def recv(tp_rank):
         flat = torch.empty(sum(numels), dtype=dtype)
@@ -288,7 +296,7 @@ def make_server(port: int, state: FakeState) -> ThreadingHTTPServer:
             if not self._authorized():
                 return
             if self.path == "/health":
-                self._reply(200, {})
+                self._reply(503 if state.stuck_receive else 200, {})
             else:
                 self._reply(*_handle(state, self.path, {}))
 

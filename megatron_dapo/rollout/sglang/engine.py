@@ -101,6 +101,10 @@ class ClientConfig:
     control_timeout_s: float = 600.0
     """Weight-update and memory calls (WEIGHT_CALLS: a 65 GB load at 32B, a group rendezvous, a post-load pass)
     time out after this instead of hanging a step."""
+    broadcast_floor_s: float = 30.0
+    """The fixed part of each NCCL weight-sync broadcast's deadline (weight_sync/sync_group.py broadcast_deadline_s:
+    this plus the bucket's bytes at 1 GB/s, 30.5 s for a 512 MiB bucket); a broadcast not done by then counts as
+    stalled: its group is aborted, and the run stops naming the lost server if other servers of the group answer."""
     api_key: str | None = None
     """Sent as `Authorization: Bearer <key>` on every call (--sglang-api-key, or SGLANG_API_KEY)."""
     server_wait_s: float = 600.0
@@ -134,6 +138,8 @@ class ClientConfig:
             raise ValueError(f"bucket_bytes must be >= 1 (--weight-sync-bucket-mb), got {self.bucket_bytes}")
         if self.server_wait_s <= 0:
             raise ValueError(f"server_wait_s must be > 0 (--sglang-server-wait-s), got {self.server_wait_s}")
+        if self.broadcast_floor_s <= 0:
+            raise ValueError(f"broadcast_floor_s must be > 0, got {self.broadcast_floor_s}")
         if self.recovery_attempts < 1:
             raise ValueError(f"recovery_attempts must be >= 1, got {self.recovery_attempts}")
         if self.api_key == "":
