@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--threads", type=int, default=4, help="parallel writer threads (default 4)")
     a.add_argument("--chunk-mb", type=int, default=16,
                    help="split stored tensors into row chunks of at most this many MiB (default 16)")
+    a.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default="transformer_engine",
+                   help="write the dist-checkpoint keys of this layer implementation's model (default "
+                   "transformer_engine, what GPU runs load); they differ only in an MoE layer's pre-MLP norm, and "
+                   "train.py --load reads either into either")
     a.add_argument("--overwrite", action="store_true", help="replace an existing --save")
     a.add_argument(
         "--dry-run",

@@ -21,8 +21,14 @@ MoE model; `ckpt_config.stored_tensors`), so the output is the same whatever --e
 (61.1 GB bf16, 18,867 HF tensors of which 18,432 experts; `tools/bench_convert.py --plan qwen3-30b-a3b`): a layer's
 fc1 is 128 x 1536 x 2048 x 2 B = 805 MB and the stacked fc1 38.7 GB, but neither is ever held: an expert's gate, up
 or down (768 x 2048 x 2 B = 3 MiB) is one chunk, copied in the kernel (~0 resident), or mapped and cast with
---dtype (at most --threads x --chunk-mb chunks plus their records = 128 MiB). 19,373 chunks and 12,385
+--dtype (at most --threads x --chunk-mb chunks plus their records = 128 MiB). 19,373 chunks and 12,529
 `_extra_state` objects (~1 KB each) make the .metadata the writers' only per-chunk state.
+
+The keys are a Transformer Engine model's by default (`--transformer-impl`, as the trainer's flag), what every GPU
+run and Megatron-LM's default asks for: they differ from a local-spec model's only in an MoE layer's pre-MLP norm
+(TE: `pre_mlp_layernorm.weight`, its own TENorm; local: `mlp.linear_fc1.layer_norm_weight`). megatron_dapo's
+`--load` and resume read either into either (`ckpt_config.request_stored_keys`); `--transformer-impl local` is for
+other loaders of an MoE model under megatron-core's local spec.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
-from megatron_dapo.weights.mapping import hf_names
+from megatron_dapo.weights.mapping import LAYER_IMPLS, hf_names
 from megatron_dapo.weights.plan import hf_tensor_specs
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -91,10 +97,16 @@ class HfToMcoreConfig:
     """--threads: parallel writer threads (one .distcp file each; each holds one chunk at a time)."""
     chunk_mb: int = 16
     """--chunk-mb: largest stored chunk; bigger row ranges are split (with --dtype: resident <= threads x chunk)."""
+    transformer_impl: str = "transformer_engine"
+    """--transformer-impl: whose dist-checkpoint keys to write, a TE model's or megatron-core's local spec's (they
+    differ in an MoE layer's pre-MLP norm). megatron_dapo's --load reads either into either; the choice matters to
+    other loaders (Megatron-LM) of a mixture-of-experts model."""
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.hf_path):
             raise FileNotFoundError(f"--hf-path {self.hf_path} is not a directory")
+        if self.transformer_impl not in LAYER_IMPLS:
+            raise ValueError(f"--transformer-impl must be one of {list(LAYER_IMPLS)}, got {self.transformer_impl!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.threads < 1:
@@ -170,22 +182,27 @@ def _entry_tensor(
     return lazy
 
 
-def extra_state_objects(arch: ModelArch) -> dict[str, Any]:
+def extra_state_objects(arch: ModelArch, impl: str = "transformer_engine") -> dict[str, Any]:
     """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
     Per layer, the four linears (megatron-core's local ones and TE's alike), of an MoE layer the attention's
-    two and each expert's two (megatron-core's SequentialMLP: one object per expert, offsets (layer, expert)
-    of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); once, the final norm, which on a
-    TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec) and so has extra
-    state (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local
-    modules ignore it, TE's accept None. Loading tolerates an absent one anyway (weights/extra_state.py).
-    At Qwen3-30B-A3B: 48 x (2 + 2 x 128) + 1 = 12,385 objects of ~1 KB (`tools/bench_convert.py --plan`).
+    two and each expert's two (megatron-core's SequentialMLP and TE's grouped linears alike: one object per expert,
+    offsets (layer, expert) of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); the norms a TE
+    build keeps as TENorm modules of their own (TE's RMSNorm has extra state; a stored key naming a `…layernorm`
+    module: the per-head q/k norms, an MoE layer's pre-MLP norm; the fused ones are the linears'); once, the final
+    norm, which on a TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec)
+    (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local modules ask for
+    none of the norms' and ignore the linears', TE's accept None. Loading tolerates an absent one anyway
+    (weights/extra_state.py). `impl`: the keys the tensors are written under (`stored_tensors`). At Qwen3-30B-A3B
+    under TE: 48 x (2 + 2 x 128 + 3) + 1 = 12,529 objects of ~1 KB (`tools/bench_convert.py --plan`).
     """
     objects = {}
-    for stored in stored_tensors(arch):
-        if stored.entry.stage != "layer" or stored.entry.kind == "replicated":
-            continue
+    for stored in stored_tensors(arch, impl):
         module = stored.key.rsplit(".", 1)[0]
+        # the router (replicated, no extra state) and the fused norms (`linear_*.layer_norm_weight`: the linear's) have
+        # none of their own
+        if stored.entry.stage != "layer" or (stored.entry.kind == "replicated" and not module.endswith("layernorm")):
+            continue
         lead = (arch.num_layers,) if stored.stacked else ()
         experts = (arch.num_experts,) if stored.entry.per_expert else ()
         for layer, expert in stored.hf_sources(arch):
@@ -288,14 +305,16 @@ def common_state(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf
     }
 
 
-def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any]) -> str:
-    """Megatron args and the global shape of every stored tensor, as printable text."""
+def describe(arch: ModelArch, layout: ParallelLayout, dtype: torch.dtype, hf_config: dict[str, Any],
+             impl: str = "transformer_engine") -> str:
+    """Megatron args and the global shape of every stored tensor (under layer implementation `impl`'s keys), as
+    printable text."""
     padded = padded_vocab_size(arch.vocab_size, layout.tp)
     args = {k: str(v) if isinstance(v, torch.dtype) else v for k, v in megatron_args(arch, layout, dtype).items()}
     lines = ["megatron args:", json.dumps(args, indent=2),
-             f"tensors ({dtype}, global shapes, layer axis first where stacked, then the expert axis):"]
+             f"tensors ({dtype}, global shapes, layer axis first where stacked, then the expert axis; {impl} keys):"]
     total = 0
-    for stored in stored_tensors(arch):
+    for stored in stored_tensors(arch, impl):
         shape = global_shape(stored.entry, arch, padded)
         total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         lines.append(f"  {stored.key} {list(shape)}")
@@ -313,7 +332,7 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
     validate_layout(arch, cfg.layout)  # the one layout check: heads, kv heads, ffn vs TP; layers vs PP
     if cfg.dry_run:
         dtype = DTYPES[cfg.dtype or "bf16"]
-        print(describe(arch, cfg.layout, dtype, hf_config))
+        print(describe(arch, cfg.layout, dtype, hf_config, cfg.transformer_impl))
         return common_state(arch, cfg.layout, dtype, hf_config)
     if os.path.exists(cfg.save) and not cfg.overwrite:
         raise FileExistsError(f"--save {cfg.save} already exists; pass --overwrite to replace it")
@@ -327,12 +346,12 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes
         planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
-        tensors = {
-            t.key: _entry_tensor(reader, t, arch, padded, dtype, chunk_bytes, planned) for t in stored_tensors(arch)
-        }
+        impl = cfg.transformer_impl
+        tensors = {t.key: _entry_tensor(reader, t, arch, padded, dtype, chunk_bytes, planned)
+                   for t in stored_tensors(arch, impl)}
         common = common_state(arch, cfg.layout, dtype, hf_config)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:
-            write_dist_checkpoint(os.path.join(tmp, ITERATION_DIR), tensors, extra_state_objects(arch), common,
+            write_dist_checkpoint(os.path.join(tmp, ITERATION_DIR), tensors, extra_state_objects(arch, impl), common,
                                   threads=cfg.threads)
             write_tracker(tmp)
             copy_assets(cfg.hf_path, os.path.join(tmp, ASSETS_DIR))

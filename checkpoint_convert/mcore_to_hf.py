@@ -16,9 +16,11 @@ shards of <= 5 GiB (--max-shard-size) are written 4 at a time. The time is a byt
 `tools/bench_convert.py` measures at 2 GB (0.6-0.7x with 5 shards, 0.8-1.2x with one file).
 
 Mixture of experts: every HF expert tensor is rows of index (layer, expert) of a stored expert tensor, whatever the
-EP it was saved under (the axis is global). At Qwen3-30B-A3B: 18,432 expert jobs of 3 MiB among 18,867 tensors,
-61.1 GB; converter output is copied in the kernel (~0 resident); a training save at expert-TP > 1 assembles an
-expert's fc1 / fc2 rows from its shards: --threads blocks of at most --chunk-mb (64 MiB), never a layer (805 MB).
+EP it was saved under (the axis is global); an MoE layer's pre-MLP norm is read under the key the checkpoint has it
+under, a TE model's (`pre_mlp_layernorm.weight`) or a local-spec run's (`mlp.linear_fc1.layer_norm_weight`). At
+Qwen3-30B-A3B: 18,432 expert jobs of 3 MiB among 18,867 tensors, 61.1 GB; converter output is copied in the kernel
+(~0 resident); a training save at expert-TP > 1 assembles an expert's fc1 / fc2 rows from its shards: --threads
+blocks of at most --chunk-mb (64 MiB), never a layer (805 MB).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from megatron_dapo.checkpoint.ckpt_config import (
     StoredTensor,
     check_global_shapes,
     check_same_arch,
+    checkpoint_impl,
     read_hf_config,
     stored_tensors,
 )
@@ -117,8 +120,14 @@ def _resolve_config(cfg: McoreToHfConfig, reader: DistCheckpointReader) -> dict[
     return given
 
 
+def _stored_tensors(reader: DistCheckpointReader, arch: ModelArch) -> list[StoredTensor]:
+    """The model tensors of `arch` under the keys this checkpoint holds them under: a TE model's (converter output,
+    a TE run's save) or a local-spec run's (they differ in an MoE layer's pre-MLP norm; `checkpoint_impl`)."""
+    return stored_tensors(arch, checkpoint_impl(reader.tensors, arch))
+
+
 def _model_dtype(reader: DistCheckpointReader, arch: ModelArch) -> torch.dtype:
-    dtypes = {reader.dtype(t.key) for t in stored_tensors(arch)}
+    dtypes = {reader.dtype(t.key) for t in _stored_tensors(reader, arch)}
     if len(dtypes) != 1:
         raise CheckpointError(f"{reader.dir} mixes dtypes {sorted(map(str, dtypes))} in its model; pass --dtype")
     return dtypes.pop()
@@ -151,7 +160,7 @@ def _jobs(reader: DistCheckpointReader, arch: ModelArch, chunk_bytes: int) -> li
     entry expert by expert), each inside one `hf_row_segments` range (so one byte range of a stored chunk in
     converter output; qkv gives three ranges per query group)."""
     by_layer: dict[int | None, list[StoredTensor]] = {}
-    for t in stored_tensors(arch):
+    for t in _stored_tensors(reader, arch):
         for layer in t.layers:
             by_layer.setdefault(layer, []).append(t)
     jobs: list[Job] = []

@@ -4,60 +4,21 @@ With the TE spec the pre-attention / pre-MLP RMSNorms live inside `linear_qkv` /
 `layer_norm_weight`, and `input_layernorm` / `pre_mlp_layernorm` are IdentityOps. The layer spec here
 is megatron-core's own `get_gpt_layer_with_transformer_engine_spec()`, with its backend provider
 (`TESpecProvider`, which needs TE) swapped for a CPU one whose fused norm+linear registers the norm
-weight as `layer_norm_weight` exactly like TE's `TELayerNormColumnParallelLinear`. So the module tree,
-the parameter names and the forward are the TE spec's, and every HF -> Megatron load path
-(`load_hf_into_actor`, `--mcore-checkpoint`, `--load`) and the export path are checked against HF.
+weight as `layer_norm_weight` exactly like TE's `TELayerNormColumnParallelLinear` (tests/te_standins.py).
+So the module tree, the parameter names and the forward are the TE spec's, and every HF -> Megatron load path
+(`load_hf_into_actor`, `--mcore-checkpoint`, `--load`) and the export path are checked against HF. Every family,
+MoE included, and the local <-> TE direction of each path: test_checkpoint_te_moe_names.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_response_log_probs, make_samples, tiny_hf_model
-
-
-class CpuLayerNormColumnParallelLinear(ColumnParallelLinear):
-    """TELayerNormColumnParallelLinear's CPU twin: RMSNorm(layer_norm_weight) then the column-parallel linear."""
-
-    def __init__(self, input_size: int, output_size: int, *, config, **kwargs) -> None:
-        super().__init__(input_size, output_size, config=config, **kwargs)
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
-        self.eps = config.layernorm_epsilon
-
-    def forward(self, x, *args, **kwargs):
-        return super().forward(F.rms_norm(x, (x.shape[-1],), self.layer_norm_weight, self.eps), *args, **kwargs)
-
-
-class CpuTENorm(torch.nn.RMSNorm):
-    """TE's RMSNorm as a TE build's TransformerBlock takes it for the final norm (its LayerNormImpl, whatever the
-    layer spec): a norm with `_extra_state` in its state dict. Records what set_extra_state received."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5) -> None:
-        super().__init__(hidden_size, eps=eps)
-        self.extra_state_loaded: list = []
-
-    def get_extra_state(self):
-        return None
-
-    def set_extra_state(self, state) -> None:
-        self.extra_state_loaded.append(state)
-
-
-class CpuTESpecProvider(LocalSpecProvider):
-    """megatron-core's TESpecProvider choices where they matter for names: the norm is fused into the linear."""
-
-    def fuse_layernorm_and_linear(self) -> bool:
-        return True
-
-    def column_parallel_layer_norm_linear(self) -> type:
-        return CpuLayerNormColumnParallelLinear
-
+from tests.te_standins import CpuTENorm, CpuTESpecProvider
 
 TE_NORM_NAMES = ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
                  "decoder.layers.1.mlp.linear_fc1.layer_norm_weight")
@@ -199,7 +160,7 @@ def test_checkpoint_without_extra_state_loads_into_te_actor(te_world, tmp_path):
     hf_to_mcore = importlib.import_module("checkpoint_convert.hf_to_mcore")  # the package re-exports a function
     _, hf, arch, hf_dir, make_actor = te_world
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_to_mcore, "extra_state_objects", lambda arch: {})
+        mp.setattr(hf_to_mcore, "extra_state_objects", lambda arch, impl: {})
         assert convert(["hf-to-mcore", "--hf-path", str(hf_dir), "--save", str(tmp_path / "mc")]) == 0
     actor = make_actor(True)
     load_model_weights(actor.module, tmp_path / "mc", arch)

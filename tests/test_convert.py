@@ -153,7 +153,9 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: 
             ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
             *[(key, full[m + key]) for key in optional if m + key in full],
             ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
-            ("mlp.linear_fc1.layer_norm_weight", full[m + "pre_mlp_layernorm.weight"]),
+            # the pre-MLP norm: a TE MoE layer's own TENorm, fused into linear_fc1 in a dense layer
+            ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight",
+             full[m + "pre_mlp_layernorm.weight"]),
             ("self_attention.linear_proj.weight", full[m + "self_attention.linear_proj.weight"]),
             *mlp,
         ]:
@@ -183,7 +185,8 @@ def test_mixed_dense_moe_model_has_per_layer_keys_and_round_trips_bit_exact(tmp_
     for i in range(4):
         m = f"decoder.layers.{i}."
         assert torch.equal(stored[m + "self_attention.linear_qkv.weight"], full[m + "self_attention.linear_qkv.weight"])
-        assert torch.equal(stored[m + "mlp.linear_fc1.layer_norm_weight"], full[m + "pre_mlp_layernorm.weight"])
+        norm = "mlp.linear_fc1.layer_norm_weight" if i == 1 else "pre_mlp_layernorm.weight"  # TE: dense fused, MoE own
+        assert torch.equal(stored[m + norm], full[m + "pre_mlp_layernorm.weight"])
         assert (m + "mlp.router.weight" in stored) == (i != 1) and (m + "mlp.linear_fc1.weight" in stored) == (i == 1)
         if i == 1:
             fc1 = torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])

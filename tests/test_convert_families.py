@@ -75,10 +75,10 @@ def test_qwen3_30b_a3b_dry_run_maps_to_megatron_moe_args(tmp_path, capsys):
         "  decoder.layers.mlp.router.weight [48, 128, 2048]",
         "  decoder.layers.mlp.experts.experts.linear_fc1.weight [48, 128, 1536, 2048]",  # gate; up of 768 rows
         "  decoder.layers.mlp.experts.experts.linear_fc2.weight [48, 128, 2048, 768]",
-        "  decoder.layers.mlp.linear_fc1.layer_norm_weight [48, 2048]",
+        "  decoder.layers.pre_mlp_layernorm.weight [48, 2048]",  # a TE MoE layer's own TENorm (what TE loads)
     ):
         assert line + "\n" in out, line
-    assert "decoder.layers.mlp.linear_fc1.weight" not in out  # no dense MLP
+    assert "decoder.layers.mlp.linear_fc1." not in out  # no dense MLP, no fused pre-MLP norm
     # per layer: qkv (4096 + 2 x 512) x 2048, o 2048 x 4096, q/k norms 2 x 128, 2 norms x 2048, router 128 x 2048,
     # 128 experts x 3 x 768 x 2048; embedding and head at the TP2-padded vocab 152064; the final norm. x 2 B
     layer = 5120 * 2048 + 2048 * 4096 + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * 3 * 768 * 2048

@@ -9,7 +9,9 @@ come from `dist_checkpointing.load({"model": model.sharded_state_dict()}, dir)`:
 converter's output. The checkpoint is written for TP2 x PP2 (an MoE one checked for EP2 too) and loaded at TP1 x
 EP1 (torch_dist is layout-independent; tests/dist/weights_dist_ckpt.py loads an MoE one into this model at EP2).
 Qwen3-MoE gets megatron-core's MoE fields and its per-layer block spec (`get_gpt_decoder_block_spec`), every layer
-MoE and with a dense layer 1 (per-layer checkpoint keys). Process groups are megatron-core's own (one gloo rank).
+MoE and with a dense layer 1 (per-layer checkpoint keys), under the local spec (converter output written with
+`--transformer-impl local`) and under the TE spec (the default output; TE's modules replaced by the CPU twins of
+tests/te_standins.py). Process groups are megatron-core's own (one gloo rank).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from checkpoint_convert.cli import main as convert_main
 from megatron_dapo.models.hf_params import hf_state_dict
 from tests.dist.actor_common import FAMILIES
 from tests.ports import free_port
+from tests.te_standins import patch_te_build
 from tests.test_convert import load_common, make_tiny_hf
 
 
@@ -94,26 +97,37 @@ def rope_kwargs(config: dict) -> dict:
     return kwargs
 
 
-CASES = [(f, tied, {}) for f in FAMILIES for tied in (False, True)] + [("qwen3_moe", False, {"mlp_only_layers": [1]})]
-"""Every family tied and untied; Qwen3-MoE also with a dense layer among MoE ones (per-layer checkpoint keys)."""
+CASES = ([(f, tied, {}, "local") for f in FAMILIES for tied in (False, True)]
+         + [("qwen3_moe", False, {"mlp_only_layers": [1]}, "local")]
+         + [("qwen3_moe", False, overrides, "transformer_engine") for overrides in ({}, {"mlp_only_layers": [1]})])
+"""Every family tied and untied; Qwen3-MoE also with a dense layer among MoE ones (per-layer checkpoint keys); each
+into megatron-core's local spec, and Qwen3-MoE into its TE spec too (an MoE layer's pre-MLP norm is the one key
+that differs: hf-to-mcore writes TE's by default, the local spec's under --transformer-impl local)."""
 
 
-@pytest.mark.parametrize(("model_type", "tied", "overrides"), CASES,
-                         ids=[f"{f}-{'tied' if t else 'untied'}{'-mixed' if o else ''}" for f, t, o in CASES])
+@pytest.mark.parametrize(("model_type", "tied", "overrides", "impl"), CASES,
+                         ids=[f"{f}-{'tied' if t else 'untied'}{'-mixed' if o else ''}{'-te' if i != 'local' else ''}"
+                              for f, t, o, i in CASES])
 def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_world, monkeypatch, model_type: str,
-                                                        tied: bool, overrides: dict) -> None:
+                                                        tied: bool, overrides: dict, impl: str) -> None:
+    """The TE spec is megatron-core's own (`get_gpt_decoder_block_spec(use_transformer_engine=True)`, TEGroupedMLP
+    experts) with CPU twins of TE's modules (tests/te_standins.py); converter output with its default keys."""
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
     hf = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type, overrides=overrides)
     experts = ["--ep", "2"] if model_type == "qwen3_moe" else []
+    keys = ["--transformer-impl", "local"] if impl == "local" and model_type == "qwen3_moe" else []
     assert convert_main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
-                         "--tp", "2", "--pp", "2", *experts]) == 0
+                         "--tp", "2", "--pp", "2", *experts, *keys]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     names = set(hf_state_dict(hf))
-    tconfig = transformer_config(config, names)
+    te = impl == "transformer_engine"
+    if te:  # what a TE build runs: TE modules (here their CPU twins), grouped-GEMM experts
+        patch_te_build(monkeypatch)
+    tconfig = transformer_config(config, names, **({"moe_grouped_gemm": True} if te else {}))
     if tconfig.num_moe_experts:  # per-layer MoE or dense specs (megatron-core's own choice from moe_layer_freq)
-        spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False,
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te,
                                                           normalization="RMSNorm")
         # megatron-core 0.16.1's router reads this module global, bound only when TransformerEngine imports
         monkeypatch.setattr("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, raising=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,11 +136,15 @@ class StoredTensor:
                 yield layer, expert
 
 
-def stored_tensors(arch: ModelArch) -> list[StoredTensor]:
-    """Every model tensor of a dist checkpoint of `arch` (tied: no output layer), in table order.
+def stored_tensors(arch: ModelArch, impl: str = "transformer_engine") -> list[StoredTensor]:
+    """Every model tensor of a dist checkpoint of `arch` (tied: no output layer), in table order, under the keys a
+    model of layer implementation `impl` saves and asks for (`mapping.layer_dist_key`: the two differ only in an
+    MoE layer's pre-MLP norm). The converter writes the TE ones (`hf_to_mcore`), what every GPU run loads.
 
     At Qwen3-30B-A3B (48 all-MoE layers, stacked): 12 keys; the two expert keys are [48, 128, 1536, 2048] (fc1,
-    38.7 GB bf16) and [48, 128, 2048, 768] (fc2, 19.3 GB). A mixed model of L layers has one key per layer entry.
+    38.7 GB bf16) and [48, 128, 2048, 768] (fc2, 19.3 GB), the pre-MLP norms `decoder.layers.pre_mlp_layernorm.weight`
+    [48, 2048] under TE (`decoder.layers.mlp.linear_fc1.layer_norm_weight` under the local spec). A mixed model of L
+    layers has one key per layer entry.
     """
     stacked = stacked_layers(arch)
     out: list[StoredTensor] = []
@@ -153,16 +157,60 @@ def stored_tensors(arch: ModelArch) -> list[StoredTensor]:
         layers = tuple(layer for layer in range(arch.num_layers) if entry_in_layer(e, arch, layer))
         if not layers:  # e.g. the dense MLP of an all-MoE model
             continue
-        if stacked:
-            out.append(StoredTensor(dist_key(e), e, layers, True))
+        if stacked:  # every stacked layer is of one kind (all dense, or all MoE): the first names them all
+            out.append(StoredTensor(layer_dist_key(e, arch, layers[0], impl), e, layers, True))
         else:
-            out += [StoredTensor(layer_dist_key(e, arch, layer), e, (layer,), False) for layer in layers]
+            out += [StoredTensor(layer_dist_key(e, arch, layer, impl), e, (layer,), False) for layer in layers]
     return out
 
 
-def expected_global_shapes(arch: ModelArch, padded_vocab: int) -> dict[str, tuple[int, ...]]:
-    """dist-checkpoint key -> global shape of every model tensor of `arch` (tied: no output layer)."""
-    return {t.key: global_shape(t.entry, arch, padded_vocab) for t in stored_tensors(arch)}
+def checkpoint_impl(keys: Collection[str], arch: ModelArch) -> str:
+    """The layer implementation whose keys a dist checkpoint of `arch` holds (`keys`: its stored keys): 'local' when
+    it has a tensor under a key only the local spec uses (an MoE layer's pre-MLP norm under the fused name, as a
+    local-spec run or an older converter saved it), else 'transformer_engine' (a dense model's keys are both)."""
+    local_only = {t.key for t in stored_tensors(arch, "local")} - {t.key for t in stored_tensors(arch)}
+    return "local" if any(k in local_only for k in keys) else "transformer_engine"
+
+
+def stored_key_renames(arch: ModelArch, stored: Collection[str]) -> dict[str, str]:
+    """{key a model of either layer implementation asks for: the key the checkpoint (`stored`: its keys) holds the
+    same tensor under}, for the tensors whose keys differ between the two (an MoE layer's pre-MLP norm), where the
+    checkpoint has the other implementation's. Empty for a dense model, and for a checkpoint of the model's own."""
+    renames = {}
+    for te, local in zip(stored_tensors(arch), stored_tensors(arch, "local"), strict=True):
+        if te.key == local.key:
+            continue
+        for want, have in ((te.key, local.key), (local.key, te.key)):
+            if want not in stored and have in stored:
+                renames[want] = have
+    return renames
+
+
+def request_stored_keys(sharded: Any, arch: ModelArch, stored: Collection[str]) -> None:
+    """Point, in place, every tensor of a model's `sharded` state dict (its `sharded_state_dict()`, before the
+    optimizer's is built from it, so the optimizer's keys follow) whose key `stored` lacks at the key the
+    checkpoint holds it under (`stored_key_renames`): a local-spec checkpoint loads into a TE model and the reverse.
+    The state-dict names (what `load_state_dict` sees) do not change; a key neither spelling of which is stored
+    stays as it is, for dist_checkpointing to name.
+    Cost: one walk over the sharded state dict, no tensor data: at Qwen3-30B-A3B EP8 ~3,600 entries a rank (48
+    layers x 16 local experts x 2 linears x (weight, extra state), and the rest); the renamed key is one [48, 2048].
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    renames = stored_key_renames(arch, stored)
+    if not renames:  # a dense model, or a checkpoint of the model's own implementation
+        return
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedBase) and value.key in renames:
+            value.key = renames[value.key]
+
+
+def expected_global_shapes(arch: ModelArch, padded_vocab: int,
+                           impl: str = "transformer_engine") -> dict[str, tuple[int, ...]]:
+    """dist-checkpoint key -> global shape of every model tensor of `arch` (tied: no output layer) under the keys of
+    layer implementation `impl`."""
+    return {t.key: global_shape(t.entry, arch, padded_vocab) for t in stored_tensors(arch, impl)}
 
 
 def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, source: str, against: str) -> int:
@@ -183,7 +231,7 @@ def check_global_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArch, *, 
             f"vocab mismatch: {source} has {padded} embedding rows (padded vocab), {against} has vocab_size "
             f"{arch.vocab_size}, which pads to {padded_vocab_size(arch.vocab_size, 1)} (a multiple of 128)"
         )
-    expected = expected_global_shapes(arch, padded)
+    expected = expected_global_shapes(arch, padded, checkpoint_impl(shapes, arch))  # a TE or a local-spec save
     problems = []
     for key, want in expected.items():
         have = shapes.get(key)

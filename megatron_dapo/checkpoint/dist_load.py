@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, check_same_arch
+from megatron_dapo.checkpoint.ckpt_config import check_global_shapes, check_same_arch, request_stored_keys
 from megatron_dapo.checkpoint.dist_ckpt import DCP_METADATA, TRACKER_FILE, DistCheckpointReader
 from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
+from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state, stored_keys
 
 
 def is_megatron_lm_checkpoint(path: str | os.PathLike[str]) -> bool:
@@ -68,7 +68,8 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arc
     `model` is this rank's chunk (possibly DDP-wrapped): its `sharded_state_dict()` names the global
     slices this rank needs, and dist_checkpointing reads only those. Optimizer state in the checkpoint
     is ignored; callers refresh the optimizer's main params afterwards (`optimizer.reload_model_params`).
-    A TE `_extra_state` the checkpoint lacks loads as None (weights/extra_state.py).
+    A TE `_extra_state` the checkpoint lacks loads as None (weights/extra_state.py); a tensor stored under the other
+    layer implementation's key (an MoE layer's pre-MLP norm: `ckpt_config.request_stored_keys`) is read from there.
     Cost at Qwen2.5-32B TP8 x PP2: each rank reads its 1/16 of 64 GB (4 GB); no rank waits on another
     except the final barrier inside dist_checkpointing.load. At Qwen3-30B-A3B EP8 (TP1, PP1): a rank reads its 16 of
     the 128 experts of each layer (58 GB of experts / 8 = 7.2 GB) plus the replicated rest (3.1 GB).
@@ -76,8 +77,10 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arc
     iter_dir = check_checkpoint_config(path, arch, flag=flag)
     sharded = model.sharded_state_dict()
     keys = list(sharded)
+    stored = stored_keys(iter_dir)
+    request_stored_keys(sharded, arch, stored)  # a TE model reads a local-spec save's keys, and the reverse
     # common.pt of converter output holds Megatron-LM's args as an argparse.Namespace
     with torch.serialization.safe_globals([argparse.Namespace]):
-        loaded = load_tolerating_absent_extra_state(sharded, iter_dir)
+        loaded = load_tolerating_absent_extra_state(sharded, iter_dir, stored)
     model.load_state_dict({k: loaded[k] for k in keys})
     return iter_dir

@@ -54,9 +54,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo.checkpoint import manifest as checkpoint_manifest
 from megatron_dapo.checkpoint import procs as checkpoint_procs
+from megatron_dapo.checkpoint.ckpt_config import request_stored_keys
 from megatron_dapo.distributed import comm
 from megatron_dapo.errors import UserError, disk_full_error, is_disk_full
-from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
+from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state, stored_keys
 
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
@@ -111,9 +112,15 @@ def _model_keys(actor) -> list[str]:
     return ["model"] if len(actor.modules) == 1 else [f"model{c}" for c in range(len(actor.modules))]
 
 
-def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None) -> dict[str, Any]:
+def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None,
+                   stored: set[str] | None = None) -> dict[str, Any]:
+    """The model chunks', optimizer's and RNG's sharded state; loading (`stored`: the checkpoint's keys), the model
+    tensors ask for the keys the checkpoint holds them under before the optimizer's keys are made from theirs, so
+    a local-spec save resumes under TE and the reverse (an MoE layer's pre-MLP norm: `request_stored_keys`)."""
     models = {key: module.sharded_state_dict() for key, module in zip(_model_keys(actor), actor.modules)}
     model_sd = models["model"] if len(models) == 1 else models
+    if stored is not None:
+        request_stored_keys(model_sd, actor.arch, stored)
     rank, world = _rank_world()
     return {
         **models,
@@ -174,6 +181,49 @@ def check_optimizer_layout(saved: dict[str, Any] | None, actor, path: Path, *,
             + ("" if chained_changed else " or without --use-distributed-optimizer in both runs")) from cause
 
 
+LAYER_IMPL_KEY = "layer_impl"
+"""A checkpoint's layer implementation travels in the key of a one-element ShardedObject, `layer_impl.<impl>`, so a
+load reads it from the stored keys it reads anyway (`stored_keys`: the `.metadata` index), not from the common state
+(rank 0's, up to ~0.7 GB with an --async-rollout batch)."""
+
+
+def layer_impl_of(modules) -> str:
+    """'transformer_engine' when the model chunks' decoder layers are TE's (the pre-attention norm fused into
+    linear_qkv as `layer_norm_weight`), else 'local' (a norm module of its own). Read from the built parameters,
+    which is what the distributed optimizer's flat buffer follows, not from the flag that asked for them."""
+    fused = (".linear_qkv.layer_norm_weight", ".linear_fc1.layer_norm_weight")
+    return "transformer_engine" if any(name.endswith(fused) for m in modules for name, _ in m.named_parameters()) \
+        else "local"
+
+
+def saved_layer_impl(stored: set[str]) -> str | None:
+    """The layer implementation a checkpoint (`stored`: its stored keys) was saved from; None for a checkpoint
+    written before it was recorded."""
+    prefix = f"{LAYER_IMPL_KEY}."
+    for key in stored:
+        if key.startswith(prefix):
+            return key[len(prefix):].split("/", 1)[0]
+    return None
+
+
+def check_layer_impl(saved: str | None, actor, path: Path) -> None:
+    """CheckpointLayoutError when a --use-distributed-optimizer checkpoint saved from one layer implementation is
+    resumed under the other. Its optimizer state (dp_reshardable) is one flat fp32 buffer per model-parallel rank in
+    the order the model registers its parameters, and the two specs register them in different orders (TE fuses the
+    norms into the linears) with the same total size: megatron-core loads it without complaint and every Adam
+    moment and main param lands on another parameter (measured on a tiny Qwen2: grad norm 7.72 instead of 2.46 the
+    step after resume). The regular optimizer keys its state by parameter and resumes exactly across the two."""
+    now = layer_impl_of(actor.modules)
+    if saved is None or saved == now or not actor.config.use_distributed_optimizer:
+        return
+    raise CheckpointLayoutError(
+        f"{path} was saved with --transformer-impl {saved} and --use-distributed-optimizer; this run builds "
+        f"--transformer-impl {now}: the distributed optimizer's flat state follows the layer implementation's "
+        f"parameter order and would land on the wrong parameters; resume with --transformer-impl {saved}, or start "
+        f"from the checkpoint's weights with a fresh optimizer (checkpoint_convert mcore-to-hf, then "
+        f"--hf-checkpoint)")
+
+
 class CheckpointSaver:
     """Writes checkpoints of one run: `save(step, actor, extra)` on every rank, `close()` at the end.
 
@@ -225,6 +275,8 @@ class CheckpointSaver:
         state["scheduler"] = actor.scheduler.state_dict()
         state["extra"] = {"step": step, **extra}
         state["optimizer_layout"] = optimizer_layout(actor)
+        impl = layer_impl_of(actor.modules)  # written by rank 0 (replica 0), read back from the stored keys
+        state[LAYER_IMPL_KEY] = ShardedObject(f"{LAYER_IMPL_KEY}.{impl}", impl, (1,), (0,), replica_id=rank)
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self.strategy,
                                           async_sharded_save=self.async_save, content_metadata=OPTIM_METADATA,
                                           preprocess_common_before_consistancy_check=_without_rank0_extra)
@@ -462,9 +514,11 @@ def load_training_state(path: Path, actor) -> dict[str, Any]:
 def _read_step(path: Path, actor) -> dict[str, Any]:
     """Read a step directory's tensors and objects into a state dict shaped by `actor` (nothing applied yet)."""
     _materialise_distributed_optimizer_state(actor.optimizer)
-    state = _sharded_state(actor, is_loading=True, rng=None)
+    stored = stored_keys(path)
+    check_layer_impl(saved_layer_impl(stored), actor, path)
+    state = _sharded_state(actor, is_loading=True, rng=None, stored=stored)
     try:
-        return load_tolerating_absent_extra_state(state, path)  # a local-spec checkpoint resumed under TE
+        return load_tolerating_absent_extra_state(state, path, stored)  # a local-spec checkpoint resumed under TE
     except (Exception, CheckpointException) as err:
         # diagnosed only on failure: the common state (rank 0's, up to ~0.7 GB with an --async-rollout batch) is
         # read once more here, by every rank; all ranks fail such a load together (the read errors are gathered)

@@ -76,6 +76,7 @@ MAPPING: tuple[MappingEntry, ...] = (
         stage="layer",
         shapes=(("hidden_size",),),
         aliases=(_L + "mlp.linear_fc1.layer_norm_weight",),
+        te_moe_dist=_L + "pre_mlp_layernorm.weight",  # a TE MoE layer's own TENorm (models/family.py)
     ),
     MappingEntry(
         mcore=_L + "mlp.linear_fc1.weight",

@@ -59,6 +59,12 @@ class MappingEntry:
     dist: str | None = None
     """An expert entry's key in a dist checkpoint, `{layer}` where the layers are not stacked: megatron-core
     saves a layer's experts as one tensor with a leading global expert axis (`weights.mapping.dist_key`)."""
+    te_moe_dist: str | None = None
+    """Its dist-checkpoint key in an MoE layer of a Transformer Engine model, `{layer}` where the layers are not
+    stacked, when that differs from the other layers' (`weights.mapping.dist_key`). megatron-core 0.16.1 names a
+    norm differently per layer kind and implementation: its TE MoE layer keeps the pre-MLP norm as a TENorm of its
+    own (`pre_mlp_layernorm.weight`), while a TE dense layer fuses it into linear_fc1 and the local spec maps it to
+    that fused name (`mlp.linear_fc1.layer_norm_weight`) in every layer, MoE or dense."""
 
     @property
     def per_expert(self) -> bool:
@@ -79,6 +85,8 @@ class MappingEntry:
             raise ValueError(f"mapping entry {self.mcore}: an {{expert}} entry needs layers='moe' and its dist key")
         if any(("{expert}" in name) != self.per_expert for name in (*self.hf, *self.aliases)):
             raise ValueError(f"mapping entry {self.mcore}: {{expert}} must be in every name or in none")
+        if self.te_moe_dist is not None and ("{layer}" not in self.te_moe_dist or self.layers != "all"):
+            raise ValueError(f"mapping entry {self.mcore}: te_moe_dist is a per-layer key of an entry in every layer")
 
 
 ARCH_OPTIONS = ("qkv_bias", "qk_layernorm")

@@ -64,11 +64,12 @@ def fill_absent_extra_state(loaded: MutableMapping[Any, Any], removed: list[Path
 
 
 def load_tolerating_absent_extra_state(sharded: MutableMapping[Any, Any], iter_dir: str | os.PathLike[str],
-                                       **load_kwargs: Any) -> dict[str, Any]:
-    """dist_checkpointing.load of `sharded` from `iter_dir`, with absent `_extra_state` entries loaded as None."""
+                                       stored: set[str] | None = None, **load_kwargs: Any) -> dict[str, Any]:
+    """dist_checkpointing.load of `sharded` from `iter_dir`, with absent `_extra_state` entries loaded as None.
+    `stored`: the checkpoint's keys when the caller has read them already (`stored_keys`)."""
     from megatron.core import dist_checkpointing
 
-    removed = drop_absent_extra_state(sharded, stored_keys(iter_dir))
+    removed = drop_absent_extra_state(sharded, stored_keys(iter_dir) if stored is None else stored)
     loaded = dist_checkpointing.load(sharded, str(iter_dir), **load_kwargs)
     fill_absent_extra_state(loaded, removed)
     return loaded

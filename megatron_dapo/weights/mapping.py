@@ -28,9 +28,9 @@ from megatron_dapo.models.family import LAYOUT_KINDS, LayoutKind, MappingEntry, 
 if TYPE_CHECKING:
     from megatron_dapo.models.hf_config import ModelArch
 
-__all__ = ["LAYOUT_KINDS", "LayoutKind", "MappingEntry", "MatchedName", "Stage", "arch_mapping", "canonical_mcore_name",
-           "dist_key", "entry_in_layer", "fill", "has_output_layer", "hf_names", "layer_dist_key", "resolve_mcore_name",
-           "stacked_layers"]
+__all__ = ["LAYER_IMPLS", "LAYOUT_KINDS", "LayoutKind", "MappingEntry", "MatchedName", "Stage", "arch_mapping",
+           "canonical_mcore_name", "dist_key", "entry_in_layer", "fill", "has_output_layer", "hf_names",
+           "layer_dist_key", "resolve_mcore_name", "stacked_layers"]
 
 
 class MatchedName(NamedTuple):
@@ -101,6 +101,11 @@ def canonical_mcore_name(name: str, arch: ModelArch) -> str:
     return fill(entry.mcore, layer, expert)
 
 
+LAYER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
+"""megatron-core's two layer implementations (--transformer-impl). The dist-checkpoint keys a model of each saves and
+asks for differ in one tensor only: an MoE layer's pre-MLP norm (`MappingEntry.te_moe_dist`)."""
+
+
 def dist_key(entry: MappingEntry) -> str:
     """The key of `entry` in a megatron-core dist checkpoint (torch_dist), e.g. Megatron-LM's.
 
@@ -108,14 +113,19 @@ def dist_key(entry: MappingEntry) -> str:
     use the Transformer Engine spec names (`linear_qkv.layer_norm_weight`, the first alias) whichever
     spec the model runs: `GPTModel.sharded_state_dict()` of megatron-core 0.16.1 maps both to these.
     An expert entry's key is its `dist` (all experts of a layer as one tensor on a leading expert axis).
-    Under a mixed dense / MoE model megatron-core does not stack the layers (`stacked_layers`): the key then
-    keeps `{layer}` for the caller to fill.
+    Two cases need `layer_dist_key` instead: an MoE layer of a TE model, whose pre-MLP norm is a TENorm of its
+    own (the entry's `te_moe_dist`, `pre_mlp_layernorm.weight`; the local spec keeps the fused name there too),
+    and a mixed dense / MoE model, which megatron-core does not stack (`stacked_layers`): the key then holds
+    the layer number.
     """
-    return _dist_template(entry).replace("{layer}.", "")
+    return _dist_template(entry, te_moe_layer=False).replace("{layer}.", "")
 
 
-def _dist_template(entry: MappingEntry) -> str:
-    """An entry's dist-checkpoint key with its `{layer}` placeholder (see `dist_key`)."""
+def _dist_template(entry: MappingEntry, *, te_moe_layer: bool) -> str:
+    """An entry's dist-checkpoint key with its `{layer}` placeholder (see `dist_key`), in an MoE layer of a TE
+    model when `te_moe_layer`."""
+    if te_moe_layer and entry.te_moe_dist:
+        return entry.te_moe_dist
     return entry.dist or (entry.aliases[0] if entry.aliases else entry.mcore)
 
 
@@ -125,9 +135,15 @@ def stacked_layers(arch: ModelArch) -> bool:
     return not arch.is_moe or arch.all_layers_moe
 
 
-def layer_dist_key(entry: MappingEntry, arch: ModelArch, layer: int | None) -> str:
-    """`dist_key` with the global `layer` in it where the layers are not stacked (`stacked_layers`)."""
-    name = _dist_template(entry)
+def layer_dist_key(entry: MappingEntry, arch: ModelArch, layer: int | None,
+                   impl: str = "transformer_engine") -> str:
+    """`dist_key` of `entry` in global `layer` of `arch` as a model of layer implementation `impl` names it (an MoE
+    layer's TE name differs, `MappingEntry.te_moe_dist`), with the layer number in it where the layers are not
+    stacked (`stacked_layers`); `layer` None: an entry off the decoder layers."""
+    if impl not in LAYER_IMPLS:
+        raise ValueError(f"layer implementation must be one of {LAYER_IMPLS}, got {impl!r}")
+    te_moe_layer = impl == "transformer_engine" and layer is not None and arch.is_moe_layer(layer)
+    name = _dist_template(entry, te_moe_layer=te_moe_layer)
     if layer is None or stacked_layers(arch):
         return name.replace("{layer}.", "")
     return fill(name, layer)

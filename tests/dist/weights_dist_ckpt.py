@@ -1,7 +1,8 @@
 """torchrun worker (4 ranks): one torch_dist checkpoint per model loads at several TP x PP (x EP x ETP) layouts.
 
 Args: WORK LAYOUTS. WORK holds, per model NAME, hf_NAME/ (an HF model of any registered family), mc_NAME/
-(hf-to-mcore output) and ref_NAME.safetensors (HF logits of fixed ids). LAYOUTS is e.g.
+(hf-to-mcore output; an MoE model's also as mc_NAME_local/, --transformer-impl local) and ref_NAME.safetensors (HF
+logits of fixed ids). LAYOUTS is e.g.
 "2x1=untied+tied,2x2=untied+tied+qwen3,2x1x2x1=moe" (tp x pp [x ep [x expert-tp]], dp filling the world, = the
 models to load there; an MoE model at TP > 1 runs with sequence parallelism, as megatron-core requires). For
 each layout and model, every rank loads the checkpoint through `load_model_weights`, runs a pipelined
@@ -65,7 +66,9 @@ def megatron_core_logits(work: str, tie: str, ids: torch.Tensor, ep: int) -> tor
     with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:
         tconfig = transformer_config(config, set(hf.specs), expert_model_parallel_size=ep)
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
-    release = os.path.join(work, f"mc_{tie}", "release")
+    # hf-to-mcore --transformer-impl local: the local spec's key for an MoE layer's pre-MLP norm (the default output
+    # has TE's, which megatron_dapo's load_model_weights reads into this spec too, megatron-core's own load not)
+    release = os.path.join(work, f"mc_{tie}_local", "release")
     with torch.serialization.safe_globals([argparse.Namespace]):
         padded = torch.load(os.path.join(release, "common.pt"), weights_only=True)["args"].padded_vocab_size
         model = GPTModel(tconfig, spec, vocab_size=padded, max_sequence_length=config["max_position_embeddings"],
