@@ -482,6 +482,14 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
     assert "weight-sync host copy 61.03 GiB" in host and "--weight-sync-mode distributed" in host, host
 
 
+def _colocated_32b_stage1_params() -> int:
+    """Parameters on one GPU of stage 1 of the 32B colocated launcher (TP 8, PP 2), written out: 32 layers' TP8
+    shard (q/k/v with bias, o, SwiGLU; the two norms whole) + the final norm + the padded head's shard."""
+    h, q, kv, f = 5120, 5120, 1024, 27648
+    per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f) // 8 + 2 * h
+    return 32 * per_layer + h + -(-152064 // 1024) * 1024 * h // 8
+
+
 def test_colocated_startup_rows_by_hand(tmp_path):
     """The start-up rows of the 32B colocated launcher, written out: stage 1 holds P = 32 layers' TP8 shard + the
     final norm + the padded head's shard; build = 2 x bf16 weights (DDP's transient copy) + fp32 grads, resume =
@@ -490,10 +498,7 @@ def test_colocated_startup_rows_by_hand(tmp_path):
     (4 GiB) in place of the released 2 GiB."""
     rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
     assert rc == 0, "\n".join(lines)
-    h, q, kv, f = 5120, 5120, 1024, 27648
-    per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f) // 8 + 2 * h
-    P = 32 * per_layer + h + -(-152064 // 1024) * 1024 * h // 8
-    gib = planner.GIB
+    P, gib = _colocated_32b_stage1_params(), planner.GIB
     build = 2 * (2 * P) + 4 * P + 4 * gib
     resume = 2 * P + 4 * P + 12 * P / 8 + (2 * P + 12 * P / 8) + 4 * gib
     old = resume + 0.77 * 80 * gib + 4 * gib - 2 * gib
@@ -514,10 +519,7 @@ def test_colocated_save_row_by_hand(tmp_path):
     (0.77 x 80 GiB), its runtime (4 GiB), the actor's weights and context: over the 80 GB GPU."""
     rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
     assert rc == 0, "\n".join(lines)
-    h, q, kv, f = 5120, 5120, 1024, 27648
-    per_layer = (h * (q + 2 * kv) + (q + 2 * kv) + q * h + 3 * h * f) // 8 + 2 * h
-    P = 32 * per_layer + h + -(-152064 // 1024) * 1024 * h // 8
-    gib = planner.GIB
+    P, gib = _colocated_32b_stage1_params(), planner.GIB
     save = 2 * gib + 2 * P + 4 * P + 12 * P / 8 + 2 * gib
     old = 0.77 * 80 * gib + 4 * gib + 2 * P + 2 * gib + 4 * P + 12 * P / 8
     table = lines.index(next(line for line in lines if line.startswith("phase: save, stage 1")))
