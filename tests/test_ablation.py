@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +33,7 @@ from megatron_dapo.data.remainder import (
 from megatron_dapo.reward import compute_score
 from megatron_dapo.rollout.remainder_eval import has_repeat, remainder_sample_stats
 from megatron_dapo.rollout.types import Sample
+from tests.procs import running
 from tests.torchrun import REPO, subprocess_env
 
 spec = importlib.util.spec_from_file_location("ablation", REPO / "tools" / "ablation.py")
@@ -202,6 +207,203 @@ def test_an_early_stop_answers_a_number_not_below_b():
         answer = int(text.rsplit("Answer: ", 1)[1])
         assert b <= answer < 2 * b and answer % b == a % b
         assert not compute_score(text, str(a % b)).acc
+
+
+# ---- interrupted runs: children, locks, one trajectory, wall time (issue 38.14) ------------------------------
+
+def _until(pred, timeout_s: float) -> bool:
+    """Polls `pred` every 50 ms for up to `timeout_s`; whether it came true (a bound on a wait, not a timing)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+CHILD_OF_A_RUNNER = """
+import importlib.util, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("ablation", {tool!r})
+ablation = importlib.util.module_from_spec(spec)
+sys.modules["ablation"] = ablation
+spec.loader.exec_module(ablation)
+child = [sys.executable, "-c", "import os, time; open({pid_file!r}, 'w').write(str(os.getpid())); time.sleep(600)"]
+ablation.Runner(Path("."), ablation.Schedule())._child(child, Path({log!r}))
+"""
+
+
+def test_a_sigkilled_tool_takes_its_child_with_it(tmp_path):
+    """The tool SIGKILLed while its child (a trainer) runs: the child dies too (PR_SET_PDEATHSIG from the pool
+    thread that started it), so it neither trains on nor holds its run's --save lock."""
+    pid_file = tmp_path / "child.pid"
+    script = CHILD_OF_A_RUNNER.format(tool=str(REPO / "tools" / "ablation.py"), pid_file=str(pid_file),
+                                      log=str(tmp_path / "child.log"))
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=subprocess_env())
+    child = None
+    try:
+        assert _until(lambda: pid_file.is_file() and pid_file.read_text(), 60), "the child never started"
+        child = int(pid_file.read_text())
+        assert running(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert _until(lambda: not running(child), 10), f"child {child} outlived its SIGKILLed parent"
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)  # the old tool's orphan: by its pid
+
+
+def _hold_lock(path: Path, seconds: float) -> subprocess.Popen:
+    """A process that takes the trainer's flock on `path` (writing its name as save_dir.py does) for `seconds`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    code = ("import fcntl, json, os, socket, sys, time\n"
+            f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "record = {'host': socket.gethostname(), 'pid': os.getpid(), 'started': 'T'}\n"
+            "os.pwrite(fd, json.dumps(record).encode(), 0)\n"
+            "print('held', flush=True)\n"
+            f"time.sleep({seconds})\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _fake_base(tmp_path: Path) -> Path:
+    base = tmp_path / "base"
+    (base / "model").mkdir(parents=True)
+    for name in ("model/config.json", "train.jsonl", "eval.jsonl"):
+        (base / name).write_text("{}")
+    return base
+
+
+def test_a_rerun_while_a_runs_save_lock_is_held_refuses_before_any_run_starts(tmp_path):
+    """The rerun right after a kill, with a trainer still holding an arm's --save lock: one `error:` line naming its
+    pid, exit 2, and no run started (the old tool ran the other arm anyway, then died in a traceback)."""
+    out = tmp_path / "out"
+    holder = _hold_lock(out / "filter-seed1" / "ckpt" / ".megatron_dapo.lock", 60)
+    try:
+        cmd = [sys.executable, "tools/ablation.py", "--arms", "naive,filter", "--seeds", "1", "--steps", "2",
+               "--base", str(_fake_base(tmp_path)), "--out", str(out), "--lock-wait-s", "0.5"]
+        res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and res.stderr.count("error:") == 1
+    assert f"filter seed 1: {out / 'filter-seed1' / 'ckpt'} (its --save) is locked by pid {holder.pid}" in res.stderr
+    assert not (out / "naive-seed1").exists() and not (out / "filter-seed1" / "train.log").exists()
+
+
+def test_a_lock_freed_while_waiting_lets_the_runs_start(tmp_path):
+    """A trainer that dies within --lock-wait-s (the kernel drops its flock): the check waits for it, then passes."""
+    job = ablation.Job(arm=ablation.ARMS[0], seed=1, run_dir=tmp_path / "naive-seed1")
+    holder = _hold_lock(job.run_dir / "ckpt" / ".megatron_dapo.lock", 1.0)
+    try:
+        assert ablation.save_lock_holder(job.run_dir / "ckpt") == f"pid {holder.pid} on host {os.uname()[1]} " \
+                                                                   "(started T)"
+        ablation.check_save_locks([job], wait_s=60)
+        assert holder.wait(60) == 0  # it held the lock to its end: the check returned after that
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_second_tool_on_the_same_out_is_refused(tmp_path):
+    fd = ablation.lock_out_dir(tmp_path)
+    try:
+        cmd = [sys.executable, "tools/ablation.py", "--arms", "naive", "--seeds", "1", "--steps", "1", "--base",
+               str(_fake_base(tmp_path)), "--out", str(tmp_path)]
+        res = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        os.close(fd)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.startswith(f"error: --out {tmp_path} is in use by another tools/ablation.py: pid {os.getpid()}")
+
+
+STAND_IN_TRAINER = """
+import json, os, signal, sys, time
+first, last, step_s, then = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+with open(sys.argv[5], "a") as f:
+    for step in range(first, last + 1):
+        f.write(json.dumps({"step": step, "time/step_s": step_s, "attempt": sys.argv[6]}) + "\\n")
+    if then == "kill":
+        f.write('{"step": %d, "time/st' % (last + 1))  # killed in the middle of a line
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+print("error: the stand-in trainer failed" if then == "fail" else "done")
+sys.exit(2 if then == "fail" else 0)
+"""
+
+
+def _stand_in(monkeypatch, first: int, last: int, step_s: float, then: str, attempt: str) -> None:
+    """train_command -> a stand-in trainer appending steps first..last (time/step_s each) to metrics.jsonl, then
+    exiting 0 ("ok"), 2 ("fail") or SIGKILLed mid-line ("kill")."""
+    def command(arm, seed, run_dir, base, schedule):
+        return [sys.executable, "-c", STAND_IN_TRAINER, str(first), str(last), str(step_s), then,
+                str(run_dir / "metrics.jsonl"), attempt]
+    monkeypatch.setattr(ablation, "train_command", command)
+
+
+def test_an_interrupted_run_keeps_one_trajectory_and_one_runs_wall_time(tmp_path, monkeypatch):
+    """Attempt a logs steps 1-7 at 1 s a step and is killed mid-line (its checkpoint: step 5); attempt b resumes
+    at step 6 and logs 6-12 at 2 s. metrics.jsonl ends as steps 1-5 of a and 6-12 of b, a's 6, 7 and its broken
+    line in metrics.aborted.jsonl; the run's train_s is b's own wall time plus a's steps 1-5 (5 x 1 s), where the
+    old tool added both attempts' whole wall times (and had no record of an attempt whose tool was killed)."""
+    job = ablation.Job(arm=ablation.ARMS[0], seed=1, run_dir=tmp_path / "naive-seed1")
+    job.run_dir.mkdir()
+    runner = ablation.Runner(tmp_path, ablation.Schedule())
+    timing_path = job.run_dir / "timing.json"
+    _stand_in(monkeypatch, 1, 7, 1.0, "kill", "a")
+    with pytest.raises(ablation.RunFailed, match=r"naive seed 1: the trainer exited -9; see "):
+        runner._train(job, {"train_s": 0.0, "attempts": 0}, timing_path)
+    after_a = json.loads(timing_path.read_text())
+    assert after_a["attempts"] == 1 and after_a["train_s"] == 0.0
+    _stand_in(monkeypatch, 6, 12, 2.0, "ok", "b")
+    assert runner._train(job, dict(after_a), timing_path)
+    timing = json.loads(timing_path.read_text())
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["attempt"]) for r in rows] == [(s, "a") for s in range(1, 6)] + [(s, "b") for s in
+                                                                                          range(6, 13)]
+    aborted = (job.run_dir / "metrics.aborted.jsonl").read_text().splitlines()
+    assert aborted == ['{"step": 8, "time/st', json.dumps({"step": 6, "time/step_s": 1.0, "attempt": "a"}),
+                       json.dumps({"step": 7, "time/step_s": 1.0, "attempt": "a"})]
+    b_seconds = timing["spent_s"] - after_a["spent_s"]
+    assert timing["attempts"] == 2 and timing["train_s"] == pytest.approx(b_seconds + 5 * 1.0)
+
+
+def test_reconcile_replaces_superseded_records_whole():
+    """The trainer's read_metrics merges a later record of a step into the earlier one, so keys only the aborted
+    attempt logged (an eval) survived into the table; after reconcile_metrics each step is one attempt's record."""
+    from megatron_dapo.trainer.metrics_log import read_metrics
+
+    lines = [{"step": 1, "x": 1.0}, {"step": 2, "x": 2.0, "eval/avg@4": 0.5}, {"step": 2, "x": 3.0},
+             {"step": 3, "x": 4.0}]
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"reconcile-{os.getpid()}.jsonl"
+    try:
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        assert ablation.reconcile_metrics(path) == [lines[0], lines[2], lines[3]]
+        assert read_metrics(path) == [lines[0], lines[2], lines[3]]
+        assert path.with_name("metrics.aborted.jsonl").read_text() == json.dumps(lines[1]) + "\n"
+    finally:
+        path.unlink(missing_ok=True)
+        path.with_name("metrics.aborted.jsonl").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_a_failed_run_stops_the_ablation_and_starts_no_other(tmp_path, monkeypatch, at_once):
+    """A trainer that fails: RunFailed with the log's last line (main prints it as one `error:` line, exit 1); with
+    one run at a time the next arm never starts, with two the one beside it is stopped."""
+    _stand_in(monkeypatch, 1, 1, 1.0, "fail", "a")
+    jobs = [ablation.Job(arm=arm, seed=1, run_dir=tmp_path / f"{arm.key}-seed1") for arm in ablation.ARMS[:3]]
+    runner = ablation.Runner(tmp_path, ablation.Schedule())
+    with pytest.raises(ablation.RunFailed, match=r"naive seed 1: the trainer exited 2: error: the stand-in trainer "
+                                                 r"failed; see .*naive-seed1/train.log"):
+        ablation.run_all(runner, jobs, at_once, time.perf_counter())
+    started = sorted(j.arm.key for j in jobs if (j.run_dir / "train.log").exists())
+    assert started == (["naive"] if at_once == 1 else ["filter", "naive"])
+    assert runner.stopping and not runner._procs
 
 
 # ---- the tool end to end ----------------------------------------------------------------------------------

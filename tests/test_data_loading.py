@@ -98,6 +98,19 @@ def test_simple_rows_key_precedence_and_int_answers(tmp_path):
     assert records[0].extra == {"answer": "worked solution #### 18"}
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_5001_digit_json_integer_answer_loads(tmp_path, suffix):
+    """Issue 38.7: json.loads refused a JSON number beyond Python's 4300-digit int-string limit; the answer is now
+    its decimal text, as str() of a (smaller) JSON integer is, and small integers elsewhere stay ints."""
+    digits = "8" + "1234567890" * 500  # 5,001 digits
+    body = f'{{"problem": "Q", "answer": {digits}, "level": 3, "big_extra": -{digits}}}'
+    path = tmp_path / f"big{suffix}"
+    path.write_text(body + "\n" if suffix == ".jsonl" else f"[{body}]")
+    (record,) = load_prompts(path)
+    assert record.ground_truth == digits
+    assert record.extra == {"level": 3, "big_extra": "-" + digits}
+
+
 def test_json_list_file(tmp_path):
     path = tmp_path / "aime.json"
     path.write_text(json.dumps([{"problem": "P", "answer": "025"}]))

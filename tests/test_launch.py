@@ -398,6 +398,102 @@ def test_routing_replay_in_a_slurm_job_starts_the_servers_that_return_routed_exp
     assert "--enable-return-routed-experts" in config.server_command(0)
 
 
+@pytest.mark.parametrize("nodes", ["0", "abc", "-3", "1 2", "16x", "100000", "PPID[$(touch {marker})]"],
+                         ids=["zero", "word", "negative", "two-words", "suffix", "too-many", "expression"])
+@pytest.mark.parametrize("script,recipe", [("split.sbatch", "qwen2.5-32b"),
+                                           ("colocated.sbatch", "qwen2.5-32b-colocated")], ids=["split", "colocated"])
+def test_nodes_that_is_not_a_node_count_is_refused_naming_nodes(tmp_path, script, recipe, nodes):
+    """Issue 38.13: `DRY_RUN=1 NODES=0` / `NODES=abc` ended in bash's "unbound variable" (NODES went into the
+    node loop's arithmetic, which also evaluates an expression, `$(...)` included); now one line names NODES, and
+    nothing of the value runs."""
+    marker = tmp_path / "ran"
+    out = _job(script, recipe, DRY_RUN="1", NODES=nodes.format(marker=marker))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith("error: NODES=") and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "must be a whole number from 1 to 99999" in out.stderr and not marker.exists()
+    assert out.stdout == ""  # refused before the roles or the plan
+
+
+@pytest.mark.parametrize("name,value", [("ACTOR_NODES", "x"), ("ROLLOUT_NODES", "0")])
+def test_the_recipes_node_counts_from_the_environment_are_checked_too(name, value):
+    out = _job("split.sbatch", "qwen2.5-32b", DRY_RUN="1", **{name: value})
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {name}='{value}' must be a whole number"), out.stderr
+
+
+def test_nodes_with_a_leading_zero_is_its_number():
+    out = _job("colocated.sbatch", "qwen2.5-32b-colocated", DRY_RUN="1", NODES="08")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "colocated run on 8 nodes: 8 actor node(s) x 8 ranks = 64 actor ranks" in out.stdout
+
+
+def _spaced_python(tmp_path: Path) -> Path:
+    """The trainer's interpreter at a path with a space: a directory "with space/venv" linking to this venv (a venv's
+    python finds its packages from its own path, so the link is to the directory, not to the binary)."""
+    spaced = tmp_path / "with space"
+    spaced.mkdir()
+    (spaced / "venv").symlink_to(Path(sys.executable).parent.parent)
+    return spaced / "venv" / "bin" / Path(sys.executable).name
+
+
+def _recording_python(tmp_path: Path) -> Path:
+    """A stand-in $PY at a path with a space that records its argv and environment into tmp_path/py.<pid>.json."""
+    py = tmp_path / "recording py" / "py"
+    py.parent.mkdir()
+    py.write_text(RECORDER.format(python=sys.executable, out=str(tmp_path)))
+    py.chmod(0o755)
+    return py
+
+
+def test_a_python_path_with_a_space_reaches_the_rollout_nodes_whole(tmp_path):
+    """Issue 38.13: PY (and so SGLANG_PY) at a path with a space, and a run directory with one: the job's own lines
+    (split.sbatch in a stand-in Slurm job, then its rollout step's script with that step's environment) give the
+    supervisor --sglang-python as one word; `read -a` of one flat string split it in two before."""
+    from megatron_dapo.launch.rollout_node import build_parser as rollout_parser
+
+    py, run_dir = _spaced_python(tmp_path), tmp_path / "run dir"
+    res, steps = _in_job(tmp_path, "split.sbatch", ["qwen2.5-32b", "/models/fake", str(run_dir)], 16,
+                         SLURM_GPUS_ON_NODE="8", PY=str(py))
+    assert res.returncode == 1 and "launcher exited while waiting" in res.stderr, res.stderr[-2000:]
+    (rollout,) = steps
+    assert f"--output={run_dir}/slurm-4242/rollout-%N.log" in rollout["argv"]
+    assert rollout["env"]["SGLANG_PY"] == rollout["env"]["PY"] == str(py)
+    recorder = _recording_python(tmp_path)
+    subprocess.run(["bash", "examples/slurm/rollout_node.sh"], cwd=REPO, check=True, timeout=60,
+                   env=rollout["env"] | {"PY": str(recorder), "SLURM_PROCID": "0"})
+    (rec,) = [json.loads(f.read_text()) for f in tmp_path.glob("py.*.json")]
+    assert rec["argv"][:2] == ["-m", "megatron_dapo.launch.rollout_node"]
+    a = rollout_parser().parse_args(rec["argv"][2:])
+    assert a.sglang_python == str(py) and a.hf_checkpoint == "/models/fake"
+    assert a.sglang_tp_size == 4 and a.sglang_num_servers == 2 and a.sglang_device == "cuda" and a.max_restarts == 3
+    assert a.sglang_api_key_file == f"{run_dir}/slurm-4242/sglang-api-key"
+    assert a.log_dir.startswith(f"{run_dir}/slurm-4242/sglang-") and len(a.router_worker_urls) == 16
+
+
+def test_a_python_path_with_a_space_reaches_the_colocated_nodes_whole(tmp_path):
+    """The colocated job's node script, the same way: its engines' supervisor gets the whole path, and its
+    torchrun (a stand-in TORCHRUN) gets the trainer's arguments as the job built them."""
+    from megatron_dapo.launch.rollout_node import build_parser as rollout_parser
+
+    py = _spaced_python(tmp_path)
+    res, steps = _in_job(tmp_path, "colocated.sbatch", ["qwen2.5-32b-colocated", "/models/fake", str(tmp_path / "run")],
+                         16, SLURM_GPUS_ON_NODE="8", PY=str(py))
+    assert res.returncode == 0, res.stderr[-2000:]  # the stand-in srun's step "finished"
+    (node,) = steps
+    recorder = _recording_python(tmp_path)
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(RECORDER.format(python=sys.executable, out=str(tmp_path)))
+    torchrun.chmod(0o755)
+    subprocess.run(["bash", *node["argv"][node["argv"].index("bash") + 1:]], cwd=REPO, check=True, timeout=60,
+                   env=node["env"] | {"PY": str(recorder), "TORCHRUN": str(torchrun), "SLURM_PROCID": "0",
+                                      "SLURM_STEP_NUM_NODES": "16"})
+    calls = [json.loads(f.read_text()) for f in tmp_path.glob("py.*.json")]
+    (engines,) = [c for c in calls if c["argv"][:2] == ["-m", "megatron_dapo.launch.rollout_node"]]
+    assert rollout_parser().parse_args(engines["argv"][2:]).sglang_python == str(py)
+    (trainer,) = [json.loads(f.read_text()) for f in tmp_path.glob("torchrun.*.json")]
+    assert trainer["argv"][trainer["argv"].index("-m") + 1] == "megatron_dapo.train"
+    assert trainer["argv"][trainer["argv"].index("--hf-checkpoint") + 1] == "/models/fake"
+
+
 def test_routing_replay_reaches_the_trainer_and_the_by_hand_servers_are_told(tmp_path):
     """The by-hand launcher of the same recipe: the trainer gets --moe-routing-replay, and its --dry-run names the
     flag the servers started apart (examples/launch_sglang_servers.sh) need."""

@@ -128,3 +128,14 @@ def test_long_ground_truth_is_fast():
     start = time.perf_counter()
     assert not compute_score("Answer: 1", "{" * _MB + "\\text{" * (_MB // 6)).acc
     assert time.perf_counter() - start < 2.0
+
+
+def test_huge_number_answers_never_raise():
+    """Issue 38.7's answers for the DAPO verifier: compared as normalised text (never int()), so any length works;
+    a 100,000-digit ground truth cannot fit the 300-character window and is simply wrong."""
+    huge = "9" + "0123456789" * 10_000
+    assert compute_score("Answer: 5", huge) == RewardResult(score=-1.0, acc=False, pred="5")
+    assert compute_score("Answer: 5", "1,000," + huge[:99_999]).acc is False
+    big = huge[:280]
+    assert compute_score(f"Answer: {big}", big).acc
+    assert not compute_score(f"Answer: {big[:-1]}{(int(big[-1]) + 1) % 10}", big).acc

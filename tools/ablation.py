@@ -15,21 +15,31 @@ heldout.json, timing.json), `ablation.png` (curves per arm, mean and min-max ove
 arm).
 
 An interrupted ablation resumes where it stopped: a finished run is skipped, a run cut short restarts from its
-last checkpoint (--save-interval) with the same seed, so it continues the same trajectory.
+last checkpoint (--save-interval) with the same seed, so it continues the same trajectory. Its metrics.jsonl then
+holds that one trajectory: the records an attempt logged past the step its successor resumed from move to
+metrics.aborted.jsonl (`reconcile_metrics`), and its wall time is that of one uninterrupted run (`Runner._train`).
+The children (trainer, evaluation) die with the tool, SIGKILL included (PR_SET_PDEATHSIG); one tool runs on an
+--out at a time, and a run whose --save lock is still held (a trainer left running) is refused before any run
+starts, in one line naming its pid.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import fcntl
+import functools
 import json
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -37,9 +47,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from megatron_dapo.checkpoint.save_dir import LOCK_FILE  # noqa: E402
 from megatron_dapo.data.remainder import ABLATION_MAX_RESPONSE_LENGTH  # noqa: E402
 
 DEFAULT_BASE = REPO / "data" / "remainder-base"
+OUT_LOCK = ".ablation.lock"
+"""In --out: the flock one tool holds for its lifetime (the kernel drops it when the tool dies, SIGKILL included)."""
+LOCK_WAIT_S = 30.0
+"""How long a start waits for a run's --save lock held by a trainer that is dying (the kernel drops the flock once
+the process is gone: milliseconds, seconds for one SIGKILLed in the middle of a checkpoint write)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +138,131 @@ def train_command(arm: Arm, seed: int, run_dir: Path, base: Path, schedule: Sche
     ]
 
 
+class RunFailed(Exception):
+    """A run that cannot go on: the ablation stops every run and prints this as one `error:` line."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(prctl, parent_pid: int) -> None:
+    """preexec_fn of every child: SIGKILL it when the thread that started it dies (the tool SIGKILLed included).
+
+    The kernel signals when the forking *thread* exits: children start on the pool thread that then waits for
+    them, so it outlives them. `prctl` is resolved before the fork (nothing is loaded in the child of a threaded
+    parent); a parent that died before the prctl took effect ends the child at once."""
+    if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        os._exit(113)
+    if os.getppid() != parent_pid:
+        os._exit(114)
+
+
+def _holder(fd: int) -> str:
+    """Who a lock file names: "pid P on host H (started T)", or that it names nobody."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode(errors="replace"))
+        return f"pid {int(info['pid'])} on host {info['host']} (started {info.get('started', '?')})"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its pid"
+
+
+def save_lock_holder(ckpt: Path, wait_s: float = 0.0, poll_s: float = 0.2) -> str | None:
+    """Who holds the trainer's --save lock of `ckpt` (megatron_dapo/checkpoint/save_dir.py), re-checked every
+    `poll_s` for up to `wait_s` while held; None once it is free (or there is no lock file)."""
+    path = ckpt / LOCK_FILE
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None  # free: closing the descriptor drops it again
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return _holder(fd)
+        finally:
+            os.close(fd)
+        time.sleep(poll_s)
+
+
+def lock_out_dir(out: Path) -> int:
+    """Take --out's flock (`OUT_LOCK`) for this tool's lifetime, or RunFailed naming the tool that holds it."""
+    fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunFailed(f"--out {out} is in use by another tools/ablation.py: {holder}; wait for it to end or "
+                        f"stop it, or pass another --out", status=2) from None
+    except OSError as err:  # a file system without flock: the trainers' own --save locks still hold
+        print(f"warning: --out {out}: no flock here ({err.strerror}): nothing stops a second tools/ablation.py "
+              f"on it", file=sys.stderr)
+        return fd
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    return fd
+
+
+def _parse_lines(data: bytes) -> tuple[list[tuple[bytes, dict]], list[bytes]]:
+    """The complete json lines of a metrics.jsonl as (line, record), and the lines that are not records (a last
+    line a killed trainer left half written, without its newline)."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the data ends with a newline
+    records, bad = [], [tail] if tail.strip() else []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append((line, record))
+        else:
+            bad.append(line)
+    return records, bad
+
+
+def reconcile_metrics(path: Path) -> list[dict]:
+    """Make `path` (a run's metrics.jsonl) one trajectory and return its records, steps ascending.
+
+    A resumed attempt logs from the step after its checkpoint again, so each record supersedes every earlier
+    record of its step or a later one: those came from an attempt cut short after that checkpoint. They, and any
+    line that is no record, are appended to metrics.aborted.jsonl beside it (kept apart, not lost); the file is
+    rewritten (atomically) only when something moved. Cost: one read and at most one write of the file."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    records, bad = _parse_lines(data)
+    kept: list[int] = []  # indices into records, steps strictly ascending
+    superseded: list[int] = []
+    for i, (_, record) in enumerate(records):
+        while kept and records[kept[-1]][1]["step"] >= record["step"]:
+            superseded.append(kept.pop())
+        kept.append(i)
+    dropped = [records[i][0] for i in sorted(superseded)] + bad
+    if dropped:
+        with open(path.with_name("metrics.aborted.jsonl"), "ab") as f:
+            f.write(b"".join(line + b"\n" for line in dropped))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(records[i][0] + b"\n" for i in kept))
+        tmp.replace(path)
+    return [records[i][1] for i in kept]
+
+
+def step_seconds(records: list[dict]) -> float:
+    """The trainer's own time of these steps (`time/step_s`: rollout, training, weight sync, a save), summed."""
+    return sum(float(r.get("time/step_s", 0.0)) for r in records)
+
+
 @dataclass
 class Job:
     """One run: an arm at a seed, in its own directory."""
@@ -139,6 +280,7 @@ class Runner:
         self._procs: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
         self.stopping = False
+        self._preexec = functools.partial(_die_with_parent, ctypes.CDLL(None, use_errno=True).prctl, os.getpid())
 
     def _child(self, cmd: list[str], log_path: Path) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
@@ -147,7 +289,8 @@ class Runner:
             with self._lock:
                 if self.stopping:
                     return -signal.SIGTERM
-                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=self._preexec)
                 self._procs.add(proc)
             try:
                 return proc.wait()
@@ -168,24 +311,24 @@ class Runner:
                 proc.kill()
 
     def run(self, job: Job) -> None:
-        """Train (or resume) one run, then sample its exported policy on the held-out problems."""
+        """Train (or resume) one run, then sample its exported policy on the held-out problems. RunFailed when
+        either child fails (not when stop() ended it), after stopping every other child: the pool thread would
+        otherwise go straight on to the next job."""
+        try:
+            self._run(job)
+        except RunFailed:
+            self.stop()
+            raise
+
+    def _run(self, job: Job) -> None:
         heldout = job.run_dir / "heldout.json"
-        if heldout.is_file():
+        if heldout.is_file() or self.stopping:
             return
         job.run_dir.mkdir(parents=True, exist_ok=True)
         timing_path = job.run_dir / "timing.json"
         timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "attempts": 0}
         if not (job.run_dir / "train.done").is_file():
-            t0 = time.perf_counter()
-            rc = self._child(train_command(job.arm, job.seed, job.run_dir, self.base, self.schedule),
-                             job.run_dir / "train.log")
-            timing["train_s"] += time.perf_counter() - t0
-            timing["attempts"] += 1
-            timing_path.write_text(json.dumps(timing))
-            if rc != 0:
-                if not self.stopping:
-                    raise RuntimeError(f"{job.arm.key} seed {job.seed}: the trainer exited {rc}; see "
-                                       f"{job.run_dir / 'train.log'}")
+            if not self._train(job, timing, timing_path):
                 return
             (job.run_dir / "train.done").touch()
         t0 = time.perf_counter()
@@ -194,11 +337,85 @@ class Runner:
                "--num-prompts", str(self.schedule.eval_prompts), "--k", str(self.schedule.eval_k),
                "--max-response-length", str(self.schedule.max_response_length)]
         rc = self._child(cmd, job.run_dir / "heldout.log")
-        if rc != 0 and not self.stopping:
-            raise RuntimeError(f"{job.arm.key} seed {job.seed}: the held-out evaluation exited {rc}; see "
-                               f"{job.run_dir / 'heldout.log'}")
+        if rc != 0:
+            if self.stopping:
+                return
+            raise RunFailed(f"{job.arm.key} seed {job.seed}: the held-out evaluation exited {rc}"
+                            f"{_last_line(job.run_dir / 'heldout.log')}; see {job.run_dir / 'heldout.log'}")
         timing["heldout_s"] = time.perf_counter() - t0
         timing_path.write_text(json.dumps(timing))
+
+    def _train(self, job: Job, timing: dict, timing_path: Path) -> bool:
+        """One training attempt of `job` (a start, or a resume from its last checkpoint); whether it finished.
+
+        Refused (RunFailed, nothing started) while the run's --save lock is held. The attempt is counted in
+        timing.json before it starts (a tool SIGKILLed during it cannot count it later); afterwards metrics.jsonl
+        is reconciled to one trajectory, and a finished attempt sets `train_s` to the wall time of one
+        uninterrupted run: this attempt's (start-up, its steps, export) plus the trainer's own step times of the
+        steps kept from earlier attempts. `spent_s` adds up what the attempts this tool saw end really took."""
+        ckpt = job.run_dir / "ckpt"
+        holder = save_lock_holder(ckpt)
+        if holder is not None:
+            raise RunFailed(_lock_message(job, holder), status=2)
+        metrics = job.run_dir / "metrics.jsonl"
+        earlier = reconcile_metrics(metrics)  # also drops a half-written last line, so new lines start cleanly
+        offset = metrics.stat().st_size if metrics.is_file() else 0
+        timing["attempts"] += 1
+        timing_path.write_text(json.dumps(timing))
+        t0 = time.perf_counter()
+        rc = self._child(train_command(job.arm, job.seed, job.run_dir, self.base, self.schedule),
+                         job.run_dir / "train.log")
+        seconds = time.perf_counter() - t0
+        new = _records_after(metrics, offset)
+        reconcile_metrics(metrics)
+        timing["spent_s"] = timing.get("spent_s", 0.0) + seconds
+        if rc == 0:
+            resumed_at = new[0]["step"] if new else None  # nothing logged: it resumed at the last step
+            timing["train_s"] = seconds + step_seconds([r for r in earlier
+                                                        if resumed_at is None or r["step"] < resumed_at])
+        timing_path.write_text(json.dumps(timing))
+        if rc == 0:
+            return True
+        if self.stopping:
+            return False
+        raise RunFailed(f"{job.arm.key} seed {job.seed}: the trainer exited {rc}{_last_line(job.run_dir / 'train.log')}"
+                        f"; see {job.run_dir / 'train.log'}")
+
+
+def _records_after(path: Path, offset: int) -> list[dict]:
+    """The records of `path` past byte `offset` (what one attempt appended)."""
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return [record for _, record in _parse_lines(f.read())[0]]
+
+
+def _last_line(log: Path) -> str:
+    """": <the log's last non-empty line>" (300 characters at most), or "" for an empty or missing log."""
+    with contextlib.suppress(OSError):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return f": {lines[-1][:300]}"
+    return ""
+
+
+def _lock_message(job: Job, holder: str) -> str:
+    return (f"{job.arm.key} seed {job.seed}: {job.run_dir / 'ckpt'} (its --save) is locked by {holder}, a trainer "
+            f"still running on it (another tools/ablation.py, or one left by a tool killed before it stopped its "
+            f"children); wait for it to end or stop it, then run this again")
+
+
+def check_save_locks(jobs: list[Job], wait_s: float = LOCK_WAIT_S) -> None:
+    """Before any run starts: every unfinished job's --save lock is free, waiting up to `wait_s` in all for
+    trainers that are dying; else RunFailed (status 2) naming the first holder."""
+    deadline = time.monotonic() + wait_s
+    for job in jobs:
+        if (job.run_dir / "train.done").is_file():
+            continue
+        holder = save_lock_holder(job.run_dir / "ckpt", wait_s=max(0.0, deadline - time.monotonic()))
+        if holder is not None:
+            raise RunFailed(_lock_message(job, holder), status=2)
 
 
 def heldout_main(argv: list[str]) -> None:
@@ -486,6 +703,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=Schedule.lr, help="the trainer's --lr, every arm")
     ap.add_argument("--global-batch-size", type=int, default=Schedule.global_batch_size,
                     help="responses per optimizer step, every arm (128 per rollout step)")
+    ap.add_argument("--lock-wait-s", type=float, default=LOCK_WAIT_S,
+                    help="how long a start waits for a run's --save lock still held by a trainer that is dying "
+                         "(a tool killed an instant ago) before it refuses, naming the holder")
     args = ap.parse_args(argv)
     unknown = [a for a in args.arms.split(",") if a not in ARM_BY_KEY]
     if unknown:
@@ -498,6 +718,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps = 20 if args.quick else 40
     if args.steps < 1:
         ap.error("--steps must be >= 1")
+    if not args.lock_wait_s >= 0:
+        ap.error(f"--lock-wait-s must be >= 0 seconds, got {args.lock_wait_s}")
     if args.out is None:
         args.out = str(REPO / "runs" / ("ablation-quick" if args.quick else "ablation"))
     base = Path(args.base)
@@ -506,6 +728,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--base {base}: no {name}; build one with "
                      f"`python tools/make_tiny_base.py --task remainder --out {base}`")
     return args
+
+
+def run_all(runner: Runner, jobs: list[Job], at_once: int, t0: float) -> None:
+    """Every job, `at_once` at a time, each announced when done. The first failure (RunFailed) or interrupt
+    stops every running child and starts no other job, then propagates."""
+    pool = ThreadPoolExecutor(at_once)
+    futures = {pool.submit(runner.run, job): job for job in jobs}
+    pending = set(futures)
+    try:
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                future.result()
+                job = futures[future]
+                print(f"   {job.arm.key} seed {job.seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    except BaseException:
+        for future in pending:  # the jobs not yet started never start
+            future.cancel()
+        runner.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,14 +764,20 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     settings = {"steps": args.steps, "base": str(Path(args.base).resolve()), "eval_prompts": args.eval_prompts,
                 "lr": args.lr, "global_batch_size": args.global_batch_size}
-    settings_path = out / "settings.json"
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
-        raise SystemExit(f"{out} holds runs made with {settings_path.read_text().strip()}; these flags ask for "
-                         f"{json.dumps(settings)}: pass another --out (or remove {out})")
-    settings_path.write_text(json.dumps(settings))
     arms = [ARM_BY_KEY[k] for k in args.arms.split(",")]
     # seed-major order: an interrupted ablation has whole seeds done, every arm compared on the same ones
     jobs = [Job(arm=arm, seed=seed, run_dir=out / f"{arm.key}-seed{seed}") for seed in args.seeds for arm in arms]
+    try:
+        lock_out_dir(out)  # held until this process exits
+        settings_path = out / "settings.json"
+        if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
+            raise SystemExit(f"{out} holds runs made with {settings_path.read_text().strip()}; these flags ask for "
+                             f"{json.dumps(settings)}: pass another --out (or remove {out})")
+        settings_path.write_text(json.dumps(settings))
+        check_save_locks(jobs, args.lock_wait_s)
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.status
     runner = Runner(Path(args.base), schedule)
 
     def on_signal(signum, _frame):
@@ -538,18 +788,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"== {len(jobs)} runs ({len(arms)} arms x {len(args.seeds)} seeds, {args.steps} steps), "
           f"{args.jobs} at a time, in {out}", flush=True)
     try:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(runner.run, job): job for job in jobs}
-            for future, job in futures.items():
-                future.result()
-                print(f"   {job.arm.key} seed {job.seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+        run_all(runner, jobs, args.jobs, t0)
+    except RunFailed as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.status
     except KeyboardInterrupt:
-        runner.stop()
         print(f"interrupted: run the same command again to resume from {out}", file=sys.stderr)
         return 130
-    except BaseException:
-        runner.stop()
-        raise
     runs = {arm.key: [read_run(out / f"{arm.key}-seed{seed}") for seed in args.seeds] for arm in arms}
     summary = summarize(runs, schedule)
     summary["invocation_wall_s"] = time.perf_counter() - t0

@@ -47,6 +47,24 @@ launcher_args() {
 
 die() { echo "error: $*" >&2; exit 2; }
 
+# positive_count NAME WHAT: exit 2 naming NAME unless $NAME is a whole number from 1 to 99999 (WHAT: what it counts),
+# then NAME holds its decimal value ("08" -> 8). Checked before any arithmetic reads it: bash evaluates a word there
+# as a variable name or an expression ("abc" ends in "unbound variable", "a[\$(cmd)]" runs cmd).
+positive_count() {
+    local value=${!1:-}
+    [[ "$value" =~ ^[0-9]{1,5}$ ]] && ((10#$value > 0)) || die "$1=${value@Q} must be a whole number from 1 to 99999 ($2)"
+    printf -v "$1" '%d' "$((10#$value))"
+}
+
+# check_node_counts: the recipe's node counts (ACTOR_NODES; ROLLOUT_NODES where set), both from the environment too.
+check_node_counts() {
+    positive_count ACTOR_NODES "split: the nodes that train; colocated: every node (set from NODES)"
+    [[ -z "${ROLLOUT_NODES:-}" ]] || positive_count ROLLOUT_NODES "split: the rollout nodes a plan outside Slurm shows"
+}
+
+# NODES: the node count of a DRY_RUN plan outside Slurm, and the colocated recipes' ACTOR_NODES.
+[[ -z "${NODES:-}" ]] || positive_count NODES "the job's node count, as sbatch -N takes it"
+
 # torchrun_node NNODES NODE_RANK: NODE_CMD, this node's torchrun of the trainer (TORCHRUN: default torchrun on PATH,
 # else $PY -m torch.distributed.run) over NNODES nodes, GPUS_PER_NODE ranks each, rendezvous at MASTER_ADDR; the
 # caller appends the trainer's arguments and runs (or execs) it.
@@ -133,6 +151,19 @@ memory_plan() {
     "$PY" -m megatron_dapo.train "${args[@]}" --dry-run --world-size "$WORLD_SIZE"
 }
 
+# rollout_node_args: ENGINE_ARGS, this node's `python -m megatron_dapo.launch.rollout_node` arguments in a Slurm step
+# (examples/slurm/rollout_node.sh, colocated_node.sh), from what examples/slurm/job.sh exports; each value stays one
+# word whatever it holds (a SGLANG_PY, HF_CKPT or run directory with a space). The servers' flags go as
+# --sglang-extra-args=VALUE: argparse takes a lone "--enable-return-routed-experts" after a space for an option of
+# its own.
+rollout_node_args() {
+    ENGINE_ARGS=(--hf-checkpoint "$HF_CKPT" --sglang-tp-size "$SGLANG_TP" --sglang-num-servers "$SERVERS_PER_NODE"
+                 --sglang-device "$SGLANG_DEVICE" --sglang-python "$SGLANG_PY" --max-restarts "$MAX_SERVER_RESTARTS"
+                 --sglang-base-port "$SGLANG_BASE_PORT" --sglang-host 0.0.0.0 --sglang-api-key-file "$API_KEY_FILE"
+                 "--sglang-extra-args=$SGLANG_SERVER_ARGS" --sglang-server-wait-s "$SERVER_WAIT_S"
+                 --log-dir "$JOB_DIR/sglang-$(hostname)")
+}
+
 # The ports every launcher derives the same way (override any of them in the environment).
 MASTER_PORT=${MASTER_PORT:-29500}
 WEIGHT_SYNC_PORT=${WEIGHT_SYNC_PORT:-29650}
@@ -143,6 +174,7 @@ SGLANG_BASE_PORT=${SGLANG_BASE_PORT:-30000}
 # environment, the API key from SGLANG_API_KEY or SGLANG_API_KEY_FILE. DRY_RUN=1: the roles and the memory plan.
 actor_node_by_hand() {
     local nodes=() i
+    check_node_counts
     for ((i = 0; i < ACTOR_NODES; i++)); do nodes+=("actor$i"); done
     if [[ "$MODE" == split ]]; then
         for ((i = 0; i < ${ROLLOUT_NODES:-1}; i++)); do nodes+=("rollout$i"); done

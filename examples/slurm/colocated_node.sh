@@ -5,11 +5,8 @@
 # (scancel, the job ending) both get it: torchrun passes it to its workers, the supervisor stops the engines.
 set -euo pipefail
 source examples/lib/launch.sh
-read -r -a node_args <<<"$SGLANG_NODE_ARGS"
-"$PY" -m megatron_dapo.launch.rollout_node --hf-checkpoint "$HF_CKPT" "${node_args[@]}" \
-    --sglang-base-port "$SGLANG_BASE_PORT" --sglang-host 0.0.0.0 --sglang-api-key-file "$API_KEY_FILE" \
-    "--sglang-extra-args=$SGLANG_SERVER_ARGS" --sglang-server-wait-s "$SERVER_WAIT_S" \
-    --log-dir "$JOB_DIR/sglang-$(hostname)" &
+rollout_node_args
+"$PY" -m megatron_dapo.launch.rollout_node "${ENGINE_ARGS[@]}" &
 ENGINES=$!
 stop_engines() { kill -TERM "$ENGINES" 2>/dev/null || true; wait "$ENGINES" 2>/dev/null || true; }
 trap stop_engines EXIT

@@ -29,6 +29,7 @@ fi
 [[ ${#POSITIONAL[@]} -le 3 ]] || die "unexpected arguments: ${POSITIONAL[*]:3}"
 source "examples/recipes/$RECIPE.sh"
 [[ "$MODE" == "$JOB_MODE" ]] || die "recipe $RECIPE is a $MODE run: submit examples/slurm/$MODE.sbatch"
+check_node_counts
 
 # require_gpus: a GPU recipe (SGLANG_DEVICE cuda, the default; the CPU rehearsals' recipes set cpu) in a job that got
 # no GPUs would run the trainer on CPU with gloo and fp32 and fail late: refuse it here, naming the line to add. Node
@@ -101,7 +102,10 @@ trainer_args "${SERVER_URLS[@]}"
 # What the node scripts read (srun passes the environment on).
 export MASTER_ADDR MASTER_PORT GPUS_PER_NODE API_KEY_FILE JOB_DIR HF_CKPT SGLANG_BASE_PORT
 export TRAIN_ENV=${TRAIN_ENV:-} SERVER_WAIT_S PY
-export SGLANG_NODE_ARGS="--sglang-tp-size $SGLANG_TP --sglang-num-servers $SERVERS_PER_NODE --sglang-device ${SGLANG_DEVICE:-cuda} --sglang-python ${SGLANG_PY:-$PY} --max-restarts ${MAX_SERVER_RESTARTS:-3}"
+# Each a variable of its own, so a value with a space (a SGLANG_PY path) reaches the nodes as one word
+# (examples/lib/launch.sh rollout_node_args).
+export SGLANG_TP SERVERS_PER_NODE SGLANG_DEVICE=${SGLANG_DEVICE:-cuda} SGLANG_PY=${SGLANG_PY:-$PY}
+export MAX_SERVER_RESTARTS=${MAX_SERVER_RESTARTS:-3}
 export SGLANG_SERVER_ARGS=${SGLANG_SERVER_ARGS:-} SERVER_URLS_LIST="${SERVER_URLS[*]}" ROUTER_URL
 hosts() { local IFS=,; echo "$*"; }
 

@@ -11,6 +11,9 @@ Two row schemas are accepted, detected per row:
 
 A row with a missing or empty answer or prompt, or a value of the wrong type, raises
 `DataFormatError` naming the file, the 0-based row and the field.
+
+A JSON integer longer than Python's int-string limit (`sys.get_int_max_str_digits()`, 4300 digits) is kept
+as its decimal text (`_json_int`), so a 5,001-digit answer loads as the string it is and any length works.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,23 @@ def _not_utf8(err: UnicodeDecodeError, line_no: int, byte_offset: int) -> str:
             f"re-encode the file as UTF-8")
 
 
+def _json_int(text: str) -> int | str:
+    """A JSON integer literal as an int, or as `text` itself when it has more digits than Python converts.
+
+    JSON forbids leading zeros, so for such a long literal `text` is exactly what `str(int(text))` would be;
+    keeping it as text costs len(text), where `int` would refuse it (or take time quadratic in its length).
+    """
+    limit = sys.get_int_max_str_digits()
+    if limit and len(text) - text.startswith("-") > limit:
+        return text
+    return int(text)
+
+
+def _loads(text: str) -> Any:
+    """`json.loads` with integers of any length (`_json_int`)."""
+    return json.loads(text, parse_int=_json_int)
+
+
 def _read_jsonl(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
     """One JSON object per line, decoded line by line from bytes so an encoding error has a byte offset."""
     row = offset = 0
@@ -68,7 +89,7 @@ def _read_jsonl(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue  # blank lines (e.g. a trailing newline) are not rows
             try:
-                yield row, json.loads(line)
+                yield row, _loads(line)
             except json.JSONDecodeError as err:
                 raise DataFormatError(
                     str(path), row, None, f"line {line_no} is not valid JSON ({err})"
@@ -85,7 +106,7 @@ def _read_json(path: Path, limit: int | None) -> Iterator[tuple[int, Any]]:
         offset = start + err.start
         raise DataFormatError(str(path), None, None, _not_utf8(err, data.count(b"\n", 0, offset) + 1, offset)) from None
     try:
-        rows = json.loads(text)
+        rows = _loads(text)
     except json.JSONDecodeError as err:
         raise DataFormatError(str(path), None, None, f"not valid JSON ({err})") from err
     if not isinstance(rows, list):

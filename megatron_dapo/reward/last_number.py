@@ -5,12 +5,16 @@ R(y_hat, y) = +1 if the last integer in the response equals the integer ground t
 ("... so Tom has 14 + 11 = 25 coins.") rather than in DAPO's "Answer: ..." format: the number that ends the
 response is the answer, so a model that keeps writing after a right result (a new, wrong equation) is wrong.
 Thousands separators ("1,250") are read as one number; decimals count only when they are whole ("25.0").
-Only the last RESPONSE_WINDOW_CHARS characters are read (DAPO's window), so the cost is linear and bounded.
+Only the last RESPONSE_WINDOW_CHARS characters of the response are read (DAPO's window); the ground truth is
+read whole. Numbers are compared as canonical digit strings, never through `int`: Python's int <-> str conversion
+is quadratic in the digit count and refuses more than `sys.get_int_max_str_digits()` (4300) digits, while a
+dataset may hold a 100,000-digit answer. So the cost is linear in len(ground_truth) + 300, whatever the lengths.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from megatron_dapo.reward.math_dapo import RESPONSE_WINDOW_CHARS
 from megatron_dapo.reward.result import RewardResult
@@ -33,7 +37,20 @@ def last_number(text: str) -> str | None:
     whole, _, frac = last.partition(".")
     if frac.strip("0"):
         return last
-    return str(int(whole))
+    return canonical_integer(whole)
+
+
+def canonical_integer(number: str) -> str:
+    """`str(int(number))` for `number` matching `-?\\d+`, by string operations: linear in len(number), any length.
+
+    Leading zeros go, "-0" is "0", and Unicode decimal digits (`\\d` matches them, as `int` accepts them) become
+    ASCII ("\\u0663" -> "3"), so two spellings of one integer give one string.
+    """
+    sign, digits = ("-", number[1:]) if number.startswith("-") else ("", number)
+    if not digits.isascii():
+        digits = "".join(str(unicodedata.decimal(ch)) for ch in digits)
+    digits = digits.lstrip("0")
+    return sign + digits if digits else "0"
 
 
 def compute_score(solution_str: str, ground_truth: str) -> RewardResult:
