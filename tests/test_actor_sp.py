@@ -7,7 +7,7 @@ of its own heads only, so the updated weights equal TP-only's only if finalize_m
 The others add no layer SP treats differently. A mixture-of-experts family (megatron-core refuses its TP > 1
 without SP) compares both SP variants with the single-process run instead: its router sees each TP rank's
 sequence slice (its weight's gradient is partial per rank, summed over TP like the norms'); its experts are split
-over expert-TP = TP. The load-balancing loss is off (CONFIG): the actor passes megatron no padding mask, so the
+over expert-TP = TP. The load-balancing loss is off (MOE_CONFIG): the actor passes megatron no padding mask, so the
 loss counts the padded positions, and SP pads each sequence to a multiple of TP: with it on (0.001) the second
 step's pg_loss differs from the single-process run's by 1.1e-4 relative."""
 
@@ -20,16 +20,16 @@ import pytest
 import torch
 
 from megatron_dapo import planner
-from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.actor import ActorConfig
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import families
 from tests.dist.actor_common import (
     FAMILIES,
-    load_hf_state_dict,
+    LAYOUT_ADAM_EPS,
     make_samples,
     merge_rank_shards,
-    reset_moe_tracker,
     sharpen_router,
+    single_process_run,
     tiny_config,
     tiny_hf_model,
 )
@@ -38,8 +38,12 @@ from tests.torchrun import REPO, run_torchrun
 
 VARIANTS = ("tp2_sp", "tp2_sp_recompute")
 SP_FAMILIES = tuple(f for f in FAMILIES if f == FAMILIES[0] or families()[f].arch_defaults.get("qk_layernorm"))
+# Adam's eps = lr: the updated weights' sensitivity to the layouts' fp32 reduction order is bounded for every
+# element (LAYOUT_ADAM_EPS: the argument for atol 1e-5)
 CONFIG = ActorConfig(lr=1e-3, clip_grad=1.0, max_tokens_per_micro_batch=48, use_fused_logprob=False,
-                     moe_aux_loss_coeff=0.0)
+                     adam_eps=LAYOUT_ADAM_EPS)
+MOE_CONFIG = dataclasses.replace(CONFIG, moe_aux_loss_coeff=0.0)
+"""An MoE family's (the actor refuses the MoE flags on a dense model)."""
 
 
 def _is_moe(model_type: str) -> bool:
@@ -51,21 +55,6 @@ def _tiny(model_type: str):
     return sharpen_router(hf) if ModelArch.from_hf(hf.config).is_moe else hf
 
 
-def _single_process(arch: ModelArch, hf_state_dict: dict, data: dict) -> dict:
-    """The TP=1 run of the same samples and steps, weights merged to `merge_rank_shards` names."""
-    layout = init_parallel(seed=data["seed"])
-    reset_moe_tracker()
-    try:
-        actor = MegatronActor(arch, data["config"], layout)
-        load_hf_state_dict(actor, hf_state_dict)
-        logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
-        metrics = [actor.train_step(data["samples"]) for _ in range(data["steps"])]
-        weights = merge_rank_shards({(0, 0): actor.state_dict_for_export()}, arch, tp=1, pp=1)
-    finally:
-        destroy_parallel()
-    return {"logps": logps, "entropies": ents, "metrics": metrics, "weights": weights}
-
-
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
     """model_type -> {layout: per-rank results, "arch": ModelArch}."""
@@ -74,8 +63,10 @@ def all_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
     samples = make_samples(7, seed=9)
     assert any(len(s.tokens) % 2 for s in samples)  # odd lengths: SP must pad s to a multiple of TP
     data = {"families": {f: {"arch": dataclasses.asdict(ModelArch.from_hf(hf.config)),
-                             "hf_state_dict": hf.state_dict()} for f, hf in hfs.items()},
-            "config": CONFIG, "seed": 5, "samples": samples, "steps": 2}
+                             "hf_state_dict": hf.state_dict(),
+                             "config": MOE_CONFIG if ModelArch.from_hf(hf.config).is_moe else CONFIG}
+                         for f, hf in hfs.items()},
+            "seed": 5, "samples": samples, "steps": 2}
     torch.save(data, tmp / "input.pt")
     run_torchrun(REPO / "tests/dist/actor_sp.py", str(tmp / "input.pt"), str(tmp))
     out = {}
@@ -84,7 +75,8 @@ def all_runs(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
         out[f] = {name: [torch.load(Path(tmp) / f"{f}_{name}_rank{r}.pt", weights_only=False) for r in range(2)]
                   for name in layouts(arch)} | {"arch": arch}
         if arch.is_moe:  # no TP-only run: the reference is the single-process one
-            out[f]["single"] = _single_process(arch, hf.state_dict(), data)
+            out[f]["single"] = single_process_run(arch, hf.state_dict(), MOE_CONFIG, data["samples"],
+                                                  seed=data["seed"], steps=data["steps"])
     return out
 
 
@@ -106,6 +98,8 @@ def test_sequence_parallel_matches_tp_only(all_runs, model_type, variant):
         for name, w in want["weights"].items():
             # norm weights see partial gradients per TP rank under SP: equal only if summed over TP
             torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-4, msg=name)
+        worst = max((got["weights"][n] - w).abs().max().item() for n, w in want["weights"].items())
+        print(f"{model_type} {variant} rank {rank}: max |updated weight - TP-only| {worst:.2e}")
 
 
 def _assert_matches_single_process(runs: dict, variant: str) -> None:
@@ -122,6 +116,8 @@ def _assert_matches_single_process(runs: dict, variant: str) -> None:
     assert sorted(got) == sorted(want["weights"])
     for name, w in want["weights"].items():  # the experts' fc1 / fc2 are split over expert-TP = TP as dense ones
         torch.testing.assert_close(got[name], w, atol=1e-5, rtol=1e-4, msg=name)
+    worst = max((got[n] - w).abs().max().item() for n, w in want["weights"].items())
+    print(f"{runs['arch'].model_type} {variant}: max |updated weight - single-process| {worst:.2e}")
 
 
 @pytest.mark.parametrize("model_type", SP_FAMILIES)

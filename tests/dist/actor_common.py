@@ -21,6 +21,36 @@ TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
 FAMILIES: tuple[str, ...] = tuple(families())
 """Every registered model_type: the family-parametrized tests run each (a new family gets them)."""
 
+LAYOUT_ADAM_EPS = 1e-3
+"""Adam's eps (--adam-eps) in the tests that compare weights after train steps between layouts at lr 1e-3 and
+atol 1e-5 (test_actor_parallel.py, test_actor_sp.py): the same optimizer code as the default 1e-8, with a bounded
+sensitivity to the fp32 reduction order.
+
+Two layouts differ in the order of their fp32 sums, so each gradient element g reaches Adam with a noise δ of a
+few u * max|G| (u = 2^-24, G the tensor's gradient; measured up to 25 u * max|G| at either step, on AVX512 and under
+ATEN_CPU_CAPABILITY=avx2 / default). Adam's step-k update is m / (sqrt(v) + eps), with bias-corrected
+m = sum_j a_j g_j and v = sum_j b_j g_j^2 over the steps j <= k (a_j = (1 - b1) b1^(k-j) / (1 - b1^k), b_j
+likewise with b2: each sums to 1). Two bounds follow:
+
+- size: |m| / sqrt(v) <= R_k = sqrt(sum_j a_j^2 / b_j) (Cauchy-Schwarz). R_1 = 1; at betas (0.9, 0.999)
+  R_2 = sqrt(0.47368^2 / 0.49975 + 0.52632^2 / 0.50025) = 1.0014. Each step moves a weight by at most
+  R_k * lr (plus the decoupled weight decay lr * wd * w, the same in both runs): two runs never differ by more
+  than 2 R_k lr per step, however ill-conditioned an element.
+- sensitivity: |d update / d g_j| <= (a_j + R_k sqrt(b_j)) / (sqrt(v) + eps), so a noise δ in every gradient
+  changes the update by at most (1 + R_k sqrt(k)) δ / (sqrt(v) + eps) <= (1 + R_k sqrt(k)) δ / eps.
+
+At eps = 1e-8 the last bound is useless near g = 0: step 1 moves lr * g / (|g| + eps), whose slope is up to
+lr / eps = 1e5 there, and whether one of a model's ~10^5 gradient elements sits within a few eps of 0 is up to the
+seed (the seeds of these tests were once picked to dodge one on one machine). Measured on AVX512: an
+output_layer.weight element with g = -4.3e-10 and a linear_proj.weight element with g = -2.1e-8 (tensor max 1.5e-2,
+δ = 1.7e-9) end 1.4e-5 and 1.6e-5 apart after one step, which then also perturbs the next step's gradients
+(δ up to 800 u * max|G|). No routing decision differed between the layouts at any step. At eps = lr = 1e-3
+every element moves by at most lr * sum_k (1 + R_k sqrt(k)) δ / eps = (2 + 2.42) δ over two steps: <= 4e-7 at
+max|G| <= 0.06, 25x under atol (measured 1.2e-7: one rounding of a weight near 1). And the comparison checks more:
+with eps = 1e-8 step 1 moves every weight away from g = 0 by lr * sign(g), which hides any gradient error that
+keeps the sign (a whole tensor's gradient off by a factor hides at every step); with eps = lr an element with |g| << eps
+moves by ~g, so a weight 1e-5 off is a gradient 1e-5 off."""
+
 
 def tiny_config(model_type: str = "qwen2", **overrides) -> dict:
     """config.json fields (no model_type) of a tiny `model_type` model: TINY for the default qwen2 (what the
@@ -236,6 +266,27 @@ def single_process_world(hf_seed: int, model_type: str = "qwen2", *, router_std:
         draw_routers(hf, router_std)
     yield layout, hf, ModelArch.from_hf(hf.config)
     destroy_parallel()
+
+
+def single_process_run(arch: ModelArch, hf_state_dict: dict[str, torch.Tensor], config, samples, *, seed: int,
+                       steps: int) -> dict:
+    """The TP=1 reference of the layout tests: `config`'s actor with `hf_state_dict`'s weights computes `samples`'
+    log-probs and entropies, then trains `steps` train_steps on them; {"logps", "entropies": per sample,
+    "metrics": per step, "weights": the updated weights in `merge_rank_shards` names}, in a 1-rank parallel state
+    of its own (destroyed on return)."""
+    from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
+
+    layout = init_parallel(seed=seed)
+    reset_moe_tracker()
+    try:
+        actor = MegatronActor(arch, config, layout)
+        load_hf_state_dict(actor, hf_state_dict)
+        logps, ents = actor.compute_log_probs(samples, with_entropy=True)
+        metrics = [actor.train_step(samples) for _ in range(steps)]
+        weights = merge_rank_shards({(0, 0): actor.state_dict_for_export()}, arch, tp=1, pp=1)
+    finally:
+        destroy_parallel()
+    return {"logps": logps, "entropies": ents, "metrics": metrics, "weights": weights}
 
 
 def load_hf_weights(actor, hf) -> None:

@@ -3,7 +3,8 @@ recompute) on one world, for each model family in the input; saves each layout's
 metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward. A mixture-of-experts
 family runs the SP layouts only (megatron-core's MoE layer needs SP with TP > 1).
 
-argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt
+argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt. The input
+holds, per model_type, the arch, the HF state dict and the ActorConfig; the samples, seed and step count.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, reset_moe_tracker
 from tests.test_planner import saved_activation_bytes
 
@@ -37,25 +38,26 @@ def main() -> None:
     data = torch.load(sys.argv[1], weights_only=False)
     init_parallel(LAYOUTS["tp2"], seed=data["seed"])
     for model_type, family in data["families"].items():
-        run_family(model_type, ModelArch(**family["arch"]), family["hf_state_dict"], data)
+        run_family(model_type, ModelArch(**family["arch"]), family["hf_state_dict"], family["config"], data)
     destroy_parallel()
 
 
-def run_family(model_type: str, arch: ModelArch, hf_state_dict: dict, data: dict) -> None:
+def run_family(model_type: str, arch: ModelArch, hf_state_dict: dict, config: ActorConfig, data: dict) -> None:
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     full = hf_to_full_mcore(hf_state_dict, arch)
     shards = mcore_shards_for_rank(full, arch, tp=2, tp_rank=tp_rank, pp=1, pp_rank=0,
                                    padded_vocab=padded_vocab_size(arch.vocab_size, 2))
     for name, layout in layouts(arch).items():  # same process groups: only the model config differs
         reset_moe_tracker()
-        actor = MegatronActor(arch, data["config"], layout)
+        actor = MegatronActor(arch, config, layout)
         assert actor.module.config.sequence_parallel == layout.sp
         actor.load_shards(shards)
         saved = saved_activation_bytes(actor.module, torch.arange(2 * 24).reshape(2, 24) % arch.vocab_size)
         logps, ents = actor.compute_log_probs(data["samples"], with_entropy=True)
         metrics = [actor.train_step(data["samples"]) for _ in range(data["steps"])]
         norm_tagged = sorted(n for n, p in actor.module.named_parameters() if getattr(p, "sequence_parallel", False))
-        torch.save({"saved_bytes": saved, "logps": logps, "entropies": ents, "metrics": metrics, "norm_tagged": norm_tagged,
+        torch.save({"saved_bytes": saved, "logps": logps, "entropies": ents, "metrics": metrics,
+                    "norm_tagged": norm_tagged,
                     "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
                    f"{sys.argv[2]}/{model_type}_{name}_rank{dist.get_rank()}.pt")
 
