@@ -341,7 +341,8 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         if cfg.dtype is None:
             check_dtype(config_dtype(hf_config), src_dtype, declared_from=f"{cfg.hf_path}/config.json",
                         actual_from=f"--hf-path {cfg.hf_path}")
-        reader.check_expected(hf_tensor_specs(arch, src_dtype))
+        # every tensor consumed by the mapping or named: a missing, reshaped or unplaceable one is an error
+        reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}")
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes

@@ -54,7 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights only, iteration 0); one without a checkpoint is an error, except --load = --save "
                         "before the first save (starts at step 0)")
     g.add_argument("--save", default=None, help="checkpoint directory (model, optimizer, scheduler, RNG, "
-                                                "sampler, step); locked while the run lasts")
+                                                "sampler, step); locked while the run lasts. One that holds another "
+                                                "run's steps is refused unless --load names it too (resume) or "
+                                                "--overwrite-save is given")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="start this run's checkpoints in a --save that holds another run's steps: they are deleted "
+                        "(with `latest`) once the inputs are read, before the model is built; one line names them")
     g.add_argument("--export-hf", default=None,
                    help="at the end, write the trained policy here as an HF checkpoint (safetensors, config, "
                         "tokenizer); with --load of a finished run and the same --num-steps it only exports")
@@ -63,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="split the writing of replicated checkpoint tensors over the data-parallel ranks "
                         "(megatron-core FullyParallelSaveStrategyWrapper) instead of DP rank 0 writing them all")
+    g.add_argument("--exit-save-timeout-s", type=float, default=25.0, metavar="SECONDS",
+                   help="on SIGTERM (Slurm: time limit, preemption, scancel) or a first SIGINT: stop at the next safe "
+                        "point (an unfinished rollout is abandoned, an update finished), save the last finished step "
+                        "unless it is saved, and exit with 128 + the signal, all within this many seconds of the "
+                        "signal; a save that would not fit (judged by this run's slowest save) is skipped, and at the "
+                        "bound the process exits whatever it does, removing an unfinished step_N.tmp: the previous "
+                        "checkpoint stays. Keep it under Slurm's KillWait and torchrun's --shutdown-timeout (30 s "
+                        "each by default); 0 exits at once. A second SIGINT exits at once. docs/FAULT_TOLERANCE.md")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a forked background process; a step is renamed (and `latest` "
                         "updated) only once every rank's write finished, checked at the next save and at exit")
@@ -104,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="build no model: print the per-GPU memory plan of these flags (megatron_dapo.planner, "
                         "reads only --hf-checkpoint's config.json) and exit 1 when it exceeds --gpu-memory-gib")
-    g.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the --dry-run plan must fit")
+    g.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="GiB of one GPU (finite, > 0): the --dry-run plan must fit it, a --colocate run sizes "
+                        "SGLang's share from it")
     g.add_argument("--world-size", type=int, default=None,
-                   help="actor GPUs for --dry-run (default: $WORLD_SIZE, else TP x PP x CP)")
+                   help="actor GPUs for --dry-run, >= 1 (default: $WORLD_SIZE, else TP x PP x CP)")
 
-    g = p.add_argument_group("mixture of experts")
+    g = p.add_argument_group("mixture of experts", "mixture-of-experts models only: each is refused for a model "
+                                                   "without experts")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
                    help="megatron-core's load-balancing (Switch) loss coefficient per MoE layer; default: "
                         "config.json router_aux_loss_coef; 0 turns it off (docs/MODELS.md: how it relates to HF's)")

@@ -396,10 +396,18 @@ class PlanInputs:
         return self.moe_capacity_factor if self.moe_capacity_factor is not None else self.moe_imbalance
 
     def __post_init__(self) -> None:
+        check_gpu_memory(self.gpu_memory_gib)
         if self.rollout_gpus_per_engine < 1:
             raise ValueError(f"--rollout-num-gpus-per-engine must be >= 1, got {self.rollout_gpus_per_engine}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+
+
+def check_gpu_memory(gib: float) -> None:
+    """Raise ValueError naming --gpu-memory-gib unless it is a finite number of GiB > 0: the plan's verdict and
+    headroom divide by it, and a colocated run sizes SGLang's share (--mem-fraction-static) from it."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib <= 0:
+        raise ValueError(f"--gpu-memory-gib must be a finite number of GiB > 0, got {gib!r}")
 
 
 @dataclass(frozen=True)
@@ -688,13 +696,28 @@ def world_size_from_args(args: argparse.Namespace) -> int:
     """--world-size, else $WORLD_SIZE, else the fewest ranks that hold one model replica and one expert grid
     (a multiple of TP x CP and of EP x ETP per pipeline stage, times PP)."""
     if args.world_size is not None:
-        return args.world_size
+        return _at_least_one(args.world_size, "--world-size")
     if os.environ.get("WORLD_SIZE"):
-        return int(os.environ["WORLD_SIZE"])
+        return _at_least_one(int(os.environ["WORLD_SIZE"]), "$WORLD_SIZE")
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     experts = getattr(args, "expert_model_parallel_size", 1) * (getattr(args, "expert_tensor_parallel_size", None)
                                                                  or tp)
     return math.lcm(tp * cp, experts) * args.pipeline_model_parallel_size
+
+
+def _at_least_one(world_size: int, name: str) -> int:
+    if world_size < 1:
+        raise ValueError(f"{name} must be >= 1 (the actor GPUs to plan for), got {world_size}")
+    return world_size
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """The planner's own flags, as --dry-run reads them (ValueError naming the flag): --gpu-memory-gib a finite
+    number > 0, --world-size >= 1 when given. A run checks them at start-up too (check_flags): a colocated one sizes
+    SGLang's share from --gpu-memory-gib."""
+    check_gpu_memory(args.gpu_memory_gib)
+    if args.world_size is not None:
+        _at_least_one(args.world_size, "--world-size")
 
 
 def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout, PlanInputs, ActivationSpec]:
@@ -865,10 +888,12 @@ def phase_peaks_gib(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs,
     return out
 
 
-def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Print the per-GPU plan of these flags; 0 when the peak fits --gpu-memory-gib, else 1 (2: bad flags)."""
+def print_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Print the per-GPU plan of these flags to `out` (stdout); 0 when the peak fits --gpu-memory-gib, else 1. Bad
+    flags: one line `plan: error: ...` on `err` (stderr), 2."""
     out = out or sys.stdout
     try:
+        check_plan_flags(args)
         arch, layout, inputs, spec = plan_from_args(args)
         lines = format_plan(arch, layout, inputs, spec)
         phases = phase_peaks_gib(arch, layout, inputs, spec)
@@ -878,7 +903,7 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
             peak = max(peak, startup_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB,
                        save_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"plan: error: {exc}", file=out)
+        print(f"plan: error: {exc}", file=err or sys.stderr)
         return 2
     for line in lines:
         print(line, file=out)
@@ -904,3 +929,15 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None) -> int:
                   file=out)
     print(f"plan: peak {peak:.2f} GiB per GPU of {inputs.gpu_memory_gib:g} GiB", file=out)
     return 0 if fits else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_dapo.planner <train.py flags>`: the plan `python -m megatron_dapo.train <flags> --dry-run`
+    prints, and its exit status."""
+    from megatron_dapo.arguments import build_parser
+
+    return print_plan(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

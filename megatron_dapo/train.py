@@ -3,7 +3,8 @@
 parse -> validate (trainer/build.check_flags, the same verdict on every rank) -> build (trainer/build.py: inputs,
 actor, logger; rollout/build.py: the rollout engine; trainer/colocate.py with --colocate) -> resume
 (Checkpointer.load + one weight push) -> `Trainer.run` (trainer/loop.py). The run config (trainer/run_config.py) is
-built once from the flags and written to --log-dir as run_config.json, the record of what ran.
+built once from the flags and written to --log-dir as run_config.json, the record of what ran. SIGTERM or a first
+SIGINT stops the run with the last finished step saved, exit status 128 + the signal (trainer/stop.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout import build as rollout_build
 from megatron_dapo.trainer import build, colocate
+from megatron_dapo.trainer.stop import StopRequested, StopSignal, restored_signal_handlers
 from megatron_dapo.trainer.validation import share_verdict
 from megatron_dapo.weight_sync import nccl_env
 
@@ -29,7 +32,8 @@ QUIET_EXIT_DELAY_S = 2.0
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run; an input error prints one line `error: ...` on stderr and exits 2 (`--debug`: the traceback)."""
+    """Run; an input error prints one line `error: ...` on stderr and exits 2 (`--debug`: the traceback); a run
+    stopped by SIGTERM / SIGINT exits with 128 + the signal once its last finished step is saved (trainer/stop.py)."""
     args = build_parser().parse_args(argv)
     if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner.py)
         from megatron_dapo.planner import print_plan
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(print_plan(args))
     try:
         train(args)
+    except StopRequested as stop:
+        sys.exit(stop.status)
     except UserError as err:
         if args.debug:
             raise
@@ -50,7 +56,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(args: argparse.Namespace) -> None:
-    """validate flags -> read inputs (rank 0) -> build -> resume -> generate/reward/filter/train/sync/eval/save."""
+    """validate flags -> read inputs (rank 0) -> build -> resume -> generate/reward/filter/train/sync/eval/save.
+    The SIGTERM / SIGINT handlers it installs are the caller's again when it returns or raises."""
+    with restored_signal_handlers():
+        _train(args)
+
+
+def _train(args: argparse.Namespace) -> None:
     from megatron_dapo.actor import init_parallel
     from megatron_dapo.checkpoint.checkpointer import Checkpointer
     from megatron_dapo.checkpoint.dist_load import initial_checkpoint
@@ -67,6 +79,9 @@ def train(args: argparse.Namespace) -> None:
         raise
     if cumem and os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node: nodes may decide differently
         print(cumem, flush=True)
+    # from here on SIGTERM / SIGINT stop the run at its next safe point, within --exit-save-timeout-s
+    stop = StopSignal(run.trainer.exit_save_timeout_s, save_dir=Path(args.save) if rank0 and args.save else None)
+    stop.install()
     engine, inputs, verdict = None, None, None
     if rank0:
         try:
@@ -93,7 +108,7 @@ def train(args: argparse.Namespace) -> None:
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      phases=phases, weight_sync=weight_sync)  # weight_sync None: built from the engine, once
+                      phases=phases, weight_sync=weight_sync, stop=stop)  # weight_sync None: from the engine
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(

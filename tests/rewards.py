@@ -79,3 +79,36 @@ def _last_logged_step(hold: Path) -> int:
     steps = [json.loads(line).get("step", -1) for line in path.read_text().splitlines() if line.strip()] \
         if path.exists() else []
     return max(steps, default=-1)
+
+
+_CALLS = [0]
+
+
+def length_parity_signalled(response: str, ground_truth: str) -> RewardResult:
+    """length_parity that sends this process a signal from inside the rollout, where Slurm's SIGTERM (a time
+    limit, a preemption) or a Ctrl-C lands most of the time at scale (the rollout is most of a 32B step).
+    $DAPO_TEST_SIGNAL = "NAME:N[:again][:group]": the N-th call sends signal NAME (SIGTERM, SIGINT, SIGKILL) to this
+    process, once; with "again" every second after that too (a second Ctrl-C: the signals are a second apart, as a
+    person's key presses, so that the trainer's handler sees each); with "group" to its whole process group, as a
+    terminal's Ctrl-C does (start the trainer in a session of its own). Unset: length_parity."""
+    import os
+    import signal
+    import time
+
+    spec = os.environ.get("DAPO_TEST_SIGNAL")
+    _CALLS[0] += 1
+    if spec:
+        name, at, *options = spec.split(":")
+        if _CALLS[0] == int(at):
+            sig = getattr(signal, name)
+            group = "group" in options
+            send = (lambda: os.killpg(os.getpgid(0), sig)) if group else (lambda: os.kill(os.getpid(), sig))
+            send()
+            for _ in range(60 if "again" in options else 0):  # until the trainer exits
+                time.sleep(1.0)
+                send()
+    return length_parity(response, ground_truth)
+
+
+SIGNALLED_REWARD = ("--reward-fn", "tests.rewards:length_parity_signalled")
+"""Trainer flags that select it (with $DAPO_TEST_SIGNAL in the environment)."""

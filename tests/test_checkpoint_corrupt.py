@@ -17,6 +17,7 @@ from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, in
 from megatron_dapo.checkpoint.training import (
     CheckpointCorruptError,
     CheckpointFallbackWarning,
+    StepLinkError,
     load_checkpoint,
     save_checkpoint,
 )
@@ -158,3 +159,28 @@ def test_unverified_step_that_fails_to_read_falls_back(saved, tmp_path, monkeypa
     assert extra == {"step": 1, "tag": 1}
     skipped = _fallback_messages(record)[0]
     assert "step_0000002" in skipped and "resuming from step_0000001" in skipped
+
+
+@pytest.mark.parametrize("link", ["step_0000003", "latest"])
+def test_a_step_or_latest_linking_outside_load_is_one_error_and_never_followed(saved, tmp_path, link):
+    """A `step_N` (or `latest`) symbolic link leading out of --load (issue 38 item 12): refused naming it, nothing of
+    the target read. A link between the steps of --load itself is followed as before."""
+    make_actor, pristine = saved
+    root, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    shutil.copytree(pristine, root)
+    shutil.copytree(pristine / "step_0000002", elsewhere / "step_0000002")
+    (root / "step_0000003").symlink_to(root / "step_0000002")  # inside: loads step 2's files as step 3
+    assert load_checkpoint(root, make_actor())["tag"] == 2
+    (root / "step_0000003").unlink()
+    if link == "latest":
+        (elsewhere / "latest").write_text("step_0000002")
+        (root / "latest").unlink()
+        (root / "latest").symlink_to(elsewhere / "latest")
+    else:
+        (root / link).symlink_to(elsewhere / "step_0000002")
+    with pytest.raises(StepLinkError) as err:
+        load_checkpoint(root, make_actor())
+    target = elsewhere / ("latest" if link == "latest" else "step_0000002")
+    assert str(err.value) == (f"--load {root}: {link} is a symbolic link to {target}, "
+                              f"outside {root}; a checkpoint is read from its own directory only: replace the link by "
+                              f"the step directory itself, or give --load the directory that holds it")

@@ -148,6 +148,21 @@ def test_a_checkpoint_without_a_required_state_is_rejected_naming_the_component(
         Checkpointer(_components(0), actor=None, save_dir=None, load_dir="ckpt").load_extra(extra)
 
 
+def test_a_resume_under_another_seed_is_refused_on_every_rank_before_anything_is_restored():
+    """check_extra runs on every rank (a placeholder sampler off rank 0 holds the flags' seed) before the rank-0
+    section: all ranks reach the verdict together, none restores a component first."""
+    from megatron_dapo.errors import UserError
+
+    extra = {"step": 2, "sampler": ResumableSampler(6, seed=1).state_dict()}
+    states = _components(0)
+    states["sampler"] = ResumableSampler(6, seed=2)
+    with pytest.raises(UserError, match="saved with --seed 1, this run has --seed 2"):
+        Checkpointer(states, actor=None, save_dir=None, load_dir="ckpt").check_extra(extra)
+    assert states["trainer"].step == 0
+    states["sampler"] = ResumableSampler(6, seed=1)
+    Checkpointer(states, actor=None, save_dir=None, load_dir="ckpt").check_extra(extra)
+
+
 def test_optional_states_may_be_absent_and_unknown_names_are_refused():
     states = _components(0, partial=True)
     states["carried"].groups = []  # as built

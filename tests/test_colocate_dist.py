@@ -109,3 +109,36 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
         assert r["colocate/to_training_s"] > 0 and r["colocate/to_generation_s"] > 0
         assert r["colocate/actor_offloaded_gib"] > 0 and r["sync/gbytes"] > 0
     assert records[1]["train/pg_loss"] != records[0]["train/pg_loss"]
+
+
+def test_sigterm_in_a_colocated_rollout_releases_the_engine_and_saves_in_the_training_phase(tiny_base, tmp_path):
+    """SIGTERM inside step 2's rollout (the generation phase, the SGLang server holding its memory): the rollout is
+    abandoned, its requests aborted, the server released and the actor onloaded (a save runs in the training
+    phase), step 1 saved; the run exits 143 and a resume from step 1 runs steps 2-3 on the pushed weights."""
+    import json
+
+    from tests.conftest import train_env
+    from tests.rewards import SIGNALLED_REWARD
+    from tests.sglang.real_server import SGLANG_PY
+
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
+           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *SIGNALLED_REWARD, "--max-response-length", "12",
+           "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
+           "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
+           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port_block(2)), "--colocate",
+           "--max-prompt-length", "16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    out = subprocess.run(cmd, cwd=REPO, env=train_env() | {"DAPO_TEST_SIGNAL": "SIGTERM:18"}, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[megatron-dapo] SIGTERM: abandoned the rollout of step 2" in out.stdout, out.stdout[-3000:]
+    assert f"[megatron-dapo] SIGTERM: saved step 1 to {tmp_path / 'ckpt'}" in out.stdout, out.stdout[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_0000001"]
+    cmd[cmd.index("--sglang-base-port") + 1] = str(free_port_block(2))
+    out = subprocess.run(cmd + ["--load", str(tmp_path / "ckpt")], cwd=REPO, env=train_env(), capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:  # the server serves the actor's weights: the resumed push went through
+        assert r["mismatch/logprob_abs_diff_mean"] < 1e-4, r

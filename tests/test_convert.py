@@ -616,7 +616,7 @@ def test_missing_corrupt_and_mismatched_shards(tmp_path: Path, capsys: pytest.Ca
     shard.write_bytes(data)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "intermediate_size": 40}))
-    _expect_error(capsys, argv, "model.layers.0.mlp.gate_proj.weight: shape [48, 32]", "implies [40, 32]")
+    _expect_error(capsys, argv, "model.layers.0.mlp.gate_proj.weight [48, 32] (config.json implies [40, 32])")
     (hf / "config.json").write_text(json.dumps(config)[:-5])  # issue 12: name the file, not a bare JSONDecodeError
     _expect_error(capsys, argv, f"--hf-path: {hf / 'config.json'} is not valid JSON")
     (hf / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}))

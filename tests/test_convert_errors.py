@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoint_convert.cli import main
 from megatron_dapo.checkpoint import dist_ckpt
@@ -109,3 +110,85 @@ def test_damaged_index_is_one_line_naming_the_file(tmp_path, capsys, index, says
     assert main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")]) == 1
     message = error_line(capsys, "hf-to-mcore")
     assert message.startswith(f"{path} is corrupt: ") and says in message, message
+
+
+def _edit_config(hf: Path, **fields) -> None:
+    path = hf / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_hf_tensors_the_config_has_no_place_for_are_named(tmp_path, capsys):
+    """Qwen2 weights (q/k/v biases) under a config.json that says llama: every tensor is consumed by the mapping or
+    named (it converted without the biases, exit 0)."""
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=True)
+    _edit_config(hf, model_type="llama", architectures=["LlamaForCausalLM"])
+    capsys.readouterr()
+    biases = sorted(n for n in safe_open_names(hf / "model.safetensors") if n.endswith("_proj.bias"))
+    assert len(biases) == 12  # 4 layers x q, k, v
+    assert main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")]) == 1
+    assert error_line(capsys, "hf-to-mcore") == (
+        f"{hf} does not match its config.json (model_type 'llama'): 12 tensor(s) this model has no place for (a load "
+        f"would drop them): {', '.join(biases[:3])}, ... (9 more): does config.json describe these weights?")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["equal-copy", "different-head"])
+def test_a_tied_models_stored_head_is_accepted_only_as_a_copy_of_the_embedding(tmp_path, capsys, same):
+    """Some exporters write a tied model's lm_head.weight besides its embedding. Equal to the embedding, nothing is
+    lost by not loading it: the conversion goes through. Different, it is a tensor the tied model has no place for:
+    named, as any other."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=True)
+    tensors = load_file(hf / "model.safetensors")
+    head = tensors["model.embed_tokens.weight"].clone()
+    if not same:
+        head[0, 0] += 1
+    save_file({**tensors, "lm_head.weight": head}, hf / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    rc = main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")])
+    if same:
+        assert rc == 0
+    else:
+        assert rc == 1
+        assert "1 tensor(s) this model has no place for (a load would drop them): lm_head.weight" in \
+            error_line(capsys, "hf-to-mcore")
+
+
+def test_expert_count_mismatch_is_one_line(tmp_path, capsys):
+    """config.json's num_experts (4) below the weights' (8): the routers' shapes and the experts past 3, one line."""
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=True, model_type="qwen3_moe")
+    _edit_config(hf, num_experts=4, num_local_experts=4)
+    capsys.readouterr()
+    assert main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")]) == 1
+    message = error_line(capsys, "hf-to-mcore")
+    assert re.fullmatch(
+        rf"{re.escape(str(hf))} does not match its config.json \(model_type 'qwen3_moe'\): 4 tensor\(s\) of another "
+        r"shape: model\.layers\.0\.mlp\.gate\.weight \[8, 64\] \(config\.json implies \[4, 64\]\), .*, "
+        r"\.\.\. \(1 more\); "
+        r"48 tensor\(s\) this model has no place for \(a load would drop them\): model\.layers\.0\.mlp\.experts\.4\."
+        r"down_proj\.weight, .*: does config\.json describe these weights\?", message), message
+
+
+def test_derived_rope_buffers_of_old_checkpoints_are_not_counted(tmp_path, capsys):
+    """`rotary_emb.inv_freq` (older checkpoints saved it per layer; every reader derives it from rope_theta, and
+    transformers skips it on load) is no weight the mapping drops: the conversion goes on."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=False)
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["hf-to-mcore", "--hf-path", str(hf), "--save", str(tmp_path / "mc")]) == 0
+
+
+def safe_open_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return list(f.keys())

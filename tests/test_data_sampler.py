@@ -8,6 +8,7 @@ import pytest
 
 from megatron_dapo.data import ResumableSampler
 from megatron_dapo.data.sampler import epoch_permutation
+from megatron_dapo.errors import UserError
 
 
 def _epochs(sampler: ResumableSampler, num_items: int, epochs: int) -> list[list[int]]:
@@ -75,7 +76,6 @@ def test_resume_sees_exactly_the_same_prompts(drop_last, stop_after):
     "kwargs, field",
     [
         pytest.param({"num_items": 24}, "num_items", id="dataset-size"),
-        pytest.param({"seed": 12}, "seed", id="seed"),
         pytest.param({"shuffle": False}, "shuffle", id="shuffle"),
         pytest.param({"drop_last": True}, "drop_last", id="drop-last"),
     ],
@@ -86,6 +86,17 @@ def test_resume_with_different_settings_names_the_field(kwargs, field):
     other = ResumableSampler(settings.pop("num_items"), **settings)
     with pytest.raises(ValueError, match=f"checkpoint has {field}="):
         other.load_state_dict(state)
+
+
+def test_resume_with_another_seed_is_a_user_error_naming_both_seeds_and_the_flag():
+    """Before (issue 38 item 12) a ValueError, printed by the trainer as a traceback from inside the resume."""
+    state = ResumableSampler(23, seed=11).state_dict()
+    for check in (ResumableSampler(23, seed=12).check_state, ResumableSampler(23, seed=12).load_state_dict):
+        with pytest.raises(UserError) as err:
+            check(state)
+        assert str(err.value).startswith("the checkpoint under --load was saved with --seed 11, this run has --seed "
+                                         "12: ") and "resume with --seed 11" in str(err.value)
+    ResumableSampler(23, seed=11).check_state(state)
 
 
 def test_bad_arguments():

@@ -37,7 +37,9 @@ EXTERNAL: dict[str, set[str]] = {
     "tools/ablation.py": {"--task"},  # tools/make_tiny_base.py's, in the hint to build a base
     "megatron_dapo/rollout/sglang/engine.py": {"--enable-memory-saver", "--enable-return-routed-experts"},  # SGLang's
     "megatron_dapo/rollout/build.py": {"--enable-memory-saver"},  # passed to launched colocated servers
-    "megatron_dapo/arguments.py": {"--enable-return-routed-experts"},  # SGLang's, in --moe-routing-replay's help
+    "megatron_dapo/arguments.py": {"--enable-return-routed-experts",  # SGLang's, in --moe-routing-replay's help
+                                   "--shutdown-timeout"},  # torchrun's, in --exit-save-timeout-s's help
+    "megatron_dapo/trainer/stop.py": {"--shutdown-timeout"},  # torchrun's
     "megatron_dapo/launch/server_args.py": {"--enable-return-routed-experts"},  # SGLang's: what it adds
     "megatron_dapo/rollout/sglang/setup.py": {"--enable-return-routed-experts"},  # SGLang's, in the attach check
     "megatron_dapo/weight_sync/nccl_env.py": {"--enable-symm-mem", "--enable-kv-cache-sharding"},  # SGLang's

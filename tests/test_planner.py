@@ -334,6 +334,45 @@ def test_dry_run_over_budget_exits_1_and_names_the_flag(tmp_path):
     assert any("--recompute-granularity full" in line and "(fits)" in line for line in lines)
 
 
+PLAN_7B = ["--hf-checkpoint", str(REPO / "examples/models/qwen2.5-7B"), "--prompt-data", "x", "--num-steps", "1",
+           "--tensor-model-parallel-size", "4"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    pytest.param(["--gpu-memory-gib", "0"], "--gpu-memory-gib must be a finite number of GiB > 0, got 0.0", id="0"),
+    pytest.param(["--gpu-memory-gib", "-80"], "--gpu-memory-gib must be a finite number of GiB > 0, got -80.0",
+                 id="negative"),
+    pytest.param(["--gpu-memory-gib", "nan"], "--gpu-memory-gib must be a finite number of GiB > 0, got nan", id="nan"),
+    pytest.param(["--gpu-memory-gib", "inf"], "--gpu-memory-gib must be a finite number of GiB > 0, got inf", id="inf"),
+    pytest.param(["--gpu-memory-gib", "0", "--colocate", "--rollout-engine", "sglang"],
+                 "--gpu-memory-gib must be a finite number of GiB > 0, got 0.0", id="0-colocated"),
+    pytest.param(["--world-size", "0"], "--world-size must be >= 1 (the actor GPUs to plan for), got 0", id="world-0"),
+    pytest.param(["--world-size", "-8"], "--world-size must be >= 1 (the actor GPUs to plan for), got -8",
+                 id="world-negative"),
+])
+def test_dry_run_refuses_a_gpu_size_or_world_it_cannot_plan_for(capsys, flags, message):
+    """One line on stderr naming the flag, exit 2, no plan. They were: a ZeroDivisionError (0 with --colocate), a
+    plan over budget (0, negative, nan: every comparison with nan is false), "headroom 100%" (inf), and a world size
+    of 0 named as the layout's "data-parallel size"."""
+    args = PLAN_7B + (["--world-size", "8"] if "--world-size" not in flags else []) + flags
+    rc, lines = _dry_run(args)
+    err = capsys.readouterr().err.splitlines()
+    assert (rc, lines, [line for line in err if "error" in line]) == (2, [], [f"plan: error: {message}"])
+
+
+def test_python_m_planner_prints_the_dry_run_plan():
+    """`python -m megatron_dapo.planner <train flags>` is the trainer's --dry-run (it was a module that did nothing)."""
+    out = io.StringIO()
+    want = planner.print_plan(build_parser().parse_args(PLAN_7B + ["--world-size", "8"]), out=out)
+    import subprocess
+
+    from tests.torchrun import subprocess_env
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.planner", *PLAN_7B, "--world-size", "8"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (want, out.getvalue()) and "plan: peak" in proc.stdout
+
+
 def test_dry_run_says_when_no_single_change_fits(tmp_path):
     """At 40 GiB the 32B launcher (every memory flag already on) has nothing left to switch: the plan says so."""
     script, env, model = LAUNCHERS[1].values
@@ -344,12 +383,13 @@ def test_dry_run_says_when_no_single_change_fits(tmp_path):
     assert "no single flag change fits" in lines[-2] and "--tensor-model-parallel-size" in lines[-2]
 
 
-def test_dry_run_rejects_a_bad_layout(tmp_path):
+def test_dry_run_rejects_a_bad_layout(tmp_path, capsys):
     script, env, model = LAUNCHERS[1].values
     args = _launcher_train_args(tmp_path, script, env, model)
     args[args.index("--world-size") + 1] = "24"  # not a multiple of TP8 x PP2
     rc, lines = _dry_run(args)
-    assert rc == 2 and "--tensor-model-parallel-size" in lines[-1]
+    err = capsys.readouterr().err.splitlines()  # the error on stderr, no plan on stdout
+    assert rc == 2 and lines == [] and "--tensor-model-parallel-size" in err[-1] and err[-1].startswith("plan: error: ")
 
 
 def test_planned_bytes_per_component_are_itemised():

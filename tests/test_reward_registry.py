@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 import pytest
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.reward import RewardResult, compute_score, get_reward_fn
 
 
@@ -26,9 +30,44 @@ def test_user_return_values_are_coerced():
 
 
 def test_user_function_bad_return_names_path():
+    """A reward that is not a number stops the run with one line (a UserError: `error: ...`, exit 2) naming the
+    function, the type and value it returned and what it must return; it was a TypeError's traceback."""
     fn = get_reward_fn("os.path:join")  # returns a str
-    with pytest.raises(TypeError, match="'os.path:join' returned str"):
+    with pytest.raises(UserError) as info:
         fn("a", "b")
+    assert str(info.value) == ("--reward-fn 'os.path:join' returned str ('a/b'): it must return a RewardResult, a "
+                               "number, or a dict with a numeric 'score' key")
+
+
+def _returns(value):
+    return lambda solution_str, ground_truth: value
+
+
+@pytest.mark.parametrize("value, says", [
+    pytest.param({"score": "1"}, "returned a dict whose 'score' is str ('1'): it must return", id="dict-str-score"),
+    pytest.param(None, "returned NoneType (None): it must return", id="none"),
+    pytest.param(True, "returned bool (True): it must return", id="bool"),
+    pytest.param(float("nan"), "returned a score of nan: a reward must be a finite number", id="nan"),
+    pytest.param({"score": float("inf")}, "returned a score of inf: a reward must be", id="dict-inf"),
+])
+def test_user_function_non_numbers_are_one_line_naming_the_function(monkeypatch, value, says):
+    import types
+
+    module = types.ModuleType("user_rewards")
+    module.fn = _returns(value)
+    monkeypatch.setitem(sys.modules, "user_rewards", module)
+    with pytest.raises(UserError, match=rf"^--reward-fn 'user_rewards:fn' {re.escape(says)}"):
+        get_reward_fn("user_rewards:fn")("x", "y")
+
+
+def test_user_function_numbers_and_dicts_are_kept(monkeypatch):
+    import types
+
+    module = types.ModuleType("user_rewards_ok")
+    module.as_int, module.as_dict = _returns(2), _returns({"score": -1, "pred": "7"})
+    monkeypatch.setitem(sys.modules, "user_rewards_ok", module)
+    assert get_reward_fn("user_rewards_ok:as_int")("x", "y") == RewardResult(score=2.0, acc=True)
+    assert get_reward_fn("user_rewards_ok:as_dict")("x", "y") == RewardResult(score=-1.0, acc=False, pred="7")
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ instead of stalling the suite for the old 3600 s per request."""
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 from collections.abc import Callable
@@ -152,16 +153,45 @@ def test_a_server_that_hangs_mid_run_is_lost_and_its_samples_redone_elsewhere():
             kill(*fake)
 
 
+GENERATE_LIMIT = r"1\.005 s \(--sglang-http-timeout 1 \+ 5 new tokens / --sglang-min-tokens-per-s 1000\)"
+"""How a FAST engine names a 5-token /generate's timeout and the flags it comes from."""
+
+
 def test_the_only_server_hanging_stops_the_run_naming_it():
     """Attached, alone, hung: lost after the /generate timeout, waited for --sglang-server-wait-s (its /health
-    times out too), then the run stops with an error naming its URL."""
+    times out too), then the run stops with one line (a UserError: `error: ...`, no traceback) naming its URL, the
+    /generate timeout and the flags of both waits."""
     fake, state = serve()
     url = _url(fake)
     engine = SGLangEngine(server_urls=[url], client=ClientConfig(**FAST, server_wait_s=1.0))
     try:
         state.frozen = True
         _, err = _within(lambda: engine.generate(_reqs(2, n=1)))
-        assert isinstance(err, RuntimeError) and url in str(err) and "--sglang-server-wait-s" in str(err), err
+        assert isinstance(err, UserError), repr(err)
+        assert re.fullmatch(rf"attached SGLang server {url} did not answer /health for 1 s \(--sglang-server-wait-s\) "
+                            rf"after it was lost \({url} did not answer /generate within {GENERATE_LIMIT}\); restart "
+                            r"it with the same model and port, or drop it from --sglang-server-urls", str(err)), err
+    finally:
+        engine.shutdown()
+        kill(fake, state)
+
+
+def test_a_generate_that_hangs_on_a_live_server_stops_the_run_in_one_line():
+    """/generate hangs while /health answers (a wedged scheduler behind a live HTTP front): each try times out, the
+    server counts as lost and is back at once, and after 1 + max_retries tries the run stops with one line naming
+    the sample, the server, the timeout and its flags (it was a ServerDied whose text, httpx's ReadTimeout's, was
+    empty, raised with the chain of the timeout behind it)."""
+    fake, state = serve()
+    url = _url(fake)
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(**FAST, max_retries=1, server_wait_s=30))
+    try:
+        state.hang_generate = True
+        _, err = _within(lambda: engine.generate(_reqs(1, n=1)))
+        assert isinstance(err, UserError), repr(err)
+        assert re.fullmatch(rf"SGLang sample p0::0 failed 2 tries, the last: {url} did not answer /generate within "
+                            rf"{GENERATE_LIMIT}; raise those flags if the servers are only slow, else restart them",
+                            str(err)), err
+        assert state.calls["/generate"] == 2
     finally:
         engine.shutdown()
         kill(fake, state)

@@ -1,4 +1,5 @@
-"""No secret in any file a run writes: run_config.json (the run record), metrics, wandb files, checkpoints, HF export.
+"""No secret in any file a run writes: run_config.json (the run record), metrics, wandb files, checkpoints, HF export,
+the --save lock; while the run lives and after it is killed.
 
 The SGLang API key reaches the trainer through --sglang-api-key-file or SGLANG_API_KEY even when the
 rollout engine is the embedded one; megatron_dapo/trainer/run_record.py redacts it where the run record is made.
@@ -7,8 +8,10 @@ rollout engine is the embedded one; megatron_dapo/trainer/run_record.py redacts 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.trainer.metrics_log import MetricsLogger
 from megatron_dapo.trainer.run_record import REDACTED, run_record
 from tests.conftest import train_env
+from tests.test_trainer_e2e import latest_step
 
 FILE_KEY = "fileKEY-7f3a9c0d2b"
 ENV_KEY = "envKEY-41e8b6d5aa"
@@ -50,6 +54,34 @@ def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
     assert files_holding(tmp_path, (FILE_KEY, ENV_KEY)) == [str(key_file)]  # only the user's own key file
     record = json.loads((run / "log" / "run_config.json").read_text())
     assert record["sglang_api_key"] == REDACTED and record["sglang_api_key_file"] == str(key_file)
+
+
+@pytest.mark.slow
+def test_a_key_on_the_command_line_is_in_no_file_while_the_run_lives_nor_after_sigkill(tiny_base, tmp_path):
+    """The worst way to pass the key (ps shows it, and so did every file that recorded the command line): scanned
+    under the run's directories while the run holds its --save lock and has written a checkpoint and wandb files,
+    then after a SIGKILL, which leaves the lock file and any unfinished save behind. The lock file used to record
+    the whole command line, world-readable, for the run's lifetime and after."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "40", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
+           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+           "--rollout-engine", "embedded", "--sglang-api-key", ARGV_KEY,
+           "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600
+        while latest_step(run / "ckpt") < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = files_holding(tmp_path, (ARGV_KEY,))
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before it could be looked at alive"
+        assert (run / "ckpt" / ".megatron_dapo.lock").read_text().strip() and any((run / "log").rglob("*.wandb"))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert alive == [], "while the run lives"
+    assert files_holding(tmp_path, (ARGV_KEY,)) == [], "after SIGKILL"
 
 
 def test_run_record_redacts_the_key_wherever_it_appears():

@@ -1,9 +1,10 @@
-"""The whole loop through `python -m megatron_dapo.train`, and resume after SIGKILL.
+"""The whole loop through `python -m megatron_dapo.train`, and resume after SIGKILL or SIGTERM.
 
 A run killed with SIGKILL mid-run and resumed with --load must continue exactly as the
 uninterrupted run: same prompts at every later step, same rewards, losses and grad norms (the
 rollouts are seeded per request, and the checkpoint holds model, optimizer, scheduler, RNG and
-sampler state).
+sampler state). A run sent SIGTERM (Slurm's time limit or preemption) saves its last finished step first and
+resumes from it exactly; a second Ctrl-C ends a run at once, without a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
-from tests.rewards import PARITY_REWARD
+from tests.rewards import PARITY_REWARD, SIGNALLED_REWARD
 
 NUM_STEPS = 8
 COMPARED = ("rollout/reward", "rollout/accuracy", "rollout/response_len_mean", "train/pg_loss",
@@ -159,3 +160,88 @@ def test_sigkill_resume_is_exact_with_partial_rollout(tiny_base, tmp_path):
     # the carried prefixes came from the previous weights: TIS sees a real mismatch on them
     assert any(ref_metrics[s]["rollout/max_staleness"] >= 1 for s in ref_metrics)
     assert any(ref_metrics[s]["mismatch/logprob_abs_diff_max"] > 1e-4 for s in ref_metrics)
+
+
+STOP_STEPS = 5
+CALL_IN_STEP_4 = 3 * 16 + 2
+"""The reward call during step 4's rollout: 16 responses a step (4 prompts x 4, no dynamic sampling), each scored
+once (tests/rewards.py: length_parity_signalled sends the signal from there)."""
+
+
+def _signalled(base: Path, run: Path, spec: str | None, *extra: str) -> subprocess.CompletedProcess:
+    """A STOP_STEPS run of train_cmd (checkpoints at steps 2 and 4) whose reward sends signal `spec`."""
+    env = train_env() | ({"DAPO_TEST_SIGNAL": spec} if spec else {})
+    return subprocess.run(train_cmd(base, run, "--no-wandb", *SIGNALLED_REWARD, *extra, steps=STOP_STEPS), cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+
+
+def test_sigterm_mid_rollout_saves_the_last_finished_step_and_resume_is_exact(tiny_base, tmp_path):
+    """SIGTERM in the middle of step 4's rollout: the rollout is abandoned, step 3 (not due by --save-interval 2) is
+    saved, the run exits 143 within the bound. It used to die at once: steps since step 2 lost."""
+    ref, run = tmp_path / "ref", tmp_path / "stopped"
+    assert _signalled(tiny_base, ref, None).returncode == 0
+    out = _signalled(tiny_base, run, f"SIGTERM:{CALL_IN_STEP_4}")
+    assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "[megatron-dapo] SIGTERM: abandoned the rollout of step 4" in out.stdout
+    assert f"[megatron-dapo] SIGTERM: saved step 3 to {run / 'ckpt'} in " in out.stdout
+    assert latest_step(run / "ckpt") == 3 and not list((run / "ckpt").glob("*.tmp")), list((run / "ckpt").iterdir())
+    assert sorted(read_jsonl(run / "log" / "prompts.jsonl")) == [1, 2, 3]  # step 4 never got its batch
+
+    resumed = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", *SIGNALLED_REWARD, "--load", str(run / "ckpt"),
+                                       steps=STOP_STEPS), cwd=REPO, env=train_env(), capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {run / 'ckpt'} at step 3" in resumed.stdout
+    ref_metrics, ref_prompts = read_jsonl(ref / "log" / "metrics.jsonl"), read_jsonl(ref / "log" / "prompts.jsonl")
+    metrics, prompts = read_jsonl(run / "log" / "metrics.jsonl"), read_jsonl(run / "log" / "prompts.jsonl")
+    for step in (4, 5):  # the abandoned draws were rewound: step 4 asks for the prompts it would have
+        assert prompts[step]["requested"] == ref_prompts[step]["requested"], step
+        for key in COMPARED:
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_sigterm_during_the_update_saves_that_step_and_resume_is_exact(tiny_base, tmp_path):
+    """--async-rollout 1: step 4's batch (and so the SIGTERM) is generated while step 3 trains. The update is
+    finished, then step 3 is saved (with batch 4, finished: the push waits for it anyway) before its push, and
+    the resumed run takes batch 4 from the checkpoint as the uninterrupted run took it from memory."""
+    ref, run = tmp_path / "ref", tmp_path / "stopped"
+    assert _signalled(tiny_base, ref, None, "--async-rollout", "1").returncode == 0
+    out = _signalled(tiny_base, run, f"SIGTERM:{CALL_IN_STEP_4}", "--async-rollout", "1")
+    assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
+    assert f"[megatron-dapo] SIGTERM: saved step 3 to {run / 'ckpt'} in " in out.stdout
+    assert "abandoned" not in out.stdout and "Traceback" not in out.stderr, out.stdout[-3000:] + out.stderr[-3000:]
+    assert latest_step(run / "ckpt") == 3 and not list((run / "ckpt").glob("*.tmp"))
+    assert sorted(read_jsonl(run / "log" / "metrics.jsonl")) == [1, 2, 3]  # step 3's record, without a push
+    resumed = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", *SIGNALLED_REWARD, "--async-rollout", "1",
+                                       "--load", str(run / "ckpt"), steps=STOP_STEPS), cwd=REPO, env=train_env(),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    ref_metrics, metrics = read_jsonl(ref / "log" / "metrics.jsonl"), read_jsonl(run / "log" / "metrics.jsonl")
+    for step in (4, 5):
+        for key in (*COMPARED, "async/staleness"):
+            assert metrics[step][key] == pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_exit_save_timeout_0_exits_at_once_keeping_the_previous_checkpoint(tiny_base, tmp_path):
+    """A bound no save fits in: the run exits 143 without one; step 2 stays the newest checkpoint, nothing half
+    written."""
+    run = tmp_path / "stopped"
+    out = _signalled(tiny_base, run, f"SIGTERM:{CALL_IN_STEP_4}", "--exit-save-timeout-s", "0")
+    assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "saved step" not in out.stdout and "Traceback" not in out.stderr, out.stdout[-3000:] + out.stderr[-3000:]
+    assert sorted(p.name for p in (run / "ckpt").iterdir() if p.name.startswith("step_")) == ["step_0000002"]
+    assert latest_step(run / "ckpt") == 2
+
+
+def test_a_second_sigint_ends_the_run_at_once_without_a_traceback(tiny_base, tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the trainer's whole process group, its embedded rollout process included),
+    then Ctrl-C again a second later. With --async-rollout 1 the reward (and so the first Ctrl-C) comes while step 3
+    trains and step 4's batch is generated ahead, which the step waits for: the first Ctrl-C cannot be acted on
+    before the second. It used to print a KeyboardInterrupt traceback (25 frames), and the rollout process its own."""
+    run = tmp_path / "stopped"
+    out = _signalled(tiny_base, run, f"SIGINT:{CALL_IN_STEP_4}:again:group", "--async-rollout", "1")
+    assert out.returncode == 130, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "[megatron-dapo] SIGINT: exiting now (a second SIGINT)" in out.stderr
+    assert not list((run / "ckpt").glob("*.tmp")) and latest_step(run / "ckpt") == 2

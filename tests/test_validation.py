@@ -200,6 +200,85 @@ def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path
         build.load_inputs(args, with_data=False)
 
 
+MOE_CONFIG = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+"""A mixture-of-experts config.json (no weights) for the expert-flag checks."""
+
+
+@pytest.mark.parametrize("world, flags, message", [
+    pytest.param(1, ["--expert-model-parallel-size", "2"], r"--expert-model-parallel-size \(2\) x "
+                 r"--expert-tensor-parallel-size \(1\) = 2 must divide the 1 ranks of a pipeline stage", id="ep2-of-1"),
+    pytest.param(2, ["--expert-model-parallel-size", "4"], r"--expert-model-parallel-size \(4\) x "
+                 r"--expert-tensor-parallel-size \(1\) = 4 must divide the 2 ranks of a pipeline stage", id="ep4-of-2"),
+    pytest.param(2, ["--expert-tensor-parallel-size", "4"], r"--expert-model-parallel-size \(1\) x "
+                 r"--expert-tensor-parallel-size \(4\) = 4 must divide the 2 ranks", id="etp4-of-2"),
+    pytest.param(1, ["--expert-tensor-parallel-size", "0"],
+                 r"--expert-tensor-parallel-size must be a positive integer, got 0", id="etp0"),
+    pytest.param(1, ["--sequence-parallel"], r"--sequence-parallel needs --tensor-model-parallel-size > 1",
+                 id="sp-tp1"),
+])
+def test_a_layout_that_does_not_fit_the_ranks_fails_in_check_flags(tmp_path, prompts, monkeypatch, world, flags,
+                                                                     message):
+    """check_flags (every rank, before init_parallel) refuses the layout: the message reached the user as the
+    traceback of init_parallel's (or rank 0's load_inputs') ValueError, 11-19 frames, single process and torchrun."""
+    model = make_model_dir(tmp_path, **MOE_CONFIG)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(UserError, match=f"^{message}"):
+        build_mod.check_flags(parse(model, prompts, *flags))
+
+
+@pytest.mark.parametrize("flags, named", [
+    pytest.param(["--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff", id="aux-loss"),
+    pytest.param(["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor", id="capacity"),
+    pytest.param(["--moe-routing-replay"], "--moe-routing-replay", id="replay"),
+    pytest.param(["--moe-aux-loss-coeff", "0", "--moe-expert-capacity-factor", "2"],
+                 "--moe-aux-loss-coeff / --moe-expert-capacity-factor", id="both"),
+])
+def test_moe_flags_on_a_dense_model_are_refused_naming_them(model_dir, prompts, flags, named):
+    """Every flag of the parser's "mixture of experts" group, like the expert-parallel ones: they were ignored on a
+    dense model (--moe-routing-replay was refused with its own message)."""
+    plural = "s" if " / " in named else ""
+    with pytest.raises(UserError, match=rf"^{re.escape(named)} apply to mixture-of-experts models; qwen2 has no "
+                                        rf"experts \(drop the flag{plural}\)$"):
+        build_mod.check_flags(parse(model_dir, prompts, *flags))
+    moe = make_model_dir(model_dir.parent / "moe", **MOE_CONFIG)
+    run, _ = build_mod.check_flags(parse(moe, prompts, *flags))  # an MoE model takes them
+    run.actor.check_model(ModelArch.from_hf(moe))
+
+
+def test_every_moe_flag_is_checked_on_a_dense_model():
+    """The flags of the parser's "mixture of experts" group are the ones ActorConfig.check_model names (a new one
+    must be added there, or it would be ignored on a dense model in silence)."""
+    from megatron_dapo.actor.config import ActorConfig
+
+    group = next(g for g in build_parser()._action_groups if g.title == "mixture of experts")
+    flags = {a.option_strings[0] for a in group._group_actions}
+    config = ActorConfig(moe_aux_loss_coeff=0.0, moe_expert_capacity_factor=1.0, moe_routing_replay=True)
+    with pytest.raises(ValueError) as info:
+        config.check_model(ModelArch.from_hf(make_tiny_config()))
+    assert set(re.findall(r"--[a-z-]+", str(info.value))) == flags
+
+
+def make_tiny_config() -> dict:
+    return dict(model_type="qwen2", vocab_size=CHAR_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("flags, message", [
+    pytest.param(["--gpu-memory-gib", "0", "--colocate"],
+                 "--gpu-memory-gib must be a finite number of GiB > 0, got 0.0", id="gpu-0"),
+    pytest.param(["--gpu-memory-gib", "nan"], "--gpu-memory-gib must be a finite number of GiB > 0, got nan",
+                 id="gpu-nan"),
+    pytest.param(["--world-size", "0"], r"--world-size must be >= 1 \(the actor GPUs to plan for\), got 0",
+                 id="world-0"),
+])
+def test_planner_flags_are_checked_at_a_runs_start(model_dir, prompts, flags, message):
+    """A colocated run sizes SGLang's share from --gpu-memory-gib: a ZeroDivisionError at 0 as the engines started."""
+    with pytest.raises(UserError, match=f"^{message}$"):
+        build_mod.check_flags(parse(model_dir, prompts, *flags))
+
+
 def test_config_dataclass_errors_become_one_line_errors(model_dir, prompts):
     with pytest.raises(UserError, match="--num-steps must be >= 1"):
         build_mod.check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
@@ -346,3 +425,44 @@ def test_truncated_hf_weights_are_one_line_naming_the_file(tmp_path, prompts):
     assert error_lines(out.stderr) == [f"error: --hf-checkpoint: {weights}: header describes {size} bytes, file has "
                                        f"{size - 100} (truncated/corrupt)"], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+# ---- --hf-checkpoint's weights against its config.json (the actor's initial load) ----------------------------
+@pytest.fixture(scope="module")
+def one_rank():
+    """A world of one process with megatron's parallel state, for building a real tiny actor."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+
+    init_parallel(seed=0)
+    yield
+    destroy_parallel()
+
+
+@pytest.mark.parametrize("model_type, config, says", [
+    pytest.param("qwen2", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+                 r"\(model_type 'llama'\): 12 tensor\(s\) this model has no place for \(a load would drop them\): "
+                 r"model\.layers\.0\.self_attn\.k_proj\.bias, .*, \.\.\. \(9 more\): does config\.json describe these "
+                 r"weights\?", id="qwen2-weights-as-llama"),
+    pytest.param("qwen3_moe", {"num_experts": 4, "num_local_experts": 4},
+                 r"\(model_type 'qwen3_moe'\): 4 tensor\(s\) of another shape: model\.layers\.0\.mlp\.gate\.weight "
+                 r"\[8, 64\] \(config\.json implies \[4, 64\]\), .*; 48 tensor\(s\) this model has no place for "
+                 r"\(a load would drop them\): model\.layers\.0\.mlp\.experts\.4\.down_proj\.weight, .*: does "
+                 r"config\.json describe these weights\?",
+                 id="more-experts-than-config"),
+])
+def test_initial_hf_load_names_what_config_json_does_not_describe(tmp_path, one_rank, model_type, config, says):
+    """The trainer's --hf-checkpoint load checks every tensor as hf-to-mcore does, one line: the Qwen2 biases under a
+    llama config.json were dropped and training started; the extra experts were a ValueError's traceback."""
+    from megatron_dapo.actor import ActorConfig, MegatronActor
+    from megatron_dapo.distributed.parallel import ParallelLayout
+    from tests.test_convert import make_tiny_hf
+
+    hf = tmp_path / "hf"
+    make_tiny_hf(hf, tied=True, model_type=model_type)
+    path = hf / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    actor = MegatronActor(ModelArch.from_hf(hf), ActorConfig(lr=1e-3), ParallelLayout())
+    with pytest.raises(UserError, match=rf"^--hf-checkpoint: {re.escape(str(hf))} does not match its config\.json "
+                                        rf"{says}$") as info:
+        build.load_hf_into_actor(actor, str(hf))
+    assert info.value.echo  # rank 0 prints it

@@ -75,6 +75,7 @@ class MegatronActor:
 
     def __init__(self, arch: ModelArch, config: ActorConfig, layout: ParallelLayout) -> None:
         validate_layout(arch, layout)
+        config.check_model(arch)  # MoE-only flags on a dense model are refused, not ignored
         if not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("MegatronActor needs parallel state: call "
                                "megatron_dapo.actor.init_parallel(layout) first")

@@ -112,6 +112,19 @@ class ActorConfig:
     def torch_params_dtype(self) -> torch.dtype:
         return PARAMS_DTYPES[self.params_dtype]
 
+    def check_model(self, arch) -> None:
+        """Raise ValueError naming the mixture-of-experts flags given for `arch` (a ModelArch) when it has no
+        experts: they would be ignored (the expert-parallel flags are refused the same way by
+        distributed.parallel.validate_layout)."""
+        if arch.is_moe:
+            return
+        given = [flag for flag, on in (("--moe-aux-loss-coeff", self.moe_aux_loss_coeff is not None),
+                                       ("--moe-expert-capacity-factor", self.moe_expert_capacity_factor is not None),
+                                       ("--moe-routing-replay", self.moe_routing_replay)) if on]
+        if given:
+            raise ValueError(f"{' / '.join(given)} apply to mixture-of-experts models; {arch.model_type} has no "
+                             f"experts (drop the flag{'s' if len(given) > 1 else ''})")
+
 
 @dataclass(kw_only=True)
 class TrainSample:

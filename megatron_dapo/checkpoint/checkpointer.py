@@ -19,10 +19,16 @@ then the small shared ones ("sampler", "carried") are broadcast on the wait grou
 every rank writes the identical common state megatron checks across ranks; "ahead" stays on rank 0 (its size;
 training.RANK0_EXTRA keeps it out of that check). On a load every rank reads the checkpoint, then the rank-0
 components are restored on rank 0 alone, again inside a `section`.
+
+A stop signal can abandon a step's rollout on rank 0 (trainer/stop.py); the save that follows must be the one the
+last finished step would have written. A rollout changes no actor state, and the carried groups and the batch ahead
+only once it returns, but the sampler's position as it draws, and the RNG if anything in it draws: `mark` copies
+those (rank 0, before each rollout) and `rewind` puts them back.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -31,8 +37,9 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from megatron_dapo.checkpoint import training
-from megatron_dapo.checkpoint.training import RANK0_EXTRA, CheckpointSaver
+from megatron_dapo.checkpoint.training import RANK0_EXTRA, CheckpointSaver, rng_state, set_rng_state
 from megatron_dapo.distributed import comm
+from megatron_dapo.errors import UserError
 
 
 class Stateful(Protocol):
@@ -55,11 +62,13 @@ class Slot:
     """A rank-0 state every rank writes: broadcast from rank 0 before the save (False: rank 0's copy alone)."""
     optional: bool = False
     """A checkpoint may lack it (written without the flag that makes it): the component then stays as built."""
+    drawn: bool = False
+    """A rollout changes it before the rollout returns (the sampler's draws): `Checkpointer.mark` copies it."""
 
 
 LAYOUT: dict[str, Slot] = {
     "trainer": Slot("step", flat=True),
-    "sampler": Slot("sampler", rank0=True),
+    "sampler": Slot("sampler", rank0=True, drawn=True),
     "carried": Slot("carried", rank0=True, optional=True),  # absent: written without --partial-rollout
     "ahead": Slot("async_batch", rank0=True, shared=False, optional=True),  # absent: nothing finished ahead
 }
@@ -89,6 +98,7 @@ class Checkpointer:
         self.section, self.group = section, group
         self.saver = CheckpointSaver(save_dir, fully_parallel=fully_parallel, async_save=async_save) \
             if save_dir else None
+        self._marked: tuple[dict[str, Any], dict[str, dict[str, Any]]] | None = None
 
     def _is_rank0(self) -> bool:
         return not dist.is_initialized() or dist.get_rank() == 0
@@ -122,6 +132,22 @@ class Checkpointer:
             shared = comm.broadcast_object(shared, 0, group=self.group)
         self.saver.save(step, self.actor, extra=shared | own)
 
+    def mark(self) -> None:
+        """Rank 0, before a step's rollout: copy the RNG states and the states of the `drawn` components (the
+        sampler: 7 ints), ~10 KB in all, for `rewind`. No-op on the other ranks (they draw nothing meanwhile)."""
+        if self._is_rank0():
+            self._marked = (rng_state(), {name: copy.deepcopy(component.state_dict())
+                                          for name, component in self.states.items() if LAYOUT[name].drawn})
+
+    def rewind(self) -> None:
+        """Rank 0, after a stop signal abandoned the rollout: put back what `mark` copied, so a save now writes
+        the state the end of the last finished step had (Trainer._stop)."""
+        if self._is_rank0() and self._marked is not None:
+            rng, states = self._marked
+            set_rng_state(rng)
+            for name, state in states.items():
+                self.states[name].load_state_dict(state)
+
     def load(self) -> int | None:
         """Restore the newest usable checkpoint under `load_dir` into the actor and every component; return its
         step (None: no load_dir, or nothing in it). A checkpoint without a required component's state raises
@@ -131,11 +157,27 @@ class Checkpointer:
         extra = training.load_checkpoint(self.load_dir, self.actor)
         if extra is None:
             return None
+        self.check_extra(extra)
         with self.section("while restoring the sampler state from the checkpoint"):  # the others wait in the sync
             self.load_extra(extra)
         if self._is_rank0():
             print(f"[megatron-dapo] resumed from {self.load_dir} at step {int(extra['step'])}")
         return int(extra["step"])
+
+    def check_extra(self, extra: Mapping[str, Any]) -> None:
+        """Every rank, before any component is restored: each component with a `check_state(state)` (the sampler:
+        the run's --seed against the saved one) checks the checkpoint's state against the flags it was built from.
+        Every rank holds every component (placeholders off rank 0, built from the same flags) and reads the same
+        shared state, so all reach the same verdict; a UserError is printed by global rank 0 alone."""
+        for name, slot in LAYOUT.items():
+            check = getattr(self.states.get(name), "check_state", None)
+            if check is None or slot.key not in extra:
+                continue
+            try:
+                check({slot.key: extra[slot.key]} if slot.flat else extra[slot.key])
+            except UserError as err:
+                err.echo = self._is_rank0()
+                raise
 
     def load_extra(self, extra: Mapping[str, Any]) -> None:
         """Give each component (that this rank holds) its state from a checkpoint's `extra`, in LAYOUT order."""

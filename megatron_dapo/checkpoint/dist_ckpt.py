@@ -24,12 +24,10 @@ model keys and ignore optimizer state.
 
 from __future__ import annotations
 
-import argparse
 import io
 import itertools
 import json
 import os
-import pickle
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -463,15 +461,13 @@ def resolve_iteration_dir(path: str | os.PathLike[str], *, flag: str = "--load")
 
 
 def load_common(iter_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """common.pt of an iteration directory ({} when absent); Megatron-LM stores `args` as a Namespace."""
-    path = Path(iter_dir) / COMMON_FILE
-    if not path.is_file():
+    """common.pt of an iteration directory ({} when absent); Megatron-LM stores `args` as a Namespace. Read by
+    weights_only (safe_read.load_common): a class no checkpoint of this project holds is an UnsafeCheckpointError."""
+    from megatron_dapo.checkpoint import safe_read
+
+    if not (Path(iter_dir) / COMMON_FILE).is_file():
         return {}
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            return {}  # e.g. a training checkpoint's scheduler state: holds no model config
+    return safe_read.load_common(iter_dir)
 
 
 class DistCheckpointReader:
@@ -482,13 +478,10 @@ class DistCheckpointReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, flag: str = "--load") -> None:
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron_dapo.checkpoint import safe_read
 
         self.dir = resolve_iteration_dir(path, flag=flag)
-        try:
-            self.metadata = FileSystemReader(str(self.dir)).read_metadata()
-        except (pickle.UnpicklingError, EOFError) as e:
-            raise CheckpointError(f"{self.dir / DCP_METADATA} is corrupt: {e}") from e
+        self.metadata = safe_read.read_metadata(self.dir)  # CheckpointError when corrupt, UnsafeCheckpointError
         self.tensors = {
             k: md for k, md in self.metadata.state_dict_metadata.items() if hasattr(md, "chunks")
         }

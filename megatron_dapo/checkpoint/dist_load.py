@@ -9,7 +9,6 @@ run starts at iteration 0 with a fresh optimizer. Resuming a run (model + optimi
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import warnings
@@ -79,8 +78,6 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike[str], arc
     keys = list(sharded)
     stored = stored_keys(iter_dir)
     request_stored_keys(sharded, arch, stored)  # a TE model reads a local-spec save's keys, and the reverse
-    # common.pt of converter output holds Megatron-LM's args as an argparse.Namespace
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        loaded = load_tolerating_absent_extra_state(sharded, iter_dir, stored)
+    loaded = load_tolerating_absent_extra_state(sharded, iter_dir, stored)  # every pickle through safe_read.py
     model.load_state_dict({k: loaded[k] for k in keys})
     return iter_dir

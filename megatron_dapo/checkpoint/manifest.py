@@ -6,8 +6,9 @@ rename, so a step directory without `.tmp` carries the list of what it must cont
 would fail on them with a bare EOFError / zip error that names no file. A step without a manifest is
 checked against its own torch_dist index instead (`check_unverified`).
 
-Checksum: CRC-32 (zlib), not SHA-256. It detects truncation and accidental corruption (checkpoints
-are trusted input, see docs/CHECKPOINTS.md: nothing here defends against a crafted file), and is ~3x faster:
+Checksum: CRC-32 (zlib), not SHA-256. It detects truncation and accidental corruption, not a crafted file (its
+writer rewrites the manifest too: no checksum in the checkpoint is a defence; what is, checkpoint/safe_read.py and
+docs/FAULT_TOLERANCE.md's trust model), and is ~3x faster:
 measured 2.5 GB/s (crc32) vs 0.77 GB/s (sha256) on one core here. The work is split, never
 centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote itself (rank 0 also
 the small common files); at load the files are verified round-robin over all ranks.
@@ -110,16 +111,21 @@ def check_unverified(directory: Path, rank: int, world: int) -> list[str]:
     common files back: metadata.json parses, common.pt's zip members match their own CRC-32s. This finds a
     missing `.metadata`, a deleted or truncated `.distcp` or common.pt before dist_checkpointing would fail on
     them with an AssertionError or a bare EOFError; a flipped byte inside a `.distcp` shows only when loading.
+    `.metadata` is read by safe_read.read_metadata: one pickling a class torch does not write there raises
+    UnsafeCheckpointError (a crafted file is not damage to fall back from).
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_dapo.checkpoint import safe_read
+    from megatron_dapo.weights.safetensors_io import CheckpointError
 
     try:
-        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+        storage = safe_read.read_metadata(directory).storage_data
     except FileNotFoundError:
         return [f"{directory}/.metadata is missing (the index of the step's tensors): not written by --save, "
                 f"or damaged"]
-    except Exception as err:  # an unpickling error of any type: the file is damaged
-        return [f"{directory}/.metadata is unreadable ({type(err).__name__}: {err})"]
+    except safe_read.UnsafeCheckpointError:
+        raise
+    except CheckpointError as err:  # truncated, or not a pickle: the file is damaged
+        return [f"{directory}/.metadata is unreadable ({err})"]
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

@@ -22,12 +22,16 @@ What this module does instead:
   Manager) `prctl(PR_SET_PDEATHSIG, SIGKILL)`, so a SIGKILL of the trainer kills them too; a child
   whose parent died before the prctl exits at once. (Children started by `subprocess` are exec'd
   without the hook, e.g. SGLang servers, which have their own shutdown.)
+- a writer that finds the disk full reports the OSError itself, not torch's zip writer's "unexpected pos"
+  that follows it (`install_write_errors`), so the save ends in one error line naming --save.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
+import logging
 import multiprocessing
 import os
 import queue
@@ -92,6 +96,65 @@ def install_results_queue(*, async_save: bool) -> None:
         else:
             filesystem_async._results_queue = queue.Queue()
         _mode = mode
+
+
+def install_write_errors() -> None:
+    """Make a writer's full disk reach the trainer as `[Errno 28]` (ENOSPC; EDQUOT alike), once per process.
+
+    A writer puts each `.distcp` item with `torch.save(obj, stream)` (filesystem_async._write_item). When the disk
+    fills inside a record, the stream's write raises OSError(ENOSPC) and torch's zip writer, finishing the archive
+    while that propagates, raises RuntimeError "unexpected pos N vs M" with the OSError only as its __context__;
+    the worker's exception then travels to the trainer pickled through a queue, which drops __context__, so the
+    save ended in a raw "Worker failure: ... unexpected pos" traceback (issue 38 item 5). Wrapping `_write_item`
+    re-raises that OSError itself (errno and text kept, the zip writer's message appended), which
+    errors.is_disk_full recognises; any other error passes unchanged. The writer's own log line of it ("Local
+    process i encountered an error: [Errno 28] ...") is dropped: the save reports it as one error line. Forked
+    writers inherit both. Cost: one try block per written item."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    with _lock:
+        write_item = filesystem_async._write_item
+        if getattr(write_item, "keeps_errno", False):  # installed (checked on the function: tests swap it)
+            return
+
+        @functools.wraps(write_item)  # megatron reads its signature (inspect follows __wrapped__)
+        def write_item_keeping_errno(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return write_item(*args, **kwargs)
+            except OSError:
+                raise
+            except Exception as err:
+                full = _disk_full_cause(err)
+                if full is None:
+                    raise
+                raise OSError(full.errno, f"{full.strerror} ({type(err).__name__}: {err})") from err
+
+        write_item_keeping_errno.keeps_errno = True  # type: ignore[attr-defined]
+        filesystem_async._write_item = write_item_keeping_errno
+        logger = logging.getLogger(filesystem_async.__name__)
+        if _not_disk_full not in logger.filters:
+            logger.addFilter(_not_disk_full)
+
+
+def _disk_full_cause(err: BaseException) -> OSError | None:
+    """The OSError of a full disk that `err` was raised from or while handling, if any."""
+    from megatron_dapo.errors import DISK_FULL_ERRNOS
+
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _not_disk_full(record: logging.LogRecord) -> bool:
+    """A logging filter: False (drop) for a record reporting a full disk."""
+    from megatron_dapo.errors import is_disk_full
+
+    return not is_disk_full(Exception(record.getMessage()))
 
 
 def shutdown() -> None:

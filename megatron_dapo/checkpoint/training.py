@@ -50,10 +50,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME, TorchCommonSaveStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_dapo.checkpoint import manifest as checkpoint_manifest
 from megatron_dapo.checkpoint import procs as checkpoint_procs
+from megatron_dapo.checkpoint import safe_read
 from megatron_dapo.checkpoint.ckpt_config import request_stored_keys
 from megatron_dapo.distributed import comm
 from megatron_dapo.errors import UserError, disk_full_error, is_disk_full
@@ -248,6 +251,7 @@ class CheckpointSaver:
                 self.strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
                 do_cache_distribution=True)
         self._queue = None
+        self._in_flight: Path | None = None  # the step_N.tmp of the --async-save in flight
         if async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -257,14 +261,20 @@ class CheckpointSaver:
         """Write step `step` (all ranks call this); `extra` (rank 0's copy is kept) must be picklable.
 
         Returns the final step directory; with async_save it exists only once `finalize` has run. A full
-        disk (ENOSPC / EDQUOT, on any rank) raises UserError naming the directory and its free space.
+        disk (ENOSPC / EDQUOT, on any rank) raises UserError naming the directory and its free space, once global
+        rank 0 has removed the unfinished `step_N.tmp`.
         """
-        with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save)"):
+        self.finalize(blocking=True)  # the previous --async-save: its own failure names its own step
+        tmp = Path(f"{step_dir(self.save_dir, step)}.tmp")
+        with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save)", unfinished=tmp):
             return self._save(step, actor, extra)
 
     def _save(self, step: int, actor, extra: dict[str, Any]) -> Path:
         checkpoint_procs.install_results_queue(async_save=self.async_save)
-        self.finalize(blocking=True)
+        checkpoint_procs.install_write_errors()
+        # megatron-core 0.16.1's save takes no common strategy of the caller's ("The only supported common strategy is
+        # torch"): ours becomes the registered default for ('torch', 1), the backend its metadata.json names
+        register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, _CommonSave("torch", 1))
         rank, _ = _rank_world()
         final, tmp = step_dir(self.save_dir, step), Path(f"{step_dir(self.save_dir, step)}.tmp")
         with _rank0_step(f"while preparing {tmp}"):
@@ -285,13 +295,17 @@ class CheckpointSaver:
         else:
             request.add_finalize_fn(partial(self._finish, tmp, final))
             self._queue.schedule_async_request(request)
+            self._in_flight = tmp
         return final
 
     def finalize(self, *, blocking: bool) -> None:
         """Rename the async saves whose writes finished on every rank (all ranks call this)."""
         if self._queue is not None:
-            with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save, --async-save)"):
+            with _disk_full_is_user_error(self.save_dir, "a checkpoint (--save, --async-save)",
+                                          unfinished=self._in_flight):
                 self._queue.maybe_finalize_async_calls(blocking=blocking)
+            if not self._queue.get_num_unfinalized_calls():
+                self._in_flight = None
 
     def close(self) -> None:
         """Wait for an async save in flight and finalise it; stop the async results Manager."""
@@ -328,18 +342,55 @@ def _rank_failures(err: BaseException) -> list[BaseException]:
 
 
 @contextmanager
-def _disk_full_is_user_error(path: Path, what: str) -> Iterator[None]:
-    """Re-raise a full-disk error of the body as errors.disk_full_error (printed by global rank 0 only)."""
+def _disk_full_is_user_error(path: Path, what: str, *, unfinished: Path | None = None) -> Iterator[None]:
+    """Re-raise a full-disk error of the body as errors.disk_full_error (printed by global rank 0 only), after
+    global rank 0 removed the `unfinished` step directory (every rank's write has ended by then: torch gathers the
+    write errors of all ranks, or rank 0's own step failed inside a section the others wait in), so the free space
+    named is what is left without it."""
     try:
         yield
     except UserError:
         raise
     except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
-        if not is_disk_full(err, _rank_failures):
+        if not _disk_full_anywhere(err):
             raise
+        rank0 = _rank_world()[0] == 0
+        removed = ""
+        if rank0 and unfinished is not None and unfinished.exists():
+            shutil.rmtree(unfinished, ignore_errors=True)
+            removed = f"; the unfinished {unfinished.name} was removed"
         error = disk_full_error(path, what)
-        error.echo = _rank_world()[0] == 0
-        raise error from err
+        raise UserError(f"{error}{removed}", echo=rank0) from err
+
+
+def _disk_full_anywhere(err: BaseException) -> bool:
+    """Whether `err` reports a full disk, on this rank or, for torch's CheckpointException, on any rank.
+
+    A CheckpointException is raised on every rank together (torch gathers each rank's write errors; megatron-core's
+    finalisation broadcasts that one happened), but megatron-core 0.16.1 hands the errors themselves to the
+    coordinator (global rank 0) alone: the others get an empty one. So for it every rank contributes its own verdict
+    to one MAX all-reduce (an int64 on the default group, NCCL at production), and all decide alike: rank 0 prints the
+    one line, the others exit quietly instead of printing "CheckpointException ranks:dict_keys([])"."""
+    full = is_disk_full(err, _rank_failures)
+    if isinstance(err, CheckpointException) and dist.is_initialized() and dist.get_world_size() > 1:
+        full = bool(comm.all_reduce(torch.tensor([int(full)], dtype=torch.int64), op=dist.ReduceOp.MAX))
+    return full
+
+
+class _CommonSave(TorchCommonSaveStrategy):
+    """megatron-core's common.pt save (rank 0), written through a Python file object inside a rank-0 section.
+    torch.save to a path writes from C++ and reports a full disk as a bare RuntimeError ("file write failed" /
+    "unexpected pos") with no errno; through a file the OSError(ENOSPC) is raised, or is that error's __context__,
+    which errors.is_disk_full finds. The section (one int64 all-reduce) makes the other ranks raise at once instead of
+    waiting in the tensor write's first collective. common.pt: ~3 KB, up to ~0.7 GB with an --async-rollout batch
+    at 32B."""
+
+    def save_common(self, common_state_dict: dict[str, Any], checkpoint_dir: str | os.PathLike) -> None:
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        with _rank0_step(f"while writing {path}"):
+            if _rank_world()[0] == 0:
+                with open(path, "wb") as f:
+                    torch.save(common_state_dict, f)
 
 
 def save_checkpoint(save_dir: str | os.PathLike, step: int, actor, extra: dict[str, Any], *,
@@ -413,9 +464,33 @@ class CheckpointFallbackWarning(UserWarning):
     """The newest step under --load is unusable and an older one is loaded instead."""
 
 
+class StepLinkError(UserError):
+    """A `step_N` or `latest` under --load is a symbolic link that leads outside the directory."""
+
+
+def check_step_links(root: Path) -> None:
+    """StepLinkError naming the first `step_*` or `latest` entry of `root` that is a symbolic link resolving outside
+    `root` (a link between steps of `root` is fine). A checkpoint is read, and unusable steps are skipped, inside
+    --load only: such a link is never followed, whatever it points at. Cost: one lstat per entry."""
+    if not root.is_dir():
+        return
+    base = os.path.realpath(root)
+    for entry in sorted(root.iterdir()):
+        if not (entry.name.startswith("step_") or entry.name == LATEST) or not entry.is_symlink():
+            continue
+        target = os.path.realpath(entry)
+        if os.path.commonpath([base, target]) != base:
+            rank0 = _rank_world()[0] == 0
+            raise StepLinkError(f"--load {root}: {entry.name} is a symbolic link to {os.readlink(entry)}, outside "
+                                f"{root}; a checkpoint is read from its own directory only: replace the link by the "
+                                f"step directory itself, or give --load the directory that holds it", echo=rank0)
+
+
 def candidate_step_dirs(load_dir: str | os.PathLike) -> list[Path]:
-    """Complete-looking step directories, newest first (`latest`'s target leads; `.tmp` never counts)."""
+    """Complete-looking step directories, newest first (`latest`'s target leads; `.tmp` never counts); a step or
+    `latest` linking outside `load_dir` is a StepLinkError (`check_step_links`)."""
     root = Path(load_dir)
+    check_step_links(root)
     steps = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
     marker = root / LATEST
     if marker.is_file():
@@ -473,8 +548,8 @@ def load_checkpoint(load_dir: str | os.PathLike, actor) -> dict[str, Any] | None
             try:
                 loaded = _read_step(path, actor)
             except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
-                if verified or isinstance(err, CheckpointLayoutError):
-                    raise
+                if verified or isinstance(err, (CheckpointLayoutError, safe_read.UnsafeCheckpointError)):
+                    raise  # a crafted file is not damage to fall back from
                 problems = [f"{path} has no {checkpoint_manifest.MANIFEST} and fails to load: {_first_error(err)}"]
             else:
                 _warn_loaded(load_dir, path, rejected, verified)
@@ -522,7 +597,7 @@ def _read_step(path: Path, actor) -> dict[str, Any]:
     except (Exception, CheckpointException) as err:
         # diagnosed only on failure: the common state (rank 0's, up to ~0.7 GB with an --async-rollout batch) is
         # read once more here, by every rank; all ranks fail such a load together (the read errors are gathered)
-        saved = dist_checkpointing.load_common_state_dict(str(path)).get("optimizer_layout")
+        saved = safe_read.load_common(path).get("optimizer_layout")
         check_optimizer_layout(saved, actor, path, cause=err)
         raise
 

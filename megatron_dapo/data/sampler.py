@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_dapo.errors import UserError
+
 _STATE_VERSION = 1
 
 
@@ -92,8 +94,19 @@ class ResumableSampler:
             "position": self.position,
         }
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """UserError when `state` (a checkpoint's) was saved under another --seed: the resumed run would continue
+        another prompt order (epoch_permutation of the pair (seed, epoch)) than the one it saved."""
+        saved = state.get("seed")
+        if saved != self.seed:
+            raise UserError(f"the checkpoint under --load was saved with --seed {saved}, this run has --seed "
+                            f"{self.seed}: a resumed run continues the saved prompt order; resume with --seed {saved}, "
+                            f"or start a new run (another --save, without --load)")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict`; the dataset size and order settings must match this sampler's."""
+        """Restore a `state_dict`; the seed (`check_state`), dataset size and order settings must match this
+        sampler's."""
+        self.check_state(state)
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"ResumableSampler: unsupported state version {state.get('version')!r}")
         for key in ("num_items", "seed", "shuffle", "drop_last"):

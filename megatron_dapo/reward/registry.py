@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 
 from megatron_dapo.dotted_path import resolve_callable
+from megatron_dapo.errors import UserError
 from megatron_dapo.reward import last_number
 from megatron_dapo.reward.math_dapo import compute_score, compute_score_boxed
 from megatron_dapo.reward.result import RewardResult
@@ -28,18 +30,28 @@ REWARD_FN_SIGNATURE = "fn(solution_str: str, ground_truth: str) -> RewardResult 
 
 
 def _coerce(value: object, origin: str) -> RewardResult:
-    """Turn a user function's return value into a RewardResult, or raise naming `origin`."""
+    """Turn a user function's return value into a RewardResult, or raise UserError (one line at the trainer's start
+    or mid-run) naming the function, the type of what it returned and what it must return."""
     if isinstance(value, RewardResult):
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return RewardResult(score=float(value), acc=value > 0)
+    score, what = value, f"{type(value).__name__} {_short(value)}"
     if isinstance(value, dict) and "score" in value:
         score = value["score"]
+        what = f"a dict whose 'score' is {type(score).__name__} {_short(score)}"
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise UserError(f"--reward-fn {origin!r} returned {what}: it must return a RewardResult, a number, or a dict "
+                        "with a numeric 'score' key")
+    if not math.isfinite(score):
+        raise UserError(f"--reward-fn {origin!r} returned a score of {score}: a reward must be a finite number")
+    if isinstance(value, dict):
         return RewardResult(score=score, acc=bool(value.get("acc", score > 0)), pred=value.get("pred"))
-    raise TypeError(
-        f"reward function {origin!r} returned {type(value).__name__}; "
-        "it must return a RewardResult, a float, or a dict with a 'score' key"
-    )
+    return RewardResult(score=float(score), acc=score > 0)
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """repr(value) in parentheses, cut to `limit` characters."""
+    text = repr(value)
+    return f"({text[:limit]}...)" if len(text) > limit else f"({text})"
 
 
 def get_reward_fn(name_or_dotted_path: str) -> RewardFn:

@@ -285,11 +285,18 @@ def _die_with_parent(parent_pid: int) -> None:
 def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
     """The child's main loop: build the engine, then run streams and weight loads queued by the reader thread."""
     _die_with_parent(parent_pid)
+    # A terminal's Ctrl-C reaches the whole process group, Slurm's SIGTERM every process of the step: the trainer
+    # acts on them (megatron_dapo/trainer/stop.py) and ends this process, by shutdown or by dying
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     send_lock = threading.Lock()
 
     def send(*msg: Any) -> None:
         with send_lock:
-            conn.send(msg)
+            try:
+                conn.send(msg)
+            except OSError:  # the parent is gone (its pipe end closes before PR_SET_PDEATHSIG lands): leave quietly
+                os._exit(0)
 
     try:
         from megatron_dapo.rollout.embedded import EmbeddedEngine

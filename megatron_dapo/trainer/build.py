@@ -80,12 +80,15 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
 
     The shards carry local-spec names; `MegatronActor.load_shards` matches them to the model's own
     parameter names (local or Transformer Engine spec) through `weights.mapping.canonical_mcore_name`.
+    First every rank checks the checkpoint holds exactly the tensors config.json implies (as hf-to-mcore does):
+    one it has no place for (a Qwen2 checkpoint's biases under a llama config.json, experts beyond num_experts)
+    is an error naming it, not a weight dropped in silence. Headers only, parsed on open: milliseconds.
     """
     from megatron.core import parallel_state
 
     from megatron_dapo.weights import iter_rank_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
-    from megatron_dapo.weights.plan import virtual_stage
+    from megatron_dapo.weights.plan import hf_tensor_specs, virtual_stage
     from megatron_dapo.weights.safetensors_io import CheckpointError
 
     ranks = dict(tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -93,11 +96,16 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
                  etp_rank=parallel_state.get_expert_tensor_parallel_rank())
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     dtype = actor.config.torch_params_dtype
+    arch = actor.arch
     try:
         reader = HFCheckpointReader(hf_dir)
     except CheckpointError as err:  # a damaged file: every rank parses the same headers, rank 0 prints
         raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
     with reader:
+        try:  # the same verdict on every rank (the same headers), rank 0 prints it
+            reader.check_expected(hf_tensor_specs(arch, dtype), model=f"model_type {arch.model_type!r}")
+        except CheckpointError as err:
+            raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
             try:
@@ -179,28 +187,30 @@ def export_hf(actor, export_dir: str, hf_checkpoint: str, step: int) -> None:
         print(f"[megatron-dapo] exported step {step} as an HF checkpoint: {path}")
 
 
-def check_model_config(hf_checkpoint: str) -> None:
+def check_model_config(hf_checkpoint: str) -> ModelArch | None:
     """--hf-checkpoint's config.json describes a supported model: its model_type a registered family (an unknown or
     missing one lists the supported ones and points to docs/MODELS.md) whose parse accepts the fields. Every rank
     reads the file (milliseconds), before rank 0 creates --save and before any model is built; a missing
-    config.json is load_inputs' error."""
+    config.json is load_inputs' error (None here)."""
     path = os.path.join(hf_checkpoint, "config.json") if os.path.isdir(hf_checkpoint) else hf_checkpoint
     if not os.path.isfile(path):
-        return
+        return None
     try:
-        ModelArch.from_hf(path)
+        return ModelArch.from_hf(path)
     except ValueError as err:
         raise UserError(f"--hf-checkpoint {err}") from err
 
 
 def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
     """The flags (same verdict on every rank): config dataclasses, batch arithmetic, prompt limits, the model family of
-    --hf-checkpoint's config.json.
+    --hf-checkpoint's config.json (and no mixture-of-experts flag for a model without experts), the planner's flags,
+    the parallel layout over the world (EP x expert-TP within its ranks: init_parallel builds it next, on every rank).
 
     Returns the run config (built here, once) and the --reward-fn function (a dotted path is imported here, so a
     typo fails before the model).
     """
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
+    from megatron_dapo.planner import check_plan_flags
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout.sglang.api_key import resolve_api_key
     from megatron_dapo.rollout.sglang.server import check_bind
@@ -214,14 +224,22 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)
-        check_model_config(args.hf_checkpoint)
+        arch = check_model_config(args.hf_checkpoint)
+        if arch is not None:  # MoE-only flags on a dense model: refused, not ignored
+            run.actor.check_model(arch)
         rollout_build.check_rollout_model(args)  # e.g. a model SGLang would serve wrong, before minutes of start-up
+        check_plan_flags(args)  # --gpu-memory-gib sizes a colocated run's SGLang share
     except UserError:
         raise
     except ValueError as err:  # the config dataclasses name the flag
         raise UserError(str(err)) from err
-    dp = data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")), tp=args.tensor_model_parallel_size,
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = data_parallel_size(world, tp=args.tensor_model_parallel_size,
                             pp=args.pipeline_model_parallel_size, cp=getattr(args, "context_parallel_size", 1))
+    try:  # the layout (EP x ETP within the ranks, SP, recompute, VPP) on every rank, before init_parallel builds it
+        ParallelLayout.from_args(args, world)
+    except ValueError as err:
+        raise UserError(str(err)) from err
     check_batch_arithmetic(rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
                            global_batch_size=args.global_batch_size, dp=dp)
     from megatron_dapo.trainer.colocate import check_colocate_flags
@@ -240,18 +258,22 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
 
 
 def prepare_rank0(args: argparse.Namespace):
-    """Rank 0 before any process group: checks --load and --save (and locks --save for the run), raises the fd
-    limit for the SGLang connections, starts an --async-rollout embedded engine early, reads every input.
-    Returns (engine or None, Inputs)."""
-    from megatron_dapo.checkpoint.save_dir import prepare_run_dirs
+    """Rank 0 before any process group: checks --load, --save and --log-dir (and locks --save for the run),
+    raises the fd limit for the SGLang connections, starts an --async-rollout embedded engine early, reads every
+    input, then (--overwrite-save) deletes the previous run's steps. Returns (engine or None, Inputs)."""
+    from megatron_dapo.checkpoint.save_dir import clear_previous_steps, prepare_run_dirs
     from megatron_dapo.rollout.sglang.fd_limit import ensure_fd_limit
 
     engine = None
-    prepare_run_dirs(args)  # milliseconds, before anything is started or built (checkpoint/save_dir.py)
+    # milliseconds, before anything is started or built (checkpoint/save_dir.py)
+    _, overwritten = prepare_run_dirs(args)
     if rollout_build.rollout_engine_kind(args) == "sglang":  # rank 0 holds the HTTP connections to the servers
         ensure_fd_limit(args.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
     if args.async_rollout and rollout_build.rollout_engine_kind(args) == "embedded":
         # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and
         # builds the actor; it loads the tokenizer itself
         engine = rollout_build.make_rollout_engine(args, None)
-    return engine, load_inputs(args, with_data=True)
+    inputs = load_inputs(args, with_data=True)
+    if overwritten:  # only once the inputs proved readable
+        clear_previous_steps(Path(args.save), overwritten)
+    return engine, inputs

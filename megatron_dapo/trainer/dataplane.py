@@ -33,7 +33,9 @@ step); each DP leader receives its 2.2 GB share and broadcasts it to its replica
 step's training. On the wire from SGLang the same routes were 2,048 B a token (base64 of int32) per response.
 
 Failures: a wait of hours must not outlive a failure on the rank it waits for. Rank 0 that fails before a batch
-sends `abort(what)` through the same exchange (a header and the UTF-8 text of `what`, ~60 bytes per leader);
+sends `abort(what)` through the same exchange (a header and the UTF-8 text of `what`, ~60 bytes per leader), and
+one that abandons its rollout on a stop signal sends `stop()` (a header: the others raise StopRequested and save
+with it, trainer/stop.py);
 every other wait for rank-0-only work (its evaluation, the checkpoint's sampler state, the colocated engine's
 memory calls) is a `section`: a barrier that carries one int64 status, so a rank whose part failed tells the
 others, which raise "global rank r failed <what>; see its log" at once instead of after the --rollout-timeout.
@@ -41,6 +43,7 @@ others, which raise "global rank r failed <what>; see its log" at once instead o
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -52,8 +55,9 @@ import torch.distributed as dist
 from megatron_dapo.actor import TrainSample
 from megatron_dapo.distributed import comm
 from megatron_dapo.rollout.types import RoutingShape
+from megatron_dapo.trainer.stop import StopRequested
 
-OK, ABORT = 0, 1
+OK, ABORT, STOP = 0, 1, 2
 
 
 @dataclass
@@ -110,6 +114,12 @@ def abort_share(what: str) -> PackedShare:
     """The share rank 0 sends instead of a batch: status ABORT, no rows, `what` (UTF-8 bytes) in place of the ids."""
     text = torch.tensor(list(what.encode()), dtype=torch.int32)
     return PackedShare(torch.tensor([ABORT, 0, 0, text.numel()], dtype=torch.int64), text,
+                       torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
+
+
+def stop_share() -> PackedShare:
+    """The share rank 0 sends when it abandoned the rollout on a stop signal: status STOP, no rows."""
+    return PackedShare(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                        torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
 
 
@@ -184,7 +194,8 @@ class DataPlane:
         """Rank 0 passes one PackedShare per DP rank; every rank returns its own DP rank's share.
 
         Blocks (up to the wait group's timeout) until rank 0 sends. Raises RuntimeError on every rank but 0
-        when rank 0 sent `abort(what)` instead of a batch: "global rank 0 failed <what>; see its log"."""
+        when rank 0 sent `abort(what)` instead of a batch: "global rank 0 failed <what>; see its log", and
+        StopRequested when it sent `stop()`."""
         if self.rank == 0:
             if shares is None or len(shares) != self.dp_size:
                 raise ValueError(f"rank 0 must pass {self.dp_size} shares (one per DP rank)")
@@ -201,12 +212,19 @@ class DataPlane:
         self.bytes_received = 0 if self.rank == 0 else mine.nbytes
         if int(mine.header[0]) == ABORT and self.rank != 0:
             raise RuntimeError(f"global rank 0 failed {abort_reason(mine)}; see its log")
+        if int(mine.header[0]) == STOP and self.rank != 0:
+            raise StopRequested(128 + signal.SIGTERM, "global rank 0 abandoned the rollout on a stop signal")
         return mine
 
     def abort(self, what: str = "while collecting the rollout batch") -> None:
         """Rank 0, after a failure before `exchange`: make every rank waiting there raise, naming `what` failed,
         instead of timing out. Only where the others are (or will next be) in `exchange`."""
         self.exchange([abort_share(what)] * self.dp_size)
+
+    def stop(self) -> None:
+        """Rank 0, having abandoned the rollout on a stop signal: every rank waiting in `exchange` raises
+        StopRequested (a 32-byte header to each DP leader, broadcast in its replica)."""
+        self.exchange([stop_share()] * self.dp_size)
 
     def wait(self, what: str, *, failed: bool = False) -> None:
         """Every rank: a barrier on the long-timeout gloo group that carries a status (comm.status_barrier, one

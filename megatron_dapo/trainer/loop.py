@@ -1,5 +1,7 @@
 """The DAPO training loop: generate -> reward -> filter -> old log-probs -> train -> sync -> eval -> save
-(--colocate: save before the sync, while SGLang's memory is released; `Trainer.save`).
+(--colocate: save before the sync, while SGLang's memory is released; `Trainer.save`). On SIGTERM or SIGINT the loop
+stops at its next safe point and saves the last finished step within --exit-save-timeout-s (`Trainer._stop`,
+trainer/stop.py).
 
 Every rank of the torchrun world runs this loop (SPMD). Global rank 0 owns the rollout engine and
 the prompt sampler; it collects each step's batch, computes advantages, loss masks and the DP partition,
@@ -21,13 +23,14 @@ switches. See `DataPlane`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,7 @@ from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
+from megatron_dapo.trainer.stop import StopRequested, StopSignal, remove_unfinished
 from megatron_dapo.weight_sync.base import WeightSync
 from megatron_dapo.weight_sync.build import build_weight_sync
 
@@ -93,12 +97,17 @@ class TrainerConfig:
     """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/rollout/async_rollout.py)."""
     advantage_estimator: AdvantageFn = grpo_advantages
     """Per-response advantages from rewards and group ids (--advantage-estimator; algorithm/registry.py)."""
+    exit_save_timeout_s: float = 25.0
+    """On SIGTERM / a first SIGINT: the save of the last finished step and the exit happen within this many seconds
+    of the signal (--exit-save-timeout-s; trainer/stop.py)."""
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"--num-steps must be >= 1, got {self.num_steps}")
         if not self.rollout_timeout_h > 0:
             raise ValueError(f"--rollout-timeout must be > 0 hours, got {self.rollout_timeout_h}")
+        if not self.exit_save_timeout_s >= 0:
+            raise ValueError(f"--exit-save-timeout-s must be >= 0 seconds, got {self.exit_save_timeout_s}")
         if self.global_batch_size < 0 or self.eval_interval < 0 or self.save_interval < 0:
             raise ValueError("--global-batch-size, --eval-interval and --save-interval must be >= 0")
         if self.eval_interval and self.eval_sampling is None:
@@ -128,8 +137,15 @@ class Trainer:
     weight_sync: WeightSync | None = None
     """This rank's weight sync (megatron_dapo/weight_sync/), chosen once: given (--colocate: ColocatedSync, made
     by train.py), else built in __post_init__ by build_weight_sync from rank 0's engine and the PP size."""
+    stop: StopSignal | None = None
+    """This process's SIGTERM / SIGINT handler (train.py installs it): `run` stops at its next safe point once it
+    fired on any rank. None: no stop handling (every rank alike)."""
     _is_rank0: bool = field(init=False)
     _plane: DataPlane | None = field(init=False, default=None)
+    _saved_step: int = field(init=False, default=0)
+    """The newest step this run checkpointed (or resumed from): a stop has nothing newer to save at it."""
+    _save_s: float = field(init=False, default=0.0)
+    """The slowest save of this run, seconds (this rank's): a stop starts a save only with that much time left."""
 
     def __post_init__(self) -> None:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -185,16 +201,24 @@ class Trainer:
                              f"{self.step + 1}")
         if self.phases is not None and self.phases.phase == "training":  # colocated, engines released at start-up:
             self.phases.to_generation(lambda: self.sync_weights(self.step))  # they resume, get the actor's weights
+        self._saved_step = self.step                               # resumed from it, or nothing trained yet
         if cfg.eval_interval and self.step == 0:
             self._log_step(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):
+            self._stop_if_requested()                              # a signal on any rank: save step - 1, exit
             t0 = time.perf_counter()
-            metrics, shares = self.rank0_batch(step)               # rank 0: rollout, advantages, DP split
-            samples = self.distribute(shares)                      # my DP share (others wait here, gloo)
+            if self.checkpointer is not None and self.stop is not None and not cfg.async_rollout:
+                self.checkpointer.mark()                           # rank 0: what an abandoned rollout rewinds
+            try:
+                metrics, shares = self.rank0_batch(step)           # rank 0: rollout, advantages, DP split
+                samples = self.distribute(shares)                  # my DP share (others wait here, gloo)
+            except StopRequested:                                  # rank 0 abandoned the rollout on a signal
+                self._stop(self._first_stop() or time.time(), abandoned=step)
             if self.phases is not None:
                 metrics |= self.phases.to_training()               # SGLang releases, the actor onloads
             metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
             metrics |= self.finish_ahead()                         # async: the push waits for batch step+1
+            self._stop_if_requested(updated=step, metrics=metrics)  # a signal: save this step, skip push and eval
             if self.phases is not None:                            # colocated: save while SGLang is released,
                 self._finish_step(step)                            # then offload, resume SGLang, push
                 metrics |= self.phases.to_generation(lambda v=step: self.sync_weights(v))
@@ -206,6 +230,7 @@ class Trainer:
                 self._finish_step(step)                            # step done; checkpoint when due
             metrics["time/step_s"] = time.perf_counter() - t0
             self._log_step(step, metrics)
+        self._stop_if_requested()                                  # a signal in the last step: exit as stopped
 
     def _log_step(self, step: int, metrics: dict[str, float]) -> None:
         """Rank 0 logs; if that fails before the last step, the others (waiting for step+1's batch) are told."""
@@ -222,6 +247,95 @@ class Trainer:
         if self._save_due(step):
             self.save(step)
 
+    # ---- stopping on a signal (trainer/stop.py) -----------------------------------------------------------
+    def _first_stop(self) -> float | None:
+        """When the first stop signal reached any rank (time.time()), None when none did: one float64 MIN all-reduce
+        on the wait group (gloo, 8 bytes: latency-bound, milliseconds to tens of milliseconds at 128 ranks, twice a
+        step of ~40 minutes at 32B). The ranks learn of a signal at different moments (Slurm signals each node,
+        torchrun its workers, and may reach only some), so they agree here, at the same point of the same step.
+        Collective (world > 1)."""
+        if self.stop is None:
+            return None
+        mine = torch.tensor([self.stop.received if self.stop.received is not None else math.inf],
+                            dtype=torch.float64)
+        if self._plane is not None:
+            mine = comm.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.wait_group)
+        first = float(mine[0])
+        return None if math.isinf(first) else first
+
+    def _stop_if_requested(self, *, updated: int | None = None, metrics: dict[str, float] | None = None) -> None:
+        """Every rank, at a step boundary or once step `updated`'s update is applied (before its push and
+        evaluation, which the checkpoint does not need; --colocate: still in the training phase, where a save
+        runs): stop (`_stop`, logging `metrics`) once a signal reached any rank."""
+        first = self._first_stop()
+        if first is not None:
+            if updated is not None:
+                self.step = updated
+            self._stop(first, metrics=metrics)
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank (one int64 MIN all-reduce on the wait group; `ok` in a world of one)."""
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        if self._plane is not None:
+            flag = comm.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.wait_group)
+        return bool(flag[0])
+
+    def _stop(self, first: float, *, abandoned: int | None = None,
+              metrics: dict[str, float] | None = None) -> NoReturn:
+        """Every rank, once a stop signal reached any rank (its time `first`): save the last finished step,
+        `self.step`, unless this run saved it already (or resumed from it), then raise StopRequested (train.py exits
+        with 128 + the signal). The save is started only when this run's slowest save fits in what is left of
+        --exit-save-timeout-s (the ranks agree; a run that has not saved yet tries): at 32B a save takes ~29 s
+        with the distributed optimizer and ~14 s with --ckpt-fully-parallel-save (checkpoint/training.py). Past
+        the bound the StopSignal's watchdog ends the process and rank 0 removes the unfinished step_N.tmp.
+
+        `abandoned`: the step whose rollout rank 0 gave up. The actor is as the last finished step left it (a
+        rollout changes no weight, optimizer or scheduler state); rank 0 rewinds what the rollout had changed (the
+        sampler's draws, the RNG: Checkpointer.rewind) and aborts the engine's requests, so the checkpoint is the
+        one the end of step `self.step` would have written and a resumed run repeats the abandoned step exactly.
+        --colocate: the engines release their memory first (PhaseSwitcher.to_training; a save runs in the
+        training phase, see `save`). `metrics`: the step's record so far, logged by rank 0 after the save (a step
+        stopped after its update has no push or evaluation metrics)."""
+        stop = self.stop
+        say = partial(print, flush=True) if self._is_rank0 else (lambda *args, **kwargs: None)  # before any exit
+        if abandoned is not None and self._is_rank0:
+            if self.checkpointer is not None:
+                self.checkpointer.rewind()
+            try:
+                self.engine.abort()  # an SGLang server would go on generating the abandoned requests
+            except Exception as err:  # the server may be stopping with the job: the save does not need it
+                say(f"[megatron-dapo] {stop.name}: aborting the abandoned requests failed: {err}")
+            say(f"[megatron-dapo] {stop.name}: abandoned the rollout of step {abandoned}")
+        unsaved = self.checkpointer is not None and bool(self.config.save_dir) and self.step > self._saved_step
+        if unsaved and self._agree(stop.left_s(first) >= self._save_s):
+            try:
+                if self.phases is not None and self.phases.phase == "generation":
+                    self.phases.to_training()
+                t0 = time.perf_counter()
+                self.save(self.step)
+                self.checkpointer.close()  # an --async-save is written and renamed here
+            except Exception as err:  # e.g. colocated engines stopping with the job: the previous checkpoint stays
+                if stop.save_dir is not None:  # rank 0, the --save lock holder
+                    remove_unfinished(stop.save_dir)
+                say(f"[megatron-dapo] {stop.name}: step {self.step} not saved ({type(err).__name__}: "
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); the newest checkpoint is "
+                    f"step {self._saved_step}")
+                raise StopRequested(stop.status, f"stopped on {stop.name}, the save failed") from err
+            say(f"[megatron-dapo] {stop.name}: saved step {self.step} to {self.config.save_dir} in "
+                f"{time.perf_counter() - t0:.1f} s")
+        elif unsaved:
+            say(f"[megatron-dapo] {stop.name}: step {self.step} not saved: {max(0.0, stop.left_s(first)):.1f} s left "
+                f"of --exit-save-timeout-s {stop.timeout_s:g}, a save of this run took {self._save_s:.1f} s; the "
+                f"newest checkpoint is step {self._saved_step}")
+        elif self.checkpointer is not None:
+            self.checkpointer.close()  # an --async-save of this step still being written
+        if metrics is not None and self._is_rank0:
+            try:
+                self.log(self.step, metrics)
+            except Exception as err:  # the checkpoint is written; a failed log must not keep the run from exiting
+                say(f"[megatron-dapo] {stop.name}: the metrics of step {self.step} were not logged: {err}")
+        raise StopRequested(stop.status, f"stopped on {stop.name} after step {self.step}")
+
     def _save_due(self, step: int) -> bool:
         cfg = self.config
         return bool(cfg.save_dir) and (step == cfg.num_steps or bool(cfg.save_interval
@@ -237,6 +351,10 @@ class Trainer:
         try:
             groups, metrics = self.next_batch(step)                    # generate -> reward -> filter
             shares, group_metrics = self.build_samples(groups)        # advantages, masks, DP partition
+        except StopRequested:  # a signal: the waiting ranks stop with rank 0 (DataPlane.stop)
+            if self._plane is not None:
+                self._plane.stop()
+            raise
         except BaseException:
             if self._plane is not None:
                 self._plane.abort()
@@ -268,7 +386,7 @@ class Trainer:
         depth, job = self.config.async_rollout, self.ahead.job
         if job is None and depth == 0:
             t0 = time.perf_counter()
-            groups, metrics = self.rollout(step)
+            groups, metrics = self.rollout(step, abandonable=True)  # a stop signal abandons it
             return groups, metrics | {"time/rollout_wait_s": time.perf_counter() - t0, "async/staleness": 0.0}
         if job is None:
             job = AheadBatch.start(step, self.rollout, lambda: self.engine.weight_version)
@@ -295,10 +413,14 @@ class Trainer:
         waited = job.wait()
         return {"time/push_wait_s": waited, "time/overlap_s": max(0.0, min(job.finished, trained) - job.started)}
 
-    def rollout(self, step: int) -> tuple[list[ScoredGroup], dict[str, float]]:
-        """Rank 0 collects the step's kept groups."""
-        result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
-                               step=step, carried=self.carried.groups)
+    def rollout(self, step: int, *, abandonable: bool = False) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Rank 0 collects the step's kept groups. `abandonable` (the synchronous rollout, on the main thread): a
+        stop signal raises StopRequested inside the collection (StopSignal.abandonable), before the carried
+        groups or the prompts record change; only the sampler has drawn by then (Checkpointer.rewind)."""
+        region = self.stop.abandonable() if abandonable and self.stop is not None else nullcontext()
+        with region:
+            result = collect_batch(self.engine, self.next_prompts, self.decode, self.reward_fn, self.collect,
+                                   step=step, carried=self.carried.groups)
         self.carried.groups = result.carried
         if self.logger is not None:  # which prompts each step saw: audit trail and resume check
             record = {"step": step, "requested": result.requested, "kept": [g.prompt.index for g in result.groups]}
@@ -413,7 +535,9 @@ class Trainer:
         if self.phases is not None and self.phases.phase != "training":
             raise RuntimeError(f"Trainer.save of step {step} in the colocated {self.phases.phase!r} phase: a save "
                                f"runs in the training phase, SGLang's memory released (see Trainer.save)")
+        t0 = time.perf_counter()
         self.checkpointer.save(step)
+        self._saved_step, self._save_s = step, max(self._save_s, time.perf_counter() - t0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:

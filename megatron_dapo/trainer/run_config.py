@@ -127,7 +127,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()):
         num_steps=args.num_steps, global_batch_size=args.global_batch_size, eval_interval=args.eval_interval,
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
         eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
-        async_rollout=args.async_rollout,
+        async_rollout=args.async_rollout, exit_save_timeout_s=args.exit_save_timeout_s,
         off_policy=OffPolicyConfig(use_tis=use_tis(args), tis_cap=args.tis_cap, mis_mode=args.mis_mode,
                                    mis_threshold=args.mis_threshold),
         advantage_estimator=get_advantage_estimator(args.advantage_estimator),

@@ -10,7 +10,9 @@ absent extra states left empty; so does `load_tolerating_absent_extra_state`, fo
 state is not invented, it is left empty and TE recomputes its scales from the first steps (TE's own behaviour
 for a fresh module).
 
-Cost: reading the `.metadata` file once (a few MB at Qwen2.5-32B TP8 x PP2) on every rank; no tensor data.
+Cost: reading the `.metadata` file once (a few MB at Qwen2.5-32B TP8 x PP2) on every rank; no tensor data. Both
+reads, the index and the load, go through checkpoint/safe_read.py, which unpickles no class a checkpoint does not
+hold; a loaded `_extra_state` holding bytes (FP8 state, which TE unpickles) is refused there too.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ Path = tuple[Any, ...]
 
 
 def stored_keys(iter_dir: str | os.PathLike[str]) -> set[str]:
-    """The storage keys a torch_dist checkpoint holds (tensor keys and ShardedObjects' unique keys)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The storage keys a torch_dist checkpoint holds (tensor keys and ShardedObjects' unique keys), from its
+    `.metadata` read without unpickling anything but torch's index classes (safe_read.read_metadata)."""
+    from megatron_dapo.checkpoint import safe_read
 
-    return set(FileSystemReader(str(iter_dir)).read_metadata().state_dict_metadata)
+    return set(safe_read.read_metadata(iter_dir).state_dict_metadata)
 
 
 def drop_absent_extra_state(sharded: MutableMapping[Any, Any], stored: set[str]) -> list[Path]:
@@ -65,11 +68,14 @@ def fill_absent_extra_state(loaded: MutableMapping[Any, Any], removed: list[Path
 
 def load_tolerating_absent_extra_state(sharded: MutableMapping[Any, Any], iter_dir: str | os.PathLike[str],
                                        stored: set[str] | None = None, **load_kwargs: Any) -> dict[str, Any]:
-    """dist_checkpointing.load of `sharded` from `iter_dir`, with absent `_extra_state` entries loaded as None.
+    """dist_checkpointing.load of `sharded` from `iter_dir` (through safe_read.load: no pickle read unrestricted),
+    with absent `_extra_state` entries loaded as None and stored ones refused unless empty
+    (safe_read.check_extra_states).
     `stored`: the checkpoint's keys when the caller has read them already (`stored_keys`)."""
-    from megatron.core import dist_checkpointing
+    from megatron_dapo.checkpoint import safe_read
 
     removed = drop_absent_extra_state(sharded, stored_keys(iter_dir) if stored is None else stored)
-    loaded = dist_checkpointing.load(sharded, str(iter_dir), **load_kwargs)
+    loaded = safe_read.load(sharded, iter_dir, **load_kwargs)
+    safe_read.check_extra_states(loaded, iter_dir)
     fill_absent_extra_state(loaded, removed)
     return loaded

@@ -11,7 +11,8 @@ scheduler; /stats "received" says which group brought which tensors). Bound to 1
 Run as a script (it accepts --api-key, or a --config YAML with api-key, and ignores sglang.launch_server's
 other flags) or in a thread via serve(); kill() makes a threaded one die like a real server (in-flight requests
 get their connection dropped, new ones are refused) and serve(port=...) brings one back on the same port with
-fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill();
+fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill(), and
+`state.hang_generate = True` (--hang-generate) only its /generate;
 `state.stuck_receive = True` hangs only its weight receive (/health answers 503), as a server hung mid-update.
 """
 
@@ -52,6 +53,7 @@ class FakeState:
         self.abort_epoch = 0  # /abort_request {abort_all} aborts what is in flight at that moment
         self.dead = False
         self.frozen = False  # a hung server: connections are accepted, requests read, nothing is answered
+        self.hang_generate = False  # only /generate hangs (a wedged scheduler, a live HTTP front): --hang-generate
         self.authorizations: list[str | None] = []
         self.paused = threading.Event()
         self.in_update = False
@@ -72,6 +74,10 @@ class FakeState:
 
 def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
     rid, prompt, params = body["rid"], body["input_ids"], body["sampling_params"]
+    while state.hang_generate and not state.dead:
+        time.sleep(0.05)
+    if state.dead:
+        raise ServerKilled(rid)
     if not body.get("return_logprob") or not isinstance(prompt, list):
         return 400, {"error": "expected input_ids and return_logprob"}
     if state.released & {"weights", "kv_cache"}:
@@ -342,6 +348,7 @@ def main() -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--config", default=None, help="YAML merged into the arguments, as SGLang's (api-key only)")
     parser.add_argument("--receive-delay", type=float, default=0.0)
+    parser.add_argument("--hang-generate", action="store_true", help="/generate never answers; the rest does")
     args, _ = parser.parse_known_args()
     time.sleep(args.startup_delay)  # a real server is not healthy at once either
     threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
@@ -352,6 +359,7 @@ def main() -> None:
             args.api_key = yaml.safe_load(f).get("api-key")
     state = FakeState(api_key=args.api_key)
     state.receive_delay_s = args.receive_delay
+    state.hang_generate = args.hang_generate
     make_server(args.port, state).serve_forever()
 
 

@@ -55,6 +55,8 @@ from megatron_dapo.rollout.sglang.fd_limit import HTTP_POOL_EXTRA
 from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, raised here
     CALL_MARGIN_S,
     ServerDied,
+    ServersUnavailable,
+    ServerTimeout,
     aborted_sample,
     check_success,
     generate_payload,
@@ -148,6 +150,11 @@ class ClientConfig:
     def generate_timeout_s(self, max_new_tokens: int) -> float:
         """Seconds one /generate call of `max_new_tokens` may take before its server counts as lost."""
         return self.http_timeout_s + max_new_tokens / self.min_tokens_per_s
+
+    def generate_timeout_text(self, max_new_tokens: int) -> str:
+        """generate_timeout_s and the flags it comes from, for an error line."""
+        return (f"{self.generate_timeout_s(max_new_tokens):g} s (--sglang-http-timeout {self.http_timeout_s:g} + "
+                f"{max_new_tokens} new tokens / --sglang-min-tokens-per-s {self.min_tokens_per_s:g})")
 
     def timeout_for(self, path: str) -> float:
         """The timeout of a call to `path` other than /generate: control_timeout_s for WEIGHT_CALLS, else
@@ -254,12 +261,21 @@ class SGLangEngine(RolloutEngine):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _post(self, url: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        timeout = timeout if timeout is not None else self.client.timeout_for(path)
         try:
-            resp = await self._http.post(f"{url}{path}", json=body or {},
-                                         timeout=timeout if timeout is not None else self.client.timeout_for(path))
+            resp = await self._http.post(f"{url}{path}", json=body or {}, timeout=timeout)
+        except httpx.TimeoutException as e:  # httpx's own text is often empty: say what and how long
+            raise ServerTimeout(f"{url} did not answer {path} within {timeout:g} s", timeout_s=timeout) from e
         except httpx.TransportError as e:
             raise ServerDied(f"{url}{path}: {type(e).__name__}: {e}") from e
         return read_reply(resp, url, path)
+
+    def _generate_failure(self, err: ServerDied, url: str, req: RolloutRequest) -> str:
+        """One line on a failed /generate call: a timeout with the flags that set it, else the error."""
+        if isinstance(err, ServerTimeout):
+            limit = self.client.generate_timeout_text(req.sampling.max_new_tokens)
+            return f"{url} did not answer /generate within {limit}"
+        return str(err)
 
     async def _pick_server(self, avoid: set[int]) -> int:
         """A serving server not in `avoid` (else any serving one); waits for a recovery when none serves."""
@@ -311,8 +327,12 @@ class SGLangEngine(RolloutEngine):
                                             timeout=self.client.generate_timeout_s(req.sampling.max_new_tokens))
                 except ServerDied as err:
                     failures += 1
+                    why = self._generate_failure(err, url, req)
                     if failures > self.client.max_retries:
-                        raise
+                        hint = ("raise those flags if the servers are only slow, else restart them"
+                                if isinstance(err, ServerTimeout) else "see that server's log")
+                        raise ServersUnavailable(f"SGLang sample {rid} failed {failures} tries, the last: {why}; "
+                                                 f"{hint}") from err
                     lost = [server] if not use_router else await self._find_dead()
                     if use_router and not lost:  # the router itself failed: the servers behind it answer
                         self._router_failed(err)
@@ -320,7 +340,7 @@ class SGLangEngine(RolloutEngine):
                         self._count("rollout/retried_requests")
                     for dead in lost:
                         tried.add(dead)
-                        self._start_recovery(dead)
+                        self._start_recovery(dead, why)
                     continue
                 finally:
                     with self._lock:
@@ -508,21 +528,26 @@ class SGLangEngine(RolloutEngine):
         self._raise_fatal()
 
     def _raise_fatal(self) -> None:
+        if isinstance(self._fatal, ServersUnavailable):  # an attached server that did not come back: one line
+            raise ServersUnavailable(str(self._fatal)) from self._fatal
         if self._fatal is not None:
             raise RuntimeError(f"SGLangEngine: a lost server could not be recovered: {self._fatal}") \
                 from self._fatal
 
     # ---- failure recovery ----------------------------------------------------------------------
 
-    def _start_recovery(self, server: int) -> None:
+    def _start_recovery(self, server: int, why: str = "it failed") -> None:
         """Takes `server` out of rotation and recovers it in the background (one recovery per server at a
-        time; a second failure report joins the running one). Runs on the loop thread."""
+        time; a second failure report joins the running one). Runs on the loop thread. `why`: how it failed, for
+        the error should it not come back."""
         task = self._recovering.get(server)
         if task is None or task.done():
             self.losses[server] += 1  # a broadcast group it belongs to is rebuilt before its next use
             self._stale.add(server)
             self._count("rollout/servers_lost")
-            self._recovering[server] = asyncio.ensure_future(self._recover(server))
+            task = self._recovering[server] = asyncio.ensure_future(self._recover(server, why))
+            # its failure reaches the run through _fatal: retrieved here, so asyncio does not log it as unseen
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _find_dead(self) -> list[int]:
         """Servers that are down now (a failure through the router does not say which one failed)."""
@@ -538,7 +563,7 @@ class SGLangEngine(RolloutEngine):
         flags = await asyncio.gather(*(down(u) for u in self.urls))
         return [i for i, d in enumerate(flags) if d]
 
-    async def _recover(self, server: int) -> None:
+    async def _recover(self, server: int, why: str = "it failed") -> None:
         """Restarts (launch) or waits for (attach) `server`, re-syncs it to the current weights, and puts it
         back in rotation. A failure after ClientConfig.recovery_attempts tries stops the run (_fatal)."""
         t0 = time.monotonic()
@@ -552,7 +577,7 @@ class SGLangEngine(RolloutEngine):
                         await asyncio.get_running_loop().run_in_executor(self._launcher, self.group.restart, server)
                         self._count("rollout/server_restarts")
                     else:
-                        await self._wait_back(url)
+                        await self._wait_back(url, why)
                         self._count("rollout/server_returns")
                     t_sync = time.monotonic()
                     await asyncio.to_thread(self._resync, server)
@@ -572,8 +597,9 @@ class SGLangEngine(RolloutEngine):
         self._count("sync/servers_recovered")
         self._count("rollout/recovery_s", time.monotonic() - t0)
 
-    async def _wait_back(self, url: str) -> None:
-        """Attach mode: polls `url`/health until it answers 200, at most ClientConfig.server_wait_s."""
+    async def _wait_back(self, url: str, why: str = "it failed") -> None:
+        """Attach mode: polls `url`/health until it answers 200, at most ClientConfig.server_wait_s; then
+        ServersUnavailable naming the server, `why` it was lost and the flag."""
         deadline = time.monotonic() + self.client.server_wait_s
         while time.monotonic() < deadline:
             try:
@@ -582,8 +608,8 @@ class SGLangEngine(RolloutEngine):
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(1.0)
-        raise TimeoutError(f"attached SGLang server {url} did not answer /health for "
-            f"{self.client.server_wait_s:.0f} s after it failed (--sglang-server-wait-s); restart it with the "
+        raise ServersUnavailable(f"attached SGLang server {url} did not answer /health for "
+            f"{self.client.server_wait_s:g} s (--sglang-server-wait-s) after it was lost ({why}); restart it with the "
             f"same model and port, or drop it from --sglang-server-urls")
 
     def _resync(self, server: int) -> None:

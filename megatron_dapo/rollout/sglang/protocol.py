@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import torch
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.sampling import row_seed
 from megatron_dapo.rollout.types import FINISH_REASONS, FinishReason, RolloutRequest, RoutingShape, Sample
 
@@ -24,6 +25,20 @@ timeouts (which mark a server lost) fire first."""
 
 class ServerDied(RuntimeError):
     """A server stopped answering (connection refused / reset, a timeout, or a 5xx)."""
+
+
+class ServerTimeout(ServerDied):
+    """A server that took the call but did not answer within its timeout (`timeout_s`)."""
+
+    def __init__(self, message: str, *, timeout_s: float) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+
+class ServersUnavailable(UserError):
+    """The rollout cannot go on: a sample's /generate failed on every try (1 + ClientConfig.max_retries), or an attached
+    server that failed did not answer /health again within --sglang-server-wait-s. One line (`error: ...`, exit 2)
+    naming the server, what it did not answer within how long, and the flags that set that wait."""
 
 
 def read_reply(resp: httpx.Response, url: str, path: str) -> Any:
