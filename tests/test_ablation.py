@@ -332,16 +332,21 @@ with open(sys.argv[5], "a") as f:
         f.write('{"step": %d, "time/st' % (last + 1))  # killed in the middle of a line
         f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+if then == "hang":
+    time.sleep(300)  # until the tool stops it
 print("error: the stand-in trainer failed" if then == "fail" else "done")
 sys.exit(2 if then == "fail" else 0)
 """
 
 
-def _stand_in(monkeypatch, first: int, last: int, step_s: float, then: str, attempt: str) -> None:
+def _stand_in(monkeypatch, first: int, last: int, step_s: float, then: str, attempt: str,
+              others: str | None = None) -> None:
     """train_command -> a stand-in trainer appending steps first..last (time/step_s each) to metrics.jsonl, then
-    exiting 0 ("ok"), 2 ("fail") or SIGKILLed mid-line ("kill")."""
+    exiting 0 ("ok"), 2 ("fail"), SIGKILLed mid-line ("kill") or waiting until stopped ("hang"); `others`: what
+    every arm but the first (naive) does instead of `then`."""
     def command(arm, seed, run_dir, base, schedule):
-        return [sys.executable, "-c", STAND_IN_TRAINER, str(first), str(last), str(step_s), then,
+        what = then if others is None or arm.key == ablation.ARMS[0].key else others
+        return [sys.executable, "-c", STAND_IN_TRAINER, str(first), str(last), str(step_s), what,
                 str(run_dir / "metrics.jsonl"), attempt]
     monkeypatch.setattr(ablation, "train_command", command)
 
@@ -392,18 +397,21 @@ def test_reconcile_replaces_superseded_records_whole():
 
 
 @pytest.mark.parametrize("at_once", [1, 2])
-def test_a_failed_run_stops_the_ablation_and_starts_no_other(tmp_path, monkeypatch, at_once):
-    """A trainer that fails: RunFailed with the log's last line (main prints it as one `error:` line, exit 1); with
-    one run at a time the next arm never starts, with two the one beside it is stopped."""
-    _stand_in(monkeypatch, 1, 1, 1.0, "fail", "a")
+def test_a_failed_run_stops_the_ablation_and_starts_no_other(tmp_path, monkeypatch, capsys, at_once):
+    """A trainer that fails (naive's; the others would run until stopped): RunFailed with the log's last line (main
+    prints it as one `error:` line, exit 1); with one run at a time the next arm never starts, with two the one
+    beside it is stopped, and neither it nor any other run is announced as done."""
+    _stand_in(monkeypatch, 1, 1, 1.0, "fail", "a", others="hang")
     jobs = [ablation.Job(arm=arm, seed=1, run_dir=tmp_path / f"{arm.key}-seed1") for arm in ablation.ARMS[:3]]
     runner = ablation.Runner(tmp_path, ablation.Schedule())
+    t0 = time.perf_counter()
     with pytest.raises(ablation.RunFailed, match=r"naive seed 1: the trainer exited 2: error: the stand-in trainer "
                                                  r"failed; see .*naive-seed1/train.log"):
-        ablation.run_all(runner, jobs, at_once, time.perf_counter())
+        ablation.run_all(runner, jobs, at_once, t0)
     started = sorted(j.arm.key for j in jobs if (j.run_dir / "train.log").exists())
     assert started == (["naive"] if at_once == 1 else ["filter", "naive"])
     assert runner.stopping and not runner._procs
+    assert " done (" not in capsys.readouterr().out
 
 
 # ---- the tool end to end ----------------------------------------------------------------------------------

@@ -310,26 +310,29 @@ class Runner:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def run(self, job: Job) -> None:
-        """Train (or resume) one run, then sample its exported policy on the held-out problems. RunFailed when
-        either child fails (not when stop() ended it), after stopping every other child: the pool thread would
-        otherwise go straight on to the next job."""
+    def run(self, job: Job) -> bool:
+        """Train (or resume) one run, then sample its exported policy on the held-out problems; whether the run is
+        done (False: stop() ended it, or it was never started because of a stop). RunFailed when either child
+        fails (not when stop() ended it), after stopping every other child: the pool thread would otherwise go
+        straight on to the next job."""
         try:
-            self._run(job)
+            return self._run(job)
         except RunFailed:
             self.stop()
             raise
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job) -> bool:
         heldout = job.run_dir / "heldout.json"
-        if heldout.is_file() or self.stopping:
-            return
+        if heldout.is_file():
+            return True
+        if self.stopping:
+            return False
         job.run_dir.mkdir(parents=True, exist_ok=True)
         timing_path = job.run_dir / "timing.json"
         timing = json.loads(timing_path.read_text()) if timing_path.is_file() else {"train_s": 0.0, "attempts": 0}
         if not (job.run_dir / "train.done").is_file():
             if not self._train(job, timing, timing_path):
-                return
+                return False
             (job.run_dir / "train.done").touch()
         t0 = time.perf_counter()
         cmd = [sys.executable, str(Path(__file__).resolve()), "heldout", "--model", str(job.run_dir / "hf"),
@@ -339,11 +342,12 @@ class Runner:
         rc = self._child(cmd, job.run_dir / "heldout.log")
         if rc != 0:
             if self.stopping:
-                return
+                return False
             raise RunFailed(f"{job.arm.key} seed {job.seed}: the held-out evaluation exited {rc}"
                             f"{_last_line(job.run_dir / 'heldout.log')}; see {job.run_dir / 'heldout.log'}")
         timing["heldout_s"] = time.perf_counter() - t0
         timing_path.write_text(json.dumps(timing))
+        return True
 
     def _train(self, job: Job, timing: dict, timing_path: Path) -> bool:
         """One training attempt of `job` (a start, or a resume from its last checkpoint); whether it finished.
@@ -740,9 +744,9 @@ def run_all(runner: Runner, jobs: list[Job], at_once: int, t0: float) -> None:
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for future in done:
-                future.result()
-                job = futures[future]
-                print(f"   {job.arm.key} seed {job.seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+                if future.result():  # a run a stop ended, or never started, is not announced
+                    job = futures[future]
+                    print(f"   {job.arm.key} seed {job.seed} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     except BaseException:
         for future in pending:  # the jobs not yet started never start
             future.cancel()
