@@ -157,3 +157,49 @@ def test_shutdown_ends_the_broadcast_group_here_and_on_the_servers(mixed):
     assert group not in _world.pg_map
     assert [state.groups for _, state in mixed] == [{}, {}]
     assert [state.calls.get("/destroy_weights_update_group") for _, state in mixed] == [1, 1]
+
+
+def test_samples_from_a_server_restarted_unseen_are_generated_again_and_it_is_resynced(mixed):
+    """Server 0 restarts between two rollouts with no request failing on this engine (a router retried its
+    requests elsewhere, or none were in flight): it serves its launch weights ('default'). Its responses are thrown
+    away when they come back with that weight version, it is found by /model_info and re-synced, and every sample
+    the rollout returns comes from the weights pushed last (the old engine returned its launch-weight samples as
+    version 3: a silent mismatch, the rehearsal's 7.7e-4 mean |logp diff| under load)."""
+    import time
+
+    from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+    from tests.sglang.fake_server import kill
+
+    engine = _attach(mixed, "distributed")
+    back = None
+    try:
+        full_push(engine).update(iter(_named()), version=3)
+        engine.take_metrics()
+        port0 = mixed[0][0].server_address[1]
+        kill(*mixed[0])
+        back = serve(port=port0, tp_size=1)
+        sp = SamplingParams(max_new_tokens=3)
+        reqs = [RolloutRequest(prompt_ids=[3, 4, i + 1], n=2, sampling=sp, request_id=f"p{i}") for i in range(8)]
+        groups = engine.generate(reqs)
+        assert [len(g) for g in groups] == [2] * 8
+        stale_rids = list(back[1].rids)
+        assert stale_rids, "the restarted server took no request: the case did not happen"
+        served_current = set(mixed[1][1].rids)
+        assert set(stale_rids) <= served_current  # each generated again where version 3 is served
+        deadline, metrics = time.monotonic() + 30, dict.fromkeys(("sync/servers_recovered", "rollout/servers_lost",
+                                                                  "rollout/retried_requests"), 0.0)
+        while time.monotonic() < deadline and not metrics["sync/servers_recovered"]:
+            for key, value in engine.take_metrics().items():
+                if key in metrics:
+                    metrics[key] += value
+            time.sleep(0.1)
+        assert metrics["rollout/servers_lost"] == 1 and metrics["sync/servers_recovered"] == 1
+        assert metrics["rollout/retried_requests"] >= len(stale_rids)
+        assert back[1].version == "3"
+        for name, t in _named():
+            torch.testing.assert_close(torch.tensor(back[1].weights[name]), t)
+    finally:
+        engine.shutdown()
+        if back is not None:
+            back[0].shutdown()
+            back[0].server_close()

@@ -350,6 +350,21 @@ class SGLangEngine(RolloutEngine):
                     print(f"[megatron-dapo] SGLang router {self.entry_url} answers again: generation goes through "
                           f"it", file=sys.stderr, flush=True)
                 out = parse_generate_response(body, routing=self.client.routing)
+                if self._served_stale(out):
+                    # A server restarted without this engine seeing a failure (a router had retried its requests
+                    # elsewhere, or none were in flight) serves its launch weights: the sample is thrown away, the
+                    # server found by its weight version and re-synced, the request sent again.
+                    failures += 1
+                    if failures > self.client.max_retries:
+                        raise ServersUnavailable(f"SGLang sample {rid}: {failures} tries came back from servers "
+                                                 f"serving weight version {out.served_version}, not "
+                                                 f"{self._version}: a server keeps restarting; see its log")
+                    self._count("rollout/retried_requests")
+                    for stale in await self._lost_unseen():
+                        tried.add(stale)
+                        self._start_recovery(stale, f"it served weight version {out.served_version} instead of "
+                                                    f"{self._version} (restarted without a failure seen here)")
+                    continue
                 if out.finish_reason == "abort" and req.request_id not in self._aborted:
                     # Aborted by the server, not by us (a restart, an abort-all racing a new request): redo it.
                     failures += 1
@@ -358,6 +373,12 @@ class SGLangEngine(RolloutEngine):
                     self._count("rollout/retried_requests")
                     continue
                 return to_sample(req, index, out, self._version)
+
+    def _served_stale(self, out) -> bool:
+        """Whether a /generate response came from a server that does not hold the weights pushed last: it reports
+        another weight version (a restarted server reports its launch version, 'default'). Nothing is checked
+        before the first push (version 0) or when the response does not say (None)."""
+        return self._version > 0 and out.served_version is not None and out.served_version != str(self._version)
 
     def _router_usable(self) -> bool:
         """Whether a first try goes through the router: it has not failed, or failed ROUTER_RETRY_S ago."""
@@ -752,7 +773,8 @@ class SGLangEngine(RolloutEngine):
         engine seeing a failure (a router retried their requests on another server, or none went to them).
         A restarted server reports its launch weight_version at /model_info instead of the one pushed last,
         and is not in the broadcast group: pushing to it would hang the group's collective. One GET per
-        server before each update (16 at 32B: milliseconds)."""
+        server before each update, and whenever a /generate response reports another weight version than the
+        one pushed last (`_served_stale`: such a server's samples are generated again) (16 at 32B: milliseconds)."""
         if self._version == 0:
             return []
 

@@ -97,6 +97,9 @@ class ParsedOutput:
     weight_version: int | None
     routed_experts: torch.Tensor | None = None
     """[rows, num_layers, top_k] when asked for (see decode_routed_experts)."""
+    served_version: str | None = None
+    """meta_info.weight_version as the server reported it ('default' for a server no update reached since its
+    launch); None when the response does not say."""
 
 
 def decode_routed_experts(text: Any, shape: RoutingShape) -> torch.Tensor:
@@ -150,8 +153,9 @@ def parse_generate_response(body: dict[str, Any], *, routing: RoutingShape | Non
                              "start the servers with --enable-return-routed-experts (launched ones get it with "
                              "--moe-routing-replay)")
         routes = decode_routed_experts(meta["routed_experts"], routing)
+    served = meta.get("weight_version")
     return ParsedOutput(response_ids=ids, logprobs=logprobs, finish_reason=kind, weight_version=version,
-                        routed_experts=routes)
+                        routed_experts=routes, served_version=None if served is None else str(served))
 
 
 def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_version: int) -> Sample:
