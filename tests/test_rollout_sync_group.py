@@ -9,7 +9,7 @@ from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.sglang.setup import sync_group_layout, sync_ranks
 from tests.ports import free_port
 from tests.sglang import full_push
-from tests.sglang.fake_server import serve
+from tests.sglang.fake_server import kill, serve
 
 
 def test_layout_is_the_running_sum_of_server_ranks():
@@ -106,33 +106,45 @@ def test_attaching_a_dp_server_names_it():
         server.server_close()
 
 
+def _restart_server0_unseen(engine, mixed):
+    """Pushes version 3, then kills server 0 and starts a fresh one on its port (launch weights, version
+    'default') with no call of this engine failing; returns the new (server, state)."""
+    full_push(engine).update(iter(_named()), version=3)
+    engine.take_metrics()
+    port0 = mixed[0][0].server_address[1]
+    kill(*mixed[0])
+    return serve(port=port0, tp_size=1)
+
+
+def _recovery_metrics(engine, within_s: float = 30.0) -> dict[str, float]:
+    """servers_lost, servers_recovered and retried_requests summed from take_metrics() until a recovery is counted
+    (or `within_s` passed)."""
+    import time
+
+    keys = ("rollout/servers_lost", "sync/servers_recovered", "rollout/retried_requests")
+    total, deadline = dict.fromkeys(keys, 0.0), time.monotonic() + within_s
+    while time.monotonic() < deadline and not total["sync/servers_recovered"]:
+        for key, value in engine.take_metrics().items():
+            if key in total:
+                total[key] += value
+        time.sleep(0.1)
+    return total
+
+
 def test_a_server_restarted_unseen_is_left_out_of_the_group_and_resynced(mixed):
     """Server 0 restarts between two updates with no request failing on this engine (as when a router retried
     its requests elsewhere): it is found by its /model_info weight version before the next update, which goes
     to server 1 over a group without it (a group with it would wait on ranks that never join), and it is then
     re-synced with that update's weights."""
-    import time
-
-    from tests.sglang.fake_server import kill
-
     engine = _attach(mixed, "distributed")
     back = None
     try:
-        full_push(engine).update(iter(_named()), version=3)
-        engine.take_metrics()
-        port0 = mixed[0][0].server_address[1]
-        kill(*mixed[0])
-        back = serve(port=port0, tp_size=1)
+        back = _restart_server0_unseen(engine, mixed)
         newer = [(n, t + 1) for n, t in _named()]
         full_push(engine).update(iter(newer), version=4)
         assert mixed[1][1].version == "4"
-        deadline, recovered, lost = time.monotonic() + 30, 0.0, 0.0
-        while time.monotonic() < deadline and not recovered:
-            metrics = engine.take_metrics()
-            recovered += metrics["sync/servers_recovered"]
-            lost += metrics["rollout/servers_lost"]
-            time.sleep(0.1)
-        assert lost == 1 and recovered == 1
+        metrics = _recovery_metrics(engine)
+        assert metrics["rollout/servers_lost"] == 1 and metrics["sync/servers_recovered"] == 1
         assert back[1].version == "4"
         for name, t in newer:
             torch.testing.assert_close(torch.tensor(back[1].weights[name]), t)
@@ -165,34 +177,20 @@ def test_samples_from_a_server_restarted_unseen_are_generated_again_and_it_is_re
     away when they come back with that weight version, it is found by /model_info and re-synced, and every sample
     the rollout returns comes from the weights pushed last (the old engine returned its launch-weight samples as
     version 3: a silent mismatch, the rehearsal's 7.7e-4 mean |logp diff| under load)."""
-    import time
-
     from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
-    from tests.sglang.fake_server import kill
 
     engine = _attach(mixed, "distributed")
     back = None
     try:
-        full_push(engine).update(iter(_named()), version=3)
-        engine.take_metrics()
-        port0 = mixed[0][0].server_address[1]
-        kill(*mixed[0])
-        back = serve(port=port0, tp_size=1)
+        back = _restart_server0_unseen(engine, mixed)
         sp = SamplingParams(max_new_tokens=3)
         reqs = [RolloutRequest(prompt_ids=[3, 4, i + 1], n=2, sampling=sp, request_id=f"p{i}") for i in range(8)]
         groups = engine.generate(reqs)
         assert [len(g) for g in groups] == [2] * 8
         stale_rids = list(back[1].rids)
         assert stale_rids, "the restarted server took no request: the case did not happen"
-        served_current = set(mixed[1][1].rids)
-        assert set(stale_rids) <= served_current  # each generated again where version 3 is served
-        deadline, metrics = time.monotonic() + 30, dict.fromkeys(("sync/servers_recovered", "rollout/servers_lost",
-                                                                  "rollout/retried_requests"), 0.0)
-        while time.monotonic() < deadline and not metrics["sync/servers_recovered"]:
-            for key, value in engine.take_metrics().items():
-                if key in metrics:
-                    metrics[key] += value
-            time.sleep(0.1)
+        assert set(stale_rids) <= set(mixed[1][1].rids)  # each generated again where version 3 is served
+        metrics = _recovery_metrics(engine)
         assert metrics["rollout/servers_lost"] == 1 and metrics["sync/servers_recovered"] == 1
         assert metrics["rollout/retried_requests"] >= len(stale_rids)
         assert back[1].version == "3"
@@ -201,5 +199,4 @@ def test_samples_from_a_server_restarted_unseen_are_generated_again_and_it_is_re
     finally:
         engine.shutdown()
         if back is not None:
-            back[0].shutdown()
-            back[0].server_close()
+            kill(*back)

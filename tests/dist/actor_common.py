@@ -289,6 +289,16 @@ def single_process_run(arch: ModelArch, hf_state_dict: dict[str, torch.Tensor], 
     return {"logps": logps, "entropies": ents, "metrics": metrics, "weights": weights}
 
 
+def hf_actor(hf, layout, config=None):
+    """A single-process (TP1, PP1) MegatronActor of `hf`'s architecture holding `hf`'s weights; `config`: its
+    ActorConfig (lr 1e-3 unless given)."""
+    from megatron_dapo.actor import ActorConfig, MegatronActor
+
+    actor = MegatronActor(ModelArch.from_hf(hf.config), config or ActorConfig(lr=1e-3), layout)
+    load_hf_weights(actor, hf)
+    return actor
+
+
 def load_hf_weights(actor, hf) -> None:
     """Copy `hf`'s weights into a single-process (TP1, PP1) actor through this module's own mapping."""
     load_hf_state_dict(actor, hf.state_dict())

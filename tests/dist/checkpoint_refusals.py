@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver, load_checkpoint, save_checkpoint, step_dir
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.hf_config import ModelArch
 from tests.crafted_checkpoint import plant_in_object
 from tests.disk_full import fill_disk_after
-from tests.dist.actor_common import load_hf_weights, make_samples, tiny_hf_model
+from tests.dist.actor_common import hf_actor, make_samples, tiny_hf_model
 
 
 def _outcome(run) -> dict:
@@ -40,12 +39,9 @@ def main(out_dir: Path) -> None:
     layout = init_parallel(seed=0)
     rank = dist.get_rank()
     hf = tiny_hf_model(seed=4)
-    arch = ModelArch.from_hf(hf.config)
 
     def make_actor() -> MegatronActor:
-        actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
-        load_hf_weights(actor, hf)
-        return actor
+        return hf_actor(hf, layout)
 
     actor = make_actor()
     actor.train_step(make_samples(4, seed=rank))

@@ -16,12 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver, load_checkpoint
-from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.distributed.parallel import padded_vocab_size
 from tests.checkpoint_helpers import optimizer_state
-from tests.dist.actor_common import hf_to_full_mcore, load_hf_weights, make_samples, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import hf_actor, make_samples, tiny_hf_model
 
 MODES = {"default": (False, False), "fully-parallel": (True, False), "async": (False, True),
          "fully-parallel+async": (True, True)}
@@ -48,12 +46,9 @@ def main(out_dir: Path) -> None:
     layout = init_parallel(seed=0)
     rank = dist.get_rank()
     hf = tiny_hf_model(seed=2)
-    arch = ModelArch.from_hf(hf.config)
 
     def make_actor() -> MegatronActor:
-        actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
-        load_hf_weights(actor, hf)
-        return actor
+        return hf_actor(hf, layout)
 
     actor = make_actor()
     for k in range(2):
