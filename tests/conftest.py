@@ -1,4 +1,6 @@
-"""Shared fixtures: a tiny HF Qwen2 base policy built once per session by tools/make_tiny_base.py."""
+"""Shared fixtures (a tiny HF Qwen2 base policy built once per session by tools/make_tiny_base.py) and the suite's
+skip rule: under `--fail-on-skip` (what `make test` passes) a skipped test fails, unless its skip is declared part of
+the suite's design with `pytest.mark.designed_skip(reason)` and skips for exactly that reason."""
 
 from __future__ import annotations
 
@@ -14,6 +16,48 @@ import pytest
 from tests.torchrun import REPO, subprocess_env
 
 train_env = subprocess_env
+
+FAIL_ON_SKIP = "--fail-on-skip"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(FAIL_ON_SKIP, action="store_true",
+                     help="a skipped test fails, unless it carries pytest.mark.designed_skip(reason) with the "
+                          "reason it skipped for (make test passes this: a skip where CI runs proved nothing)")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "designed_skip(reason): this test may skip for exactly this reason under "
+                                       f"{FAIL_ON_SKIP} (an opt-in test, a test another covers where it runs)")
+
+
+def skip_reason(report) -> str:
+    """The reason a skipped report gives: pytest stores (path, line, "Skipped: <reason>")."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def designed_reasons(item) -> set[str]:
+    """The skip reasons `item` declares as part of the suite's design (pytest.mark.designed_skip(reason))."""
+    return {mark.args[0] for mark in item.iter_markers("designed_skip")}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under --fail-on-skip, turn an undeclared skip into a failure that names the reason and how to leave the test
+    out on purpose (SKIP_SGLANG=1 / SKIP_REHEARSAL=1 deselect the server and Slurm tests)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and item.config.getoption(FAIL_ON_SKIP)) or hasattr(report, "wasxfail"):
+        return
+    reason = skip_reason(report)
+    if reason in designed_reasons(item):
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"{item.nodeid} skipped under {FAIL_ON_SKIP} (make test): {reason}. A skip where CI runs "
+                       "proves nothing: give this machine what the test needs, or leave the test out on purpose "
+                       "(SKIP_SGLANG=1 for the real-server tests, SKIP_REHEARSAL=1 for the Slurm ones).")
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ import torch
 
 from megatron_dapo.compat import cpu
 
+SHIMS_OFF = "the CPU shims are a no-op with CUDA (a GPU machine runs the CUDA paths they stand in for)"
+
 
 def test_megatron_version_is_the_audited_one():
     cpu.check_megatron_version()  # raises with the upgrade procedure otherwise
@@ -29,7 +31,8 @@ def test_every_shim_names_an_existing_file():
             assert (root / site.split(":")[0]).is_file(), site
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="shims are a no-op with CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason=SHIMS_OFF)
+@pytest.mark.designed_skip(SHIMS_OFF)
 def test_install_redirects_cuda_to_cpu():
     assert cpu.install() is True
     assert cpu.install() is True  # idempotent
@@ -46,7 +49,8 @@ def test_install_redirects_cuda_to_cpu():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="shims are a no-op with CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason=SHIMS_OFF)
+@pytest.mark.designed_skip(SHIMS_OFF)
 def test_uneven_first_dim_gather_on_gloo(tmp_path):
     """The alltoall dispatcher's expert-TP all-gather of uneven splits (and its backward's reduce-scatter) on 2 gloo
     ranks: exact through the shim; megatron's own gather is refused by gloo (why the shim exists)."""

@@ -240,8 +240,11 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     print(f"dense rehearsal: {wall:.0f} s from sbatch to the job leaving the queue")
 
 
-@pytest.mark.skipif(os.environ.get("REHEARSAL_ALL") != "1",
-                    reason="the colocated job (~2.5 min) runs with REHEARSAL_ALL=1: make test stays within its budget")
+OPT_IN = "the colocated job (~2.5 min) runs with REHEARSAL_ALL=1: make test stays within its budget"
+
+
+@pytest.mark.skipif(os.environ.get("REHEARSAL_ALL") != "1", reason=OPT_IN)
+@pytest.mark.designed_skip(OPT_IN)
 def test_colocated_job_trains_with_an_engine_on_every_node(cluster, tiny_base, tmp_path):
     """examples/slurm/colocated.sbatch with examples/recipes/cpu-rehearsal-colocated.sh on 2 nodes: each node's
     engine (one real CPU SGLang server at TP 2) and its 2 actor ranks (TP 2 x DP 2 over the nodes), weights handed

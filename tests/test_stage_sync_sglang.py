@@ -31,11 +31,13 @@ REHEARSAL_RUNS = (SGLANG_PY.exists() and slurm_cluster.check() is None
 """tests/test_slurm_rehearsal.py runs here and covers this test and more: PP2 per-stage sync from two actor nodes to
 two real servers on a third, the mismatch of every step below 1e-3. Where it cannot run (no root, no namespaces,
 no Slurm packages, SKIP_REHEARSAL=1), this test does; ~75 s of make test saved where it can."""
+COVERED = "covered by tests/test_slurm_rehearsal.py, which runs here"
 pytestmark = [
     pytest.mark.sglang,
     pytest.mark.slow,
     pytest.mark.skipif(not SGLANG_PY.exists(), reason="no .venv-sglang: run `make sglang-env`"),
-    pytest.mark.skipif(REHEARSAL_RUNS, reason="covered by tests/test_slurm_rehearsal.py, which runs here"),
+    pytest.mark.skipif(REHEARSAL_RUNS, reason=COVERED),
+    pytest.mark.designed_skip(COVERED),
 ]
 
 
