@@ -661,7 +661,7 @@ def startup_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, b
     the actor allocates, against the actor built and loaded next to engines holding their static pool
     (--mem-fraction-static x GPU memory) and runtime (SGLANG_RUNTIME_GIB) in place of the released share."""
     share = sglang_share(arch, plans, inputs, bytes_per_element)
-    new = max(sum(col) for p in plans for col in zip(*startup_lines(p, inputs).values()))
+    new = max(sum(col) for p in plans for col in zip(*startup_lines(p, inputs).values(), strict=True))
     resident = share.static + SGLANG_RUNTIME_GIB * GIB - inputs.sglang_gib * GIB
     return new, new + resident
 
@@ -849,7 +849,7 @@ def colocated_lines(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs,
     for key, value in gen.items():
         lines.append(f"{key:<48}{value / GIB:>10.2f}")
     lines.append(f"{'total':<48}{sum(gen.values()) / GIB:>10.2f}")
-    worst = max(plans, key=lambda p: max(sum(c) for c in zip(*startup_lines(p, inputs).values())))
+    worst = max(plans, key=lambda p: max(sum(c) for c in zip(*startup_lines(p, inputs).values(), strict=True)))
     start = startup_lines(worst, inputs)
     lines.append(f"phase: start-up, stage {worst.stage} (engines released before the actor is built){'build':>10}"
                  f"{'resume':>10}")

@@ -610,7 +610,7 @@ def summarize(runs: dict[str, list[dict]], schedule: Schedule) -> dict:
             arms[key]["metrics"]["steps_to_target"] = mean_std(reached)
             arms[key]["metrics"]["generated_to_target"] = mean_std(generated)
             arms[key]["metrics"]["steps_to_fixed"] = mean_std(fixed)
-            arms[key]["reached_fixed"] = sum(f <= len(r["steps"]) for f, r in zip(fixed, runs[key]))
+            arms[key]["reached_fixed"] = sum(f <= len(r["steps"]) for f, r in zip(fixed, runs[key], strict=True))
         arms["dapo"]["target_accuracy"] = target
     readings = []
     for rd in READINGS:
@@ -665,7 +665,7 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for ax, (name, keys, cumulative) in zip(axes.flat, CURVES):
+    for ax, (name, keys, cumulative) in zip(axes.flat, CURVES, strict=True):
         for arm in ARMS:
             if arm.key not in runs:
                 continue
@@ -673,7 +673,7 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
             series = [list(accumulate(s)) if cumulative else running_mean(s, SMOOTH) for s in series]
             n = min(map(len, series))
             xs = list(range(1, n + 1))
-            columns = list(zip(*(s[:n] for s in series)))
+            columns = list(zip(*(s[:n] for s in series), strict=True))
             mean = [statistics.fmean(c) for c in columns]
             line, = ax.plot(xs, mean, label=arm.label, linewidth=1.4)
             if len(series) > 1:

@@ -96,7 +96,7 @@ def new_plan(lengths: list[int], dp: int, budget: int, coef: float) -> list[list
     count = max(len(plan_micro_batches(x, max_tokens=budget, micro_batch_size=1)) for x in local)
     return [[[p[j] for j in g] for g in plan_micro_batches(x, max_tokens=budget, micro_batch_size=1,
                                                            num_micro_batches=count)]
-            for p, x in zip(parts, local)]
+            for p, x in zip(parts, local, strict=True)]
 
 
 def packed_plan(lengths: list[int], dp: int, budget: int, coef: float) -> list[list[list[int]]]:
@@ -106,7 +106,7 @@ def packed_plan(lengths: list[int], dp: int, budget: int, coef: float) -> list[l
     plan = dict(max_tokens=budget, micro_batch_size=1, packed=True)
     count = max(len(plan_micro_batches(x, **plan)) for x in local)
     return [[[p[j] for j in g] for g in plan_micro_batches(x, **plan, num_micro_batches=count)]
-            for p, x in zip(parts, local)]
+            for p, x in zip(parts, local, strict=True)]
 
 
 def packed_host_bytes(lengths: Sequence[int], groups: Sequence[Sequence[int]], tp: int) -> float:

@@ -339,10 +339,10 @@ def main() -> None:
               f"{'x piece copy (median)':>23}{'RSS growth MB':>15}{'bound MB':>10}")
         for name in pairs:
             conv, copy, piece = runs[name], runs[f"copy for {name}"], runs[f"piece copy for {name}"]
-            paired = statistics.median(a[0] / b[0] for a, b in zip(conv, copy))
+            paired = statistics.median(a[0] / b[0] for a, b in zip(conv, copy, strict=True))
             mins = min(x[0] for x in conv) / min(x[0] for x in copy)
             cpu = statistics.median(x[1] for x in conv) / max(1e-9, statistics.median(x[1] for x in copy))
-            by_piece = statistics.median(a[0] / b[0] for a, b in zip(conv, piece))
+            by_piece = statistics.median(a[0] / b[0] for a, b in zip(conv, piece, strict=True))
             grown = max(x[2] for x in conv)
             print(f"{name:<14}{paired:>27.2f}{mins:>18.2f}{cpu:>14.2f}{by_piece:>23.2f}{grown / 1e6:>15.0f}"
                   f"{bound / 1e6:>10.0f}")

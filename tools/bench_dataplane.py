@@ -53,7 +53,7 @@ def lengths(n: int, median: float, sigma: float, cap: int, gen: torch.Generator)
 def make_groups(prompt_lens, resp_lens, n: int, gen: torch.Generator) -> list[ScoredGroup]:
     """Real ScoredGroups (what rank 0 broadcast before): ids uniform over the vocab, log-probs in (-5, 0)."""
     groups = []
-    for p, (pl, rls) in enumerate(zip(prompt_lens.tolist(), resp_lens.view(-1, n).tolist())):
+    for p, (pl, rls) in enumerate(zip(prompt_lens.tolist(), resp_lens.view(-1, n).tolist(), strict=True)):
         prompt = torch.randint(0, VOCAB, (pl,), generator=gen).tolist()
         samples = [Sample(request_id=f"r{p}", index=i, prompt_ids=prompt,
                           response_ids=torch.randint(0, VOCAB, (rl,), generator=gen).tolist(),

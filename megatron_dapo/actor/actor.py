@@ -322,11 +322,11 @@ class MegatronActor:
         flat = torch.zeros(len(keys), sum(lens), dtype=torch.float32, device=_device())
         if parallel_state.is_pipeline_last_stage():
             per_sample: list[list[Tensor | None]] = [[None] * len(samples) for _ in keys]
-            for group, out in zip(groups, outputs):
+            for group, out in zip(groups, outputs, strict=True):
                 rows = [samples[i] for i in group]
                 spans = ([r.prompt_len for r in rows], [r.response_len for r in rows])
                 for k, key in enumerate(keys):
-                    for i, values in zip(group, gather_response(out[key], *spans)):
+                    for i, values in zip(group, gather_response(out[key], *spans), strict=True):
                         per_sample[k][i] = values
             flat = torch.stack([torch.cat(rows) for rows in per_sample])  # type: ignore[arg-type]
         if self.layout.pp > 1:
@@ -378,7 +378,7 @@ class MegatronActor:
             comm.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         if self.layout.dp > 1:
             comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        totals = dict(zip(METRIC_KEYS, sums.tolist()))
+        totals = dict(zip(METRIC_KEYS, sums.tolist(), strict=True))
         tokens = totals.pop("tokens")
         metrics = {key: (value / tokens if tokens > 0 else 0.0) for key, value in totals.items()}
         metrics.update(num_tokens=tokens, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,

@@ -238,7 +238,7 @@ class MicroBatch:
 
 def gather_response(values: Tensor, prompt_lens: Sequence[int], response_lens: Sequence[int]) -> list[Tensor]:
     """[b, s] per-position values of a micro-batch -> per-row [response_len] tensors."""
-    return [values[r, p - 1:p - 1 + n] for r, (p, n) in enumerate(zip(prompt_lens, response_lens))]
+    return [values[r, p - 1:p - 1 + n] for r, (p, n) in enumerate(zip(prompt_lens, response_lens, strict=True))]
 
 
 def padded_length(longest: int, pad_to: int) -> int:

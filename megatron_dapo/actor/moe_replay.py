@@ -63,7 +63,7 @@ def replay_table(samples: Sequence[TrainSample], indices: Sequence[int], tokens:
         return None
     b, s = tokens.shape
     table = torch.full((s, b, num_layers, topk), NO_ROUTE, dtype=torch.int16)
-    for r, (index, row) in enumerate(zip(indices, rows)):
+    for r, (index, row) in enumerate(zip(indices, rows, strict=True)):
         routed = row.routed_experts
         if routed is None:
             continue

@@ -78,4 +78,4 @@ def broadcast_to_tokens(advantages: Tensor, response_lengths: Sequence[int]) -> 
     """Repeat each response's scalar advantage over its tokens: [N] -> N tensors of [len_i]."""
     if advantages.numel() != len(response_lengths):
         raise ValueError(f"{advantages.numel()} advantages for {len(response_lengths)} responses")
-    return [torch.full((int(n),), float(a)) for a, n in zip(advantages.tolist(), response_lengths)]
+    return [torch.full((int(n),), float(a)) for a, n in zip(advantages.tolist(), response_lengths, strict=True)]

@@ -571,14 +571,15 @@ class DistCheckpointReader:
         candidates = md.chunks if not lead else self._chunks_at(key, lead)
         pieces = [
             c for c in candidates
-            if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
+            if all(o < hi and o + n > lo for o, n, (lo, hi) in zip(c.offsets, c.sizes, region, strict=True))
         ]
         inside = [
-            c for c in pieces if all(o <= lo and hi <= o + n for o, n, (lo, hi) in zip(c.offsets, c.sizes, region))
+            c for c in pieces
+            if all(o <= lo and hi <= o + n for o, n, (lo, hi) in zip(c.offsets, c.sizes, region, strict=True))
         ]
         contiguous = inside and all(  # the region only narrows the row axis, axes before it have size 1
             (i == row_axis) or (i < row_axis and n == 1) or (i > row_axis and (lo, hi) == (o, o + n))
-            for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region))
+            for i, (o, n, (lo, hi)) in enumerate(zip(inside[0].offsets, inside[0].sizes, region, strict=True))
         )
         return region, row_axis, pieces, inside[0] if contiguous else None
 
@@ -591,7 +592,7 @@ class DistCheckpointReader:
         if found is None:
             found = {}
             for c in self.tensors[key].chunks:
-                spans = [range(o, o + n) for o, n in zip(c.offsets[: len(lead)], c.sizes[: len(lead)])]
+                spans = [range(o, o + n) for o, n in zip(c.offsets[: len(lead)], c.sizes[: len(lead)], strict=True)]
                 for at in itertools.product(*spans):
                     found.setdefault(at, []).append(c)
             with self._lock:
@@ -630,7 +631,7 @@ class DistCheckpointReader:
             out = torch.empty(tuple(hi - lo for lo, hi in region), dtype=self.tensors[key].properties.dtype)
             for c in pieces:
                 data = self._map_chunk(key, tuple(c.offsets), tuple(c.sizes))
-                spans = list(zip(c.offsets, c.sizes, region))
+                spans = list(zip(c.offsets, c.sizes, region, strict=True))
                 src = tuple(slice(max(lo, o) - o, min(hi, o + n) - o) for o, n, (lo, hi) in spans)
                 dst = tuple(slice(max(lo, o) - lo, min(hi, o + n) - lo) for o, n, (lo, hi) in spans)
                 out[dst] = data.reshape(tuple(c.sizes))[src]

@@ -120,7 +120,7 @@ def _sharded_state(actor, *, is_loading: bool, rng: dict[str, Any] | None,
     """The model chunks', optimizer's and RNG's sharded state; loading (`stored`: the checkpoint's keys), the model
     tensors ask for the keys the checkpoint holds them under before the optimizer's keys are made from theirs, so
     a local-spec save resumes under TE and the reverse (an MoE layer's pre-MLP norm: `request_stored_keys`)."""
-    models = {key: module.sharded_state_dict() for key, module in zip(_model_keys(actor), actor.modules)}
+    models = {key: module.sharded_state_dict() for key, module in zip(_model_keys(actor), actor.modules, strict=True)}
     model_sd = models["model"] if len(models) == 1 else models
     if stored is not None:
         request_stored_keys(model_sd, actor.arch, stored)
@@ -427,7 +427,7 @@ def _distributed_adam_steps(optimizer, optimizer_state) -> list[float | None]:
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
     states = [optimizer_state] if len(opts) == 1 else [v for _, v in sorted(optimizer_state.items())]
     steps: list[float | None] = []
-    for opt, state in zip(opts, states):
+    for opt, state in zip(opts, states, strict=True):
         if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(opt, distrib_optimizer.DistributedOptimizer):
             steps.append(None)
             continue
@@ -449,7 +449,7 @@ def _restore_distributed_adam_steps(optimizer, steps: list[float | None]) -> Non
     update: the ~3e-4 relative drift of the next updates after a resume. The regular optimizer
     deep-copies the saved step per param (`_restore_common_per_param_step`), as this does.
     """
-    for opt, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
+    for opt, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps, strict=True):
         if step is None:
             continue
         for state in opt.optimizer.state.values():
@@ -604,7 +604,7 @@ def _read_step(path: Path, actor) -> dict[str, Any]:
 
 def _apply_step(loaded: dict[str, Any], actor) -> dict[str, Any]:
     """Put a read step into `actor` (model, optimizer, scheduler), this rank's RNG; return the extra state."""
-    for key, module in zip(_model_keys(actor), actor.modules):
+    for key, module in zip(_model_keys(actor), actor.modules, strict=True):
         module.load_state_dict(loaded[key])
     with torch.no_grad():
         # The optimizer state holds the fp32 main params: they are loaded as saved, never re-derived

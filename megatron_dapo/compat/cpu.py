@@ -239,7 +239,7 @@ def gather_uneven_first_dim(input_: torch.Tensor, group, output_split_sizes) -> 
         raise ValueError(f"gather_uneven_first_dim: this rank has {input_.shape[0]} rows, its split says "
                          f"{sizes[group.rank()]}")
     parts = comm.all_gather(_padded_rows(input_, rows), group=group)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
 
 
 def _install_uneven_collectives() -> None:

@@ -66,7 +66,7 @@ def evaluate(operands: list[int], operators: list[str]) -> int:
         raise ValueError("evaluate: need exactly one more operand than operators")
     total, term = 0, operands[0]
     sign = 1
-    for op, value in zip(operators, operands[1:]):
+    for op, value in zip(operators, operands[1:], strict=True):
         if op == "*":
             term *= value
         else:
@@ -79,7 +79,7 @@ def _draw(rng: random.Random, task: ArithmeticTask) -> tuple[str, int]:
     num_ops = rng.randint(task.min_operations, task.max_operations)
     operands = [rng.randint(task.min_operand, task.max_operand) for _ in range(num_ops + 1)]
     operators = [rng.choice(task.operators) for _ in range(num_ops)]
-    expression = "".join(f"{a}{op}" for a, op in zip(operands, operators)) + str(operands[-1])
+    expression = "".join(f"{a}{op}" for a, op in zip(operands[:-1], operators, strict=True)) + str(operands[-1])
     return expression, evaluate(operands, operators)
 
 

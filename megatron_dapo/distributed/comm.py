@@ -195,7 +195,7 @@ def all_gather_object(obj, group: ProcessGroup = None) -> list:
     Each rank receives world x longest-pickle bytes. Unlike torch's `all_gather_object` the result is returned
     rather than written into a list."""
     padded, sizes = _padded_payload(obj, group)
-    return [_unpickled(t, n) for t, n in zip(all_gather(padded, group), sizes)]
+    return [_unpickled(t, n) for t, n in zip(all_gather(padded, group), sizes, strict=True)]
 
 
 def gather_object(obj, dst: int, group: ProcessGroup = None) -> list | None:
@@ -206,7 +206,7 @@ def gather_object(obj, dst: int, group: ProcessGroup = None) -> list | None:
     (the length all-gather), not only `dst`."""
     padded, sizes = _padded_payload(obj, group)
     chunks = gather(padded, dst, group)
-    return None if chunks is None else [_unpickled(t, n) for t, n in zip(chunks, sizes)]
+    return None if chunks is None else [_unpickled(t, n) for t, n in zip(chunks, sizes, strict=True)]
 
 
 def _pickled(obj) -> torch.Tensor:

@@ -248,7 +248,7 @@ def batch_from_state(data: dict[str, Any]) -> AheadBatch:
     samples = _unpack_table(data["samples"], Sample, sum(sizes))
     other = {k: _unpack_column(v) for k, v in data["group_fields"].items()}
     groups, i = [], 0
-    for g, (prompt, n) in enumerate(zip(prompts, sizes)):
+    for g, (prompt, n) in enumerate(zip(prompts, sizes, strict=True)):
         groups.append(ScoredGroup(prompt=prompt, samples=samples[i:i + n], **{k: v[g] for k, v in other.items()}))
         i += n
     return AheadBatch.from_checkpoint(int(data["step"]), int(data["weight_version"]), groups, dict(data["metrics"]))

@@ -45,7 +45,7 @@ def evaluate(
                 for i, p in enumerate(prompts)]
     groups = engine.generate(requests)
     per_prompt_acc, correct_counts, lengths = [], [], []
-    for prompt, samples in zip(prompts, groups):
+    for prompt, samples in zip(prompts, groups, strict=True):
         accs = [bool(reward_fn(decode(s.response_ids), prompt.ground_truth).acc) for s in samples]
         per_prompt_acc.append(sum(accs) / len(accs))
         correct_counts.append(sum(accs))

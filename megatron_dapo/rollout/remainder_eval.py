@@ -36,7 +36,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def has_repeat(response: str) -> bool:
     """Whether a line of `response` repeats the line before it (the rambling the warm-up planted)."""
     lines = [line for line in response.strip("\n").split("\n")]
-    return any(a == b and a for a, b in zip(lines, lines[1:]))
+    return any(a == b and a for a, b in zip(lines, lines[1:], strict=False))  # pairs: lines[1:] is one shorter
 
 
 def remainder_sample_stats(engine: Any, tokenizer: Any, records: Sequence[PromptRecord], *, k: int,
@@ -56,7 +56,7 @@ def remainder_sample_stats(engine: Any, tokenizer: Any, records: Sequence[Prompt
     lengths, nll, tokens = [], 0.0, 0
     accs, truncated, sound_cut, repeats = [], [], [], []
     by_bucket: dict[tuple[int, int], list[float]] = {b: [] for b in LENGTH_BUCKETS}
-    for record, samples in zip(records, groups):
+    for record, samples in zip(records, groups, strict=True):
         a, b = record.extra["a"], record.extra["b"]
         for s in samples:
             text = tokenizer.decode(s.response_ids, skip_special_tokens=True)

@@ -148,7 +148,7 @@ def unpack(share: PackedShare, rollout_cls, routing: RoutingShape | None = None)
     out: list[list] = [[] for _ in range(n_mb)]
     tok = lp = rt = 0
     row = routing.num_layers * routing.top_k if routing is not None else 0
-    for (m, p, r), (adv, keep) in zip(meta, vals):
+    for (m, p, r), (adv, keep) in zip(meta, vals, strict=True):
         routed = None
         if routing is not None:
             routed = share.routes[rt:rt + (p + r - 1) * row].view(p + r - 1, routing.num_layers, routing.top_k)

@@ -433,7 +433,7 @@ class Trainer:
     def build_samples(self, groups: list[ScoredGroup]) -> tuple[list[list[list[Rollout]]], dict[str, float]]:
         """Rank 0: group-normalised advantages -> TrainSamples, split into mini-batches, then each mini-batch
         into the DP ranks' shares: [dp][minibatch][row]."""
-        flat = [(g_idx, s, r) for g_idx, g in enumerate(groups) for s, r in zip(g.samples, g.rewards)]
+        flat = [(g_idx, s, r) for g_idx, g in enumerate(groups) for s, r in zip(g.samples, g.rewards, strict=True)]
         adv = self.config.advantage_estimator(torch.tensor([r for _, _, r in flat], dtype=torch.float64),
                                               [g for g, _, _ in flat])
         keep = overlong_keep_mask([s.truncated for _, s, _ in flat], self.collect.overlong)
@@ -444,7 +444,7 @@ class Trainer:
                             routed_experts=s.routed_experts if self.routing is not None else None),
                 torch.tensor(s.logprobs, dtype=torch.float32),
             )
-            for (_, s, _), a, k in zip(flat, adv.tolist(), keep.tolist())
+            for (_, s, _), a, k in zip(flat, adv.tolist(), keep.tolist(), strict=True)
             if len(s.response_ids) > 0
         ]
         gbs = self.config.global_batch_size or len(rollouts)
@@ -458,7 +458,8 @@ class Trainer:
         metrics = {"train/advantage_abs_mean": float(adv.abs().mean()), "train/minibatches": len(minibatches),
                    "train/responses": float(len(rollouts))}
         splits = [self.dp_split(mb, dp) for mb in minibatches]  # [minibatch][dp][row index]
-        return [[[mb[i] for i in split[d]] for mb, split in zip(minibatches, splits)] for d in range(dp)], metrics
+        shares = [[[mb[i] for i in split[d]] for mb, split in zip(minibatches, splits, strict=True)] for d in range(dp)]
+        return shares, metrics
 
     def dp_split(self, minibatch: list[Rollout], dp: int) -> list[list[int]]:
         """Row indices of `minibatch` that each of the `dp` ranks trains on: balanced by token cost (quadratic
@@ -476,7 +477,7 @@ class Trainer:
         old = self.actor.compute_log_probs([r.sample for r in local])
         metrics = self._mismatch(local, old)
         if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
-            for r, lp in zip(local, old):
+            for r, lp in zip(local, old, strict=True):
                 r.sample.old_log_probs = lp
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}  # a metric some mini-batches lack (moe/routing_agreement: the first only)
@@ -555,7 +556,7 @@ class Trainer:
         cfg = self.config.off_policy
         stats = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         peak = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
-        for r, old in zip(local, actor_logp):
+        for r, old in zip(local, actor_logp, strict=True):
             old, rollout = old.detach().float().cpu().unsqueeze(0), r.rollout_log_probs.unsqueeze(0)
             sums = mismatch_sums(old, rollout, torch.ones_like(old), cfg)
             stats += torch.tensor([float(sums[k]) for k in SUM_KEYS], dtype=torch.float64)
@@ -570,4 +571,5 @@ class Trainer:
             group = parallel_state.get_data_parallel_group()
             comm.all_reduce(stats, group=group)
             comm.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        return reduce_mismatch(dict(zip(SUM_KEYS, stats.tolist())) | dict(zip(MAX_KEYS, peak.tolist())))
+        return reduce_mismatch(dict(zip(SUM_KEYS, stats.tolist(), strict=True))
+                               | dict(zip(MAX_KEYS, peak.tolist(), strict=True)))

@@ -27,11 +27,11 @@ def plot(records: list[dict[str, float]], out: Path, title: str) -> list[str]:
 
     fig, axes = plt.subplots(3, 3, figsize=(15, 11))
     drawn = []
-    for ax, (name, keys) in zip(axes.flat, PANELS):
+    for ax, (name, keys) in zip(axes.flat, PANELS, strict=True):
         for key in keys:
             points = [(r["step"], r[key]) for r in records if key in r]
             if points:
-                xs, ys = zip(*points)
+                xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker="o" if len(points) < 30 else None, markersize=3, label=key)
                 drawn.append(key)
         ax.set_title(name)

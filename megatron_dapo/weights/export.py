@@ -75,7 +75,7 @@ def _manifest(params: list[_Param], arch: ModelArch) -> Manifest:
         shapes = hf_shapes(p.entry, arch)
         copies = len(_hf_names(p, arch)) // len(shapes)
         manifest += [(n, s, p.param.dtype)
-                     for n, s in zip(_hf_names(p, arch), (s for s in shapes for _ in range(copies)))]
+                     for n, s in zip(_hf_names(p, arch), (s for s in shapes for _ in range(copies)), strict=True)]
     return manifest
 
 

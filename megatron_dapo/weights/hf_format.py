@@ -204,7 +204,7 @@ def planned_offsets(specs: Sequence[TensorSpec], max_shard_bytes: int = DEFAULT_
     offsets: dict[str, int] = {}
     for shard in plan_shards(specs, max_shard_bytes):
         _, at = safetensors_header("", shard, metadata=_SHARD_METADATA)
-        offsets.update((spec.name, o) for spec, o in zip(shard, at))
+        offsets.update((spec.name, o) for spec, o in zip(shard, at, strict=True))
     return offsets
 
 
@@ -233,7 +233,7 @@ class HFShardedWriter:
         self._files: list[PositionalSafetensorsWriter] = []
         self._shard_index = {spec.name: i for i, shard in enumerate(self._shards) for spec in shard}
         try:
-            for name, shard in zip(self._names, self._shards):
+            for name, shard in zip(self._names, self._shards, strict=True):
                 self._files.append(
                     PositionalSafetensorsWriter(os.path.join(self.dir, name), shard, metadata=_SHARD_METADATA))
         except BaseException:

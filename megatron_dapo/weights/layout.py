@@ -168,7 +168,7 @@ def hf_to_mcore_tensor(
     if kind == "fc1":
         _check_hf(kind, hf_tensors, 2)
         gate, up = (torch.chunk(t, tp, dim=0) for t in hf_tensors)
-        return [torch.cat([g, u], dim=0) for g, u in zip(gate, up)]
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate, up, strict=True)]
     raise ValueError(f"unknown layout kind {kind!r}")
 
 
@@ -219,4 +219,4 @@ def mcore_to_hf_tensors(
         return []
     global_layer = None if layer is None else layer + layer_offset
     names = [fill(t, global_layer, expert) for t in entry.hf]
-    return list(zip(names, merge_tp_shards(entry.kind, shards, arch)))
+    return list(zip(names, merge_tp_shards(entry.kind, shards, arch), strict=True))

@@ -103,7 +103,7 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
     for t in stage_tensors(arch, ParallelLayout(), 0):
         if t.entry.tied_hf and arch.tie_word_embeddings:
             continue
-        for name, shape in zip(t.hf_names, hf_shapes(t.entry, arch)):
+        for name, shape in zip(t.hf_names, hf_shapes(t.entry, arch), strict=True):
             if name not in seen:
                 seen.add(name)
                 specs.append(TensorSpec(name, dtype, shape))
@@ -137,7 +137,7 @@ def _iter_shards(get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, 
                  pp_rank: int, ep_rank: int) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
     for t in stage_tensors(arch, layout, pp_rank, ep_rank):
         hf = [get_hf_tensor(name) for name in t.hf_names]
-        for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch)):
+        for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch), strict=True):
             if tuple(tensor.shape) != shape:
                 raise ValueError(
                     f"HF tensor {name} has shape {list(tensor.shape)}, config.json implies {list(shape)}"

@@ -214,7 +214,7 @@ class PositionalSafetensorsWriter:
     ) -> None:
         head, offsets = safetensors_header(path, specs, metadata)
         self.path = os.fspath(path)
-        self._at = {s.name: (s, o) for s, o in zip(specs, offsets)}
+        self._at = {s.name: (s, o) for s, o in zip(specs, offsets, strict=True)}
         self._rows: dict[str, int] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()  # one writer of this file at a time (see the class docstring)
