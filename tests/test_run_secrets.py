@@ -1,8 +1,10 @@
 """No secret in any file a run writes: run_config.json (the run record), metrics, wandb files, checkpoints, HF export,
-the --save lock; while the run lives and after it is killed.
+the --save lock; while the run lives and after it is killed; and, with launched SGLang servers, their logs.
 
 The SGLang API key reaches the trainer through --sglang-api-key-file or SGLANG_API_KEY even when the
 rollout engine is the embedded one; megatron_dapo/trainer/run_record.py redacts it where the run record is made.
+A launched server logs its arguments, the key among them: megatron_dapo/rollout/sglang/log_redact.py filters it out
+of the server's output before the log file (the Slurm job's logs: tests/test_slurm_rehearsal.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.rollout.sglang.log_redact import REDACTED as LOG_REDACTED
 from megatron_dapo.trainer.metrics_log import MetricsLogger
 from megatron_dapo.trainer.run_record import REDACTED, run_record
 from tests.conftest import train_env
+from tests.ports import free_port_block
+from tests.sglang.real_server import QUICK_STOP_ENV, SGLANG_PY
 from tests.test_trainer_e2e import latest_step
 
 FILE_KEY = "fileKEY-7f3a9c0d2b"
@@ -54,6 +59,34 @@ def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
     assert files_holding(tmp_path, (FILE_KEY, ENV_KEY)) == [str(key_file)]  # only the user's own key file
     record = json.loads((run / "log" / "run_config.json").read_text())
     assert record["sglang_api_key"] == REDACTED and record["sglang_api_key_file"] == str(key_file)
+
+
+@pytest.mark.slow
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_PY.exists(), reason="no .venv-sglang: run `make sglang-env`")
+def test_a_run_with_launched_sglang_servers_writes_no_api_key_anywhere(tiny_base, tmp_path):
+    """One step with a real SGLang server the trainer launches, keyed from --sglang-api-key-file: no file under the
+    run's directories holds the key (the server's log included), and the log has SGLang's argument print with the
+    key's place marked, so the scan had what to find. Before the filter that line carried the key."""
+    key_file = tmp_path / "key"
+    key_file.write_text(FILE_KEY + "\n")
+    key_file.chmod(0o600)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
+           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+           "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY), "--sglang-extra-args", "--dtype float32",
+           "--sglang-base-port", str(free_port_block(2)), "--weight-sync-mode", "tensor",
+           "--sglang-api-key-file", str(key_file), "--log-dir", str(run / "log"), "--no-progress", "--seed", "3"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=train_env() | QUICK_STOP_ENV, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    server_log = run / "log" / "sglang" / "sglang_0.log"
+    assert (run / "log" / "metrics.jsonl").is_file() and server_log.is_file()
+    assert FILE_KEY not in proc.stdout + proc.stderr
+    assert files_holding(tmp_path, (FILE_KEY,)) == [str(key_file)]  # only the user's own key file
+    assert f"'api_key': '{LOG_REDACTED.decode()}'" in server_log.read_text()
 
 
 @pytest.mark.slow

@@ -1,7 +1,10 @@
-"""The SGLang API key stays off command lines: the trainer's --sglang-api-key-file, the 0600 file a launched
-server group hands the key over in (megatron_dapo/rollout/sglang/api_key.py), its removal on stop and on a failed
-start, and the router's entry point. Servers are tests/sglang/fake_server.py (which reads SGLang's --config)."""
+"""The SGLang API key stays off command lines and out of logs: the trainer's --sglang-api-key-file, the 0600 file a
+launched server group hands the key over in (megatron_dapo/rollout/sglang/api_key.py), its removal on stop and on a
+failed start, the router's entry point, and the filter between a keyed process's output and its log
+(megatron_dapo/rollout/sglang/log_redact.py). Servers are tests/sglang/fake_server.py (which reads SGLang's
+--config); a real SGLang server's log is scanned in tests/test_run_secrets.py."""
 
+import json
 import os
 import stat
 import sys
@@ -22,6 +25,7 @@ from megatron_dapo.rollout.sglang.api_key import (
     resolve_api_key,
     write_server_key_file,
 )
+from megatron_dapo.rollout.sglang.log_redact import REDACTED, Redactor, secret_forms
 from megatron_dapo.rollout.sglang.router_launch import router_argv
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
 from megatron_dapo.trainer import build as build_mod
@@ -257,3 +261,87 @@ def test_wide_bind_without_a_key_is_one_error_line_naming_the_flags(tmp_path, ca
     for ok in (["--sglang-api-key-file", str(key)], ["--sglang-allow-no-api-key"],
                ["--sglang-server-urls", "http://10.0.0.1:30000"]):
         build_mod.check_flags(parse(model, data, *wide, *ok))
+
+
+# ---- the key filtered out of what a keyed process prints --------------------------------------------------
+
+
+def _printed(key: str) -> tuple[bytes, bytes]:
+    """A log as SGLang writes it (its ServerArgs as a dict's repr, a JSON line, the key bare and twice in a row) and
+    that log redacted, written out by hand: each form of the key replaced by the marker, quotes kept."""
+    r, j, k = repr(key).encode(), json.dumps(key).encode(), key.encode()
+    text = b"server_args={'model_path': 'm', 'api_key': " + r + b", 'port': 30000}\n" + b'{"api_key": ' + j + \
+        b"}\n" + b"key=" + k + k + b" end\n"
+    want = b"server_args={'model_path': 'm', 'api_key': " + r[:1] + REDACTED + r[-1:] + b", 'port': 30000}\n" + \
+        b'{"api_key": "' + REDACTED + b'"}\n' + b"key=" + REDACTED + REDACTED + b" end\n"
+    return text, want
+
+
+@pytest.mark.parametrize("key", [KEY, "plainKEY-0123456789abcdef", "Q"], ids=["escaped", "plain", "one-char"])
+def test_redactor_removes_every_form_of_the_key_however_the_stream_is_cut(key):
+    """The output's pieces are whatever the pipe's reads return: a key cut in two (at every position), or fed a
+    byte at a time, comes out redacted the same as the whole text at once."""
+    text, want = _printed(key)
+    assert len(secret_forms(key)) == (3 if key == KEY else 1)  # the quote and backslash escape in repr and JSON
+    whole = Redactor(key)
+    assert whole.feed(text) + whole.close() == want
+    for cut in range(len(text) + 1):
+        r = Redactor(key)
+        assert r.feed(text[:cut]) + r.feed(text[cut:]) + r.close() == want, cut
+    r = Redactor(key)
+    assert b"".join(r.feed(text[i:i + 1]) for i in range(len(text))) + r.close() == want
+    if len(key) > 1:  # a key cut off by the writer's death
+        r = Redactor(key)
+        assert r.feed(b"x" + key.encode()[:-1]) + r.close() == b"x" + REDACTED
+    with pytest.raises(ValueError, match="non-empty"):
+        Redactor("")
+
+
+PRINTING_SERVER = """
+import os, subprocess, sys, yaml
+args = sys.argv[1:]
+key = yaml.safe_load(open(args[args.index("--config") + 1]))["api-key"]
+half = len(key) // 2
+sys.stdout.write("server_args={'api_key': " + repr(key)[:half])  # two writes: the key split between them
+sys.stdout.flush()
+sys.stdout.write(repr(key)[half:] + "}\\n")
+sys.stdout.flush()
+print("stderr: " + key, file=sys.stderr, flush=True)
+subprocess.run([sys.executable, "-c", "import sys; print('child: ' + sys.argv[1], flush=True)", key], check=True)
+os.execv(sys.executable, [sys.executable, FAKE_SERVER, *args])
+"""
+"""A stand-in for sglang.launch_server that prints the key it read from --config as SGLang does (its ServerArgs, on
+stdout, in two writes), on stderr, and from a child process (as SGLang's scheduler would), then serves."""
+
+
+def _printing_python(tmp_path: Path) -> Path:
+    script = tmp_path / "printing_server.py"
+    script.write_text(f"FAKE_SERVER = {str(REPO / 'tests' / 'sglang' / 'fake_server.py')!r}\n" + PRINTING_SERVER)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_what_a_keyed_server_prints_reaches_its_log_without_the_key(tmp_path, private_tmp):
+    """A keyed group of stand-ins that print the key (stdout, stderr, a child process): every file under the log
+    directory lacks the key in any form, and each print is in the log with the marker where the key was; the copy
+    still runs after a restart (server 0 killed and started again) and the log is complete once stop() returns."""
+    cfg = ServerConfig(model_path="m", num_servers=2, router=False, base_port=free_port_block(2), device="cpu",
+                       python=str(_printing_python(tmp_path)), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
+                       api_key=KEY, env={"FAKE_SGLANG_LIFETIME": "60"})
+    group = ServerGroup(cfg)
+    group.start()
+    try:
+        group.restart(0)
+    finally:
+        group.stop()
+    logs = sorted((tmp_path / "logs").iterdir())
+    assert [p.name for p in logs] == ["sglang_0.log", "sglang_1.log"]
+    for path in logs:
+        text = path.read_bytes()
+        assert not [f for f in secret_forms(KEY) if f in text], text
+        starts = 2 if path.name == "sglang_0.log" else 1
+        marked = (b"server_args={'api_key': '" + REDACTED + b"'}\n", b"stderr: " + REDACTED + b"\n",
+                  b"child: " + REDACTED + b"\n")
+        assert [text.count(m) for m in marked] == [starts] * 3, text

@@ -36,6 +36,7 @@ import pytest
 
 from tests.conftest import REPO, train_env
 from tests.procs import processes
+from tests.test_run_secrets import files_holding
 
 sys.path.insert(0, str(REPO / "tools"))
 import slurm_cluster  # noqa: E402
@@ -236,6 +237,11 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     assert "sglang server 0" in rollout_log and "restart 1 of 3" in rollout_log
     assert not leaks, f"the API key was on a process's command line: {leaks[:5]}"
     assert not key_file.exists()  # removed when the job ended
+    # nor in any file the job wrote ($JOB_DIR: the nodes' logs, the servers' and the router's; the run's records;
+    # the batch output); SGLang printed its arguments into the servers' logs with the key's place marked
+    assert files_holding(tmp_path, (key,)) == []
+    server_logs = list(job_dir.glob("sglang-*/sglang_*.log"))
+    assert len(server_logs) == 2 and all("'api_key': '<redacted>'" in p.read_text() for p in server_logs), server_logs
     assert _wait(lambda: not cluster.leftover_pids(), 30, "no process left on any node", poll_s=1) is True
     print(f"dense rehearsal: {wall:.0f} s from sbatch to the job leaving the queue")
 

@@ -18,22 +18,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from tests.real_model import SMOLLM2_MARKS, smollm2_hf_dir
+from tests.real_model import CHATS, EOS, LOGPROB_ATOL, SMOLLM2_MARKS, chat_ids, hf_logprobs, smollm2_hf_dir
 
 pytestmark = SMOLLM2_MARKS
 
-LOGPROB_ATOL = 1e-4
-"""Max |log p - log p_hf| per token (fp32, 30 layers; measured 1.7e-5 Megatron, 3.7e-5 embedded engine)."""
-
-CHATS = [  # (user turn, a real answer): teacher-forced through the chat template
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("Sam has 14 coins. Sam gets 11 more. How many coins does Sam have now?",
-     "Sam has 14 + 11 = 25 coins now."),
-    ("Write a haiku about the sea.",
-     "Waves fold into foam,\nsalt wind carries gull voices,\nthe tide breathes and goes."),
-]
 PROMPTS = ["What is 7 plus 5?", "Name three colors.", "Lucy has 3 apples and buys 4 more. How many apples?"]
-EOS = 2  # <|im_end|>
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +52,10 @@ def round_trip(hf_dir, tmp_path_factory):
     return mc, back
 
 
-def _chat_ids(tokenizer, user: str, answer: str | None = None) -> list[int]:
-    messages = [{"role": "user", "content": user}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False) + (
-        tokenizer.encode(answer, add_special_tokens=False) + [EOS] if answer is not None else [])
-
-
 def test_tokenizer_special_tokens(tokenizer):
     """What the rest of the system relies on: eos = pad = <|im_end|> (2), and the template brings its own tokens."""
     assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id) == (EOS, EOS, 1)
-    ids = _chat_ids(tokenizer, "Hi")
+    ids = chat_ids(tokenizer, "Hi")
     assert ids[0] == 1 and ids.count(1) == 3  # system, user, assistant turns; no extra BOS from encode
     assert tokenizer.decode(ids[-4:]) == "<|im_start|>assistant\n"  # "assistant" is two tokens
 
@@ -124,15 +106,8 @@ def test_round_trip_is_bit_exact_and_loads(hf_dir, round_trip, tokenizer):
     config = json.loads((back / "config.json").read_text())
     assert (config["model_type"], config["vocab_size"], config["tie_word_embeddings"]) == ("llama", 49152, True)
     again = AutoTokenizer.from_pretrained(back)
-    assert _chat_ids(again, *CHATS[0]) == _chat_ids(tokenizer, *CHATS[0])
+    assert chat_ids(again, *CHATS[0]) == chat_ids(tokenizer, *CHATS[0])
     assert (again.eos_token_id, again.pad_token_id) == (EOS, EOS)
-
-
-def _hf_logprobs(hf_model, tokens: list[int], prompt_len: int) -> torch.Tensor:
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([tokens])).logits[0].double()
-    logp = torch.log_softmax(logits, -1)
-    return logp[torch.arange(prompt_len - 1, len(tokens) - 1), torch.tensor(tokens[prompt_len:])].float()
 
 
 def test_megatron_logprobs_equal_hf(round_trip, hf_dir, hf_model, tokenizer):
@@ -145,8 +120,8 @@ def test_megatron_logprobs_equal_hf(round_trip, hf_dir, hf_model, tokenizer):
     arch = ModelArch.from_hf(hf_dir)
     samples = []
     for user, answer in CHATS:
-        prompt = _chat_ids(tokenizer, user)
-        samples.append(TrainSample(tokens=_chat_ids(tokenizer, user, answer), prompt_len=len(prompt)))
+        prompt = chat_ids(tokenizer, user)
+        samples.append(TrainSample(tokens=chat_ids(tokenizer, user, answer), prompt_len=len(prompt)))
     layout = init_parallel(seed=0)
     try:
         actor = MegatronActor(arch, ActorConfig(lr=1e-5, max_tokens_per_micro_batch=256), layout)
@@ -156,7 +131,7 @@ def test_megatron_logprobs_equal_hf(round_trip, hf_dir, hf_model, tokenizer):
         destroy_parallel()
     diffs = []
     for sample, lp in zip(samples, got):
-        want = _hf_logprobs(hf_model, sample.tokens, sample.prompt_len)
+        want = hf_logprobs(hf_model, sample.tokens, sample.prompt_len)
         diffs.append(float((lp.float() - want).abs().max()))
         torch.testing.assert_close(lp.float(), want, atol=LOGPROB_ATOL, rtol=0)
     tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
@@ -170,7 +145,7 @@ def test_embedded_engine_greedy_equals_hf_generate(round_trip, hf_model, tokeniz
 
     _, back = round_trip
     max_new = 40
-    prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     engine = EmbeddedEngine(str(back), tokenizer=tokenizer, max_batch_size=8)
     assert EOS in engine.eos_ids
     sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0)
@@ -191,7 +166,7 @@ def test_embedded_engine_greedy_equals_hf_generate(round_trip, hf_model, tokeniz
             assert sample.response_ids[-1] == EOS and EOS not in sample.response_ids[:-1]
         else:
             assert sample.finish_reason == "length" and len(sample.response_ids) == max_new
-        ref = _hf_logprobs(hf_model, ids + sample.response_ids, len(ids))
+        ref = hf_logprobs(hf_model, ids + sample.response_ids, len(ids))
         diffs.append(float((torch.tensor(sample.logprobs) - ref).abs().max()))
         torch.testing.assert_close(torch.tensor(sample.logprobs), ref, atol=LOGPROB_ATOL, rtol=0)
     assert stopped >= 1  # at least one answer ends with <|im_end|> within max_new tokens

@@ -6,7 +6,8 @@
 examples/slurm/ runs it once per rollout node (srun, one task a node); examples/launch_sglang_servers.sh runs it by
 hand. It
 - starts the S servers with ServerConfig's commands (rollout/sglang/server.py): each in its own process group
-  with PR_SET_PDEATHSIG, the API key handed over in a 0600 `--config` file, never on a command line;
+  with PR_SET_PDEATHSIG, the API key handed over in a 0600 `--config` file, never on a command line, and filtered
+  out of what they (and the router) print before it reaches their logs (rollout/sglang/log_redact.py);
 - with --router-worker-urls (the first rollout node): waits until every worker of every rollout node answers
   (--sglang-server-wait-s; the error names the nodes that did not), then starts sglang-router in front of them
   on base port + S;

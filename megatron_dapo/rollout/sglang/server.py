@@ -14,8 +14,10 @@ SGLang's --config option (YAML merged into their arguments in-process; their sch
 are multiprocessing spawns that get their arguments through a pipe) and the router through
 megatron_dapo.rollout.sglang.router_launch. ServerGroup.stop deletes it (a failed start stops the group); only
 a trainer killed with SIGKILL leaves it behind, still readable by its owner only, until the next keyed start
-on that host removes it (api_key.remove_stale_key_dirs). SGLang logs its arguments,
-key included, so the logs of a keyed group are created 0600 too.
+on that host removes it (api_key.remove_stale_key_dirs). SGLang logs its arguments, key included: a keyed
+process writes into a pipe, and a thread of the launcher copies it to the log file with the key replaced by
+<redacted> (log_redact.py). The logs of a keyed group are still created 0600, for a key printed in a form the
+filter does not know (base64, say).
 
 Lifetime: every launched process gets PR_SET_PDEATHSIG=SIGKILL, so a trainer killed with SIGKILL takes its
 servers with it (SGLang's own scheduler / detokenizer children die with their server the same way).
@@ -31,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +41,7 @@ from pathlib import Path
 import httpx
 
 from megatron_dapo.rollout.sglang.api_key import check_key, remove_server_key_file, write_server_key_file
+from megatron_dapo.rollout.sglang.log_redact import start_redacting_copy
 
 
 @dataclass(kw_only=True)
@@ -265,6 +269,11 @@ def server_env(parent: dict[str, str], extra: dict[str, str], *, memory_saver: b
     return env
 
 
+LOG_DRAIN_S = 5.0
+"""How long an exited process's log copy may take to reach the end of its output before its log tail is read: SGLang's
+scheduler and detokenizer children die with their server (PR_SET_PDEATHSIG), within this."""
+
+
 class ServerProcess:
     """One child process (server or router) with its log file; started in a new session so that
     `stop` ends its whole process tree (SGLang forks scheduler / detokenizer children)."""
@@ -275,21 +284,41 @@ class ServerProcess:
         self.memory_saver = memory_saver
         """Runs with --enable-memory-saver: its allocator options must leave out expandable segments."""
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.secret = api_key
+        """Filtered out of the process's output before it reaches the log (log_redact.py): SGLang logs its
+        arguments, the key among them."""
         self.private_log = api_key is not None
-        """SGLang logs its arguments, the key among them: the log is then mode 0600."""
+        """With a key the log is mode 0600 as well (a key printed in a form the filter does not know)."""
         self.proc: subprocess.Popen | None = None
+        self.log_copy: threading.Thread | None = None
+        """The thread copying a keyed process's output to the log (None without a key: it writes the file)."""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if self.private_log else 0o666)
         if self.private_log:
             os.fchmod(fd, 0o600)  # also a log an earlier, keyless run left readable
-        log = os.fdopen(fd, "ab")
+        out, pipe_read = fd, None
+        if self.secret is not None:
+            pipe_read, out = os.pipe()  # both close-on-exec: only the child's stdout / stderr hold the write end
         parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env=self.environment(dict(os.environ)), start_new_session=True,
-                                     preexec_fn=lambda: _die_with_parent(prctl, parent))
-        log.close()
+        try:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                         env=self.environment(dict(os.environ)), start_new_session=True,
+                                         preexec_fn=lambda: _die_with_parent(prctl, parent))
+        except BaseException:
+            for f in {fd, out} | ({pipe_read} if pipe_read is not None else set()):
+                os.close(f)
+            raise
+        os.close(out)
+        if pipe_read is not None:  # the copy owns the pipe's read end and the log's descriptor from here
+            self.log_copy = start_redacting_copy(pipe_read, fd, self.secret, self.name)
+
+    def finish_log(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for a keyed process's log copy to reach the end of its output (every process of
+        its group exited, so the pipe closed): the log then holds all it printed."""
+        if self.log_copy is not None:
+            self.log_copy.join(timeout_s)
 
     def environment(self, parent: dict[str, str]) -> dict[str, str]:
         """What the process starts with, launched from a process whose environment is `parent`."""
@@ -331,12 +360,17 @@ class ServerProcess:
         _killpg(pgid, signal.SIGKILL)
         if self.proc.poll() is None:
             self.proc.wait(grace_s)
+        self.finish_log(grace_s)
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     def log_tail(self, chars: int = 3000) -> str:
+        """The log's last `chars` characters; of an exited process, once its last words reached the log (up to
+        LOG_DRAIN_S later: a child of the process may hold its output open a moment longer)."""
+        if self.proc is not None and not self.alive():
+            self.finish_log(LOG_DRAIN_S)
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
@@ -359,6 +393,9 @@ def stop_all(procs: list[ServerProcess], grace_s: float = 10.0) -> None:
         _killpg(p.proc.pid, signal.SIGKILL)
         if p.proc.poll() is None:
             p.proc.wait(grace_s)
+    deadline = time.monotonic() + grace_s
+    for p in started:  # the group is dead: its pipe is closed, the copy only writes what it still holds
+        p.finish_log(max(0.0, deadline - time.monotonic()))
 
 
 def _killpg(pgid: int, sig: int) -> None:
