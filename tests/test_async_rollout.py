@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import pytest
@@ -29,29 +28,46 @@ from tests.dist.actor_common import load_hf_weights, single_process_world
 from tests.sim_engine import decode, reward
 
 STEPS = 5
-GEN_S = 0.15  # generation time per group: long enough that training overlaps it measurably
+GATE_S = 30.0
+"""How long a gate waits for the other thread's event before it logs "gate_timeout" and goes on (later gates then
+do not wait): only reached when the trainer's schedule is broken and the event never comes; the events are thread
+hand-offs of milliseconds, so this bounds a hang, not a speed."""
 
 
 class ScriptedEngine(RolloutEngine):
     """Two responses per request, one right, one wrong (every group informative); each sample is stamped with
-    the version of the weights the engine holds; `events` logs (what, step or version, time)."""
+    the version of the weights the engine holds; `events` logs (what, step or version) in the order they happened.
 
-    def __init__(self) -> None:
-        self.version, self.events, self._lock = 0, [], threading.Lock()
+    With `overlap` (--async-rollout 1), whatever the load on the machine, the batch of step k+1 (generated during
+    step k) ends only once the trainer waits for it ("wait_ahead", logged by RecordingTrainer) or pushes version k:
+    so a push that does not wait for the batch is seen to come before its end, instead of losing a race to it."""
+
+    def __init__(self, overlap: bool = False) -> None:
+        self.version, self.events, self.overlap = 0, [], overlap
+        self._changed = threading.Condition()
 
     def _log(self, what: str, value: int) -> None:
-        with self._lock:
-            self.events.append((what, value, time.perf_counter()))
+        with self._changed:
+            self.events.append((what, value))
+            self._changed.notify_all()
+
+    def wait_for(self, *wanted: tuple[str, int]) -> None:
+        """Block until one of the `wanted` (what, value) events was logged; after GATE_S log a "gate_timeout"."""
+        with self._changed:
+            timeout = 0.0 if any(kind == "gate_timeout" for kind, _ in self.events) else GATE_S
+            if not self._changed.wait_for(lambda: any(w in self.events for w in wanted), timeout=timeout):
+                self.events.append(("gate_timeout", wanted[0][1]))
 
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
         check_unique_ids(requests)
         step = int(requests[0].request_id.split("-")[0][1:])  # collect's ids: s<step>-r<round>-<i>-p<index>
         self._log("stream_start", step)
         for req in requests:
-            time.sleep(GEN_S)
             yield [Sample(request_id=req.request_id, index=i, prompt_ids=list(req.prompt_ids),
                           response_ids=[1 - i % 2, 2, 2], logprobs=[-0.5, -0.7, -0.9], finish_reason="stop",
                           weight_version=self.version) for i in range(req.n)]
+        if self.overlap and step > 1:
+            self.wait_for(("wait_ahead", step), ("push", step - 1))
         self._log("stream_end", step)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
@@ -78,7 +94,9 @@ class ScriptedEngine(RolloutEngine):
 
 
 class RecordingTrainer(Trainer):
-    """Records which weight versions each step trained on, and when training ran."""
+    """Records which weight versions each step trained on, and when training ran. With the engine's `overlap`,
+    step k (< STEPS) starts training only once batch k+1 has started generating (so the overlap happens whatever
+    the load), and the trainer's wait for batch k+1 (AheadBatch.wait, in finish_ahead) is logged as "wait_ahead"."""
 
     def next_batch(self, step):
         groups, metrics = super().next_batch(step)
@@ -87,12 +105,23 @@ class RecordingTrainer(Trainer):
         return groups, metrics
 
     def train(self, minibatches, step):
+        if self.engine.overlap and step < STEPS:
+            self.engine.wait_for(("stream_start", step + 1))
         self.engine._log("train_start", step)
         out = super().train(minibatches, step)
         self.engine._log("train_end", step)
         return out
 
     def finish_ahead(self):
+        job = self.ahead.job
+        if job is not None:
+            wait = job.wait
+
+            def logged_wait() -> float:
+                self.engine._log("wait_ahead", job.step)
+                return wait()
+
+            job.wait = logged_wait
         out = super().finish_ahead()
         self.metrics_of[self.step + 1] |= out
         return out
@@ -112,7 +141,7 @@ def _run(world, depth: int) -> RecordingTrainer:
                             overlong=OverlongConfig(max_response_length=3), seed=1)
     prompts = [Prompt(prompt_ids=[3, 4 + i], ground_truth="1", index=i) for i in range(100)]
     cursor = iter(prompts)
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(overlap=depth > 0)
     trainer = RecordingTrainer(config=TrainerConfig(num_steps=STEPS, async_rollout=depth), collect=collect,
                                actor=actor, engine=engine, next_prompts=lambda k: [next(cursor) for _ in range(k)],
                                eval_prompts=[], decode=decode, reward_fn=reward, logger=None)
@@ -121,8 +150,9 @@ def _run(world, depth: int) -> RecordingTrainer:
     return trainer
 
 
-def _times(events, what: str) -> dict[int, float]:
-    return {value: t for kind, value, t in events if kind == what}
+def _order(events, what: str) -> dict[int, int]:
+    """Step or version -> the position of its `what` event in the log (events are logged under one lock)."""
+    return {value: i for i, (kind, value) in enumerate(events) if kind == what}
 
 
 def test_synchronous_steps_train_on_the_newest_weights_and_never_overlap(world):
@@ -130,7 +160,7 @@ def test_synchronous_steps_train_on_the_newest_weights_and_never_overlap(world):
     assert trainer.trained_versions == {k: {k - 1} for k in range(1, STEPS + 1)}
     assert [trainer.metrics_of[k]["async/staleness"] for k in range(1, STEPS + 1)] == [0.0] * STEPS
     ev = trainer.engine.events
-    start, end, train0, train1, push = (_times(ev, w) for w in
+    start, end, train0, train1, push = (_order(ev, w) for w in
                                         ("stream_start", "stream_end", "train_start", "train_end", "push"))
     for k in range(1, STEPS + 1):
         assert end[k] <= train0[k] < train1[k] <= push[k]
@@ -144,7 +174,8 @@ def test_one_step_off_policy_generates_the_next_batch_while_training(world):
     assert trainer.trained_versions == {k: {max(k - 2, 0)} for k in range(1, STEPS + 1)}
     assert [trainer.metrics_of[k]["async/staleness"] for k in range(1, STEPS + 1)] == [0.0] + [1.0] * (STEPS - 1)
     ev = trainer.engine.events
-    start, end, train0, train1, push = (_times(ev, w) for w in
+    assert not [e for e in ev if e[0] == "gate_timeout"], ev  # every awaited event came
+    start, end, train0, train1, push = (_order(ev, w) for w in
                                         ("stream_start", "stream_end", "train_start", "train_end", "push"))
     assert sorted(start) == list(range(1, STEPS + 1))  # one batch per step, the last step generates none ahead
     for k in range(1, STEPS):
@@ -154,7 +185,7 @@ def test_one_step_off_policy_generates_the_next_batch_while_training(world):
         assert train1[k] <= push[k]
         assert trainer.metrics_of[k]["time/overlap_s"] > 0
     assert push[STEPS] >= train1[STEPS]
-    pushes = [value for kind, value, _ in ev if kind == "push"]
+    pushes = [value for kind, value in ev if kind == "push"]
     assert pushes == list(range(1, STEPS + 1))
 
 

@@ -45,18 +45,20 @@ def test_sigkill_mid_save_leaves_no_process(tmp_path, mode):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tracked: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 300
+    count = tmp_path / "writers.count"
     try:
-        while not list(tmp_path.glob("writer_*")):  # a writer process is inside its (slowed) write
+        # Every writer is inside its (slowed) write: no process of the save is still to be forked. The deadline
+        # only bounds a hang (a save of the tiny model starts within seconds).
+        while not (count.is_file() and len(list(tmp_path.glob("writer_*"))) == int(count.read_text())):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
             tracked |= set(descendants(proc.pid))
             time.sleep(0.05)
-        time.sleep(0.5)
         tracked |= set(descendants(proc.pid))
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     writers = {int(p.name.split("_")[1]) for p in tmp_path.glob("writer_*")}
-    assert writers <= {pid for pid, _ in tracked}
+    assert len(writers) == int(count.read_text()) >= 1 and writers <= {pid for pid, _ in tracked}
     assert survivors(tracked) == []
     assert not (tmp_path / "ckpt" / "latest").exists() and (tmp_path / "ckpt" / "step_0000001.tmp").is_dir()
 

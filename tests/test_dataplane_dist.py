@@ -1,9 +1,11 @@
-"""Two gloo ranks (tests/dist/dataplane_wait.py, one launch, ~50 s): each DP rank receives exactly its
+"""Two gloo ranks (tests/dist/dataplane_wait.py, one launch, ~60 s): each DP rank receives exactly its
 rows; an abort on rank 0 reaches the waiting rank; a rollout and an evaluation that outlast the default
 process group's timeout (8 s) are waited out on the --rollout-timeout gloo group and the step completes,
-while a wait on a group with the default timeout fires; a failure on rank 0 while rank 1 waits for it (its
-evaluation, its metrics log, its weight push) and a failure of rank 1 in a section make the other rank raise
-at once, naming the failed rank and what failed."""
+while waits on groups with the default timeout, begun as rank 1 started waiting, fire first; a failure on
+rank 0 while rank 1 waits for it (its evaluation, its metrics log, its weight push) and a failure of rank 1 in
+a section make the other rank raise at once, naming the failed rank and what failed. No assertion reads a
+clock: "outlasts" is the order of events on rank 1 (its default-timeout waits fired, then its wait returned),
+and rank 0 answers only after them."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import pytest
 from tests.torchrun import REPO, run_torchrun
 
 pytestmark = pytest.mark.slow
-DEFAULT_TIMEOUT_S, SLOW_S = 8, 11.0
-FAIL_AFTER_S, STUCK_S = 1.0, 30.0
+DEFAULT_TIMEOUT_S, STUCK_S = 8, 60.0
+TIMED_OUT = f"Timed out waiting {DEFAULT_TIMEOUT_S * 1000}ms for recv operation to complete"  # gloo's words
 
 
 @pytest.fixture(scope="module")
@@ -52,26 +54,31 @@ def test_abort_reaches_the_waiting_rank(checks):
 def test_slow_rollout_outlasts_the_default_timeout_and_the_step_completes(checks):
     steps = _both(checks, "step")
     assert len(steps) == 2 and all(s["step"] == 1 for s in steps)
-    assert steps[1]["waited_s"] > SLOW_S > DEFAULT_TIMEOUT_S  # rank 1 waited out the rollout in distribute
+    # rank 1 was still waiting in distribute when two waits with the default timeout, begun as it entered, had
+    # fired (rank 0 answered only then): it waited past the default timeout, on a group without it
+    assert steps[1]["fired"] == [TIMED_OUT, TIMED_OUT] and checks[0]["gates"]["rollout"] is True
+    order = checks[1]["order"]
+    assert order.index("rollout clock fired") < order.index("distribute returned"), order
     assert sum(s["rows"] for s in steps) == 8 and min(s["rows"] for s in steps) == 4  # 2 prompts x 4, DP=2
     assert steps[0]["pg_loss"] == pytest.approx(steps[1]["pg_loss"])  # metrics reduced over DP
     assert steps[0]["mismatch"] == pytest.approx(steps[1]["mismatch"]) and steps[0]["mismatch"] > 0
     assert steps[0]["synced"] > 0  # rank 0's engine got the weights: the export ran on both ranks
-    control = checks[1]["control"]
-    assert control["outcome"] != "received" and DEFAULT_TIMEOUT_S - 1 < control["after_s"] < SLOW_S, control
 
 
 def test_rank0_eval_is_waited_out(checks):
-    assert checks[1]["eval_wait"]["waited_s"] > SLOW_S - 0.5
+    assert checks[1]["eval_wait"]["fired"] == [TIMED_OUT, TIMED_OUT] and checks[0]["gates"]["eval"] is True
+    order = checks[1]["order"]
+    assert order.index("eval clock fired") < order.index("evaluate returned"), order
 
 
 def test_rank0_eval_failure_reaches_the_waiting_rank_at_once(checks):
-    """Rank 0's evaluation raises after 1 s; rank 1 waits on the 1-hour wait group and must raise within seconds."""
+    """Rank 0's evaluation raises once rank 1 waits for it on the 1-hour wait group: rank 1 must raise at once.
+    STUCK_S (60 s) bounds a hang, not a speed: the failure arrives within a round trip, the alternative is the hour."""
     assert checks[0]["eval_failure"] == "the eval server died"  # rank 0 re-raises its own error
+    assert checks[0]["gates"]["eval_waiting"] is True  # it failed while rank 1 waited
     got = checks[1]["eval_failure"]
     assert not got["stuck"], f"rank 1 still waited for rank 0's failed evaluation after {STUCK_S} s"
     assert got["error"] == "global rank 0 failed during evaluation; see its log"
-    assert FAIL_AFTER_S - 0.5 < got["after_s"] < FAIL_AFTER_S + 10, got
 
 
 def test_a_failure_in_a_section_names_the_failed_rank(checks):

@@ -1,12 +1,14 @@
 """Worker of tests/test_checkpoint_procs.py: one process saving a tiny actor's checkpoint.
 
-argv: OUT_DIR MODE(sync|async) SLOW(0|1). With SLOW=1 every checkpoint writer process first creates
-OUT_DIR/writer_<pid> and then sleeps, so the test can SIGKILL this process mid-save. Before exiting
-normally it prints 'DESCENDANTS <json>' (pid, start time) of every process it started.
+argv: OUT_DIR MODE(sync|async) SLOW(0|1). With SLOW=1 the process that forks the checkpoint writers first writes
+their number to OUT_DIR/writers.count, and every writer process creates OUT_DIR/writer_<pid> and then sleeps, so
+the test can SIGKILL this process mid-save once every writer is inside its write. Before exiting normally it prints
+'DESCENDANTS <json>' (pid, start time) of every process it started.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -17,8 +19,8 @@ from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSys
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, init_parallel
 from megatron_dapo.checkpoint.training import CheckpointSaver
-from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import padded_vocab_size
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 
@@ -53,6 +55,15 @@ def main(out: Path, mode: str, slow: bool) -> None:
             return original(*args, **kwargs)
 
         FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_write)
+        forking = FileSystemWriterAsync.write_preloaded_data_multiproc
+
+        def counted_fork(*args, **kwargs):
+            buckets = inspect.signature(forking).bind(*args, **kwargs).arguments["write_buckets"]
+            (out / "writers.tmp").write_text(str(len(buckets)))
+            (out / "writers.tmp").rename(out / "writers.count")  # whole or absent for the test's reads
+            return forking(*args, **kwargs)
+
+        FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(counted_fork)
     layout = init_parallel(seed=0)
     hf = tiny_hf_model(seed=1)
     arch = ModelArch.from_hf(hf.config)

@@ -5,13 +5,17 @@ The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one 
      (the leader's broadcast to its TP/PP peers): every rank gets exactly its share; again with routed experts
      (--moe-routing-replay: a plane made with a RoutingShape carries TrainSample.routed_experts, uint8).
   B. abort(): the waiting rank raises instead of waiting.
-  C. A Trainer step whose rollout engine takes SLOW_S > DEFAULT_TIMEOUT_S: rank 1 waits that long in
-     `distribute` and the step completes (train + weight sync). Meanwhile a control thread on rank 1
-     waits on a gloo group with the default group's timeout for a message that never comes: it fires.
-  D. Rank 0 evaluates for SLOW_S; rank 1 waits in `evaluate` and returns.
-  E. Rank 0's evaluation raises after FAIL_AFTER_S; rank 1, waiting in `evaluate` on the 1-hour wait group, must
-     raise the error naming it at once. Its wait runs on a thread given STUCK_S; a wait still blocked then is
-     recorded as stuck and released by rank 0 (so that only this check fails).
+  C. A Trainer step whose rollout outlasts the default group's timeout: as rank 1 enters `distribute`, a clock
+     thread of it waits on two gloo groups with the default timeout in turn for a message that never comes (each
+     must fire); rank 0's engine answers only once the clock has fired (a marker file), so rank 1 waits in
+     `distribute` past two default timeouts, and the step completes (train + weight sync). No wall clock: the
+     clock is the default timeout itself, and rank 1 logs the order of what happened (ORDER).
+  D. The same around `evaluate`: rank 0 evaluates only once rank 1's clock, started as it enters `evaluate`,
+     fired; rank 1 waits in `evaluate` and returns.
+  E. Rank 0's evaluation raises once rank 1 is about to wait for it; rank 1, waiting in `evaluate` on the
+     1-hour wait group, must raise the error naming it at once. Its wait runs on a thread given STUCK_S (a
+     bound on a hang: the alternative is the hour); a wait still blocked then is recorded as stuck and released
+     by rank 0 (so that only this check fails).
   F. A section whose body fails on rank 1: rank 0 raises naming global rank 1; rank 1 re-raises its own error.
   G. Rank 0's metrics log fails after step 0 of 1: rank 1, waiting for the next batch in `distribute`, raises
      naming it.
@@ -26,16 +30,57 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 8
-SLOW_S = 11.0
-FAIL_AFTER_S, STUCK_S = 1.0, 30.0
+STUCK_S = 60.0
+GATE_S = 120.0
+"""How long rank 0 waits for a marker of rank 1 before it goes on without it (recorded: the check fails); a bound on
+a hang, never reached when rank 1 behaves (a clock fires after 2 x DEFAULT_TIMEOUT_S)."""
 
 
 CHECKS: dict = {}
+ORDER: list[str] = []
+"""Rank 1: what happened, in order (clock threads and the main thread append; list.append is atomic)."""
+
+
+def clock_groups() -> list:
+    """Two gloo groups with the default timeout (collective: every rank makes them, in the same order). A group
+    whose wait timed out is closed for good, hence one group per wait."""
+    return [dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S)) for _ in range(2)]
+
+
+def start_clock(name: str, groups: list) -> list[str]:
+    """Rank 1, just before a wait for rank 0: a thread that waits on each of `groups` in turn for a message rank 0
+    never sends, then logs "<name> clock fired" and writes the marker rank 0 answers after. Returns how each
+    wait ended (filled by the thread): each must be the default timeout firing."""
+    fired: list[str] = []
+
+    def run() -> None:
+        for group in groups:
+            try:
+                dist.recv(torch.zeros(1), src=0, group=group)
+                fired.append("received")
+            except RuntimeError as e:
+                fired.append(str(e).split("] ", 1)[-1][:120])
+        ORDER.append(f"{name} clock fired")
+        Path(sys.argv[1], name).touch()
+
+    threading.Thread(target=run, name=f"clock-{name}", daemon=True).start()
+    return fired
+
+
+def await_marker(name: str) -> bool:
+    """Rank 0: wait until rank 1 wrote the marker `name`; False after GATE_S."""
+    deadline = time.monotonic() + GATE_S
+    while not Path(sys.argv[1], name).exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def check(name: str, value) -> None:
@@ -65,14 +110,14 @@ def main() -> None:
     rank = dist.get_rank()
     from megatron.core import parallel_state
 
-    from megatron_dapo.distributed import comm
     from megatron_dapo.actor import MegatronActor, init_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
-    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.distributed import comm
     from megatron_dapo.distributed.parallel import padded_vocab_size
-    from megatron_dapo.trainer.run_config import build_configs
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
     from megatron_dapo.trainer.loop import Rollout, Trainer
+    from megatron_dapo.trainer.run_config import build_configs
     from tests import sim_engine as sim
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
     from tests.test_dataplane import _rows
@@ -122,13 +167,18 @@ def main() -> None:
                                             pp=1, pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1)))
 
     class SlowEngine(sim.LengthLatencyEngine):
+        """Answers only once rank 1's marker `gate` exists; with `fail`, raises it once rank 1 waits."""
+
         fail: str | None = None
+        gate: str | None = None
+        gates: dict | None = None
 
         def stream(self, requests):
+            name = "eval_waiting" if self.fail is not None else self.gate
+            if name is not None:
+                self.gates[name] = await_marker(name)
             if self.fail is not None:
-                time.sleep(FAIL_AFTER_S)
                 raise RuntimeError(self.fail)
-            time.sleep(SLOW_S)
             return super().stream(requests)
 
         def update_weights(self, named_tensors, *, version: int) -> None:
@@ -137,53 +187,40 @@ def main() -> None:
             self.synced = sum(t.numel() for _, t in named_tensors)  # the export is a collective: consume it
 
     engine = SlowEngine(keep_rate=1.0, truncate_prob=0.0, seed=1) if rank == 0 else None
+    if engine is not None:
+        engine.gate, engine.gates = "rollout", {}
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=sim.cycling(sim.prompts(8)) if rank == 0 else None, eval_prompts=[],
                       decode=sim.decode, reward_fn=sim.reward, logger=None)
-    control = {}
-    if rank == 1:
-        short = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+    rollout_clock = clock_groups()
+    distribute, got = trainer.distribute, {}
 
-        def wait_on_short_group() -> None:  # what waiting on a group with the default timeout does
-            t0 = time.perf_counter()
-            try:
-                dist.recv(torch.zeros(1), src=0, group=short)
-                control["outcome"] = "received"
-            except RuntimeError as e:
-                control["outcome"] = f"{type(e).__name__}: {str(e)[:80]}"
-            control["after_s"] = time.perf_counter() - t0
-
-        thread = threading.Thread(target=wait_on_short_group, daemon=True)
-    else:
-        dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
-    distribute, waited = trainer.distribute, {}
-
-    def timed_distribute(shares):
-        t0 = time.perf_counter()
+    def watched_distribute(shares):
+        fired = start_clock("rollout", rollout_clock) if rank == 1 else None
         out = distribute(shares)
-        waited["s"] = time.perf_counter() - t0
-        waited["rows"] = sum(len(mb) for mb in out)
+        ORDER.append("distribute returned")
+        got.update(rows=sum(len(mb) for mb in out), fired=fired)
         return out
 
-    trainer.distribute = timed_distribute
-    if rank == 1:
-        thread.start()
+    trainer.distribute = watched_distribute
     logged = {}
     trainer.log = lambda step, metrics: logged.update(metrics)
     trainer.run()
-    check("step", {"step": trainer.step, "waited_s": waited["s"], "rows": waited["rows"],
-                   "pg_loss": logged.get("train/pg_loss"), "mismatch": logged.get("mismatch/logprob_abs_diff_mean"),
-                   "synced": getattr(engine, "synced", None)})
-    if rank == 1:
-        thread.join(timeout=60)
-        check("control", control)
+    del trainer.distribute  # G calls the trainer's own
+    check("step", {"step": trainer.step, "rows": got["rows"], "pg_loss": logged.get("train/pg_loss"),
+                   "mismatch": logged.get("mismatch/logprob_abs_diff_mean"), "synced": getattr(engine, "synced", None),
+                   "fired": got["fired"]})
 
     # D. rank 0's evaluation outlasts the default timeout; rank 1 waits for it on the rollout-timeout group
-    t0 = time.perf_counter()
+    eval_clock = clock_groups()
     if rank == 0:
-        time.sleep(SLOW_S)
+        engine.gates["eval"] = await_marker("eval")
+        fired = None
+    else:
+        fired = start_clock("eval", eval_clock)
     trainer.evaluate()
-    check("eval_wait", {"waited_s": time.perf_counter() - t0})
+    ORDER.append("evaluate returned")
+    check("eval_wait", {"fired": fired})
 
     # E. rank 0's evaluation fails: rank 1 must raise at once, not wait out the 1-hour wait group
     handshake = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * STUCK_S))
@@ -199,13 +236,12 @@ def main() -> None:
         outcome: dict = {}
 
         def wait_for_eval() -> None:
-            t0 = time.perf_counter()
+            Path(sys.argv[1], "eval_waiting").touch()  # rank 0's evaluation fails now
             try:
                 trainer.evaluate()
                 outcome["error"] = None
             except RuntimeError as e:
                 outcome["error"] = str(e)
-            outcome["after_s"] = time.perf_counter() - t0
 
         waiter = threading.Thread(target=wait_for_eval, daemon=True)
         waiter.start()
@@ -254,6 +290,7 @@ def main() -> None:
         check("sync_failure", "no error")
     except RuntimeError as e:
         check("sync_failure", str(e))
+    check("order" if rank == 1 else "gates", ORDER if rank == 1 else engine.gates)
     dist.barrier()
     with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
         json.dump(CHECKS, f)
