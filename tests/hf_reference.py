@@ -1,5 +1,6 @@
 """What the tests compute on the HF model directly, as the independent reference: a response's terms (the actor's loss
-tests), the experts an MoE model routes each token to (the rollout engines' routing data)."""
+tests), the experts an MoE model routes each token to (the rollout engines' routing data), the margin of those routing
+decisions; and the weights the logits-vs-HF tests draw so that every family feature shows in the logits."""
 
 from __future__ import annotations
 
@@ -37,3 +38,64 @@ def hf_routes(model, ids: list[int]) -> torch.Tensor:
         for h in hooks:
             h.remove()
     return out
+
+
+def sharpen_weights(model, *, qk_gain: float = 3.0):
+    """Redraw `model`'s projection weights in place so each feature a family has moves the logits by O(1); return it.
+
+    At HF's init (std 0.02) every layer adds ~0.02^2 * width to the residual stream, the attention scores are ~1e-2
+    wide (softmax almost uniform) and the logits ~0.5: dropping llama3's rope scaling then moved them by 1.5e-5.
+    Here every 2-D projection and every fused expert tensor is N(0, 1 / fan_in) (activations stay O(1) through the
+    layers) and q_proj / k_proj are `qk_gain` x that (scores ~qk_gain^2 = 9 wide: attention nearly picks one
+    position, so a rotation or a scale of q or k changes what each position reads). The embedding keeps HF's std 0.02
+    (the first RMSNorm then divides by ~0.02: its eps matters) and MoE routers (`mlp.gate.weight`) keep theirs
+    (`draw_routers` sets them); biases and norms stay as `tiny_hf_model` drew them (non-zero, non-unit)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2 or name.endswith(("embed_tokens.weight", "mlp.gate.weight")):
+                continue
+            p.normal_(0.0, p.shape[-1] ** -0.5)  # fan_in is the last dim: [out, in], fused experts [E, out, in]
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+    return model
+
+
+def router_topk_margin(model, ids: torch.Tensor) -> float:
+    """The smallest gap, over the tokens of `ids` [b, s] and the MoE layers, between a token's k-th and (k+1)-th
+    largest router logit in a forward of the HF MoE `model` (`Qwen3MoeTopKRouter`): a routing decision two fp32
+    implementations could take differently only if their rounding moves a logit by about this much."""
+    k = model.config.num_experts_per_tok
+    gaps: list[torch.Tensor] = []
+
+    def hook(_module, _inputs, output) -> None:
+        top = output[0].topk(k + 1, dim=-1).values
+        gaps.append((top[:, k - 1] - top[:, k]).min())
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(torch.stack(gaps).min())
+
+
+LOGIT_RTOL = 1e-4
+"""Tolerance of megatron-core's fp32 logits against HF's, relative to the largest |HF logit| (`assert_logits_close`).
+
+The two compute one function with different fp32 summation orders (fused qkv and fc1, the attention's masking, the
+experts' dispatch). A sum of n rounded terms is off by ~sqrt(n) u of its scale (u = 2^-24 = 6e-8; n <= 128 here:
+the positions, hidden 64, ffn 96-128), <= 7e-7; about 8 such reductions chain per layer (norm, qkv, scores, softmax,
+its weighted sum, o_proj, fc1, fc2), 4 layers and the head: <= 33 x 7e-7 = 2.3e-5 if each error passed through at
+gain 1. `sharpen_weights`' attention scores (~10 wide) and SwiGLU amplify a relative error a few times: 1e-4 covers
+that. Measured: 0 for the dense families (same kernels, same order), <= 4.3e-6 for MoE (the experts' sums in
+another order; the tied head's logits are the smallest, 0.66), on AVX512 and under ATEN_CPU_CAPABILITY=avx2 /
+default. Removing what makes a family moves the logits by 0.2-1.6 of that scale (llama3 rope scaling 0.64, Qwen3's
+q/k norms 1.2, head_dim's softmax scale 0.32, Qwen2's q/k/v biases 0.65, norm_topk_prob 0.42, top-k + 1 0.26,
+sigmoid scores 0.49, MoE layer choice 0.83); an RMSNorm eps of 1e-5 for 1e-6 by 1e-2."""
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """megatron-core logits `got` equal HF's `want` (same shape) within LOGIT_RTOL x max |want|."""
+    torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_RTOL * want.abs().max().item())

@@ -131,7 +131,8 @@ def test_llama3_rope_constants_megatron_core_lacks_are_refused(key, value, match
 
 @pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
 def test_llama3_rope_scaling_reaches_gptmodel(spelling):
-    """transformers 5's rope_parameters and the older rope_scaling (with rope_theta beside it) parse alike."""
+    """transformers 5's rope_parameters and the older rope_scaling (with rope_theta beside it) parse alike, and the
+    GPTModel built from either turns q and k at transformers' llama3 frequencies."""
     scaling = {k: v for k, v in LLAMA3.items() if k != "rope_theta"}
     config = {**family("llama").tiny_config, "model_type": "llama", "rope_theta": 5e5}
     config.pop("rope_parameters")
@@ -142,6 +143,31 @@ def test_llama3_rope_scaling_reaches_gptmodel(spelling):
     assert kwargs["rope_scaling"] is True and kwargs["rope_scaling_factor"] == 8.0
     plain = ModelArch.from_hf({**config, spelling: None})
     assert "rope_scaling" not in plain.family.model_kwargs(plain) and plain.family_options == ()
+    hf_inv_freq = _hf_llama_inv_freq(LLAMA3)
+    # 3 of the 8 frequencies (wavelengths > 8192 tokens at theta 5e5, head_dim 16) are divided by the factor 8
+    assert (hf_inv_freq / _hf_llama_inv_freq({"rope_type": "default", "rope_theta": 5e5}) == 1 / 8).sum() == 3
+    # both compute theta^(-2i/d) and the blend in fp32 with a few roundings each (<= 1 ulp apiece): 1e-6 relative
+    torch.testing.assert_close(_gptmodel_inv_freq(arch), hf_inv_freq, rtol=1e-6, atol=0)
+
+
+def _hf_llama_inv_freq(rope_parameters: dict) -> torch.Tensor:
+    """transformers' RoPE frequencies [head_dim / 2] for the tiny llama with `rope_parameters`."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    fam = family("llama")
+    return LlamaRotaryEmbedding(fam.hf_config(**{**fam.tiny_config, "rope_parameters": rope_parameters})).inv_freq
+
+
+def _gptmodel_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """The RoPE frequencies [head_dim / 2] of the GPTModel `build_gpt_model` builds for `arch` (one process)."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.models import build_gpt_model
+
+    init_parallel(seed=0)
+    try:
+        return build_gpt_model(arch).rotary_pos_emb.inv_freq
+    finally:
+        destroy_parallel()
 
 
 def test_qwen3_head_dim_is_read_not_derived():

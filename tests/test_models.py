@@ -16,7 +16,8 @@ from megatron_dapo.models import (
     te_available,
     transformer_config_from_arch,
 )
-from tests.dist.actor_common import FAMILIES, hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
+from tests.dist.actor_common import FAMILIES, draw_routers, hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
+from tests.hf_reference import assert_logits_close, router_topk_margin, sharpen_weights
 
 
 def test_transformer_config_maps_every_qwen2_field():
@@ -61,11 +62,26 @@ def test_build_gpt_model_needs_parallel_state():
         build_gpt_model(arch)
 
 
+SEQ = 128
+"""Tokens per sequence in the logits test. Positions reach 127: llama3's scaled rope frequencies (megatron-core's
+wavelengths above 8192 / 4 = 2048 tokens) then turn q and k visibly less than plain RoPE's. In the tiny llama
+(head_dim 16, theta 1e4) the two lowest of 8 frequency pairs (wavelengths 6283 and 19869) turn 0.79 x and 0.875 x
+less: 0.1 and 0.035 rad at position 127, which `sharpen_weights`' q/k (entries ~3) turn into score changes of ~0.5
+(at 17 tokens, HF's init weights: logits 1.5e-5 apart, under the old atol of 2e-5)."""
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_logits_match_hf(model_type, tie):
-    hf = tiny_hf_model(model_type, tie=tie, seed=2)
+    """megatron-core's GPTModel of each family gives HF's logits on sharpened weights (`sharpen_weights`: each family
+    feature, llama3 rope scaling, Qwen3's q/k norms, head_dim != hidden / heads, Qwen2's q/k/v biases, MoE routing,
+    moves them by 0.2 to 1.6 of their scale), over 128 positions (`SEQ`)."""
+    hf = sharpen_weights(tiny_hf_model(model_type, tie=tie, seed=2))
     arch = ModelArch.from_hf(hf.config)
+    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    if arch.is_moe:  # wide routers; a top-k decision within ~1e-6 could go either way under either's rounding
+        draw_routers(hf, 0.3)
+        assert router_topk_margin(hf, ids) > 1e-4
     init_parallel(seed=0)
     try:
         model = build_gpt_model(arch)
@@ -79,11 +95,10 @@ def test_logits_match_hf(model_type, tie):
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(shards[name])
-            ids = torch.randint(0, arch.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-            pos = torch.arange(17).expand(2, 17)
-            mask = torch.ones(1, 1, 17, 17, dtype=torch.bool).triu(1)
+            pos = torch.arange(SEQ).expand(2, SEQ)
+            mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
             got = model(ids, pos, mask)[..., :arch.vocab_size]
             want = hf(ids).logits
     finally:
         destroy_parallel()
-    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert_logits_close(got, want)

@@ -112,26 +112,47 @@ def test_dead_server_requests_are_retried_not_lost(fakes):
     engine.shutdown()
 
 
-def test_abort_mid_stream_returns_all_groups():
-    server, state = serve(token_delay_s=0.01)
-    engine = SGLangEngine(server_urls=[_url(server)], client=ClientConfig(max_concurrency=4))
+def _hold(fakes, rids: set[str]) -> None:
+    """Every fake server holds `rids` after their first token (fake_server: `state.held`)."""
+    for _, state in fakes:
+        state.held |= rids
+
+
+def _wait_holding(fakes, rids: set[str]) -> None:
+    """Waits until exactly `rids` are held on the servers (sent, one token generated, waiting): what is in flight."""
+    deadline = time.monotonic() + 60  # a wait for a state, not a timing assertion: generous on a loaded machine
+    while set().union(*(state.holding for _, state in fakes)) != rids:
+        assert time.monotonic() < deadline, f"held {set().union(*(st.holding for _, st in fakes))}, want {rids}"
+        time.sleep(0.005)
+
+
+def _rids(*request_ids: str, n: int = 2) -> set[str]:
+    return {sample_rid(r, k) for r in request_ids for k in range(n)}
+
+
+def test_abort_of_everything_in_flight_is_one_abort_all_per_server(fakes):
+    """abort() (collect.py's cut, the stop path): the held samples in flight stop after their one token, the queued
+    ones never reach a server, every group still comes out; one {abort_all} per server, no per-rid call."""
+    _hold(fakes, _rids(*(f"p{i}" for i in range(1, 10))))
+    engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes], client=ClientConfig(max_concurrency=4))
     reqs = _reqs(10, n=2, max_new=30)
     seen, aborted = [], []
     for group in engine.stream(reqs):
         seen.append(group)
-        if len(seen) == 1:
+        if len(seen) == 1:  # p0, the one not held; 4 held samples fill --sglang-max-concurrency 4 then
+            _wait_holding(fakes, _rids("p1", "p2"))
             aborted = engine.abort()
+    assert [g[0].request_id for g in seen][0] == "p0" and [len(s.response_ids) for s in seen[0]] == [30, 30]
     assert sorted(g[0].request_id for g in seen) == sorted(r.request_id for r in reqs)
-    assert all(len(g) == 2 for g in seen) and len(aborted) >= 5
-    late = [s for g in seen if g[0].request_id in aborted for s in g]
-    # A sample may still finish in the instant before its abort lands; nothing else may happen to it.
-    assert all(s.finish_reason == "abort" or len(s.response_ids) == 30 for s in late)
-    assert sum(s.finish_reason == "abort" for s in late) >= 8
-    # Everything in flight was aborted: one abort-all call, not one per rid.
-    assert state.calls["/abort_request"] == 1 and not state.aborted
+    assert aborted == sorted(f"p{i}" for i in range(1, 10))
+    late = {(s.request_id, s.index): s for g in seen[1:] for s in g}
+    assert all(s.finish_reason == "abort" for s in late.values())
+    sent = set().union(*(state.rids for _, state in fakes))
+    assert sent == _rids("p0", "p1", "p2")  # p3-p9 were queued behind the semaphore: never sent
+    assert sorted(len(s.response_ids) for s in late.values()) == [0] * 14 + [1] * 4  # the held ones had one token
+    for _, state in fakes:
+        assert state.abort_bodies == [{"abort_all": True}] and not state.aborted
     engine.shutdown()
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.mark.parametrize("mode", ["tensor", "disk"])
@@ -280,21 +301,29 @@ def _poll(predicate, timeout_s=20.0):
     return False
 
 
-def test_abort_of_some_requests_goes_by_rid():
-    server, state = serve(token_delay_s=0.01)
-    engine = SGLangEngine(server_urls=[_url(server)], client=ClientConfig(max_concurrency=8))
+def test_abort_of_some_requests_goes_by_rid_to_every_server(fakes):
+    """abort(ids) of some of the requests in flight: one /abort_request {rid} per sample of theirs on every serving
+    server (behind a router the engine does not know which holds it; SGLang ignores a rid it does not hold), no
+    abort-all (it would stop the others too). p2 and p3 are held in flight, p3 is aborted, then p2 is let go."""
+    _hold(fakes, _rids("p2", "p3"))
+    engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes], client=ClientConfig(max_concurrency=8))
     seen = {}
-    for group in engine.stream(_reqs(4, n=2, max_new=40)):
+    for group in engine.stream(_reqs(4, n=2, max_new=6)):
         seen[group[0].request_id] = group
-        if len(seen) == 1:
-            time.sleep(0.05)
-            stopped = engine.abort(["p3"])
-    assert len(seen) == 4 and stopped in ([], ["p3"])
-    assert set(state.aborted) <= {sample_rid("p3", k) for k in range(2)}
-    assert all(s.finish_reason == "length" for rid, g in seen.items() if rid != "p3" for s in g)
+        if len(seen) == 2:  # p0 and p1: the two not held
+            assert sorted(seen) == ["p0", "p1"]
+            _wait_holding(fakes, _rids("p2", "p3"))
+            assert engine.abort(["p3", "p9"]) == ["p3"]  # p9 is no request of this engine: nothing to stop
+            for _, state in fakes:
+                assert sorted(b["rid"] for b in state.abort_bodies) == sorted(_rids("p3"))
+                assert all(set(b) == {"rid"} for b in state.abort_bodies)
+                state.held -= _rids("p2")
+    assert sorted(seen) == ["p0", "p1", "p2", "p3"]
+    assert [(s.finish_reason, len(s.response_ids)) for s in seen["p3"]] == [("abort", 1)] * 2
+    assert all((s.finish_reason, len(s.response_ids)) == ("length", 6) for r in ("p0", "p1", "p2") for s in seen[r])
+    for _, state in fakes:
+        assert state.calls["/abort_request"] == 2
     engine.shutdown()
-    server.shutdown()
-    server.server_close()
 
 
 def test_attached_server_dies_while_generating_and_comes_back():

@@ -90,6 +90,28 @@ def test_a_run_with_launched_sglang_servers_writes_no_api_key_anywhere(tiny_base
 
 
 @pytest.mark.slow
+def test_a_run_given_the_key_on_the_command_line_writes_it_in_no_file(tiny_base, tmp_path):
+    """The real path of --sglang-api-key: `python -m megatron_dapo.train` with the key in argv, run to its end (wandb's
+    finish writes the run metadata, sys.argv among it, into the offline .wandb file unless the trainer saw the key
+    in argv: trainer/build.make_logger -> run_record.argv_has_secret). The SIGKILL test below ends the run before
+    wandb writes that record, so only a finished run checks it."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
+           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+           "--rollout-engine", "embedded", "--sglang-api-key", ARGV_KEY,
+           "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1",
+           "--export-hf", str(run / "hf"), "--no-progress", "--seed", "3"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert any((run / "log" / "wandb").rglob("*.wandb")) and latest_step(run / "ckpt") == 1 and (run / "hf").is_dir()
+    assert ARGV_KEY not in proc.stdout + proc.stderr
+    assert files_holding(tmp_path, (ARGV_KEY,)) == []
+    assert json.loads((run / "log" / "run_config.json").read_text())["sglang_api_key"] == REDACTED
+
+
+@pytest.mark.slow
 def test_a_key_on_the_command_line_is_in_no_file_while_the_run_lives_nor_after_sigkill(tiny_base, tmp_path):
     """The worst way to pass the key (ps shows it, and so did every file that recorded the command line): scanned
     under the run's directories while the run holds its --save lock and has written a checkpoint and wandb files,

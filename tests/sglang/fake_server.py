@@ -14,6 +14,9 @@ get their connection dropped, new ones are refused) and serve(port=...) brings o
 fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill(), and
 `state.hang_generate = True` (--hang-generate) only its /generate;
 `state.stuck_receive = True` hangs only its weight receive (/health answers 503), as a server hung mid-update.
+Abort tests: a rid in `state.held` stops after its first token (listed in `state.holding` meanwhile) until it is
+aborted or taken out of `held`, so a test knows what is in flight when it aborts; every /abort_request body is kept
+in `state.abort_bodies`, in order.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ class FakeState:
         self.lock = threading.Lock()
         self.aborted: set[str] = set()
         self.abort_epoch = 0  # /abort_request {abort_all} aborts what is in flight at that moment
+        self.abort_bodies: list[dict] = []  # every /abort_request body, in order
+        self.held: set[str] = set()  # rids whose /generate waits after its first token until aborted or let go
+        self.holding: set[str] = set()  # held rids waiting now
         self.dead = False
         self.frozen = False  # a hung server: connections are accepted, requests read, nothing is answered
         self.hang_generate = False  # only /generate hangs (a wedged scheduler, a live HTTP front): --hang-generate
@@ -89,6 +95,8 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
     stops = set(params.get("stop_token_ids", []))
     tokens, reason = [], {"type": "length", "length": params["max_new_tokens"]}
     for k in range(params["max_new_tokens"]):
+        if k == 1:
+            _hold(state, rid, epoch)
         while state.paused.is_set():
             time.sleep(0.005)
         if state.dead:
@@ -108,6 +116,19 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
         "output_token_logprobs": [[fake_logprob(t), t, None] for t in tokens],
     }
     return 200, {"output_ids": tokens, "meta_info": meta}
+
+
+def _hold(state: FakeState, rid: str, epoch: int) -> None:
+    """Blocks a /generate of a rid in `state.held` (listed in `state.holding` meanwhile) until the rid is aborted
+    (by rid, or an abort-all since the request came in: `epoch`), taken out of `held`, or the server dies."""
+    if rid not in state.held:
+        return
+    with state.lock:
+        state.holding.add(rid)
+    while rid in state.held and rid not in state.aborted and state.abort_epoch == epoch and not state.dead:
+        time.sleep(0.005)
+    with state.lock:
+        state.holding.discard(rid)
 
 
 def _load_tensors(state: FakeState, named) -> None:
@@ -200,6 +221,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     if path == "/generate":
         return _generate(state, body)
     if path == "/abort_request":
+        with state.lock:
+            state.abort_bodies.append(dict(body))
         if body.get("abort_all"):
             state.abort_epoch += 1
         else:
@@ -269,6 +292,7 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         with state.lock:
             return 200, {"calls": dict(state.calls), "rids": list(state.rids), "version": state.version,
                          "weights": state.weights, "aborted": sorted(state.aborted),
+                         "abort_bodies": list(state.abort_bodies),
                          "authorizations": list(state.authorizations), "group_inits": list(state.group_inits),
                          "tensor_payloads": list(state.tensor_payloads),
                     "received": list(state.received), "memory_calls": list(state.memory_calls)}

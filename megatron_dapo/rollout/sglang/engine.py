@@ -427,7 +427,15 @@ class SGLangEngine(RolloutEngine):
     def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Queued samples see `_aborted` before they are sent. In-flight ones: when everything in flight is
         aborted, one /abort_request {abort_all} per server; otherwise one per rid on every server (the router
-        does not say which server holds a request)."""
+        does not say which server holds a request; SGLang 0.5.23's tokenizer manager ignores a rid it does not
+        hold, and its scheduler matches rids by prefix, which `sample_rid`'s '::' keeps within one request).
+
+        The trainer only aborts everything (collect.py's cut once the batch is full, the stop path): at 32B on
+        16 servers that is 16 calls however many of the up to --sglang-max-concurrency (256) samples are in
+        flight, where per rid it would be 16 per sample (4,096 for 256, through the 16 connections the HTTP
+        pool keeps beyond the in-flight /generate calls). Aborting some requests by id (the RolloutEngine
+        contract, kept as in the embedded engines) costs 16 calls per sample of theirs in flight, and leaves
+        the others running, which an abort-all would stop."""
         with self._lock:
             ids = set(self._inflight) if request_ids is None else set(request_ids) & set(self._inflight)
             everything = ids == set(self._inflight)
