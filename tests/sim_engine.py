@@ -112,7 +112,7 @@ class LengthLatencyEngine(RolloutEngine):
         else:
             accs = [rng.random() < 0.5] * g
         lengths = [max_len if rng.random() < self.truncate_prob else rng.randint(1, max_len - 1) for _ in accs]
-        responses = [[1 if a else 0] + [2] * (n - 1) for a, n in zip(accs, lengths)]
+        responses = [[1 if a else 0] + [2] * (n - 1) for a, n in zip(accs, lengths, strict=True)]
         if record:
             self.records[req.request_id] = GroupRecord(req.request_id, informative=len(set(accs)) == 2,
                                                        truncated=max(lengths) == max_len)

@@ -91,7 +91,7 @@ def _hf_response(hf, sample: TrainSample, routed: torch.Tensor | None):
 
 
 def _with_routing(samples, routings):
-    return [dataclasses.replace(s, routed_experts=r) for s, r in zip(samples, routings)]
+    return [dataclasses.replace(s, routed_experts=r) for s, r in zip(samples, routings, strict=True)]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
@@ -105,7 +105,7 @@ def test_replayed_log_probs_equal_hf_with_forced_routing(world, packed):
     natural = actor.compute_log_probs([dataclasses.replace(s, routed_experts=None) for s in samples])
     worst, moved = 0.0, 0.0
     with torch.no_grad():
-        for g, n, s in zip(got, natural, samples):
+        for g, n, s in zip(got, natural, samples, strict=True):
             want, _ = _hf_response(hf, s, s.routed_experts)
             worst = max(worst, (g - want).abs().max().item())
             moved = max(moved, (n - want).abs().max().item())
@@ -127,14 +127,14 @@ def test_replaying_own_routing_changes_nothing_and_agreement_is_exact(world):
     actor = _actor(world, max_tokens_per_micro_batch=40)
     plain = actor.compute_log_probs(samples)
     replayed = actor.compute_log_probs(_with_routing(samples, own_routes))
-    for a, b in zip(plain, replayed):
+    for a, b in zip(plain, replayed, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     metrics = actor.train_step(samples)  # reports the agreement of the compute_log_probs calls before it
     assert metrics["moe/routing_agreement"] == 1.0
     # random rollout routings: the agreement is the fraction of (token, layer) whose set is HF's own set
     actor.compute_log_probs(_with_routing(samples, rand_routes))
     same = total = 0
-    for own, rand in zip(own_routes, rand_routes):
+    for own, rand in zip(own_routes, rand_routes, strict=True):
         eq = (own.sort(-1).values == rand.long().sort(-1).values).all(-1)
         same, total = same + int(eq.sum()), total + eq.numel()
     assert 0 < same < total
@@ -244,21 +244,21 @@ def test_replay_multi_rank_layouts_equal_single_process(world, tmp_path):
         if name == "pp2_recompute":
             assert ranks[0]["micro_batches"] >= 3  # 1F1B: a forward runs before the first recomputed backward
             grads = {**ranks[0]["grads"], **ranks[1]["grads"]}
-            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))  # broadcast to every stage
+            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"], strict=True))  # broadcast to every stage
         elif name == "pp2_vpp":
             grads = None
-            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))
+            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"], strict=True))
         elif name == "tp2_sp":
             grads = None
-            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"]))  # TP ranks agree
-            for a, b in zip(ranks[0]["logps"], ranks[1]["logps"]):
+            pairs = list(zip(ranks[0]["indices"], ranks[0]["logps"], strict=True))  # TP ranks agree
+            for a, b in zip(ranks[0]["logps"], ranks[1]["logps"], strict=True):
                 torch.testing.assert_close(a, b, atol=0, rtol=0)
         else:
             grads = ranks[0]["grads"] | {n: g for n, g in ranks[1]["grads"].items() if "local_experts" in n}
             shared = [n for n in ranks[0]["grads"] if "local_experts" not in n]
             for n in shared:  # DP-reduced: both ranks hold the full gradient
                 torch.testing.assert_close(ranks[0]["grads"][n], ranks[1]["grads"][n], atol=1e-6, rtol=0)
-            pairs = [(i, lp) for r in ranks for i, lp in zip(r["indices"], r["logps"])]
+            pairs = [(i, lp) for r in ranks for i, lp in zip(r["indices"], r["logps"], strict=True)]
         assert sorted(i for i, _ in pairs) == list(range(len(samples)))
         for i, lp in pairs:
             torch.testing.assert_close(lp, ref_logps[i], atol=1e-5, rtol=0)

@@ -90,9 +90,9 @@ def test_sequence_parallel_matches_tp_only(all_runs, model_type, variant):
     for rank in range(2):
         want, got = runs["tp2"][rank], runs[variant][rank]
         for key in ("logps", "entropies"):
-            for g, w in zip(got[key], want[key]):
+            for g, w in zip(got[key], want[key], strict=True):
                 torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
-        for g, w in zip(got["metrics"], want["metrics"]):
+        for g, w in zip(got["metrics"], want["metrics"], strict=True):
             for key in ("pg_loss", "entropy", "approx_kl", "grad_norm", "num_tokens"):
                 assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
         for name, w in want["weights"].items():

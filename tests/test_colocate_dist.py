@@ -58,9 +58,9 @@ def test_colocated_run_equals_separate_server_run(tmp_path):
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result["weights_equal"]
     assert len(result["separate"]) == len(result["colocated"]) == 2
-    for step, (separate, colocated) in enumerate(zip(result["separate"], result["colocated"]), start=1):
+    for step, (separate, colocated) in enumerate(zip(result["separate"], result["colocated"], strict=True), start=1):
         assert len(separate) == len(colocated) == 3
-        for (tokens_a, logps_a, version_a), (tokens_b, logps_b, version_b) in zip(separate, colocated):
+        for (tokens_a, logps_a, version_a), (tokens_b, logps_b, version_b) in zip(separate, colocated, strict=True):
             assert tokens_a == tokens_b and version_a == version_b == step
             torch.testing.assert_close(torch.tensor(logps_b), torch.tensor(logps_a), atol=1e-5, rtol=0)
     # the two steps' generations differ: the updates reached the server (a stale server would repeat itself)

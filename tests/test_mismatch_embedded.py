@@ -42,7 +42,7 @@ def _rollouts(world, engine: EmbeddedEngine) -> list[Rollout]:
     samples = [s for group in engine.generate(requests) for s in group]
     return [Rollout(TrainSample(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
                                 advantage=a), torch.tensor(s.logprobs, dtype=torch.float32))
-            for s, a in zip(samples, advantages)]
+            for s, a in zip(samples, advantages, strict=True)]
 
 
 def test_embedded_engine_step1_ratio_is_one_and_tis_changes_nothing(world):

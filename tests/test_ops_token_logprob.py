@@ -33,7 +33,7 @@ def test_matches_reference_values_and_grads(backend, chunk_size):
     got = _value_and_grad(lambda a, b: token_logprob_entropy(a, b, backend=backend, chunk_size=chunk_size),
                           x, t, w_lp, w_h)
     ref = _value_and_grad(naive_logprob_entropy, x.double(), t, w_lp, w_h)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 

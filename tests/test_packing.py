@@ -136,7 +136,7 @@ def test_variant_matches_padded_logits_path(world, reference, variant):
     samples, want = reference
     got = _run(world, samples, VARIANTS[variant])
     for key in ("logps", "ents"):
-        for g, w in zip(got[key], want[key]):
+        for g, w in zip(got[key], want[key], strict=True):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
     for key in METRICS:
         assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=1e-6, abs=ATOL), key
@@ -154,7 +154,7 @@ def test_fused_linear_with_tied_embeddings(world):
     got = _run(world, samples, {"fused_linear_logprob": True, "pack_sequences": True}, hf)
     assert "output_layer.weight" not in want["grads"]
     for key in ("logps", "ents"):
-        for g, w in zip(got[key], want[key]):
+        for g, w in zip(got[key], want[key], strict=True):
             torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
     for name, w in want["grads"].items():
         torch.testing.assert_close(got["grads"][name], w, atol=ATOL, rtol=1e-5, msg=name)

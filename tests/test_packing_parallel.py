@@ -41,7 +41,7 @@ def test_matches_padded_logits_path(runs, variant):
     for rank in range(2):
         got, want = runs[variant][rank], runs[base][rank]
         for key in ("logps", "entropies"):
-            for g, w in zip(got[key], want[key]):
+            for g, w in zip(got[key], want[key], strict=True):
                 torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
         for key in ("pg_loss", "clipfrac_high", "clipfrac_low", "approx_kl", "ratio", "entropy", "grad_norm",
                     "num_tokens"):

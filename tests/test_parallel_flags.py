@@ -115,7 +115,7 @@ def test_recompute_gives_identical_log_probs_and_grads(world, reference, name):
     samples, want_logps, want_grads = reference
     actor = _actor(world, ParallelLayout(**RECOMPUTE[name]))
     assert actor.module.config.recompute_granularity == RECOMPUTE[name]["recompute_granularity"]
-    for got, want in zip(actor.compute_log_probs(samples), want_logps):
+    for got, want in zip(actor.compute_log_probs(samples), want_logps, strict=True):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     actor.train_step(samples)
     for n, p in actor.model.module.named_parameters():

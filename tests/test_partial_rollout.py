@@ -249,7 +249,7 @@ def test_checkpoint_state_round_trips(partial_run):
     assert groups
     back = from_state(state(groups))
     assert len(back) == len(groups)
-    for a, b in zip(groups, back):
+    for a, b in zip(groups, back, strict=True):
         assert (a.prompt, a.seed, a.first_step) == (b.prompt, b.seed, b.first_step)
         for x, y in zip(a.samples, b.samples, strict=True):
             assert (x.response_ids, x.finish_reason, x.weight_version, x.versions(), x.index) == \

@@ -84,7 +84,7 @@ def test_greedy_matches_hf_generate(model0):
     engine = EmbeddedEngine(model0, max_batch_size=4)
     prompts = _prompts(6, seed=3)
     groups = engine.generate(_requests(prompts, 1, SamplingParams(max_new_tokens=10, temperature=0.0)))
-    for prompt, (s,) in zip(prompts, groups):
+    for prompt, (s,) in zip(prompts, groups, strict=True):
         with torch.no_grad():
             ref = model0.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
                                   eos_token_id=EOS, pad_token_id=0)[0, len(prompt):].tolist()

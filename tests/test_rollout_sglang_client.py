@@ -90,7 +90,7 @@ def test_generate_order_parsing_and_spread(fakes):
     reqs = _reqs(6, n=3, max_new=4, seed=5)
     groups = engine.generate(reqs)
     assert [g[0].request_id for g in groups] == [r.request_id for r in reqs]
-    for req, group in zip(reqs, groups):
+    for req, group in zip(reqs, groups, strict=True):
         for s in group:
             seed = generate_payload(req, s.index)["sampling_params"]["sampling_seed"]
             expected = [fake_token(req.prompt_ids, seed, k) for k in range(4)]

@@ -92,8 +92,8 @@ def test_aborted_prefix_is_continued(served):
     prompts = {r.request_id: r.prompt_ids for r in longs}
     todo = [s for s in cut if s.finish_reason == "abort"]
     reqs = [continuation_request(prompts[s.request_id], s, sp, None, f"{s.request_id}-c{s.index}") for s in todo]
-    merged = [extend(s, cont, prompts[s.request_id]) for s, (cont,) in zip(todo, engine.generate(reqs))]
-    for s, prefix in zip(merged, todo):
+    merged = [extend(s, cont, prompts[s.request_id]) for s, (cont,) in zip(todo, engine.generate(reqs), strict=True)]
+    for s, prefix in zip(merged, todo, strict=True):
         assert s.response_ids[:len(prefix.response_ids)] == prefix.response_ids
         assert s.finish_reason in ("stop", "length") and len(s.response_ids) <= sp.max_new_tokens
         assert s.finish_reason == "stop" or len(s.response_ids) == sp.max_new_tokens
@@ -137,7 +137,7 @@ def test_the_api_key_is_on_no_command_line(served):
     assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 401
     assert httpx.post(f"{server.url}/generate", json=body, headers=server.headers, timeout=60).status_code == 200
     assert os.stat(engine.group.key_file).st_mode & 0o777 == 0o600
-    assert os.stat(server.log_path).st_mode & 0o777 == 0o600  # 0600 as well, for a form of the key the filter does not know
+    assert os.stat(server.log_path).st_mode & 0o777 == 0o600  # as well, for a form of the key the filter does not know
 
 def _group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) used so far by every live process of process group `pgid`."""

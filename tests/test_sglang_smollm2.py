@@ -43,7 +43,8 @@ def exported(tmp_path_factory) -> Path:
 
 def _divergence(model, prompt: list[int], ours: list[int], theirs: list[int]) -> tuple[int, float] | None:
     """Where two greedy continuations first differ and HF's top-2 logit gap there (None if they never do)."""
-    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    # not strict: the continuations may differ in length; the common prefix is compared, the lengths just below
+    pos = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
     if pos is None and len(ours) == len(theirs):
         return None
     pos = min(len(ours), len(theirs)) if pos is None else pos
@@ -75,7 +76,7 @@ def test_served_export_generates_what_hf_does_and_stops_at_eos(exported):
         engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     diverged = []
-    for s, prompt in zip(samples, prompts):
+    for s, prompt in zip(samples, prompts, strict=True):
         with torch.no_grad():
             out = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(prompt):]
         theirs = out.tolist()

@@ -72,7 +72,7 @@ def test_prompt_set_renders_the_chat_template(tokenizer):
     prompts = load_prompt_set(str(path), tokenizer, prompt_format="chat", max_prompt_length=128)
     records = load_prompts(path)
     assert len(prompts) == len(records) == 64
-    for prompt, record in zip(prompts, records):
+    for prompt, record in zip(prompts, records, strict=True):
         want = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=True)
         want = want["input_ids"] if hasattr(want, "keys") else want  # transformers 5 returns a BatchEncoding
         assert prompt.prompt_ids == list(want)
@@ -130,7 +130,7 @@ def test_megatron_logprobs_equal_hf(round_trip, hf_dir, hf_model, tokenizer):
     finally:
         destroy_parallel()
     diffs = []
-    for sample, lp in zip(samples, got):
+    for sample, lp in zip(samples, got, strict=True):
         want = hf_logprobs(hf_model, sample.tokens, sample.prompt_len)
         diffs.append(float((lp.float() - want).abs().max()))
         torch.testing.assert_close(lp.float(), want, atol=LOGPROB_ATOL, rtol=0)

@@ -90,7 +90,7 @@ def test_two_dapo_steps_push_to_the_engine_and_export_the_actor(tmp_path):
     exported = LlamaForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
     base = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     worst, moved = 0.0, 0.0
-    for s, logp, entropy in zip(samples, actor_logp, actor_entropy):
+    for s, logp, entropy in zip(samples, actor_logp, actor_entropy, strict=True):
         want_logp, want_entropy = hf_logprobs(exported, s.tokens, s.prompt_len, with_entropy=True)
         torch.testing.assert_close(logp, want_logp, atol=LOGPROB_ATOL, rtol=0)
         torch.testing.assert_close(entropy, want_entropy, atol=LOGPROB_ATOL, rtol=0)

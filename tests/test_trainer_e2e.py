@@ -107,7 +107,8 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
     AutoTokenizer.from_pretrained(ref / "hf")
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after resume")
-    assert any(not torch.equal(a, c) for a, c in zip(ref_model.parameters(), base.parameters())), "no update"
+    moved = [not torch.equal(a, c) for a, c in zip(ref_model.parameters(), base.parameters(), strict=True)]
+    assert any(moved), "no update"
 
 
 PARTIAL_STEPS = 6

@@ -208,7 +208,7 @@ def _receive(state: FakeState, body: dict) -> tuple[int, dict]:
         return 200, {"success": False, "message": f"broadcast not received: {bad[0]!r}"}
     offsets = [sum(numels[:k]) for k in range(len(numels))]
     _load_tensors(state, [(n, flats[0][o:o + c].view(s))
-                          for n, o, c, s in zip(body["names"], offsets, numels, body["shapes"])])
+                          for n, o, c, s in zip(body["names"], offsets, numels, body["shapes"], strict=True)])
     state.version = body.get("weight_version") or state.version
     with state.lock:
         state.received.append((body["group_name"], list(body["names"]), state.version))
@@ -275,7 +275,7 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
         for other in payloads[1:]:  # one per TP rank: colocated pushes send each rank's own copy
             theirs = ForkingPickler.loads(base64.b64decode(other))
             if [n for n, _ in theirs] != [n for n, _ in named] or \
-                    any(not a.equal(b) for (_, a), (_, b) in zip(named, theirs)):
+                    any(not a.equal(b) for (_, a), (_, b) in zip(named, theirs, strict=True)):
                 return 400, {"success": False, "message": "the TP ranks' payloads differ"}
         _load_tensors(state, named)
         state.version = body.get("weight_version") or state.version
