@@ -176,9 +176,12 @@ def _entry_tensor(
                 reader, names[seg.hf_index], seg, prefix, row_bytes[seg.hf_index], chunk_bytes, dtype, planned
             )
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
-            pad = (padded_vocab - arch.vocab_size, *lazy.shape[1:])
-            # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load.
-            lazy.chunks.append(Chunk((arch.vocab_size, 0), pad, lambda pad=pad: torch.zeros(pad, dtype=dtype)))
+            # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load. Up to 128 x TP - 1
+            # rows (10 MiB at hidden 5120, TP8 in bf16), in chunks of at most chunk_bytes like the HF rows.
+            step = max(1, chunk_bytes // max(1, row_bytes[0]))
+            for lo in range(arch.vocab_size, padded_vocab, step):
+                pad = (min(step, padded_vocab - lo), *lazy.shape[1:])
+                lazy.chunks.append(Chunk((lo, 0), pad, lambda pad=pad: torch.zeros(pad, dtype=dtype)))
     return lazy
 
 

@@ -155,3 +155,75 @@ def test_bad_shapes_and_config_are_rejected():
         PolicyLossConfig(dual_clip_c=0.5)
     with pytest.raises(ValueError, match="--loss-agg-mode"):
         PolicyLossConfig(agg_mode="mean")
+
+
+def _ratio_grid() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log pi_theta, log pi_old [2, 9] and advantages [2]: one row with A = +0.7, one with A = -1.3, each over
+    ratios on both sides of 1 - eps_high, 1 - eps_low, 1, 1 + eps_low, 1 + eps_high (0.2 / 0.28) and past the
+    dual-clip cap c = 3 (fp64, exact ratios up to rounding)."""
+    ratios = torch.tensor([0.5, 0.71, 0.75, 0.85, 1.0, 1.1, 1.25, 1.3, 4.0], dtype=torch.float64)
+    old = torch.full((2, ratios.numel()), -1.5, dtype=torch.float64)
+    logp = (old + ratios.log()).requires_grad_(True)
+    return logp, old, torch.tensor([0.7, -1.3], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dual_c", [None, 3.0], ids=["no-dual-clip", "dual-clip-3"])
+def test_both_advantage_signs_match_the_formula_token_by_token(dual_c):
+    """Eq. 10 with the dual clip for A < 0 only, per token, on a row of each advantage sign; the formula tests above
+    draw advantages at random, and seed 0 happens to draw only negative ones, so a dual clip applied to A > 0 (or
+    A > 0 handled like A < 0) went unseen. Also the gradient: -A r where the token's term is unclipped, 0 where
+    clipped or capped."""
+    logp, old, adv = _ratio_grid()
+    out = policy_loss(logp, old, adv, torch.ones_like(old), PolicyLossConfig(dual_clip_c=dual_c))
+    out.loss_sum.backward()
+    for b in range(2):
+        for t in range(logp.shape[1]):
+            lp, o, a = logp[b, t].item(), old[b, t].item(), adv[b].item()
+            want = reference_token_loss(lp, o, a, 0.2, 0.28, dual_c)
+            single = policy_loss(logp[b:b + 1, t:t + 1].detach(), old[b:b + 1, t:t + 1], adv[b:b + 1],
+                                 torch.ones(1, 1, dtype=torch.float64), PolicyLossConfig(dual_clip_c=dual_c))
+            assert single.loss_sum.item() == pytest.approx(want, rel=1e-12), (b, t)
+            r = math.exp(lp - o)
+            live = want == pytest.approx(-a * r, rel=1e-12) and (1 - 0.2 < r < 1 + 0.28 or (a > 0) == (r < 1))
+            assert logp.grad[b, t].item() == pytest.approx(-a * r if live else 0.0, abs=1e-12), (b, t)
+
+
+def test_clip_fractions_count_each_side_at_its_own_eps():
+    """clipfrac_high counts A > 0 tokens with r > 1 + eps_high, clipfrac_low A < 0 tokens with r < 1 - eps_low:
+    r = 0.75 (between 1 - eps_high and 1 - eps_low) is clipped low, r = 1.25 (between 1 + eps_low and 1 + eps_high)
+    is not clipped high."""
+    logp, old, adv = _ratio_grid()
+    out = policy_loss(logp, old, adv, torch.ones_like(old), PolicyLossConfig())
+    assert out.metrics["clipfrac_high"].item() == 2  # A > 0 row: 1.3, 4.0
+    assert out.metrics["clipfrac_low"].item() == 3  # A < 0 row: 0.5, 0.71, 0.75
+
+
+def test_bf16_log_probs_are_computed_in_fp32():
+    """bf16 log-probs (a bf16 model's) enter the ratio in fp32: the loss equals the formula on the same bf16 values
+    in fp64 to fp32 precision (rel 1e-6 against bf16's 2^-8 = 3.9e-3 ratio steps), and comes back fp32."""
+    g = torch.Generator().manual_seed(1)
+    old = (-torch.rand(4, 6, generator=g) * 3).bfloat16()
+    logp = (old.float() + torch.randn(4, 6, generator=g) * 0.05).bfloat16()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    out = policy_loss(logp, old, adv, torch.ones(4, 6), PolicyLossConfig())
+    assert out.loss_sum.dtype == torch.float32
+    want = sum(reference_token_loss(logp[b, t].item(), old[b, t].item(), adv[b].item(), 0.2, 0.28)
+               for b in range(4) for t in range(6))
+    assert out.loss_sum.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_old_log_probs_and_advantages_get_no_gradient():
+    """pi_old and A are constants of the objective (the docstring's 'no gradient'): a caller's tensors that require
+    grad still get none from the loss."""
+    logp, old, adv = _ratio_grid()
+    old.requires_grad_(True)
+    adv.requires_grad_(True)
+    policy_loss(logp, old, adv, torch.ones_like(old), PolicyLossConfig()).loss_sum.backward()
+    assert old.grad is None and adv.grad is None and logp.grad is not None
+
+
+@pytest.mark.parametrize("eps_low", [1.0, -0.01])
+def test_eps_low_outside_0_1_is_refused(eps_low):
+    """A lower clip 1 - eps_low must stay above 0 (--clip-ratio-low in [0, 1))."""
+    with pytest.raises(ValueError, match=r"--clip-ratio-low\) must be in \[0, 1\)"):
+        PolicyLossConfig(eps_low=eps_low)

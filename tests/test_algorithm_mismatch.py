@@ -173,3 +173,17 @@ def test_flags_build_the_config():
     _, _, default = build_configs(build_parser().parse_args(["--hf-checkpoint", "x", "--prompt-data", "y",
                                                              "--num-steps", "2"]))
     assert not default.off_policy.enabled
+
+
+@pytest.mark.parametrize("mode", ["token", "sequence"])
+def test_mis_keeps_a_ratio_on_the_threshold(mode):
+    """MIS drops ratios outside the closed interval [1/T, T]: with T = e, a log-ratio of exactly +-1 (r = e, 1/e) is
+    kept, one of 1 + 2^-20 is not."""
+    old = torch.tensor([[1.0, -1.0, 1.0 + 2**-20]], dtype=torch.float64)
+    rollout = torch.zeros_like(old)
+    if mode == "token":
+        keep = mis_keep_mask(old, rollout, torch.ones_like(old), "token", math.e)
+        assert keep.tolist() == [[True, True, False]]
+    else:  # one row per ratio: the row's geometric mean is its only token's ratio
+        keep = mis_keep_mask(old.t(), rollout.t(), torch.ones_like(old.t()), "sequence", math.e)
+        assert keep.tolist() == [[True], [True], [False]]

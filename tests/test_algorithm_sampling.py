@@ -137,3 +137,32 @@ def test_overlong_batch_factor_and_filter():
     assert overlong_penalty(25, OverlongConfig(max_response_length=20)) == 0.0  # buffer 0: off
     with pytest.raises(ValueError, match="--overlong-buffer-length"):
         OverlongConfig(max_response_length=8, buffer_length=9)
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, 2.0])
+def test_overlong_penalty_is_eq13_times_the_factor_in_all_three_cases(factor):
+    """R_length of Eq. 13 (L_max = 20, L_cache = 4) written out, times --overlong-penalty-factor in every case,
+    including |y| > L_max (the other tests take factor 1 there)."""
+    def eq13(n: int) -> float:
+        if n <= 20 - 4:
+            return 0.0
+        return (20 - 4 - n) / 4 if n <= 20 else -1.0
+
+    cfg = OverlongConfig(max_response_length=20, buffer_length=4, penalty_factor=factor)
+    for n in (0, 15, 16, 17, 19, 20, 21, 40):
+        assert overlong_penalty(n, cfg) == pytest.approx(factor * eq13(n)), n
+
+
+def test_a_buffer_as_long_as_l_max_is_allowed_and_grades_every_length():
+    """L_cache = L_max is in range (--overlong-buffer-length <= --max-response-length): the penalty then grows from
+    the first token, -|y| / L_max."""
+    cfg = OverlongConfig(max_response_length=8, buffer_length=8)
+    assert [overlong_penalty(n, cfg) for n in (0, 2, 8)] == [0.0, -0.25, -1.0]
+
+
+def test_truncated_samples_stay_in_the_loss_without_overlong_filter():
+    """Overlong filtering is opt-in (--overlong-filter): without it a truncated sample keeps its loss mask."""
+    on = OverlongConfig(max_response_length=20, filter_truncated=True)
+    off = OverlongConfig(max_response_length=20)
+    torch.testing.assert_close(overlong_keep_mask([True, False, True], on), torch.tensor([0.0, 1.0, 0.0]))
+    torch.testing.assert_close(overlong_keep_mask([True, False, True], off), torch.tensor([1.0, 1.0, 1.0]))

@@ -60,6 +60,19 @@ def test_partition_balances_a_dapo_minibatch_and_beats_the_strided_split():
     assert max(loads) < max(strided)
 
 
+def test_partition_balances_the_attention_cost_not_the_token_count():
+    """Rows of 6, 4, 3 and 3 tokens at attn_coef 1 (cost L (1 + L): 42, 20, 12, 12) over 2 ranks: {6} | {4, 3, 3}
+    (42 | 44) is the optimum; balancing tokens alone gives {6, 3} | {4, 3} (9 | 7 tokens, cost 54 | 32). Each rank's
+    indices come back sorted."""
+    lengths = [6, 4, 3, 3]
+    parts = partition_for_dp(lengths, 2, attn_coef=1.0)
+    assert sorted(parts) == [[0], [1, 2, 3]]
+    assert max(_cost(lengths, p, 1.0) for p in parts) == _optimum(lengths, 2, 1.0) == 44
+    rng = random.Random(3)
+    many = partition_for_dp([rng.randint(1, 500) for _ in range(40)], 3, attn_coef=1e-3)
+    assert all(p == sorted(p) for p in many)
+
+
 def test_partition_needs_a_row_per_rank():
     with pytest.raises(ValueError, match="--global-batch-size"):
         partition_for_dp([5, 6], 3)

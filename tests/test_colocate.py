@@ -215,6 +215,37 @@ def test_engine_release_resume_and_push_against_the_fake_server(world):
         server.shutdown()
 
 
+def test_a_colocated_engine_lost_mid_run_stops_the_run_naming_it(world):
+    """docs/FAULT_TOLERANCE.md's "a colocated engine is lost mid-run: the run stops with an error naming it": the
+    engine's server, at weight version 3 pushed by the actor ranks (ColocatedSync), dies and comes back on its port
+    with its launch weights; the next generation finds it serving another version, and ColocatedSync.recover,
+    which has no copy to re-sync it from, stops the engine: that call and every later one raise an error naming the
+    server's URL and the way out (--load), and no sample of the old weights is returned."""
+    from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
+    from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+    from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, ColocatedSync, make_engine_groups
+    from tests.sglang.fake_server import kill, serve
+
+    server, state = serve()
+    port = server.server_address[1]
+    url = f"http://127.0.0.1:{port}"
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(control_timeout_s=30))
+    sync = ColocatedSync(ColocatedPusher(make_engine_groups([url], 1), bucket_bytes=64), engine)
+    assert engine.weight_sync is sync
+    req = [RolloutRequest(prompt_ids=[1, 2], n=1, sampling=SamplingParams(max_new_tokens=2), request_id="r")]
+    try:
+        engine.set_weight_version(3)
+        kill(server, state)
+        server, state = serve(port=port)  # its node restarted it: launch weights, version "default"
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=rf"{url} was lost in colocated mode at weight version 3: .* "
+                                                   r"restart the run from its last checkpoint \(--load\)"):
+                engine.generate(req)
+    finally:
+        engine.shutdown()
+        kill(server, state)
+
+
 def test_memory_server_args_for_launched_cuda_servers():
     """Launched CUDA servers get --mem-fraction-static (given, or the planner's with --colocate) and, colocated,
     --enable-memory-saver; CPU servers nothing."""

@@ -313,6 +313,69 @@ def test_writer_holds_one_chunk_per_thread_and_qkv_is_stored_per_query_group(
         assert (tmp_path / "mc" / "release" / name).read_bytes() == (tmp_path / "mc2" / "release" / name).read_bytes()
 
 
+class _BlocksAlive:
+    """Counts the bytes of the tensors a reader method returns that are still alive (weakref.finalize), across
+    threads: the peak, the largest block, and how many were made."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock, self.live, self.peak, self.largest, self.made = threading.Lock(), 0, 0, 0, 0
+
+    def wrap(self, real):
+        import weakref
+
+        def tracked(*args, **kwargs) -> torch.Tensor:
+            t = real(*args, **kwargs)
+            nbytes = t.numel() * t.element_size()
+            with self.lock:
+                self.live += nbytes
+                self.made += 1
+                self.peak, self.largest = max(self.peak, self.live), max(self.largest, nbytes)
+            weakref.finalize(t, self._release, nbytes)
+            return t
+
+        return tracked
+
+    def _release(self, nbytes: int) -> None:
+        with self.lock:
+            self.live -= nbytes
+
+
+@pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
+def test_a_converter_holds_threads_x_chunk_bytes_never_a_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               direction: str) -> None:
+    """README's "about one layer in memory", asserted as the tighter bound the converter keeps: with a --dtype cast
+    (the only case that brings checkpoint bytes into the process; without one they are copied in the kernel,
+    test_mcore_to_hf_copies_converter_output_in_the_kernel) every block a writer thread holds (hf-to-mcore: the cast
+    chunk it serializes; mcore-to-hf: the rows it reads to cast) is at most --chunk-mb and at most
+    --threads x --chunk-mb are alive at once, under a quarter of one decoder layer here. At Qwen2.5-32B
+    (--threads 4 --chunk-mb 16) that is 64 MiB against a 975 MB layer."""
+    from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
+    from checkpoint_convert.mcore_to_hf import McoreToHfConfig, mcore_to_hf
+    from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader, LazyTensor
+
+    make_tiny_hf(tmp_path / "hf", tied=False)
+    layer_bytes = sum(t.numel() * t.element_size() for n, t in read_all(tmp_path / "hf").items()
+                      if n.startswith("model.layers.0."))
+    threads, chunk_bytes = 2, 32 * 4 * 5  # 5 fp32 rows of hidden 32
+    assert 4 * threads * chunk_bytes < layer_bytes
+    blocks = _BlocksAlive()
+    h2m = HfToMcoreConfig(hf_path=str(tmp_path / "hf"), save=str(tmp_path / "mc"), threads=threads,
+                          dtype="fp16" if direction == "hf-to-mcore" else None)
+    h2m.chunk_bytes = chunk_bytes
+    if direction == "hf-to-mcore":  # the cast chunk a writer thread holds (its mapped HF rows die in the cast)
+        monkeypatch.setattr(LazyTensor, "__get_tensor_shard__", blocks.wrap(LazyTensor.__get_tensor_shard__))
+    hf_to_mcore(h2m)
+    if direction == "mcore-to-hf":
+        monkeypatch.setattr(DistCheckpointReader, "read", blocks.wrap(DistCheckpointReader.read))
+        m2h = McoreToHfConfig(load=str(tmp_path / "mc"), save=str(tmp_path / "hf2"), threads=threads, dtype="fp16")
+        m2h.chunk_bytes = chunk_bytes
+        mcore_to_hf(m2h)
+    assert blocks.made > 100 and blocks.live == 0
+    assert blocks.largest <= chunk_bytes and blocks.peak <= threads * chunk_bytes
+
+
 @pytest.mark.parametrize("dtype", [None, "bf16"], ids=["copy", "cast"])
 def test_copied_chunks_are_torch_save_records_equal_to_hf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str | None

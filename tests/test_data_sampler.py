@@ -109,3 +109,31 @@ def test_bad_arguments():
     bad = ResumableSampler(3, seed=0).state_dict() | {"position": 9}
     with pytest.raises(ValueError, match="position 9 outside"):
         ResumableSampler(3, seed=0).load_state_dict(bad)
+
+
+def test_neighbouring_seeds_do_not_share_epochs_shifted_by_one():
+    """The permutation is seeded by the pair (seed, epoch), not seed + epoch: seed 5's second epoch is not seed 6's
+    first."""
+    assert epoch_permutation(50, 5, 1).tolist() != epoch_permutation(50, 6, 0).tolist()
+    assert epoch_permutation(50, 5, 1).tolist() == epoch_permutation(50, 5, 1).tolist()
+
+
+def test_drop_last_keeps_a_batch_that_exactly_fills_the_epoch():
+    """drop_last drops only a remainder shorter than the batch: 10 items in batches of 5 use every item."""
+    sampler = ResumableSampler(10, seed=2, drop_last=True)
+    e0, e1 = epoch_permutation(10, 2, 0).tolist(), epoch_permutation(10, 2, 1).tolist()
+    assert [sampler.next_batch(5) for _ in range(3)] == [e0[:5], e0[5:], e1[:5]]
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+def test_resume_from_the_exact_end_of_an_epoch(drop_last):
+    """A checkpoint taken when a batch ended exactly at the end of an epoch (position == num_items, the next epoch not
+    yet begun) resumes into the next epoch's order."""
+    first = ResumableSampler(12, seed=4, drop_last=drop_last)
+    first.next_batch(6)
+    first.next_batch(6)
+    state = first.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 12)
+    resumed = ResumableSampler(12, seed=4, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    assert resumed.next_batch(6) == first.next_batch(6) == epoch_permutation(12, 4, 1).tolist()[:6]

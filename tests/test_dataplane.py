@@ -103,3 +103,57 @@ def test_a_push_that_fails_still_runs_the_export_to_the_end(monkeypatch):
     with pytest.raises(RuntimeError, match="every server lost"):
         trainer.sync_weights(1)
     assert taken == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("overlong_filter", [True, False], ids=["filter", "no-filter"])
+def test_build_samples_gives_each_row_once_with_its_group_advantage_and_mask(monkeypatch, overlong_filter):
+    """Trainer.build_samples (rank 0) against the pieces written out: each response's advantage is Eq. 9 of its own
+    prompt group (mean and unbiased std over the group, + 1e-6), a truncated response's loss mask is 0 under
+    --overlong-filter and 1 without, a response without tokens counts in its group's statistics but is not trained
+    on, the rows are cut into --global-batch-size mini-batches in order, and each mini-batch's rows go to exactly one
+    of the 2 DP ranks (every rank gets some)."""
+    import statistics
+
+    from megatron_dapo.algorithm import grpo_advantages
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.models.registry import families
+    from megatron_dapo.rollout.collect import Prompt, ScoredGroup
+    from megatron_dapo.rollout.types import Sample
+    from megatron_dapo.trainer import loop
+
+    monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: 2)
+    lengths = [[3, 9, 1, 5], [7, 0, 2, 4]]  # group 1's second response is empty
+    rewards = [[1.0, -1.0, -1.0, 0.5], [-1.0, 1.0, 1.0, -0.25]]
+    groups = []
+    for g, (lens, rews) in enumerate(zip(lengths, rewards, strict=True)):
+        samples = [Sample(request_id=f"g{g}", index=i, prompt_ids=[2, 3, g], response_ids=[10 + 10 * g + i] * n,
+                          logprobs=[-0.1 * (i + 1)] * n, finish_reason="length" if n == 9 else "stop",
+                          weight_version=0) for i, n in enumerate(lens)]
+        groups.append(ScoredGroup(prompt=Prompt(prompt_ids=[2, 3, g], ground_truth="", index=g), samples=samples,
+                                  accs=[r > 0 for r in rews], rewards=rews))
+    arch = ModelArch.from_hf(dict(families()["qwen2"].tiny_config, model_type="qwen2"))
+    trainer = SimpleNamespace(actor=SimpleNamespace(arch=arch), routing=None,
+                              config=SimpleNamespace(advantage_estimator=grpo_advantages, global_batch_size=4),
+                              collect=SimpleNamespace(overlong=OverlongConfig(max_response_length=9,
+                                                                              filter_truncated=overlong_filter)))
+    trainer.dp_split = lambda mb, dp: Trainer.dp_split(trainer, mb, dp)
+    shares, metrics = Trainer.build_samples(trainer, groups)
+    expected = {}  # response token -> (advantage, loss-mask value), in flat order
+    for lens, rews, g in zip(lengths, rewards, range(2), strict=True):
+        mean, std = statistics.fmean(rews), statistics.stdev(rews)
+        for i, (n, r) in enumerate(zip(lens, rews, strict=True)):
+            if n:
+                expected[10 + 10 * g + i] = ((r - mean) / (std + 1e-6), 0.0 if overlong_filter and n == 9 else 1.0)
+    order = list(expected)
+    assert metrics["train/minibatches"] == 2 and metrics["train/responses"] == 7
+    assert len(shares) == 2 and all(len(per_rank) == 2 for per_rank in shares)
+    for m, want in enumerate((order[:4], order[4:])):
+        got = [r.sample.tokens[3] for d in range(2) for r in shares[d][m]]
+        assert sorted(got) == sorted(want) and all(shares[d][m] for d in range(2)), (m, got)
+    for d in range(2):
+        for mb in shares[d]:
+            for row in mb:
+                adv, keep = expected[row.sample.tokens[3]]
+                assert row.sample.advantage == pytest.approx(adv, rel=1e-6)
+                assert torch.equal(row.sample.loss_mask, torch.full((row.sample.response_len,), keep))
+                assert row.sample.tokens[:3] == [2, 3, row.sample.tokens[3] // 10 - 1]

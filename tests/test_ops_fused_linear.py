@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from megatron_dapo.ops import fused_linear_logprob_entropy
 from megatron_dapo.ops.reference import naive_logprob_entropy
@@ -62,3 +64,42 @@ def test_bad_shapes_raise():
         fused_linear_logprob_entropy(h, w.double(), t)
     with pytest.raises(ValueError, match="targets must be integer ids"):
         fused_linear_logprob_entropy(h, w, t[:5])
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor (elements) any aten op returns while active: every allocation of the forward and of
+    the autograd backward (which runs these CPU ops on this thread, under this mode) is some op's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.shape = 0, ()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+def test_no_tensor_of_tokens_x_vocab_is_ever_made():
+    """README's "never materialising [tokens x vocab] logits": in the forward and in the backward, no tensor the
+    fused head makes is larger than one [chunk, V] logits block, while the unfused path makes the [N, V] logits
+    (N = 256 tokens, V = 512, chunk 16: 8,192 vs 131,072 elements; the inputs are smaller than a block). At the
+    production setting (Qwen2.5-32B, V = 152,064 / TP8, a 24,576-token micro-batch) the default chunk is 882 tokens:
+    one 64 MiB fp32 block instead of 1.74 GiB of logits per TP rank."""
+    n, h, v, chunk = 256, 8, 512, 16
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    weight = torch.randn(v, h, generator=gen).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=gen)
+    assert max(hidden.numel(), weight.numel()) < chunk * v < n * v
+    with _LargestOutput() as forward:
+        logp, ent = fused_linear_logprob_entropy(hidden, weight, targets, chunk_size=chunk)
+    with _LargestOutput() as backward:
+        (logp.sum() + ent.sum()).backward()
+    # the backward recomputes each block: seeing one there shows the mode watches the backward too
+    assert forward.shape == backward.shape == (chunk, v)
+    with _LargestOutput() as unfused:
+        naive_logprob_entropy(hidden.detach() @ weight.detach().t(), targets)
+    assert unfused.shape == (n, v)

@@ -675,6 +675,53 @@ def test_moe_dry_run_default_world_holds_one_expert_grid(tmp_path, monkeypatch):
     assert float(row.split()[-1]) == round(48 * 16 * 3 * 2048 * 768 * 12 / planner.GIB, 2) == 40.5
 
 
+def _fenced_block_starting(doc: Path, first: str) -> list[str]:
+    """The lines of the ``` block of `doc` whose first line starts with `first`."""
+    lines = doc.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(first) and i > 0 and lines[i - 1] == "```":
+            return lines[i:lines.index("```", i)]
+    raise AssertionError(f"{doc} has no ``` block starting with {first!r}")
+
+
+def test_a3b_plan_is_the_one_the_docs_quote(tmp_path):
+    """The numbers the docs quote for the 30B-A3B recipe are the planner's, at the precision they are quoted:
+    docs/PARALLELISM.md's plan block is the launcher's --dry-run line for line (peak 58.13 GiB, 2 decimals as printed);
+    README.md's '58 GiB of 80' and the launchers' '~58 GiB of 80' are that peak rounded to whole GiB; the variants
+    docs/PARALLELISM.md names (a capacity factor, TP2 + SP, 2 / 8 / 1 actor nodes) peak at the values it prints, and
+    the recipe's comment quotes the node counts to one decimal."""
+    args = _launcher_train_args(tmp_path, *A3B_LAUNCHER)
+    rc, lines = _dry_run(args)
+    assert rc == 0, "\n".join(lines)
+    assert lines == _fenced_block_starting(REPO / "docs/PARALLELISM.md", "layout: TP1 x PP1 x CP1 x DP32")
+    peak = float(lines[-1].split()[2])
+    assert f"TP1 x EP8, `--dry-run` {round(peak)} GiB of 80)" in " ".join((REPO / "README.md").read_text().split())
+    for path in ("examples/recipes/qwen3-30b-a3b.sh", "examples/run_qwen3_30b_a3b_multinode.sh"):
+        assert f"~{round(peak)} GiB of 80" in (REPO / path).read_text(), path
+    world = args.index("--world-size") + 1
+    variants = {  # the change, and the phrase the docs print its peak in ({} = the peak, 2 decimals)
+        "capacity": (["--moe-expert-capacity-factor", "1.0"], "`--moe-expert-capacity-factor 1.0` the peak is {} GiB"),
+        "tp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                   "with TP2 + SP (the experts' share unchanged) {} GiB"),
+        "2-nodes": (16, "2 nodes (EDP 2) plan {} GiB"),
+        "8-nodes": (64, "8 nodes {} GiB"),
+        "1-node": (8, "per GPU) {} GiB, over"),
+    }
+    doc = " ".join((REPO / "docs/PARALLELISM.md").read_text().split())  # the phrases wherever the lines wrap
+    recipe = (REPO / "examples/recipes/qwen3-30b-a3b.sh").read_text()
+    for name, (change, phrase) in variants.items():
+        if isinstance(change, int):
+            changed = args[:world] + [str(change)] + args[world + 1:]
+        else:
+            changed = args + change
+        rc, out = _dry_run(changed)
+        assert rc == (1 if name == "1-node" else 0), "\n".join(out)
+        value = float(out[-1].split()[2])
+        assert phrase.format(f"{value:.2f}") in doc, (name, value)
+        if isinstance(change, int):
+            assert f"{value:.1f} GiB" in recipe, (name, value)
+
+
 if __name__ == "__main__":  # the worker of test_planner_matches_saved_tensors_at_ep2 (under torchrun)
     _ep2_saved_bytes_worker()
 

@@ -219,3 +219,47 @@ def test_a_dead_router_is_logged_once_and_counted(capsys):
         engine.shutdown()
         for fake in fakes:
             kill(*fake)
+
+
+def test_a_dead_router_is_tried_again_after_60_s(monkeypatch):
+    """docs/FAULT_TOLERANCE.md's "the router is tried again every 60 s", on an injected clock (the engine module's
+    time.monotonic, held still by the test; no wall-clock wait): after the router failed, first tries skip it while
+    59.9 s pass (it is back by then, and gets nothing), and go through it again once 60.1 s have."""
+    import time
+
+    from megatron_dapo.rollout.sglang import engine as engine_module
+
+    now = [1000.0]
+
+    class _Clock:
+        """`time` for the engine module, with a monotonic clock that moves only when the test moves it."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def monotonic(self) -> float:
+            return now[0]
+
+    monkeypatch.setattr(engine_module, "time", _Clock())
+    assert engine_module.ROUTER_RETRY_S == 60.0
+    router, router_state = serve()
+    port = router.server_address[1]
+    fakes = [serve() for _ in range(2)]
+    engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes], router_url=_url(router),
+                          client=ClientConfig(**FAST, max_concurrency=4))
+    try:
+        kill(router, router_state)
+        for advance, through_router in ((0.0, False), (59.9, False), (0.2, True)):
+            now[0] += advance
+            groups, err = _within(lambda: engine.generate(_reqs(2, n=2)))
+            assert err is None and all(len(s.response_ids) == 5 for g in groups for s in g), err
+            metrics = engine.take_metrics()
+            assert metrics["rollout/router_fallbacks"] == (0 if through_router else 4), (advance, metrics)
+            if advance == 0.0:
+                router, router_state = serve(port=port)  # back at once: only the clock keeps it out
+        assert router_state.calls.get("/generate", 0) == 4
+    finally:
+        engine.shutdown()
+        kill(router, router_state)
+        for fake in fakes:
+            kill(*fake)

@@ -7,15 +7,19 @@ import torch
 
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import families
 from megatron_dapo.weights import (
     arch_mapping,
     canonical_mcore_name,
     hf_to_mcore_tensor,
+    iter_rank_shards,
+    mcore_to_hf_tensors,
     merge_tp_shards,
     resolve_mcore_name,
     stage_tensors,
 )
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes, mcore_shard_shape
+from megatron_dapo.weights.plan import hf_tensor_specs
 
 ARCH = ModelArch(
     model_type="qwen2",
@@ -108,7 +112,11 @@ def test_vocab_pads_to_multiple_of_128_tp_with_zero_rows(tp: int) -> None:
     assert torch.equal(back, table) and back.dtype == torch.bfloat16
 
 
-def test_row_and_replicated_layouts() -> None:
+def test_row_column_and_replicated_layouts() -> None:
+    """row: TP rank r holds column block r; column (a kind no registered family's table uses today): row block r."""
+    w = torch.randn(ARCH.q_size, ARCH.hidden_size)
+    shards = hf_to_mcore_tensor("column", [w], ARCH, 2)
+    assert torch.equal(shards[1], w[ARCH.q_size // 2 :]) and torch.equal(merge_tp_shards("column", shards, ARCH)[0], w)
     o = torch.randn(ARCH.hidden_size, ARCH.q_size)
     shards = hf_to_mcore_tensor("row", [o], ARCH, 2)
     assert torch.equal(shards[1], o[:, ARCH.q_size // 2 :])
@@ -168,3 +176,71 @@ def test_stage_tensors_place_embedding_head_and_local_layers(pp: int, tied: bool
     if tied and pp > 1:
         head = next(t for t in stages[-1] if t.mcore_name == "output_layer.weight")
         assert head.hf_names == ("model.embed_tokens.weight",)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shard_shape_is_the_shape_of_every_tp_shard(tp: int) -> None:
+    """mcore_shard_shape against the shards hf_to_mcore_tensor cuts: a row-parallel weight splits its columns, a
+    column-parallel one (qkv, fc1, vocab) its rows."""
+    gen = torch.Generator().manual_seed(0)
+    for entry in arch_mapping(ARCH):
+        hf = [torch.randn(shape, generator=gen) for shape in hf_shapes(entry, ARCH)]
+        shards = hf_to_mcore_tensor(entry.kind, hf, ARCH, tp)
+        assert len(shards) == tp and {tuple(s.shape) for s in shards} == {mcore_shard_shape(entry, ARCH, tp)}, entry
+    proj = next(e for e in arch_mapping(ARCH) if e.kind == "row")
+    assert mcore_shard_shape(proj, ARCH, 2) == (ARCH.hidden_size, ARCH.q_size // 2)
+
+
+def test_a_stage_local_name_maps_to_the_hf_name_of_its_global_layer() -> None:
+    """mcore_to_hf_tensors: layer 1 of the PP stage whose first layer is 2 is HF layer 3; its row-parallel TP shards
+    are the HF tensor's column halves."""
+    o = torch.randn(ARCH.hidden_size, ARCH.q_size)
+    halves = [o[:, : ARCH.q_size // 2], o[:, ARCH.q_size // 2 :]]
+    ((name, merged),) = mcore_to_hf_tensors("decoder.layers.1.self_attention.linear_proj.weight", halves, ARCH,
+                                            layer_offset=2)
+    assert name == "model.layers.3.self_attn.o_proj.weight" and torch.equal(merged, o)
+
+
+MOE = ModelArch.from_hf(dict(families()["qwen3_moe"].tiny_config, model_type="qwen3_moe"))
+
+
+def test_an_expert_parallel_rank_holds_its_global_experts_under_local_names() -> None:
+    """EP2 over 8 experts: EP rank 1 holds global experts 4-7 of every layer as local_experts.0-3, read from HF's
+    per-expert tensors of experts 4-7."""
+    layout = ParallelLayout(tp=1, dp=2, ep=2)
+    experts = [t for t in stage_tensors(MOE, layout, 0, ep_rank=1) if t.entry.per_expert]
+    assert len(experts) == MOE.num_layers * 4 * 2  # fc1 and fc2 of 4 local experts per layer
+    for t in experts:
+        local = int(t.mcore_name.split("local_experts.")[1].split(".")[0])
+        assert t.global_expert == 4 + local
+        assert all(f"model.layers.{t.global_layer}.mlp.experts.{4 + local}." in n for n in t.hf_names)
+
+
+def test_expert_shards_follow_the_expert_tp_rank_not_the_tp_rank() -> None:
+    """TP2 with expert-TP 1 (EP2): TP rank 1 holds the second column half of a dense row-parallel weight but whole
+    experts (their expert-TP rank is 0), HF's tensors of its EP rank's global experts."""
+    layout = ParallelLayout(tp=2, dp=1, ep=2, etp=1, sp=True)
+    gen = torch.Generator().manual_seed(0)
+    hf = {s.name: torch.randn(s.shape, generator=gen) for s in hf_tensor_specs(MOE, torch.float32)}
+    got = dict(iter_rank_shards(hf.__getitem__, MOE, layout, pp_rank=0, tp_rank=1, ep_rank=1, etp_rank=0))
+    o = hf["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(got["decoder.layers.0.self_attention.linear_proj.weight"], o[:, o.shape[1] // 2 :])
+    assert torch.equal(got["decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight"],
+                       hf["model.layers.2.mlp.experts.5.down_proj.weight"])
+    fc1 = got["decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"]
+    assert torch.equal(fc1, torch.cat([hf["model.layers.2.mlp.experts.5.gate_proj.weight"],
+                                       hf["model.layers.2.mlp.experts.5.up_proj.weight"]]))
+
+
+def test_a_vocab_that_is_already_a_multiple_is_not_padded() -> None:
+    """Megatron's rule, the smallest multiple of 128 x TP that holds the vocab: Qwen2.5's 152,064 rows (1188 x 128)
+    stay 152,064 at TP1 and become 152,576 at TP8; a 256-row vocab is split unpadded at TP1 and TP2."""
+    from megatron_dapo.distributed.parallel import padded_vocab_size
+
+    assert [padded_vocab_size(152064, tp) for tp in (1, 2, 8)] == [152064, 152064, 152576]
+    assert [padded_vocab_size(v, 1) for v in (1, 128, 129)] == [128, 128, 256]
+    arch = ModelArch(**{**ARCH.to_dict(), "vocab_size": 256})
+    table = torch.randn(256, ARCH.hidden_size)
+    for tp in (1, 2):
+        shards = hf_to_mcore_tensor("vocab", [table], arch, tp)
+        assert torch.equal(torch.cat(shards), table)

@@ -25,7 +25,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -144,7 +144,8 @@ def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperatu
     return result["eval/avg@1"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The tool's flags, with the task-dependent defaults (--sft-steps, --max-response-length) filled in."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory (model/, train.jsonl, eval.jsonl)")
     ap.add_argument("--seed", type=int, default=0)
@@ -175,11 +176,24 @@ def main(argv: list[str] | None = None) -> None:
         args.sft_steps = 600 if args.task == "addition" else 500
     if args.max_response_length is None:
         args.max_response_length = 40 if args.task == "addition" else ABLATION_MAX_RESPONSE_LENGTH
-    from transformers import Qwen2ForCausalLM
+    return args
 
-    torch.manual_seed(args.seed)
-    out = Path(args.out)
-    (out / "model").mkdir(parents=True, exist_ok=True)
+
+@dataclass
+class TaskData:
+    """The base's prompts and warm-up: pure Python from --seed (no torch RNG, no float kernel), so the same on every
+    machine."""
+
+    task: ArithmeticTask | RemainderTask
+    train: list[PromptRecord]
+    eval: list[PromptRecord]
+    """Held-out: expressions never in train."""
+    response_fn: Callable[[PromptRecord, random.Random], str]
+    max_positions: int
+
+
+def task_data(args: argparse.Namespace) -> TaskData:
+    """The task's problems for `args`, split into train and held-out prompts, with its warm-up response."""
     if args.task == "addition":
         task = ArithmeticTask(min_operand=args.min_operand, max_operand=args.max_operand, min_operations=1,
                               max_operations=1, operators=("+",), prompt_template="{expression}=")
@@ -199,20 +213,18 @@ def main(argv: list[str] | None = None) -> None:
             seen.add(expr)
             eval_records.append(r)
     train_records = [r for r in pool[: args.num_train] if r.extra["expression"] not in seen]
-    write_prompts(out / "train.jsonl", train_records)
-    write_prompts(out / "eval.jsonl", eval_records)
+    return TaskData(task, train_records, eval_records, response_fn, max_positions)
 
-    tokenizer = build_char_tokenizer(str(out / "model"))
-    config = tiny_qwen2_config(len(tokenizer), tokenizer.eos_token_id, hidden=args.hidden_size,
-                               layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
-                               ffn=args.ffn_hidden_size, max_len=max_positions)
-    model = Qwen2ForCausalLM(config)
+
+def sft(model, data: TaskData, tokenizer, args: argparse.Namespace) -> None:
+    """The warm-up: --sft-steps AdamW steps on batches of train prompts + warm-up responses (token-mean NLL of the
+    responses), linear LR warm-up over 50 steps, gradients clipped at 1. Batches come from random.Random(--seed)."""
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     for step in range(1, args.sft_steps + 1):
-        ids, att, mask = sft_batch(train_records, tokenizer, rng, response_fn, args.sft_batch_size)
+        ids, att, mask = sft_batch(data.train, tokenizer, rng, data.response_fn, args.sft_batch_size)
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
@@ -224,6 +236,27 @@ def main(argv: list[str] | None = None) -> None:
         if step % 100 == 0 or step == args.sft_steps:
             elapsed = time.perf_counter() - t0
             print(f"sft step {step}/{args.sft_steps} loss {loss.item():.3f} ({elapsed:.0f} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    data = task_data(args)
+    task, train_records, eval_records = data.task, data.train, data.eval
+    write_prompts(out / "train.jsonl", train_records)
+    write_prompts(out / "eval.jsonl", eval_records)
+
+    tokenizer = build_char_tokenizer(str(out / "model"))
+    config = tiny_qwen2_config(len(tokenizer), tokenizer.eos_token_id, hidden=args.hidden_size,
+                               layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
+                               ffn=args.ffn_hidden_size, max_len=data.max_positions)
+    model = Qwen2ForCausalLM(config)
+    t0 = time.perf_counter()
+    sft(model, data, tokenizer, args)
     model.eval()
     max_new = args.max_response_length
     report = {
