@@ -9,6 +9,25 @@
 # usage: examples/run_embedded_demo.sh [RUN_DIR] [BASE_DIR] [NUM_STEPS]
 #   NPROC=2 examples/run_embedded_demo.sh   # the same run on 2 gloo processes (data parallel)
 set -euo pipefail
+
+ROLLOUT_ARGS=(
+    --rollout-engine embedded --rollout-batch-size 16 --n-samples-per-prompt 8 --over-sample-factor 1.5
+    --rollout-temperature 1.0 --max-response-length 40 --max-num-gen-batches 16 --on-gen-exhausted partial
+    --max-prompt-length 16  # prompts are 6 characters; prompt + response must fit the tiny model's 128 positions
+)
+DAPO_ARGS=(
+    --clip-ratio-low 0.2 --clip-ratio-high 0.28 --loss-agg-mode token-mean --dynamic-sampling
+    --overlong-buffer-length 8 --overlong-penalty-factor 1.0 --reward-fn math_dapo
+)
+# 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped).
+# --lr-warmup-steps counts rollout steps: steps 1, 2, 3 train at 1/3, 2/3, 3/3 of --lr.
+OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 3 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
+# Sourced, the script only defines the arrays above: tools/golden_curve.py reads its flags from them (one source
+# for the demo and its golden curve).
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+    return 0
+fi
+
 cd "$(dirname "$0")/.."
 
 RUN_DIR=${1:-runs/demo}
@@ -30,18 +49,6 @@ DATA_ARGS=(
     --eval-prompt-data "$BASE_DIR/eval.jsonl" --eval-interval 10 --n-samples-per-eval-prompt 4
     --eval-max-prompts 200
 )
-ROLLOUT_ARGS=(
-    --rollout-engine embedded --rollout-batch-size 16 --n-samples-per-prompt 8 --over-sample-factor 1.5
-    --rollout-temperature 1.0 --max-response-length 40 --max-num-gen-batches 16 --on-gen-exhausted partial
-    --max-prompt-length 16  # prompts are 6 characters; prompt + response must fit the tiny model's 128 positions
-)
-DAPO_ARGS=(
-    --clip-ratio-low 0.2 --clip-ratio-high 0.28 --loss-agg-mode token-mean --dynamic-sampling
-    --overlong-buffer-length 8 --overlong-penalty-factor 1.0 --reward-fn math_dapo
-)
-# 16 prompts x 8 responses = 128 per step in 2 mini-batches of 64: the second update is off-policy (clipped).
-# --lr-warmup-steps counts rollout steps: steps 1, 2, 3 train at 1/3, 2/3, 3/3 of --lr.
-OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 3 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
 RUN_ARGS=(--num-steps "$NUM_STEPS" --log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 30
           --export-hf "$RUN_DIR/hf")
 
