@@ -74,7 +74,7 @@ def test_clean_warmup_is_the_solution_and_slips_carry_forward():
     always = WarmupStyle(early_stop_prob=0.0, error_prob=1.0, ramble_prob=0.0)
     text = warmup_response(47, 6, random.Random(1), always)
     lines = text.strip().split("\n")
-    for line, nxt in zip(lines, lines[1:-1]):  # each line starts from the value the one before wrote
+    for line, nxt in zip(lines, lines[1:-1], strict=False):  # each line starts from the value the one before wrote
         assert nxt.split("-")[0] == line.split("=")[1]
     assert not sound_so_far(text + "\n", 47, 6)
 
@@ -134,7 +134,7 @@ class _ScriptedEngine:
     def generate(self, requests):
         tok = _Tokenizer()
         out = []
-        for req, texts in zip(requests, self.texts):
+        for req, texts in zip(requests, self.texts, strict=False):  # scripted: the first len(requests) answers
             out.append([Sample(request_id=req.request_id, index=i, prompt_ids=req.prompt_ids,
                                response_ids=tok.encode(t), logprobs=[lp] * len(t), finish_reason=reason,
                                weight_version=0) for i, (t, reason, lp) in enumerate(texts)])
@@ -181,7 +181,7 @@ def test_every_arm_parses_and_each_adds_exactly_its_technique():
                          "overlong_filter": False, "overlong_buffer_length": 0, "dynamic_sampling": False}
     added = {"filter": "overlong_filter", "clip_higher": "clip_ratio_high", "soft_punish": "overlong_buffer_length",
              "token_loss": "loss_agg_mode", "dapo": "dynamic_sampling"}
-    for before, after, arm in zip(parsed, parsed[1:], ablation.ARMS[1:]):
+    for before, after, arm in zip(parsed, parsed[1:], ablation.ARMS[1:], strict=False):  # consecutive pairs
         assert {f for f in fields if before[f] != after[f]} == {added[arm.key]}
     assert parsed[-1] == {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean",
                           "overlong_filter": True, "overlong_buffer_length": 32, "dynamic_sampling": True}

@@ -39,10 +39,10 @@ def test_log_probs_and_entropy_match_hf(world, fused):
     logps, ents = _actor(world, use_fused_logprob=fused, max_tokens_per_micro_batch=40).compute_log_probs(
         samples, with_entropy=True)
     ref_logps, ref_ents = hf_response_log_probs(world[1], samples)
-    for got, want, s in zip(logps, ref_logps, samples):
+    for got, want, s in zip(logps, ref_logps, samples, strict=True):
         assert got.shape == (s.response_len,) and got.dtype == torch.float32
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    for got, want in zip(ents, ref_ents):
+    for got, want in zip(ents, ref_ents, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 

@@ -74,7 +74,7 @@ def _assert_same_export(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
 def test_vpp_matches_single_process(runs):
     reference, ranks = runs
     for pp_rank, rank in enumerate(ranks):  # both PP ranks hold the log-probs, the metrics and the full export
-        for i, (logp, ent) in enumerate(zip(rank["logps"], rank["entropies"])):
+        for i, (logp, ent) in enumerate(zip(rank["logps"], rank["entropies"], strict=True)):
             torch.testing.assert_close(logp, reference["logps"][i], atol=2e-5, rtol=0)
             torch.testing.assert_close(ent, reference["entropies"][i], atol=2e-5, rtol=0)
         for i, logp in enumerate(rank["logps_two"]):  # 1 micro-batch split to 2 for the schedule

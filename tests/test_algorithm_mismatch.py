@@ -45,7 +45,7 @@ def test_mis_token_and_sequence_masks():
     token = mis_keep_mask(old, rollout, mask, "token", 2.0)
     assert token.tolist() == [[False, False, True, True], [False, True, True, False], [False, True, True, False]]
     # geometric means over masked tokens: (3*.4*1.5*.6)^(1/4)=0.95, (4*.5*1)^(1/3)=1.26, (4*1.9*1)^(1/3)=1.97
-    gm = [math.prod(r[:k]) ** (1 / k) for r, k in zip(ratios, (4, 3, 3))]
+    gm = [math.prod(r[:k]) ** (1 / k) for r, k in zip(ratios, (4, 3, 3), strict=True)]
     assert gm[0] < 1.9 and gm[1] < 1.9 < gm[2] < 2.1
     seq = mis_keep_mask(old, rollout, mask, "sequence", 1.9)
     assert seq.tolist() == [[True] * 4, [True, True, True, False], [False] * 4]

@@ -169,7 +169,7 @@ def test_converter_output_loads_into_either_implementation(layout, hf_models, ca
         actor = make_actor(arch, impl, layout)
         load_model_weights(actor.module, tmp_path / "mc", arch)
         actor.optimizer.reload_model_params()
-        for got, ref in zip(actor.compute_log_probs(samples), want):
+        for got, ref in zip(actor.compute_log_probs(samples), want, strict=True):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)  # fp32 forward vs HF's: reduction order only
     exported = dict(iter_hf_weights(actor.model, arch))  # the last one: the TE actor
     reference = read_all(hf_dir)  # the on-disk names (per-expert tensors), what SGLang takes

@@ -75,7 +75,7 @@ def test_hf_load_into_te_actor_matches_hf_and_the_local_spec(te_world):
     _, hf, _, hf_dir, make_actor = te_world
     te, local = _hf_loaded(make_actor, hf_dir, True), _hf_loaded(make_actor, hf_dir, False)
     samples = make_samples(3, seed=2)
-    for got, want in zip(te.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0]):
+    for got, want in zip(te.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # export: the same local-spec keys and tensors from either spec; and it loads back (round trip)
     te_sd, local_sd = te.state_dict_for_export(), local.state_dict_for_export()
@@ -84,7 +84,7 @@ def test_hf_load_into_te_actor_matches_hf_and_the_local_spec(te_world):
         assert torch.equal(te_sd[name], local_sd[name]), name
     fresh = make_actor(True)
     fresh.load_shards(te_sd)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), te.module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.module.parameters(), te.module.parameters(), strict=True))
 
 
 def test_hf_export_from_te_actor_equals_hf(te_world):
@@ -109,7 +109,7 @@ def test_converter_checkpoint_into_te_actor(te_world, tmp_path):
     load_model_weights(actor.module, tmp_path / "mc", arch)
     actor.optimizer.reload_model_params()
     samples = make_samples(2, seed=5)
-    for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0]):
+    for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -176,6 +176,6 @@ def test_checkpoint_without_extra_state_loads_into_te_actor(te_world, tmp_path):
     actor.optimizer.reload_model_params()
     assert actor.module.decoder.final_layernorm.extra_state_loaded == [None]
     samples = make_samples(2, seed=5)
-    for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0]):
+    for got, want in zip(actor.compute_log_probs(samples), hf_response_log_probs(hf, samples)[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 

@@ -46,8 +46,8 @@ def test_pack_unpack_roundtrip_is_exact():
     assert packed.nbytes == 32 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
     back = unpack(packed, Rollout)
     assert [len(mb) for mb in back] == [3, 0, 4]
-    for want_mb, got_mb in zip(minibatches, back):
-        for want, got in zip(want_mb, got_mb):
+    for want_mb, got_mb in zip(minibatches, back, strict=True):
+        for want, got in zip(want_mb, got_mb, strict=True):
             assert got.sample.tokens == want.sample.tokens and got.sample.prompt_len == want.sample.prompt_len
             assert got.sample.advantage == want.sample.advantage
             assert torch.equal(got.sample.loss_mask, want.sample.loss_mask)

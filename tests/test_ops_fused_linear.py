@@ -33,7 +33,7 @@ def test_matches_unfused_reference(chunk_size):
     h, w, t, coef = _inputs()
     got = _run(lambda a, b, c: fused_linear_logprob_entropy(a, b, c, chunk_size=chunk_size), h, w, t, coef)
     ref = _run(lambda a, b, c: naive_logprob_entropy(a @ b.t(), c), h.double(), w.double(), t, coef)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 

@@ -429,7 +429,7 @@ def test_interleaved_activations_match_korthikanti_factor():
     assert layer_part(vpp, 1) == pytest.approx(((v - 1) * p + 1) * L / (p * v) * layer)
     assert layer_part(plain, 1) == pytest.approx(L / p * layer)
     # weights, grads and optimizer are unchanged: the stage holds the same parameters
-    for a, b in zip(plain, vpp):
+    for a, b in zip(plain, vpp, strict=True):
         assert {k: x for k, x in a.lines.items() if "activation" not in k} == \
             {k: x for k, x in b.lines.items() if "activation" not in k}
 

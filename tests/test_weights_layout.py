@@ -58,7 +58,7 @@ def test_qkv_interleave_matches_per_group_reference(tp: int, bias: bool) -> None
     for r, shard in enumerate(shards):
         assert torch.equal(shard, _qkv_reference(q, k, v, tp, r))
     back = merge_tp_shards("qkv", shards, ARCH)
-    assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v]))
+    assert all(torch.equal(a, b) for a, b in zip(back, [q, k, v], strict=True))
 
 
 @pytest.mark.parametrize("entry", [e for e in arch_mapping(ARCH) if not e.tied_hf], ids=lambda e: e.mcore)
@@ -79,10 +79,10 @@ def test_row_segments_rebuild_every_layout_bit_exact(entry) -> None:
     back = [torch.full_like(t, float("nan")) for t in hf]
     for s in segments:
         back[s.hf_index][s.hf_lo : s.hf_hi] = reference[s.row : s.row + s.rows]
-    for got, want, merged in zip(back, hf, merge_tp_shards(entry.kind, [reference], ARCH)):
+    for got, want, merged in zip(back, hf, merge_tp_shards(entry.kind, [reference], ARCH), strict=True):
         assert torch.equal(got, want) and torch.equal(got, merged)  # every HF row covered exactly once
     rows = sorted((s.row, s.row + s.rows) for s in segments)
-    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])) and rows[0][0] == 0  # no overlap, no gap
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False)) and rows[0][0] == 0  # no overlap, no gap
     assert sum(s.rows for s in segments) == sum(shape[0] for shape in hf_shapes(entry, ARCH))
 
 

@@ -137,7 +137,7 @@ def differences(golden: list[dict[str, float]], fresh: list[dict[str, float]], r
     out = []
     if len(golden) != len(fresh):
         out.append(f"{len(fresh)} steps logged, the golden curve has {len(golden)}")
-    for want, got in zip(golden, fresh):
+    for want, got in zip(golden, fresh, strict=False):  # not strict: a length difference is reported above
         step = int(want.get("step", -1))
         if missing := sorted(set(want) - set(got)):
             out.append(f"step {step}: metrics missing: {missing}")

@@ -510,7 +510,7 @@ class SGLangEngine(RolloutEngine):
             targets = self.serving()
             replies = await asyncio.gather(*(self._post(self.urls[i], path, body) for i in targets),
                                            return_exceptions=True)
-            for i, reply in zip(targets, replies):
+            for i, reply in zip(targets, replies, strict=True):  # gather: one reply per target
                 if isinstance(reply, ServerDied):
                     self._start_recovery(i)
                 elif isinstance(reply, BaseException):
@@ -720,7 +720,8 @@ class SGLangEngine(RolloutEngine):
                                         return_exceptions=True)
 
         ok = []
-        for i, reply in zip(targets, self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)):
+        replies = self._call(go(), self.client.timeout_for(path) + CALL_MARGIN_S)
+        for i, reply in zip(targets, replies, strict=True):  # gather: one reply per target
             if isinstance(reply, ServerDied):
                 lost.add(i)
             elif isinstance(reply, BaseException):
@@ -797,7 +798,7 @@ class SGLangEngine(RolloutEngine):
 
         serving = self.serving()
         flags = await asyncio.gather(*(lost(i) for i in serving))
-        return [i for i, f in zip(serving, flags) if f]
+        return [i for i, f in zip(serving, flags, strict=True) if f]
 
     async def _start_recoveries(self, servers: Iterable[int]) -> None:
         for i in sorted(servers):
