@@ -38,16 +38,28 @@ def files_holding(root: Path, secrets: tuple[str, ...]) -> list[str]:
     return sorted(str(p) for p in root.rglob("*") if p.is_file() and any(n in p.read_bytes() for n in needles))
 
 
-@pytest.mark.slow
-def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
+def write_key_file(tmp_path: Path) -> Path:
+    """FILE_KEY in a 0600 file, as a user keeps it."""
     key_file = tmp_path / "key"
     key_file.write_text(FILE_KEY + "\n")
     key_file.chmod(0o600)
+    return key_file
+
+
+def tiny_run_cmd(tiny_base: Path, steps: int) -> list[str]:
+    """`python -m megatron_dapo.train` on the tiny base for `steps` steps of 2 prompts x 2 samples x 4 tokens; the
+    engine, the key and the outputs are each test's own."""
+    return [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
+            "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", str(steps), "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
+            "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16"]
+
+
+@pytest.mark.slow
+def test_embedded_run_writes_no_api_key_anywhere(tiny_base, tmp_path):
+    key_file = write_key_file(tmp_path)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
-           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+    cmd = [*tiny_run_cmd(tiny_base, 1),
            "--rollout-engine", "embedded", "--sglang-api-key-file", str(key_file),
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1",
            "--export-hf", str(run / "hf"), "--no-progress", "--seed", "3"]
@@ -68,14 +80,9 @@ def test_a_run_with_launched_sglang_servers_writes_no_api_key_anywhere(tiny_base
     """One step with a real SGLang server the trainer launches, keyed from --sglang-api-key-file: no file under the
     run's directories holds the key (the server's log included), and the log has SGLang's argument print with the
     key's place marked, so the scan had what to find. Before the filter that line carried the key."""
-    key_file = tmp_path / "key"
-    key_file.write_text(FILE_KEY + "\n")
-    key_file.chmod(0o600)
+    key_file = write_key_file(tmp_path)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
-           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+    cmd = [*tiny_run_cmd(tiny_base, 1),
            "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY), "--sglang-extra-args", "--dtype float32",
            "--sglang-base-port", str(free_port_block(2)), "--weight-sync-mode", "tensor",
            "--sglang-api-key-file", str(key_file), "--log-dir", str(run / "log"), "--no-progress", "--seed", "3"]
@@ -96,10 +103,7 @@ def test_a_run_given_the_key_on_the_command_line_writes_it_in_no_file(tiny_base,
     in argv: trainer/build.make_logger -> run_record.argv_has_secret). The SIGKILL test below ends the run before
     wandb writes that record, so only a finished run checks it."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "1", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
-           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+    cmd = [*tiny_run_cmd(tiny_base, 1),
            "--rollout-engine", "embedded", "--sglang-api-key", ARGV_KEY,
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1",
            "--export-hf", str(run / "hf"), "--no-progress", "--seed", "3"]
@@ -118,10 +122,7 @@ def test_a_key_on_the_command_line_is_in_no_file_while_the_run_lives_nor_after_s
     then after a SIGKILL, which leaves the lock file and any unfinished save behind. The lock file used to record
     the whole command line, world-readable, for the run's lifetime and after."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "40", "--rollout-batch-size", "2",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--no-dynamic-sampling",
-           "--max-response-length", "4", "--overlong-buffer-length", "2", "--max-prompt-length", "16",
+    cmd = [*tiny_run_cmd(tiny_base, 40),
            "--rollout-engine", "embedded", "--sglang-api-key", ARGV_KEY,
            "--log-dir", str(run / "log"), "--save", str(run / "ckpt"), "--save-interval", "1", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

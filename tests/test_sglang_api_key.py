@@ -174,13 +174,18 @@ def test_router_entry_point_adds_the_key_from_the_file(private_tmp):
     remove_server_key_file(path)
 
 
+def _keyed_pair(tmp_path: Path, python: Path) -> ServerConfig:
+    """Two stand-in servers run by `python`, keyed with KEY, logging under tmp_path/logs, alive for 60 s."""
+    return ServerConfig(model_path="m", num_servers=2, router=False, base_port=free_port_block(2), device="cpu",
+                        python=str(python), startup_timeout_s=30, log_dir=str(tmp_path / "logs"), api_key=KEY,
+                        env={"FAKE_SGLANG_LIFETIME": "60"})
+
+
 def test_keyed_group_hands_the_key_over_in_a_file_and_removes_it_on_stop(tmp_path, private_tmp):
     """Two fake servers launched with a key: it reaches them (a call without it is refused with 401, with it
     answered) through the 0600 file, no process of theirs has it on its command line, the logs are 0600, and
     stop() deletes the file and its directory."""
-    cfg = ServerConfig(model_path="m", num_servers=2, router=False, base_port=free_port_block(2), device="cpu",
-                       python=str(_fake_python(tmp_path)), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
-                       api_key=KEY, env={"FAKE_SGLANG_LIFETIME": "60"})
+    cfg = _keyed_pair(tmp_path, _fake_python(tmp_path))
     group = ServerGroup(cfg)
     group.start()
     try:
@@ -327,9 +332,7 @@ def test_what_a_keyed_server_prints_reaches_its_log_without_the_key(tmp_path, pr
     """A keyed group of stand-ins that print the key (stdout, stderr, a child process): every file under the log
     directory lacks the key in any form, and each print is in the log with the marker where the key was; the copy
     still runs after a restart (server 0 killed and started again) and the log is complete once stop() returns."""
-    cfg = ServerConfig(model_path="m", num_servers=2, router=False, base_port=free_port_block(2), device="cpu",
-                       python=str(_printing_python(tmp_path)), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
-                       api_key=KEY, env={"FAKE_SGLANG_LIFETIME": "60"})
+    cfg = _keyed_pair(tmp_path, _printing_python(tmp_path))
     group = ServerGroup(cfg)
     group.start()
     try:
