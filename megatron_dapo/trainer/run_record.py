@@ -14,10 +14,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_dapo.rollout.sglang import log_redact
+
 SECRET_FIELDS = ("sglang_api_key",)
 """Attributes of the parsed args whose values never go into a file."""
 
-REDACTED = "<redacted>"
+REDACTED = log_redact.REDACTED.decode()
+"""The marker a secret's place shows, the same as in the launched servers' logs."""
 
 
 def secrets_of(args: argparse.Namespace) -> list[str]:

@@ -22,7 +22,7 @@ import os
 import threading
 
 REDACTED = b"<redacted>"
-"""What the log shows where the process printed the key (the run record's marker too: trainer/run_record.py)."""
+"""What the log shows where the process printed the key (trainer/run_record.py's marker is this one too)."""
 READ_BYTES = 65536
 """At most this many bytes a read (a pipe's default capacity)."""
 

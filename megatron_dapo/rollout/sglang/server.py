@@ -287,19 +287,19 @@ class ServerProcess:
         self.secret = api_key
         """Filtered out of the process's output before it reaches the log (log_redact.py): SGLang logs its
         arguments, the key among them."""
-        self.private_log = api_key is not None
-        """With a key the log is mode 0600 as well (a key printed in a form the filter does not know)."""
         self.proc: subprocess.Popen | None = None
         self.log_copy: threading.Thread | None = None
         """The thread copying a keyed process's output to the log (None without a key: it writes the file)."""
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if self.private_log else 0o666)
-        if self.private_log:
+        # With a key the log is mode 0600 as well (a key printed in a form the filter does not know).
+        private = self.secret is not None
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600 if private else 0o666)
+        if private:
             os.fchmod(fd, 0o600)  # also a log an earlier, keyless run left readable
         out, pipe_read = fd, None
-        if self.secret is not None:
+        if private:
             pipe_read, out = os.pipe()  # both close-on-exec: only the child's stdout / stderr hold the write end
         parent, prctl = os.getpid(), ctypes.CDLL(None, use_errno=True).prctl
         try:
