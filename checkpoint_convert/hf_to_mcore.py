@@ -121,6 +121,11 @@ class HfToMcoreConfig:
         self.chunk_bytes = self.chunk_mb << 20
 
 
+def _rows_per_chunk(chunk_bytes: int, row_bytes: int) -> int:
+    """Rows of `row_bytes` bytes each that a chunk of at most `chunk_bytes` holds (at least one)."""
+    return max(1, chunk_bytes // max(1, row_bytes))
+
+
 def _row_chunks(
     reader: HFCheckpointReader, name: str, seg: RowSegment, prefix: tuple[int, ...], row_bytes: int,
     chunk_bytes: int, dtype: torch.dtype, planned: dict[str, int] | None = None,
@@ -132,7 +137,7 @@ def _row_chunks(
     HF file offsets of that layout), so that copy back is page-aligned. With a cast, `produce` maps the HF
     rows and casts them when a writer thread reaches the chunk (dropped once written).
     """
-    step = max(1, chunk_bytes // max(1, row_bytes))
+    step = _rows_per_chunk(chunk_bytes, row_bytes)
     spec = reader.specs[name]
     trailing = spec.shape[1:]
     out = []
@@ -178,7 +183,7 @@ def _entry_tensor(
         if entry.kind == "vocab" and padded_vocab > arch.vocab_size:
             # Zero rows: no token id reaches them; megatron-core re-pads them per TP at load. Up to 128 x TP - 1
             # rows (10 MiB at hidden 5120, TP8 in bf16), in chunks of at most chunk_bytes like the HF rows.
-            step = max(1, chunk_bytes // max(1, row_bytes[0]))
+            step = _rows_per_chunk(chunk_bytes, row_bytes[0])
             for lo in range(arch.vocab_size, padded_vocab, step):
                 pad = (min(step, padded_vocab - lo), *lazy.shape[1:])
                 lazy.chunks.append(Chunk((lo, 0), pad, lambda pad=pad: torch.zeros(pad, dtype=dtype)))

@@ -231,8 +231,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # ---- converter name and shard rules ---------------------------------------------------------------------
     m("conv-row-offset", "checkpoint_convert/hf_to_mcore.py", "offset = (*prefix, seg.row + lo - seg.hf_lo,",
       "offset = (*prefix, seg.row + lo,", LAYOUT, "hf->mcore chunk placed at HF row, not global row"),
-    m("conv-chunk-overrun", "checkpoint_convert/hf_to_mcore.py", "step = max(1, chunk_bytes // max(1, row_bytes))",
-      "step = max(1, chunk_bytes // max(1, row_bytes)) + 1", LAYOUT, "chunks one row over --chunk-mb"),
+    m("conv-chunk-overrun", "checkpoint_convert/hf_to_mcore.py", "return max(1, chunk_bytes // max(1, row_bytes))",
+      "return max(1, chunk_bytes // max(1, row_bytes)) + 1", LAYOUT, "chunks one row over --chunk-mb"),
     m("conv-back-row-offset", "checkpoint_convert/mcore_to_hf.py",
       " " * 32 + "seg.row + lo - seg.hf_lo)", " " * 32 + "seg.row + lo)", LAYOUT, "mcore->hf reads at HF row"),
     m("conv-gqa-flag", "checkpoint_convert/hf_to_mcore.py",
