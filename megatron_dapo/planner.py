@@ -80,7 +80,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
-from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, padded_vocab_size, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
 
 GIB = 1 << 30
@@ -320,10 +320,8 @@ def logits_bytes(arch: ModelArch, layout: ParallelLayout, *, tokens: int, bytes_
 
 
 def stage_layers(arch: ModelArch, layout: ParallelLayout, stage: int) -> list[list[int]]:
-    """Global layer indices of each model chunk pipeline `stage` holds (one chunk without VPP)."""
-    vpp = layout.virtual_stages(arch.num_layers)
-    n = arch.num_layers // (layout.pp * vpp)
-    return [list(range((c * layout.pp + stage) * n, (c * layout.pp + stage + 1) * n)) for c in range(vpp)]
+    """Global layer indices of each model chunk pipeline `stage` holds (one chunk without VPP; `layer_range`)."""
+    return [list(layer_range(arch.num_layers, layout, stage, c)) for c in range(layout.virtual_stages(arch.num_layers))]
 
 
 def stage_expert_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:

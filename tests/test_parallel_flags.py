@@ -3,12 +3,14 @@ recomputation giving the same log-probs, loss and gradients as no recomputation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size, validate_layout
+from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, padded_vocab_size, validate_layout
 from megatron_dapo.models import spec
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import ModelArch
@@ -41,6 +43,45 @@ def test_recompute_layers_must_fit_a_stage():
         validate_layout(ARCH, layout)  # 2 layers per stage
     validate_layout(ARCH, ParallelLayout(pp=2, recompute_granularity="full", recompute_method="block",
                                          recompute_num_layers=2))
+
+
+# (layers, PP, model chunks per PP rank): VPP only at PP > 1, the layers cut into PP x chunks equal runs
+LAYER_GRID = [(n, pp, v) for n in (4, 6, 8, 12, 24) for pp in (1, 2, 3, 4) for v in (1, 2, 3)
+              if n % (pp * v) == 0 and (v == 1 or pp > 1)]
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp", LAYER_GRID, ids=[f"L{n}-pp{p}-vpp{v}" for n, p, v in LAYER_GRID])
+def test_layer_range_is_megatron_cores_placement(num_layers, pp, vpp):
+    """Which layers each (PP rank, virtual chunk) holds, against megatron-core's own answer for the TransformerConfig
+    the actor builds from the same layout (get_transformer_layer_offset + get_num_layers_to_build, as its
+    TransformerBlock places layers); together the chunks hold every layer once."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    layout = ParallelLayout(pp=pp, layers_per_virtual_stage=num_layers // (pp * vpp) if vpp > 1 else None)
+    arch = dataclasses.replace(ARCH, num_layers=num_layers)
+    cfg = transformer_config_from_arch(arch, pp=pp, layout=layout)
+    assert layout.virtual_stages(num_layers) == vpp
+    held = []
+    for r in range(pp):
+        for c in range(vpp):
+            vp_stage = c if vpp > 1 else None
+            offset = get_transformer_layer_offset(cfg, vp_stage=vp_stage, pp_rank=r)
+            count = get_num_layers_to_build(cfg, vp_stage=vp_stage, pp_rank=r)
+            assert layer_range(num_layers, layout, r, c) == range(offset, offset + count), (r, c)
+            held += layer_range(num_layers, layout, r, c)
+    assert sorted(held) == list(range(num_layers))
+    with pytest.raises(ValueError, match="pp_rank"):
+        layer_range(num_layers, layout, pp)
+    with pytest.raises(ValueError, match="chunk"):
+        layer_range(num_layers, layout, 0, vpp)
+
+
+def test_layer_range_refuses_layers_that_do_not_cut():
+    with pytest.raises(ValueError, match=r"num_hidden_layers \(6\) is not divisible by --pipeline-model-parallel-size"):
+        layer_range(6, ParallelLayout(pp=4), 0)
+    with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage"):
+        layer_range(8, ParallelLayout(pp=2, layers_per_virtual_stage=3), 0)
 
 
 def test_flags_reach_the_transformer_config():

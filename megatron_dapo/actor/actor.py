@@ -99,7 +99,7 @@ class MegatronActor:
         if layout.pp == 1:
             variable = {}
         # --num-layers-per-virtual-pipeline-stage: one GPTModel chunk per virtual stage (Megatron-LM's
-        # get_model); chunk c of PP rank r holds the layers of virtual stage c * pp + r.
+        # get_model); chunk c of PP rank r holds layer_range(num_layers, layout, r, c).
         vpp = layout.virtual_stages(arch.num_layers)
         if vpp > 1:
             # Megatron-LM's p2p setting for interleaving: forward and backward exchanges as separate
@@ -422,8 +422,8 @@ class MegatronActor:
 
         Every parameter must be given with its exact shape; the optimizer's main params are refreshed
         (`reload=False` defers that, when loading several chunks). `chunk`: the model chunk under
-        --num-layers-per-virtual-pipeline-stage; its shards are those of a non-interleaved layout with
-        pp x chunks stages at stage chunk * pp + pp_rank (`weights.plan.virtual_stage`).
+        --num-layers-per-virtual-pipeline-stage; its shards are `weights.plan.stage_tensors(..., chunk=chunk)`'s
+        (its layers: `distributed.parallel.layer_range`).
         """
         params = {canonical_mcore_name(name, self.arch): p for name, p in self.modules[chunk].named_parameters()}
         missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))

@@ -2,7 +2,8 @@
 
 Errors name the flag to change, so a launcher typo is caught before any process group exists. The same
 ParallelLayout feeds parallel_state (dist_init), the TransformerConfig (models/config.py), the actor's
-DDP config and the memory planner (planner.py); see docs/PARALLELISM.md.
+DDP config and the memory planner (planner.py); `layer_range` says which layers a pipeline stage (and each of its
+virtual chunks) holds, for all of them; see docs/PARALLELISM.md.
 """
 
 from __future__ import annotations
@@ -200,13 +201,7 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             f"--tensor-model-parallel-size ({layout.tp})"
         )
     _validate_experts(arch, layout)
-    if arch.num_layers % layout.pp:
-        raise ValueError(
-            f"num_hidden_layers ({arch.num_layers}) is not divisible by --pipeline-model-parallel-size "
-            f"({layout.pp})"
-        )
-    vpp = layout.virtual_stages(arch.num_layers)
-    stage_layers = arch.num_layers // (layout.pp * vpp)  # layers of one model chunk
+    stage_layers = len(layer_range(arch.num_layers, layout, 0))  # layers of one model chunk (every chunk's count)
     if layout.recompute_granularity == "full":
         n = layout.layers_recomputed_per_unit
         if n > stage_layers or (layout.recompute_method == "uniform" and stage_layers % n):
@@ -214,6 +209,29 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
                 f"--recompute-num-layers ({n}) must be <= the {stage_layers} layers of a pipeline stage"
                 + (" and divide them (--recompute-method uniform)" if layout.recompute_method == "uniform" else "")
             )
+
+
+def layer_range(num_layers: int, layout: ParallelLayout, pp_rank: int, chunk: int = 0) -> range:
+    """Global indices of the decoder layers that model chunk `chunk` of pipeline rank `pp_rank` holds: the one
+    derivation of "which layers a stage holds" (megatron-core's get_transformer_layer_offset and
+    get_num_layers_to_build), for the layout check, the memory planner and the weight plan alike.
+
+    The layers are cut into pp x v equal runs, v = layout.virtual_stages(num_layers) chunks per rank (1 without
+    --num-layers-per-virtual-pipeline-stage), and chunk c of rank r holds run c x pp + r: 8 layers at PP2 x VPP2
+    put [0, 1] and [4, 5] on rank 0, [2, 3] and [6, 7] on rank 1. Raises ValueError naming the flags when the
+    layers do not cut evenly."""
+    if num_layers % layout.pp:
+        raise ValueError(
+            f"num_hidden_layers ({num_layers}) is not divisible by --pipeline-model-parallel-size ({layout.pp})"
+        )
+    vpp = layout.virtual_stages(num_layers)
+    if not 0 <= pp_rank < layout.pp:
+        raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
+    if not 0 <= chunk < vpp:
+        raise ValueError(f"chunk {chunk} is outside 0..{vpp - 1}")
+    per_chunk = num_layers // (layout.pp * vpp)
+    start = (chunk * layout.pp + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
 
 
 def _validate_experts(arch: ModelArch, layout: ParallelLayout) -> None:

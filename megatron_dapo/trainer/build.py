@@ -88,7 +88,7 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
 
     from megatron_dapo.weights import iter_rank_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
-    from megatron_dapo.weights.plan import hf_tensor_specs, virtual_stage
+    from megatron_dapo.weights.plan import hf_tensor_specs
     from megatron_dapo.weights.safetensors_io import CheckpointError
 
     ranks = dict(tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -107,10 +107,9 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
         except CheckpointError as err:
             raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
-            layout, stage = virtual_stage(actor.layout, actor.arch.num_layers, pp_rank, chunk)
             try:
                 shards = {name: shard.to(dtype) for name, shard in
-                          iter_rank_shards(reader.get, actor.arch, layout, pp_rank=stage, **ranks)}
+                          iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
                 raise UserError(f"--hf-checkpoint: {err}") from err
             actor.load_shards(shards, chunk, reload=False)

@@ -8,11 +8,11 @@ the config alone is what lets the converter write headers first and stream the b
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
+from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
 from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, entry_in_layer, fill, has_output_layer, hf_names
@@ -33,17 +33,21 @@ class StageTensor:
     """An expert entry's global expert number (the name carries the EP-local one)."""
 
 
-def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank: int = 0) -> list[StageTensor]:
+def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank: int = 0, *,
+                  chunk: int = 0) -> list[StageTensor]:
     """The parameters stage `pp_rank` holds, in file order; of the experts, those of expert-parallel rank `ep_rank`
-    (experts ep_rank * E / EP .. (ep_rank + 1) * E / EP - 1, named local_experts.0 .. E / EP - 1)."""
+    (experts ep_rank * E / EP .. (ep_rank + 1) * E / EP - 1, named local_experts.0 .. E / EP - 1). `chunk`: the
+    model chunk under --num-layers-per-virtual-pipeline-stage (its layers: `layer_range`; the embedding on chunk 0
+    of stage 0, the head on the last chunk of the last stage, as megatron-core builds them)."""
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
     if not 0 <= ep_rank < layout.ep:
         raise ValueError(f"ep_rank {ep_rank} is outside 0..{layout.ep - 1}")
     validate_layout(arch, layout)
     local_experts = arch.num_experts // layout.ep
-    per_stage = arch.num_layers // layout.pp
-    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    layers = layer_range(arch.num_layers, layout, pp_rank, chunk)
+    first = pp_rank == 0 and chunk == 0
+    last = pp_rank == layout.pp - 1 and chunk == layout.virtual_stages(arch.num_layers) - 1
     tied = arch.tie_word_embeddings
     out: list[StageTensor] = []
     for stage in ("first", "layer", "last"):
@@ -57,8 +61,7 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank
             if entry.tied_hf and not has_output_layer(tied=tied, is_first_stage=first):
                 continue
             if stage == "layer":
-                for local in range(per_stage):
-                    glob = pp_rank * per_stage + local
+                for local, glob in enumerate(layers):
                     if not entry_in_layer(entry, arch, glob):
                         continue
                     if entry.per_expert:
@@ -79,21 +82,6 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank
                 out.append(StageTensor(entry.mcore, entry, None, hf_names(entry, layer=None, tied=tied)))
     # Within a stage, group by layer so a reader/writer touches one layer at a time.
     return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
-
-
-def virtual_stage(layout: ParallelLayout, num_layers: int, pp_rank: int, chunk: int) -> tuple[ParallelLayout, int]:
-    """(layout, stage) whose `stage_tensors` are the tensors of model chunk `chunk` of PP rank `pp_rank`.
-
-    Under --num-layers-per-virtual-pipeline-stage chunk c of PP rank r is virtual stage c * pp + r of
-    pp * vpp equal stages (megatron-core's get_transformer_layer_offset), i.e. stage c * pp + r of the
-    non-interleaved layout with pp * vpp stages. Without VPP: (layout, pp_rank) for chunk 0.
-    """
-    vpp = layout.virtual_stages(num_layers)
-    if not 0 <= chunk < vpp:
-        raise ValueError(f"chunk {chunk} is outside 0..{vpp - 1}")
-    if vpp == 1:
-        return layout, pp_rank
-    return replace(layout, pp=layout.pp * vpp, layers_per_virtual_stage=None), chunk * layout.pp + pp_rank
 
 
 def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
@@ -126,16 +114,17 @@ def iter_mcore_shards(
 
 def iter_rank_shards(
     get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, *, pp_rank: int,
-    tp_rank: int, ep_rank: int = 0, etp_rank: int = 0,
+    tp_rank: int, ep_rank: int = 0, etp_rank: int = 0, chunk: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (stage-local mcore name, this rank's shard) for the rank at (pp, tp, ep, expert-tp) ranks."""
-    for name, entry, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank):
+    """Yield (stage-local mcore name, this rank's shard) for the rank at (pp, tp, ep, expert-tp) ranks, of its model
+    chunk `chunk` (--num-layers-per-virtual-pipeline-stage)."""
+    for name, entry, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank, chunk):
         yield name, shards[etp_rank if entry.per_expert else tp_rank]
 
 
 def _iter_shards(get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout,
-                 pp_rank: int, ep_rank: int) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
-    for t in stage_tensors(arch, layout, pp_rank, ep_rank):
+                 pp_rank: int, ep_rank: int, chunk: int = 0) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
+    for t in stage_tensors(arch, layout, pp_rank, ep_rank, chunk=chunk):
         hf = [get_hf_tensor(name) for name in t.hf_names]
         for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch), strict=True):
             if tuple(tensor.shape) != shape:

@@ -40,7 +40,7 @@ def main() -> None:
     actor = MegatronActor(arch, data["config"], VPP)
     assert len(actor.chunks) == 2
     pp, pp_rank = VPP.pp, parallel_state.get_pipeline_model_parallel_rank()
-    load_hf_into_actor(actor, data["hf_dir"])  # the --hf-checkpoint path: weights.plan.virtual_stage
+    load_hf_into_actor(actor, data["hf_dir"])  # the --hf-checkpoint path: stage_tensors(..., chunk=c)
     full = hf_to_full_mcore(data["hf_state_dict"], arch)
     for chunk in range(2):  # chunk c of PP rank r = stage c * pp + r of a 4-stage non-interleaved layout
         want = mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=pp * 2, pp_rank=chunk * pp + pp_rank,
