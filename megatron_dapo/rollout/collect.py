@@ -176,8 +176,9 @@ class _Tally:
 
 @dataclass
 class _Step:
-    """One step's decisions: groups are offered to the filler in submission order; what is cut when the batch
-    fills is carried (--partial-rollout) or dropped."""
+    """One step's rounds, a method per job: the carried groups sent first (`take_carried`, `resume`), the fresh
+    prompts (`add_fresh`), the engine's stream with the abort at the cut (`stream`), the decisions in submission
+    order (`complete`, `cut`) and the step's metrics (`report`)."""
 
     config: CollectConfig
     score: Callable[[_Slot], ScoredGroup]
@@ -186,14 +187,87 @@ class _Step:
     carried: list[CarriedGroup] = field(default_factory=list)
     tally: _Tally = field(default_factory=_Tally)
     aborted: int = 0
+    requested: list[int] = field(default_factory=list)
+    """Dataset indices of the fresh prompts sent this step, in order."""
     slots: list[_Slot] = field(default_factory=list)
     """The current round's groups, in submission order."""
+    requests: list[RolloutRequest] = field(default_factory=list)
+    """The current round's requests, in submission order."""
+    slot_of: dict[str, int] = field(default_factory=dict)
+    """Request id -> position of its slot in the round."""
     finished: dict[int, _Slot | None] = field(default_factory=dict)
     """Position -> slot with every sample back (None: aborted), not yet decided."""
     next_position: int = 0
 
     def new_round(self) -> None:
-        self.slots, self.finished, self.next_position = [], {}, 0
+        self.slots, self.requests, self.slot_of, self.finished, self.next_position = [], [], {}, {}, 0
+
+    def take_carried(self, carried: Sequence[CarriedGroup], engine: RolloutEngine
+                     ) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
+        """(to resume, stale): the previous step's cut groups, those staler than --partial-rollout-max-staleness
+        on the engine's current weights dropped unsent (their tokens: resumed, then discarded)."""
+        self.tally.resumed = sum(g.tokens for g in carried)
+        to_resume, stale = drop_stale(carried, engine.weight_version if carried else 0,
+                                      self.config.partial_rollout_max_staleness)
+        self.tally.discarded += sum(g.tokens for g in stale)
+        return to_resume, stale
+
+    def _send(self, request: RolloutRequest) -> None:
+        """`request` joins the round, for the slot appended next."""
+        self.requests.append(request)
+        self.slot_of[request.request_id] = len(self.slots)
+
+    def resume(self, groups: Sequence[CarriedGroup], tag: str) -> None:
+        """The carried groups, first in the round: a slot each, a continuation request per unfinished sample. A
+        group that finished behind the previous step's cut is decided without generating; when those alone fill
+        the batch, the unfinished ones are carried a step more."""
+        for j, group in enumerate(groups):
+            slot = _Slot(prompt=group.prompt, samples=list(group.samples), seed=group.seed,
+                         first_step=group.first_step)
+            for i in group.unfinished:
+                self._send(continuation_request(group.prompt.prompt_ids, group.samples[i], self.config.sampling,
+                                                group.seed, f"{tag}-c{j}-p{group.prompt.index}-s{i}"))
+                slot.waiting += 1
+            self.slots.append(slot)
+        for position, slot in enumerate(self.slots):
+            if slot.waiting == 0:
+                self.complete(position)
+        if self.filler.full:
+            for slot in self.slots:
+                if slot.waiting:
+                    self.cut(slot, surplus=False)
+
+    def add_fresh(self, next_prompts: Callable[[int], list[Prompt]], want: int, tag: str, step: int) -> None:
+        """New prompts after the carried groups, up to `want` groups in the round: one request of n = G each,
+        seeded by its request id."""
+        count = fresh_prompt_count(want, len(self.slots))
+        fresh = next_prompts(count) if count else []
+        self.requested += [p.index for p in fresh]
+        self.filler.stats.requested_groups += len(fresh)
+        g = self.config.n_samples_per_prompt
+        for i, p in enumerate(fresh):
+            rid = f"{tag}-{i}-p{p.index}"
+            sampling = seeded(self.config.sampling, self.config.seed, rid)
+            self._send(RolloutRequest(prompt_ids=p.prompt_ids, n=g, sampling=sampling, request_id=rid))
+            self.slots.append(_Slot(prompt=p, samples=[None] * g, seed=sampling.seed, first_step=step, waiting=1))
+
+    def stream(self, engine: RolloutEngine) -> None:
+        """The round's requests through the engine: each response extends its slot's sample, a slot with every
+        sample back is decided (`complete`); once the batch is full, one abort for what is still in flight."""
+        cut_sent = False
+        # no requests: the round was carried groups only, every one finished behind the previous step's cut
+        for received, samples in enumerate(engine.stream(self.requests) if self.requests else (), start=1):
+            position = self.slot_of[samples[0].request_id]
+            slot = self.slots[position]
+            self.tally.generated += sum(len(s.response_ids) for s in samples)
+            for s in samples:
+                slot.samples[s.index] = extend(slot.samples[s.index], s, slot.prompt.prompt_ids)
+            slot.waiting -= 1
+            if slot.waiting == 0:
+                self.complete(position)
+            if self.filler.full and not cut_sent and received < len(self.requests):
+                engine.abort()  # the aborted requests still come out of the stream
+                cut_sent = True
 
     def cut(self, slot: _Slot, *, surplus: bool) -> None:
         """A group the batch has no place for: carried to the next step, or generated and never trained on."""
@@ -236,6 +310,23 @@ class _Step:
             self.finished.clear()
 
 
+    def report(self, engine: RolloutEngine, *, resumed: int, stale: int) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """(the kept groups, the step's metrics): dynamic sampling's counts, the decided groups' rollout
+        statistics, where every response token went; with --partial-rollout the kept samples' staleness and the
+        carried / resumed / stale-dropped group counts."""
+        metrics = self.filler.stats.as_metrics()
+        metrics.update(_rollout_metrics(self.decided, self.config.sampling.max_new_tokens))
+        metrics["rollout/aborted_groups"] = float(self.aborted)
+        metrics.update(self.tally.as_metrics())
+        batch = self.filler.batch()
+        if self.config.partial_rollout:
+            metrics.update(staleness_metrics([s for g in batch for s in g.samples], engine.weight_version))
+            metrics["rollout/carried_groups"] = float(len(self.carried))
+            metrics["rollout/resumed_groups"] = float(resumed)
+            metrics["rollout/stale_dropped_groups"] = float(stale)
+        return batch, metrics
+
+
 def collect_batch(
     engine: RolloutEngine,
     next_prompts: Callable[[int], list[Prompt]],
@@ -266,76 +357,22 @@ def collect_batch(
     state = _Step(config=config, filler=BatchFiller(config.dynamic_sampling),
                   score=lambda slot: score_group(slot.prompt, slot.done(), decode, reward_fn, config.overlong))
     filler = state.filler
-    state.tally.resumed = sum(g.tokens for g in carried)
-    to_resume, stale = drop_stale(carried, engine.weight_version if carried else 0,
-                                  config.partial_rollout_max_staleness)
-    state.tally.discarded += sum(g.tokens for g in stale)
+    to_resume, stale = state.take_carried(carried, engine)
     resumed = [g.prompt.index for g in to_resume]
-    requested: list[int] = []
     t0 = time.perf_counter()
     while not filler.full and filler.start_round():
         want = filler.round_size(config.over_sample_factor)
         tag = f"s{step}-r{filler.stats.rounds}"
         state.new_round()
-        requests: list[RolloutRequest] = []
-        slot_of: dict[str, int] = {}
-        for j, group in enumerate(to_resume):  # first round only: the previous step's cut groups go first
-            slot = _Slot(prompt=group.prompt, samples=list(group.samples), seed=group.seed,
-                         first_step=group.first_step)
-            for i in group.unfinished:
-                req = continuation_request(group.prompt.prompt_ids, group.samples[i], config.sampling, group.seed,
-                                           f"{tag}-c{j}-p{group.prompt.index}-s{i}")
-                requests.append(req)
-                slot_of[req.request_id] = len(state.slots)
-                slot.waiting += 1
-            state.slots.append(slot)
+        state.resume(to_resume, tag)  # first round only: the previous step's cut groups go first
         to_resume = []
-        for position, slot in enumerate(state.slots):
-            if slot.waiting == 0:  # finished behind the previous step's cut: decided without generating
-                state.complete(position)
         if filler.full:  # those alone filled the batch: the unfinished carried groups wait a step more
-            for slot in state.slots:
-                if slot.waiting:
-                    state.cut(slot, surplus=False)
             break
-        count = fresh_prompt_count(want, len(state.slots))
-        fresh = next_prompts(count) if count else []
-        requested += [p.index for p in fresh]
-        filler.stats.requested_groups += len(fresh)
-        for i, p in enumerate(fresh):
-            rid = f"{tag}-{i}-p{p.index}"
-            sampling = seeded(config.sampling, config.seed, rid)
-            requests.append(RolloutRequest(prompt_ids=p.prompt_ids, n=config.n_samples_per_prompt,
-                                           sampling=sampling, request_id=rid))
-            slot_of[rid] = len(state.slots)
-            state.slots.append(_Slot(prompt=p, samples=[None] * config.n_samples_per_prompt, seed=sampling.seed,
-                                     first_step=step, waiting=1))
-        cut_sent = False
-        # no requests: the round was carried groups only, every one finished behind the previous step's cut
-        for received, samples in enumerate(engine.stream(requests) if requests else (), start=1):
-            position = slot_of[samples[0].request_id]
-            slot = state.slots[position]
-            state.tally.generated += sum(len(s.response_ids) for s in samples)
-            for s in samples:
-                slot.samples[s.index] = extend(slot.samples[s.index], s, slot.prompt.prompt_ids)
-            slot.waiting -= 1
-            if slot.waiting == 0:
-                state.complete(position)
-            if filler.full and not cut_sent and received < len(requests):
-                engine.abort()  # the aborted requests still come out of the stream
-                cut_sent = True
-    metrics = filler.stats.as_metrics()
-    metrics.update(_rollout_metrics(state.decided, config.sampling.max_new_tokens))
-    metrics["rollout/aborted_groups"] = float(state.aborted)
-    metrics.update(state.tally.as_metrics())
-    batch = filler.batch()
-    if config.partial_rollout:
-        metrics.update(staleness_metrics([s for g in batch for s in g.samples], engine.weight_version))
-        metrics["rollout/carried_groups"] = float(len(state.carried))
-        metrics["rollout/resumed_groups"] = float(len(resumed))
-        metrics["rollout/stale_dropped_groups"] = float(len(stale))
+        state.add_fresh(next_prompts, want, tag, step)
+        state.stream(engine)
+    batch, metrics = state.report(engine, resumed=len(resumed), stale=len(stale))
     metrics["time/rollout_s"] = time.perf_counter() - t0
-    return CollectResult(groups=batch, metrics=metrics, requested=requested, carried=state.carried,
+    return CollectResult(groups=batch, metrics=metrics, requested=state.requested, carried=state.carried,
                          resumed=resumed, stale_dropped=[g.prompt.index for g in stale])
 
 
