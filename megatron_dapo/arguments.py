@@ -13,7 +13,7 @@ import argparse
 from megatron_dapo.actor.config import LR_DECAY_STYLES
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
 from megatron_dapo.algorithm.mismatch import MIS_MODES
-from megatron_dapo.algorithm.registry import ADVANTAGE_ESTIMATOR_HELP, POLICY_LOSS_HELP
+from megatron_dapo.algorithm.registry import advantage_estimator_help, policy_loss_help
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 
@@ -293,8 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-ratio-low", type=float, default=0.2, help="eps_low")
     g.add_argument("--clip-ratio-high", type=float, default=0.28, help="eps_high (Clip-Higher)")
     g.add_argument("--clip-ratio-c", type=float, default=None, help="dual-clip constant (off by default)")
-    g.add_argument("--policy-loss", default="dapo", metavar="NAME|pkg.mod:fn", help=POLICY_LOSS_HELP)
-    g.add_argument("--advantage-estimator", default="grpo", metavar="NAME|pkg.mod:fn", help=ADVANTAGE_ESTIMATOR_HELP)
+    g.add_argument("--policy-loss", default="dapo", metavar="NAME|pkg.mod:fn", help=policy_loss_help())
+    g.add_argument("--advantage-estimator", default="grpo", metavar="NAME|pkg.mod:fn", help=advantage_estimator_help())
     g.add_argument("--loss-agg-mode", choices=AGG_MODES, default=None,
                    help="aggregation of --policy-loss dapo: token-mean (DAPO's token-level loss, when unset), "
                         "seq-mean-token-mean or seq-mean-token-sum; the other losses fix their own and reject a "

@@ -1,11 +1,16 @@
-"""A user extension addressed by dotted path: 'pkg.module:function' or 'pkg.module.function'."""
+"""Functions a flag chooses: registered by name beside their definition (`Registry.register`), or a user
+extension addressed by dotted path, 'pkg.module:function' or 'pkg.module.function'."""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 from megatron_dapo.errors import UserError
+
+F = TypeVar("F", bound=Callable)
 
 
 def import_callable(path: str, flag: str, expected: str) -> Callable:
@@ -47,3 +52,61 @@ def resolve_callable(name: object, flag: str, registry: Mapping[str, Callable], 
     if "." not in name and ":" not in name:
         raise UserError(f"{flag} {name!r} {unknown}; {expected}")
     return import_callable(name, flag, expected)
+
+
+class Registry(Mapping[str, Callable]):
+    """The functions one flag chooses by name (verl's `@register_policy_loss("name")`): each module registers its
+    own with `@registry.register("name", help=...)` beside the definition, and every module of `package` is
+    imported on the first read, so a new function is one new module there: nothing else lists it (the flag's help,
+    its "expected one of" and the parametrized tests read the registry).
+
+    Read as a mapping name -> function, in registration order: the package's `__init__` runs before any of its
+    modules (its imports fix the order of theirs), the modules it does not import follow alphabetically."""
+
+    def __init__(self, flag: str, signature: str, package: str, *, unknown: str = "is not registered") -> None:
+        self.flag, self.signature, self.package, self.unknown = flag, signature, package, unknown
+        self._entries: dict[str, tuple[Callable, str]] = {}
+        self._imported = False
+
+    def register(self, name: str, *, help: str = "") -> Callable[[F], F]:
+        """Decorator: `fn` under `name` (a bare word: a '.' or ':' would read as a dotted path), with `help`, the
+        short description the flag's help text gives it; returns `fn` itself. ValueError for a name taken twice."""
+        if not name or any(c in name for c in ".: "):
+            raise ValueError(f"{self.flag}: {name!r} cannot be registered: a name is one word without '.' or ':'")
+
+        def decorator(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.flag} {name!r} is registered twice: {_where(self._entries[name][0])} and "
+                                 f"{_where(fn)}")
+            self._entries[name] = (fn, help)
+            return fn
+
+        return decorator
+
+    def _loaded(self) -> dict[str, tuple[Callable, str]]:
+        if not self._imported:
+            self._imported = True  # first, so a module that reads the registry while it is imported cannot recurse
+            for info in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
+                importlib.import_module(f"{self.package}.{info.name}")
+        return self._entries
+
+    def __getitem__(self, name: str) -> Callable:
+        return self._loaded()[name][0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+    def describe(self) -> str:
+        """'name (help), name (help), ...': the registered functions as the flag's help lists them."""
+        return ", ".join(f"{name} ({help})" if help else name for name, (_, help) in self._loaded().items())
+
+    def resolve(self, value: object) -> Callable:
+        """The function registered as `value`, or the one its dotted path names (`resolve_callable`)."""
+        return resolve_callable(value, self.flag, self, self.signature, unknown=self.unknown)
+
+
+def _where(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron_dapo.actor.config import ActorConfig, TrainSample
 
-_LAZY = {"METRIC_KEYS": "megatron_dapo.actor.actor", "MegatronActor": "megatron_dapo.actor.actor",
+_LAZY = {"MegatronActor": "megatron_dapo.actor.actor",
          "destroy_parallel": "megatron_dapo.actor.dist_init", "init_parallel": "megatron_dapo.actor.dist_init"}
 
 
@@ -21,4 +21,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["METRIC_KEYS", "ActorConfig", "MegatronActor", "TrainSample", "destroy_parallel", "init_parallel"]
+__all__ = ["ActorConfig", "MegatronActor", "TrainSample", "destroy_parallel", "init_parallel"]

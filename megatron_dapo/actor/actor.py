@@ -36,21 +36,18 @@ from megatron_dapo.actor.batching import (
     padded_length,
     plan_micro_batches,
 )
-from megatron_dapo.actor.config import ActorConfig, TrainSample
+from megatron_dapo.actor.config import STEP_METRICS, ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
 from megatron_dapo.actor.moe_replay import ReplayState, routing_inputs
 from megatron_dapo.actor.moe_stats import install_router_hooks
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
+from megatron_dapo.errors import UserError
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.spec import resolve_transformer_impl
 from megatron_dapo.weights.load import unwrap
 from megatron_dapo.weights.mapping import canonical_mcore_name
-
-# Token sums reduced over micro-batches and DP ranks; divided by "tokens" for the reported means.
-METRIC_KEYS = ("pg_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio", "entropy",
-               "tokens")
 
 
 def _device() -> torch.device:
@@ -340,8 +337,13 @@ class MegatronActor:
         logp, entropy = self._token_log_probs(mb, logits, compute_entropy=True)
         old = torch.where(mb.has_old.unsqueeze(-1), mb.old_log_probs, logp.detach())
         # --policy-loss (algorithm/registry.py), chosen when the config was built
-        out = self.config.loss.fn(logp, old, mb.advantages, mb.loss_mask, self.config.loss, entropy=entropy,
-                                  is_weights=mb.is_weights)
+        loss = self.config.loss
+        out = loss.fn(logp, old, mb.advantages, mb.loss_mask, loss, entropy=entropy, is_weights=mb.is_weights)
+        if undeclared := sorted(out.metrics.keys() - set(loss.metrics)):  # train_step reduces the declared ones only
+            raise UserError(f"--policy-loss {loss.name!r} returned metrics {undeclared} that it does not declare "
+                            f"(it declares {loss.metrics}): they would not be logged; name every metric it reports "
+                            "in register_policy_loss(metrics=...) or, for a dotted path, in the function's `metrics` "
+                            "attribute")
         # megatron sums this int count over micro-batches and DP ranks and scales grads by 1 / total.
         metrics = {k: v.detach() for k, v in out.metrics.items()}
         return out.loss_sum, out.denominator.round().to(torch.int), metrics
@@ -352,8 +354,9 @@ class MegatronActor:
         `rollout_step` (1-based) is the training step this mini-batch belongs to: the LR schedule counts
         rollout steps, so every mini-batch of rollout step k trains at the same lr (lr * k / warmup while
         k <= --lr-warmup-steps). None makes this call a rollout step of its own (one update per step).
-        Returns pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy (token
-        means over the whole mini-batch), num_tokens, grad_norm, lr, update_successful; MoE models add the
+        Returns the loss's declared metrics but 'tokens' (`PolicyLossConfig.metrics`; every registered loss's:
+        pg_loss, clipfrac_high, clipfrac_low, clipfrac_dual, approx_kl, ratio, entropy) as token means over the
+        whole mini-batch, num_tokens, grad_norm, lr, update_successful; MoE models add the
         router statistics of actor/moe_stats.py (moe/aux_loss, moe/tokens_per_expert_*, moe/dropped_tokens,
         and moe/routing_agreement of the compute_log_probs calls since the last train_step).
         """
@@ -368,22 +371,24 @@ class MegatronActor:
         outputs = self._run(samples, groups, self._loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         self.steps += 1
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64, device=_device())
+        # the configured loss's token sums: the same names, in the same order, on every rank (one all-reduce each)
+        keys = self.config.loss.metrics
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=_device())
         if parallel_state.is_pipeline_last_stage():
             for out in outputs:
-                for k, key in enumerate(METRIC_KEYS):
+                for k, key in enumerate(keys):
                     if key in out:
                         sums[k] += out[key].double()
         if self.layout.pp > 1:  # only the last stage holds loss metrics
             comm.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
         if self.layout.dp > 1:
             comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-        totals = dict(zip(METRIC_KEYS, sums.tolist(), strict=True))
+        totals = dict(zip(keys, sums.tolist(), strict=True))
         tokens = totals.pop("tokens")
         metrics = {key: (value / tokens if tokens > 0 else 0.0) for key, value in totals.items()}
-        metrics.update(num_tokens=tokens, grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-                       lr=float(self.optimizer.param_groups[0]["lr"]),
-                       update_successful=float(update_successful))
+        step = (tokens, float(grad_norm) if grad_norm is not None else 0.0,
+                float(self.optimizer.param_groups[0]["lr"]), float(update_successful))
+        metrics.update(zip(STEP_METRICS, step, strict=True))
         if self._routing is not None:
             self._routing.training = False
             metrics.update(self._router_stats.metrics(

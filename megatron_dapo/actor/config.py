@@ -13,6 +13,9 @@ PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LR_DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root")
 """megatron-core OptimizerParamScheduler's decay styles (--lr-decay-style)."""
 
+STEP_METRICS: tuple[str, ...] = ("num_tokens", "grad_norm", "lr", "update_successful")
+"""What `MegatronActor.train_step` reports beside the loss's own metrics: names a loss may not declare."""
+
 
 @dataclass(kw_only=True)
 class ActorConfig:
@@ -107,6 +110,9 @@ class ActorConfig:
                              f"got {self.params_dtype!r}")
         if not isinstance(self.loss, PolicyLossConfig):
             raise TypeError(f"loss must be a PolicyLossConfig, got {type(self.loss).__name__}")
+        if clash := sorted(set(self.loss.metrics) & set(STEP_METRICS)):
+            raise ValueError(f"--policy-loss {self.loss.name!r} declares metrics {clash}, which the train step "
+                             f"reports itself ({', '.join(STEP_METRICS)}); give them other names")
 
     @property
     def torch_params_dtype(self) -> torch.dtype:

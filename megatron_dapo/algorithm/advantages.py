@@ -9,7 +9,8 @@ The population std (`unbiased=False`, divide by G) would make every advantage sq
 1.033x at G = 16. Groups of size 1 get advantage 0 (verl: the raw score; unreachable with dynamic
 sampling, which needs G >= 2).
 
-Registered estimators (--advantage-estimator, algorithm/registry.py), each fn(rewards, group_ids) -> [N]:
+Registered estimators (--advantage-estimator: `@register_advantage_estimator` below; algorithm/registry.py chooses
+one), each fn(rewards, group_ids) -> [N]:
 - grpo: the formula above (`grpo_advantages`); GSPO (arXiv 2507.18071, Sec. 4.1) uses it unchanged;
 - dr_grpo: Dr. GRPO (arXiv 2503.20783, Sec. 3.2), A_i = R_i - mean({R_j}): no division by the group's std,
   which the paper shows weights questions by their difficulty (`dr_grpo_advantages`).
@@ -22,11 +23,20 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
+from megatron_dapo.dotted_path import Registry
+
 ADV_EPS = 1e-6
 
 AdvantageFn = Callable[[Tensor, Sequence[Hashable]], Tensor]
 """fn(rewards: Tensor [N] float64, group_ids: Sequence[Hashable] [N]) -> Tensor [N]: one advantage per response,
 broadcast over its response tokens; the signature of every --advantage-estimator (docs/ALGORITHMS.md)."""
+
+ADVANTAGE_ESTIMATOR_SIGNATURE = "fn(rewards: Tensor[N], group_ids: Sequence[Hashable]) -> Tensor[N]"
+
+ADVANTAGE_ESTIMATORS = Registry("--advantage-estimator", ADVANTAGE_ESTIMATOR_SIGNATURE, "megatron_dapo.algorithm")
+"""--advantage-estimator's names: every estimator of megatron_dapo/algorithm/ registered with
+`register_advantage_estimator("name", help=...)` (help: its description in the flag's help)."""
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def group_advantages(
@@ -62,12 +72,14 @@ def group_advantages(
     return adv.float()
 
 
+@register_advantage_estimator("grpo", help="(R - mean) / (std + 1e-6) within each prompt group; what GSPO uses")
 def grpo_advantages(rewards: Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> Tensor:
     """GRPO / DAPO Eq. 9: (R_i - mean) / (std + 1e-6) within each prompt group, unbiased std
     (--advantage-estimator grpo, the default; also GSPO's)."""
     return group_advantages(rewards, group_ids)
 
 
+@register_advantage_estimator("dr_grpo", help="R - mean, no std division")
 def dr_grpo_advantages(rewards: Tensor | Sequence[float], group_ids: Sequence[Hashable]) -> Tensor:
     """Dr. GRPO (arXiv 2503.20783, Sec. 3.2): R_i - mean within each prompt group, no std normalisation
     (--advantage-estimator dr_grpo)."""

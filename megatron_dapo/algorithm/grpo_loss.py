@@ -38,6 +38,7 @@ from megatron_dapo.algorithm.loss import (
     PolicyLossOutput,
     aggregate,
     clipped_token_loss,
+    register_policy_loss,
     token_metrics,
 )
 
@@ -45,6 +46,7 @@ GRPO_AGG_MODE = "seq-mean-token-mean"
 """The --loss-agg-mode GRPO's loss is defined with (the only one --policy-loss grpo accepts)."""
 
 
+@register_policy_loss("grpo", help="mean over each response's tokens, then over responses")
 def grpo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
               config: PolicyLossConfig, *, entropy: Tensor | None = None,
               is_weights: Tensor | None = None) -> PolicyLossOutput:
@@ -62,6 +64,7 @@ def grpo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask
                             metrics=token_metrics(token_loss, terms, config, entropy))
 
 
+@register_policy_loss("dr_grpo", help="token sums / --max-response-length")
 def dr_grpo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
                  config: PolicyLossConfig, *, entropy: Tensor | None = None,
                  is_weights: Tensor | None = None) -> PolicyLossOutput:

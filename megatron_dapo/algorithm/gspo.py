@@ -46,6 +46,7 @@ from megatron_dapo.algorithm.loss import (
     aggregate,
     apply_is_weights,
     prepare_inputs,
+    register_policy_loss,
     token_metrics,
 )
 
@@ -61,6 +62,8 @@ def sequence_log_ratio(log_probs: Tensor, old_log_probs: Tensor, mask: Tensor) -
     return torch.clamp(mean, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+@register_policy_loss("gspo", help="sequence-level ratio and clip, arXiv 2507.18071; set its small clip range, e.g. "
+                                   "--clip-ratio-low 3e-4 --clip-ratio-high 4e-4")
 def gspo_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
               config: PolicyLossConfig, *, entropy: Tensor | None = None,
               is_weights: Tensor | None = None) -> PolicyLossOutput:

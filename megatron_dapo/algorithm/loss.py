@@ -28,9 +28,10 @@ precisely this reduction when the loss function returns (loss_sum, denominator, 
 denominator as an integer, so every denominator here counts something (tokens or sequences).
 
 This module also holds what every registered loss shares (docs/ALGORITHMS.md): the config, the output
-type, `aggregate`, and the per-token clipped surrogate `clipped_token_loss` that GRPO and Dr. GRPO
-(algorithm/grpo_loss.py) reuse. GSPO is in algorithm/gspo.py; names map to functions in
-algorithm/registry.py (--policy-loss).
+type, `aggregate`, the per-token clipped surrogate `clipped_token_loss` that GRPO and Dr. GRPO
+(algorithm/grpo_loss.py) reuse, and the registry the losses join with `@register_policy_loss("name", help=...,
+metrics=...)` beside their definition (--policy-loss; GSPO is in algorithm/gspo.py). algorithm/registry.py
+chooses one for the run.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from typing import Literal
 
 import torch
 from torch import Tensor
+
+from megatron_dapo.dotted_path import Registry
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -84,6 +87,11 @@ class PolicyLossConfig:
                                  "megatron_dapo.algorithm.registry.policy_loss_config (--policy-loss)")
             object.__setattr__(self, "fn", policy_loss)  # frozen: set once, here
 
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The token sums `fn` reports (`declared_metrics`): the keys the actor reduces and logs."""
+        return declared_metrics(self.fn)
+
     def require_agg_mode(self, own: str) -> None:
         """Raise ValueError naming --loss-agg-mode and --policy-loss when --loss-agg-mode was set to something
         other than `own`, the aggregation that loss `self.name` is defined with (never ignore a flag)."""
@@ -107,6 +115,51 @@ class PolicyLossOutput:
 PolicyLossFn = Callable[..., PolicyLossOutput]
 """fn(log_probs, old_log_probs, advantages, mask, config: PolicyLossConfig, *, entropy=None, is_weights=None)
 -> PolicyLossOutput: the signature of every --policy-loss (docs/ALGORITHMS.md)."""
+
+POLICY_LOSS_SIGNATURE = ("fn(log_probs, old_log_probs, advantages, mask, config: PolicyLossConfig, *, entropy=None, "
+                         "is_weights=None) -> PolicyLossOutput(loss_sum, denominator, metrics)")
+
+POLICY_LOSSES = Registry("--policy-loss", POLICY_LOSS_SIGNATURE, "megatron_dapo.algorithm")
+"""--policy-loss's names: every loss of megatron_dapo/algorithm/ registered with `register_policy_loss`."""
+
+TOKEN_METRICS: tuple[str, ...] = ("pg_loss", "clipfrac_high", "clipfrac_low", "clipfrac_dual", "approx_kl", "ratio",
+                                  "entropy", "tokens")
+"""The token sums `token_metrics` reports (entropy when given one): the metrics of a loss that declares none."""
+
+
+def register_policy_loss(name: str, *, help: str, metrics: tuple[str, ...] = TOKEN_METRICS
+                         ) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: the loss under --policy-loss `name`, `help` its description in the flag's help, `metrics` the
+    names of the token sums its PolicyLossOutput.metrics holds (set as the function's `metrics` attribute, which
+    is also how a dotted-path loss declares them; see `declared_metrics`)."""
+    checked = _checked_metrics(metrics, f"register_policy_loss({name!r})")
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        fn.metrics = checked  # type: ignore[attr-defined]
+        return POLICY_LOSSES.register(name, help=help)(fn)
+
+    return decorator
+
+
+def declared_metrics(fn: Callable) -> tuple[str, ...]:
+    """The token sums loss `fn` reports: its `metrics` attribute (register_policy_loss sets it; a dotted-path loss
+    sets it by hand, `my_loss.metrics = (*TOKEN_METRICS, "my_sum")`), TOKEN_METRICS when it has none. Each is summed
+    over micro-batches and DP ranks and logged divided by 'tokens', so the names are fixed before the run starts.
+    ValueError unless a tuple or list of distinct strings that includes 'tokens'."""
+    return _checked_metrics(getattr(fn, "metrics", TOKEN_METRICS), f"the loss {_name(fn)}")
+
+
+def _checked_metrics(metrics: object, owner: str) -> tuple[str, ...]:
+    if not (isinstance(metrics, (tuple, list)) and all(isinstance(m, str) and m for m in metrics)):
+        raise ValueError(f"{owner} declares metrics {metrics!r}: they must be a tuple of metric names")
+    if len(set(metrics)) != len(metrics) or "tokens" not in metrics:
+        raise ValueError(f"{owner} declares metrics {tuple(metrics)}: the names must be distinct and include "
+                         "'tokens', the count every other metric is divided by")
+    return tuple(metrics)
+
+
+def _name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Tensor, Tensor]:
@@ -137,6 +190,7 @@ def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Te
     return seq_values.sum(), has_tokens.to(token_values.dtype).sum()
 
 
+@register_policy_loss("dapo", help="token-mean over the mini-batch, aggregation --loss-agg-mode")
 def policy_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,

@@ -1,4 +1,4 @@
-"""A final-number verifier for short arithmetic answers (registered as "last_number").
+"""A final-number verifier for short arithmetic answers (--reward-fn last_number).
 
 R(y_hat, y) = +1 if the last integer in the response equals the integer ground truth, else -1, the same
 +1 / -1 scale as DAPO's verifier (math_dapo.py). Meant for small chat models that answer in prose
@@ -17,6 +17,7 @@ import re
 import unicodedata
 
 from megatron_dapo.reward.math_dapo import RESPONSE_WINDOW_CHARS
+from megatron_dapo.reward.registry import register_reward_fn
 from megatron_dapo.reward.result import RewardResult
 
 # An optional minus, digits with optional thousands groups, an optional decimal part. No nested quantifiers.
@@ -53,6 +54,7 @@ def canonical_integer(number: str) -> str:
     return sign + digits if digits else "0"
 
 
+@register_reward_fn("last_number")
 def compute_score(solution_str: str, ground_truth: str) -> RewardResult:
     """+1.0 when the response's last number equals the integer `ground_truth`, else -1.0 (pred: that number)."""
     if not isinstance(solution_str, str) or not isinstance(ground_truth, str):

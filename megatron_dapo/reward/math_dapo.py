@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 
 from megatron_dapo.reward.normalize import normalize_final_answer
+from megatron_dapo.reward.registry import register_reward_fn
 from megatron_dapo.reward.result import RewardResult
 
 RESPONSE_WINDOW_CHARS = 300
@@ -70,6 +71,7 @@ def _check_inputs(solution_str: object, ground_truth: object) -> None:
         )
 
 
+@register_reward_fn("math_dapo")
 def compute_score(solution_str: str, ground_truth: str, *, strict_box: bool = False) -> RewardResult:
     """Score one response against its ground truth: +1.0 if correct, -1.0 otherwise.
 
@@ -88,6 +90,7 @@ def compute_score(solution_str: str, ground_truth: str, *, strict_box: bool = Fa
     return RewardResult(score=1.0 if correct else -1.0, acc=correct, pred=pred)
 
 
+@register_reward_fn("math_dapo_boxed")
 def compute_score_boxed(solution_str: str, ground_truth: str) -> RewardResult:
-    """`compute_score` in strict-boxed mode (registered as "math_dapo_boxed")."""
+    """`compute_score` in strict-boxed mode."""
     return compute_score(solution_str, ground_truth, strict_box=True)

@@ -1,8 +1,10 @@
 """Reward functions by name, or by dotted path for user extensions (--reward-fn).
 
-A user reward function has the signature `fn(solution_str: str, ground_truth: str) -> R` where R
-is a `RewardResult`, a float (acc = score > 0), or a dict with "score" and optional "acc"/"pred"
-(the verl convention). It is addressed as "pkg.module:function" or "pkg.module.function".
+A named one is registered beside its definition with `@register_reward_fn("name")` in a module of
+megatron_dapo/reward/ (imported on the first read of BUILTIN_REWARD_FNS). A user reward function has the signature
+`fn(solution_str: str, ground_truth: str) -> R` where R is a `RewardResult`, a float (acc = score > 0), or a dict
+with "score" and optional "acc"/"pred" (the verl convention). It is addressed as "pkg.module:function" or
+"pkg.module.function".
 """
 
 from __future__ import annotations
@@ -12,21 +14,18 @@ import inspect
 import math
 from collections.abc import Callable
 
-from megatron_dapo.dotted_path import resolve_callable
+from megatron_dapo.dotted_path import Registry
 from megatron_dapo.errors import UserError
-from megatron_dapo.reward import last_number
-from megatron_dapo.reward.math_dapo import compute_score, compute_score_boxed
 from megatron_dapo.reward.result import RewardResult
 
 RewardFn = Callable[[str, str], RewardResult]
 
-BUILTIN_REWARD_FNS: dict[str, RewardFn] = {
-    "math_dapo": compute_score,
-    "math_dapo_boxed": compute_score_boxed,
-    "last_number": last_number.compute_score,
-}
-
 REWARD_FN_SIGNATURE = "fn(solution_str: str, ground_truth: str) -> RewardResult | float | dict"
+
+BUILTIN_REWARD_FNS = Registry("--reward-fn", REWARD_FN_SIGNATURE, "megatron_dapo.reward",
+                              unknown="is not a known reward function")
+"""--reward-fn's names: every function of megatron_dapo/reward/ registered with `register_reward_fn("name")`."""
+register_reward_fn = BUILTIN_REWARD_FNS.register
 
 
 def _coerce(value: object, origin: str) -> RewardResult:
@@ -56,8 +55,7 @@ def _short(value: object, limit: int = 40) -> str:
 
 def get_reward_fn(name_or_dotted_path: str) -> RewardFn:
     """Return the reward function `fn(solution_str, ground_truth) -> RewardResult` named here."""
-    fn = resolve_callable(name_or_dotted_path, "--reward-fn", BUILTIN_REWARD_FNS, REWARD_FN_SIGNATURE,
-                          unknown="is not a known reward function")
+    fn = BUILTIN_REWARD_FNS.resolve(name_or_dotted_path)
     if fn in BUILTIN_REWARD_FNS.values():
         return fn
     name = name_or_dotted_path.strip()
