@@ -1,5 +1,6 @@
 """`python -m megatron_dapo.train --policy-loss gspo --advantage-estimator dr_grpo`: the chosen loss and
-estimator run through the whole loop (rollout, advantages, actor step, weight sync) on CPU."""
+estimator run through the whole loop (rollout, advantages, actor step, weight sync) on CPU; a dotted-path loss's
+own metric reaches metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, train_env
+from tests.losses import POLICY_LOSS
 from tests.rewards import PARITY_REWARD
 
 pytestmark = pytest.mark.slow
@@ -48,3 +50,12 @@ def test_gspo_with_dr_grpo_advantages_trains(tiny_base, tmp_path):
     record = json.loads((tmp_path / "gspo" / "run_config.json").read_text())
     assert record["policy_loss"] == "gspo" and record["advantage_estimator"] == "dr_grpo"
     assert record["config"]["trainer"]["advantage_estimator"] == "megatron_dapo.algorithm.advantages:dr_grpo_advantages"
+
+
+def test_a_losss_declared_metric_is_logged(tiny_base, tmp_path):
+    """--policy-loss tests.losses:neg_adv_loss declares 'neg_adv_tokens' beside the shared metrics: it is logged as
+    train/neg_adv_tokens (its token mean, a share of the tokens), and the shared ones are all still there."""
+    (record,) = run_train(tiny_base, tmp_path / "own", *POLICY_LOSS, "--num-steps", "1")
+    assert 0.0 < record["train/neg_adv_tokens"] < 1.0
+    assert {f"train/{k}" for k in ("pg_loss", "clipfrac_high", "approx_kl", "ratio", "entropy", "num_tokens")} <= \
+        set(record)

@@ -1,6 +1,7 @@
-"""The registered policy losses (--policy-loss) against their papers' formulas written out in plain Python:
-values, gradients (closed-form derivative and finite differences), and split invariance of (numerator,
-denominator) over micro-batches."""
+"""The policy losses (--policy-loss) against their papers' formulas written out in plain Python (values,
+closed-form gradients), and the contract every registered loss keeps, parametrized over the registry so a new
+loss gets it by registering: gradient against finite differences, split invariance of (numerator, denominator)
+over micro-batches, the metrics it declares (token sums), TIS weights on each token's term."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import pytest
 import torch
 
 from megatron_dapo.algorithm import dr_grpo_loss, grpo_loss, gspo_loss, policy_loss
+from megatron_dapo.algorithm.loss import POLICY_LOSSES, TOKEN_METRICS
 from megatron_dapo.algorithm.registry import policy_loss_config
 
 L_MAX = 9
 LOSSES = ["dapo", "grpo", "dr_grpo", "gspo"]
+"""The losses whose formulas this file writes out (a new loss's formula goes in its own test file)."""
+REGISTERED = list(POLICY_LOSSES)
+"""Every registered loss: the contract tests run on each."""
 
 
 def config(name: str, **fields):
@@ -98,6 +103,7 @@ def run(name: str, logp, old, adv, mask, **fields):
 
 def test_the_registry_maps_names_to_the_functions():
     assert [config(n).fn for n in LOSSES] == [policy_loss, grpo_loss, dr_grpo_loss, gspo_loss]
+    assert REGISTERED[:len(LOSSES)] == LOSSES  # registered where they are defined, in this order (--help's)
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -140,7 +146,8 @@ def test_gradient_matches_the_formulas_derivative(name, token_adv):
                                atol=1e-12)
 
 
-@pytest.mark.parametrize("name", LOSSES)
+# ---- the contract of every registered loss -------------------------------------------------------------------
+@pytest.mark.parametrize("name", REGISTERED)
 def test_gradient_matches_finite_differences(name):
     logp, old, adv, mask = random_batch(4, b=3, s=4)
     cfg = config(name)
@@ -185,7 +192,7 @@ def test_gspo_token_takes_per_token_advantages():
     torch.testing.assert_close(logp.grad, grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("name", REGISTERED)
 @pytest.mark.parametrize("splits", [[1, 4], [2, 2, 1], [1, 1, 1, 1, 1]], ids=["1+4", "2+2+1", "5x1"])
 def test_micro_batch_split_gives_the_single_batch_loss_and_gradient(name, splits):
     """Sum of numerators / sum of denominators over micro-batches (or DP ranks) = the one-batch loss."""
@@ -218,18 +225,33 @@ def test_gspo_ratio_is_per_sequence_even_with_padding_and_in_any_row_order():
     assert together.metrics["ratio"].item() == pytest.approx(sum(o.metrics["ratio"].item() for o in alone), rel=1e-12)
 
 
-def test_metrics_of_every_loss_are_token_sums():
+@pytest.mark.parametrize("name", REGISTERED)
+def test_metrics_of_every_loss_are_the_declared_token_sums(name):
+    """Exactly the metrics it declares (what the actor reduces and logs), as token sums: the shared ones checked
+    against their definitions, and each summing over a split of the rows."""
     logp, old, adv, mask = random_batch(9)
     ent = torch.rand_like(old)
-    for name in LOSSES:
-        cfg = config(name)
-        out = cfg.fn(logp, old, adv, mask, cfg, entropy=ent)
-        assert out.metrics["tokens"].item() == mask.sum().item()
+    cfg = config(name)
+    out = cfg.fn(logp, old, adv, mask, cfg, entropy=ent)
+    assert set(out.metrics) == set(cfg.metrics), "reports exactly what it declares"
+    assert out.metrics["tokens"].item() == mask.sum().item()
+    if "entropy" in out.metrics:
         assert out.metrics["entropy"].item() == pytest.approx((ent * mask).sum().item())
+    if "approx_kl" in out.metrics:
         assert out.metrics["approx_kl"].item() == pytest.approx(((old - logp) * mask).sum().item())
+    parts = [cfg.fn(logp[sl], old[sl], adv[sl], mask[sl], cfg, entropy=ent[sl]) for sl in (slice(0, 2), slice(2, 5))]
+    for key, value in out.metrics.items():
+        assert sum(p.metrics[key].item() for p in parts) == pytest.approx(value.item(), rel=1e-12, abs=1e-12), key
 
 
-@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
+def test_the_shared_metrics_are_what_token_metrics_reports():
+    logp, old, adv, mask = random_batch(9)
+    out = policy_loss(logp, old, adv, mask, config("dapo"), entropy=torch.rand_like(old))
+    assert set(out.metrics) == set(TOKEN_METRICS) and len(TOKEN_METRICS) == 8
+    assert all(config(name).metrics == TOKEN_METRICS for name in LOSSES)
+
+
+@pytest.mark.parametrize("name", REGISTERED)
 def test_tis_weights_scale_each_tokens_term(name):
     logp, old, adv, mask = random_batch(10)
     w = torch.rand_like(old) + 0.5

@@ -1,22 +1,28 @@
 """--policy-loss and --advantage-estimator: names, dotted paths, the errors that name the flag, the flag
-combinations a loss rejects, and the advantage estimators against their formulas."""
+combinations a loss rejects, a loss's declared metrics, the advantage estimators against their formulas, the help
+generated from the registries, and the registry itself (dotted_path.Registry)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron_dapo.actor import ActorConfig
 from megatron_dapo.algorithm import PolicyLossConfig, PolicyLossOutput, aggregate, group_advantages, policy_loss
-from megatron_dapo.algorithm.advantages import dr_grpo_advantages, grpo_advantages
+from megatron_dapo.algorithm.advantages import ADVANTAGE_ESTIMATORS, dr_grpo_advantages, grpo_advantages
 from megatron_dapo.algorithm.gspo import gspo_loss
+from megatron_dapo.algorithm.loss import POLICY_LOSSES, TOKEN_METRICS
 from megatron_dapo.algorithm.registry import get_advantage_estimator, policy_loss_config
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.dotted_path import Registry
 from megatron_dapo.errors import UserError
 from megatron_dapo.trainer.run_config import build_configs
 from tests.conftest import REPO
+from tests.losses import neg_adv_loss
 
 
 # ---- user extensions, addressed as tests.test_algorithm_registry:<name> -------------------------------------
@@ -71,8 +77,14 @@ def test_a_dotted_path_loss_is_called_with_the_config():
         assert cfg.fn is sequence_sum_loss and cfg.name == path and cfg.eps_low == 0.1
 
 
+def expected_one_of(registry) -> str:
+    """The names part of an "is not registered" message, from the registry (today 'dapo', 'grpo', 'dr_grpo', 'gspo'
+    for the losses, 'grpo', 'dr_grpo' for the estimators)."""
+    return re.escape("expected one of " + ", ".join(repr(name) for name in registry))
+
+
 @pytest.mark.parametrize("name, message", [
-    ("ppo", r"--policy-loss 'ppo' is not registered; expected one of 'dapo', 'grpo', 'dr_grpo', 'gspo' or a dotted "
+    ("ppo", rf"--policy-loss 'ppo' is not registered; {expected_one_of(POLICY_LOSSES)} or a dotted "
             r"path 'pkg.module:function' to fn\(log_probs, old_log_probs, advantages, mask, config"),
     ("no_such_pkg.mod:fn", r"--policy-loss 'no_such_pkg.mod:fn': cannot import module 'no_such_pkg.mod'"),
     ("tests.test_algorithm_registry:missing", r"--policy-loss .*has no attribute 'missing'"),
@@ -103,6 +115,43 @@ def test_a_contradicting_flag_combination_names_both_flags(name, fields, message
 def test_a_losss_own_aggregation_may_be_given():
     assert policy_loss_config("grpo", agg_mode="seq-mean-token-mean").agg_mode == "seq-mean-token-mean"
     assert policy_loss_config("gspo", agg_mode="seq-mean-token-mean").fn is gspo_loss
+
+
+# ---- a loss's metrics -------------------------------------------------------------------------------------------
+def test_a_dotted_path_loss_declares_its_metrics_in_an_attribute():
+    assert policy_loss_config("tests.losses:neg_adv_loss").metrics == (*TOKEN_METRICS, "neg_adv_tokens")
+    # none declared: the shared token sums (what tokens-only sequence_sum_loss reports is among them)
+    assert policy_loss_config("tests.test_algorithm_registry:sequence_sum_loss").metrics == TOKEN_METRICS
+
+
+def test_an_undeclared_metric_is_an_error_at_start_up():
+    with pytest.raises(UserError, match=re.escape("--policy-loss 'tests.losses:undeclared_metric_loss' returned "
+                                                  "metrics ['neg_adv_tokens'] that it does not declare")):
+        policy_loss_config("tests.losses:undeclared_metric_loss")
+
+
+def bad_metrics_loss(log_probs, old_log_probs, advantages, mask, config, *, entropy=None, is_weights=None):
+    return neg_adv_loss(log_probs, old_log_probs, advantages, mask, config, entropy=entropy, is_weights=is_weights)
+
+
+@pytest.mark.parametrize("metrics, message", [
+    ("neg_adv_tokens", "they must be a tuple of metric names"),
+    (("pg_loss", "neg_adv_tokens"), "the names must be distinct and include 'tokens'"),
+    (("tokens", "tokens"), "the names must be distinct"),
+], ids=["a-string", "no-tokens", "twice"])
+def test_a_malformed_declaration_is_an_error_naming_the_flag(monkeypatch, metrics, message):
+    monkeypatch.setattr(bad_metrics_loss, "metrics", metrics, raising=False)
+    with pytest.raises(UserError, match=rf"^--policy-loss 'tests.test_algorithm_registry:bad_metrics_loss': .*"
+                                        rf"{re.escape(message)}"):
+        policy_loss_config("tests.test_algorithm_registry:bad_metrics_loss")
+
+
+def test_a_metric_named_like_the_train_steps_own_is_refused(monkeypatch):
+    monkeypatch.setattr(bad_metrics_loss, "metrics", ("tokens", "lr"), raising=False)
+    loss = PolicyLossConfig(name="mine", fn=bad_metrics_loss)
+    with pytest.raises(ValueError, match=r"--policy-loss 'mine' declares metrics \['lr'\], which the train step "
+                                         r"reports itself"):
+        ActorConfig(loss=loss)
 
 
 def test_a_config_without_its_function_is_refused():
@@ -139,8 +188,9 @@ def test_a_dotted_path_estimator():
 
 
 @pytest.mark.parametrize("name, message", [
-    ("rloo", r"--advantage-estimator 'rloo' is not registered; expected one of 'grpo', 'dr_grpo' or a dotted path "
-             r"'pkg.module:function' to fn\(rewards: Tensor\[N\], group_ids: Sequence\[Hashable\]\) -> Tensor\[N\]"),
+    ("rloo", rf"--advantage-estimator 'rloo' is not registered; {expected_one_of(ADVANTAGE_ESTIMATORS)} or a dotted "
+             r"path 'pkg.module:function' to fn\(rewards: Tensor\[N\], group_ids: Sequence\[Hashable\]\) -> "
+             r"Tensor\[N\]"),
     ("no_such_pkg:fn", r"--advantage-estimator 'no_such_pkg:fn': cannot import module 'no_such_pkg'"),
     ("tests.test_algorithm_registry:two_arg_loss", r"--advantage-estimator .* failed on 4 trial rewards"),
     ("tests.test_algorithm_registry:sequence_sum_loss", r"--advantage-estimator .* cannot be called as fn\(rewards"),
@@ -179,3 +229,51 @@ def test_help_gives_the_signatures():
     assert ("fn(log_probs, old_log_probs, advantages, mask, config: PolicyLossConfig, *, entropy=None, "
             "is_weights=None) -> PolicyLossOutput(loss_sum, denominator, metrics)") in flat
     assert "fn(rewards: Tensor[N], group_ids: Sequence[Hashable]) -> Tensor[N]" in flat
+    # generated from the registries: every registered name with its own description, and a dotted path's metrics
+    assert f"--policy-loss NAME|pkg.mod:fn policy loss: {POLICY_LOSSES.describe()}, or a dotted path" in flat
+    assert (f"--advantage-estimator NAME|pkg.mod:fn advantage per response: {ADVANTAGE_ESTIMATORS.describe()}, or a "
+            "dotted path") in flat
+    assert "dapo (token-mean over the mini-batch, aggregation --loss-agg-mode), grpo (" in flat
+    assert f"named in the function's `metrics` attribute (a tuple; default: {', '.join(TOKEN_METRICS)})" in flat
+
+
+# ---- the registry ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def plugin_package(tmp_path, monkeypatch):
+    """A package `plugins_under_test` with a Registry in `base` and two modules registering into it, one of them
+    imported by the package's __init__."""
+    pkg = tmp_path / "plugins_under_test"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from plugins_under_test import zeta\n")
+    (pkg / "base.py").write_text("from megatron_dapo.dotted_path import Registry\n"
+                                 "REG = Registry('--thing', 'fn(x) -> y', 'plugins_under_test')\n")
+    (pkg / "alpha.py").write_text("from plugins_under_test.base import REG\n"
+                                  "@REG.register('one', help='the first')\ndef one(x):\n    return x\n")
+    (pkg / "zeta.py").write_text("from plugins_under_test.base import REG\n"
+                                 "@REG.register('two')\ndef two(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg
+    for name in [m for m in sys.modules if m == "plugins_under_test" or m.startswith("plugins_under_test.")]:
+        del sys.modules[name]
+
+
+def test_a_registry_imports_its_package_on_the_first_read(plugin_package):
+    from plugins_under_test.base import REG
+
+    # the package's __init__ ran first (zeta), the module it does not import (alpha) is found on the first read
+    assert list(REG) == ["two", "one"] and REG["one"](3) == 3 and len(REG) == 2
+    assert REG.describe() == "two, one (the first)"
+    assert REG.resolve(" one ") is REG["one"] and REG.resolve("plugins_under_test.zeta:two")(2) == 4
+    with pytest.raises(UserError, match=r"--thing 'three' is not registered; expected one of 'two', 'one' or a dotted "
+                                        r"path 'pkg.module:function' to fn\(x\) -> y"):
+        REG.resolve("three")
+
+
+def test_a_name_registered_twice_or_not_a_word_is_refused():
+    reg = Registry("--thing", "fn(x)", "megatron_dapo.algorithm")
+    reg.register("one")(len)
+    with pytest.raises(ValueError, match=r"--thing 'one' is registered twice: builtins:len and builtins:abs"):
+        reg.register("one")(abs)
+    for bad in ("pkg.mod", "mod:fn", "", "two words"):
+        with pytest.raises(ValueError, match="a name is one word without '.' or ':'"):
+            reg.register(bad)

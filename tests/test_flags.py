@@ -145,3 +145,13 @@ def test_overlong_buffer_longer_than_the_response_is_an_error_naming_both_flags_
     _, collect, _ = build_configs(build_parser().parse_args([*flags, "--overlong-buffer-length", "1024"]))
     assert collect.overlong.buffer_length == 1024
     assert collect.dynamic_sampling.rollout_batch_size == 512  # --rollout-batch-size, under its own name
+
+
+def test_every_flag_named_in_the_parsers_help_texts_exists():
+    """The help texts as the parser holds them: those built at run time (--policy-loss's and --advantage-estimator's,
+    generated from their registries) are not string constants the scan above could read."""
+    parser = build_parser()
+    told = {flag for action in parser._actions for flag in FLAG.findall(action.help or "")}
+    assert {"--loss-agg-mode", "--max-response-length", "--clip-ratio-low"} <= told  # the registered losses' help
+    missing = sorted(told - parser_flags(parser) - EXTERNAL["megatron_dapo/arguments.py"])
+    assert not missing, f"help texts name flags that no parser defines: {missing}"

@@ -1,4 +1,5 @@
-"""Reward functions by name and by dotted path."""
+"""Reward functions by name (registered beside their definitions; every one gets the contract check) and by dotted
+path."""
 
 from __future__ import annotations
 
@@ -8,13 +9,30 @@ import sys
 import pytest
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.reward import RewardResult, compute_score, get_reward_fn
+from megatron_dapo.reward import BUILTIN_REWARD_FNS, RewardResult, compute_score, get_reward_fn, last_number, math_dapo
 
 
 def test_builtin_names():
     assert get_reward_fn("math_dapo")("Answer: 7", "7") == compute_score("Answer: 7", "7")
     boxed = get_reward_fn("math_dapo_boxed")
     assert boxed("\\boxed{7}", "7").acc and not boxed("Answer: 7", "7").acc
+
+
+def test_the_registry_holds_the_functions_registered_beside_their_definitions():
+    assert dict(BUILTIN_REWARD_FNS) == {"math_dapo": math_dapo.compute_score,
+                                        "math_dapo_boxed": math_dapo.compute_score_boxed,
+                                        "last_number": last_number.compute_score}
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_REWARD_FNS))
+def test_every_registered_reward_fn_keeps_the_contract(name):
+    """By name it is the function itself (no wrapper), and it returns a RewardResult on +1 / -1 for a right and a
+    wrong answer in the format every verifier here reads (an "Answer:" line holding a boxed number)."""
+    fn = get_reward_fn(name)
+    assert fn is BUILTIN_REWARD_FNS[name]
+    right, wrong = fn("so Answer: \\boxed{7}", "7"), fn("so Answer: \\boxed{8}", "7")
+    assert isinstance(right, RewardResult) and (right.score, right.acc) == (1.0, True)
+    assert isinstance(wrong, RewardResult) and (wrong.score, wrong.acc) == (-1.0, False)
 
 
 def test_dotted_paths_both_spellings():
