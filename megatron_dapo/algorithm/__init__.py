@@ -1,5 +1,6 @@
 """DAPO maths on plain tensors: policy losses, advantages, dynamic sampling, overlong shaping, off-policy
-correction; the loss and advantage registries (--policy-loss, --advantage-estimator) in registry.py.
+correction. Losses and advantage estimators register by name beside their definition (`@register_policy_loss`,
+`@register_advantage_estimator`); registry.py chooses one for the run (--policy-loss, --advantage-estimator).
 
 No Megatron, no I/O: everything here is a pure function or a small stateful accumulator.
 """

@@ -109,7 +109,8 @@ class PolicyLossOutput:
     """Scalar: this micro-batch's share of the normaliser, an integer count (tokens or sequences, by agg_mode);
     megatron sums it as an int over micro-batches and DP ranks."""
     metrics: dict[str, Tensor] = field(default_factory=dict)
-    """Sums over loss tokens (divide by metrics['tokens'] for a mean); reduce by summing."""
+    """Sums over loss tokens (divide by metrics['tokens'] for a mean); reduce by summing. Exactly the names the
+    loss declares (`declared_metrics`), so the actor knows them before the step."""
 
 
 PolicyLossFn = Callable[..., PolicyLossOutput]
