@@ -76,8 +76,8 @@ class Registry(Mapping[str, Callable]):
 
         def decorator(fn: F) -> F:
             if name in self._entries:
-                raise ValueError(f"{self.flag} {name!r} is registered twice: {_where(self._entries[name][0])} and "
-                                 f"{_where(fn)}")
+                raise ValueError(f"{self.flag} {name!r} is registered twice: {qualified_name(self._entries[name][0])} "
+                                 f"and {qualified_name(fn)}")
             self._entries[name] = (fn, help)
             return fn
 
@@ -108,5 +108,6 @@ class Registry(Mapping[str, Callable]):
         return resolve_callable(value, self.flag, self, self.signature, unknown=self.unknown)
 
 
-def _where(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+def qualified_name(fn: Callable) -> str:
+    """'module:qualname' of a function, for messages (the type's name for a callable object without one)."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"

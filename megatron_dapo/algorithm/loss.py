@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from megatron_dapo.dotted_path import Registry
+from megatron_dapo.dotted_path import Registry, qualified_name
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -147,7 +147,7 @@ def declared_metrics(fn: Callable) -> tuple[str, ...]:
     sets it by hand, `my_loss.metrics = (*TOKEN_METRICS, "my_sum")`), TOKEN_METRICS when it has none. Each is summed
     over micro-batches and DP ranks and logged divided by 'tokens', so the names are fixed before the run starts.
     ValueError unless a tuple or list of distinct strings that includes 'tokens'."""
-    return _checked_metrics(getattr(fn, "metrics", TOKEN_METRICS), f"the loss {_name(fn)}")
+    return _checked_metrics(getattr(fn, "metrics", TOKEN_METRICS), f"the loss {qualified_name(fn)}")
 
 
 def _checked_metrics(metrics: object, owner: str) -> tuple[str, ...]:
@@ -157,10 +157,6 @@ def _checked_metrics(metrics: object, owner: str) -> tuple[str, ...]:
         raise ValueError(f"{owner} declares metrics {tuple(metrics)}: the names must be distinct and include "
                          "'tokens', the count every other metric is divided by")
     return tuple(metrics)
-
-
-def _name(fn: Callable) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def aggregate(token_values: Tensor, mask: Tensor, agg_mode: AggMode) -> tuple[Tensor, Tensor]:
