@@ -345,12 +345,12 @@ class _BlocksAlive:
 @pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
 def test_a_converter_holds_threads_x_chunk_bytes_never_a_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                direction: str) -> None:
-    """README's "about one layer in memory", asserted as the tighter bound the converter keeps: with a --dtype cast
-    (the only case that brings checkpoint bytes into the process; without one they are copied in the kernel,
-    test_mcore_to_hf_copies_converter_output_in_the_kernel) every block a writer thread holds (hf-to-mcore: the cast
-    chunk it serializes; mcore-to-hf: the rows it reads to cast) is at most --chunk-mb and at most
-    --threads x --chunk-mb are alive at once, under a quarter of one decoder layer here. At Qwen2.5-32B
-    (--threads 4 --chunk-mb 16) that is 64 MiB against a 975 MB layer."""
+    """docs/ARCHITECTURE.md's "about one layer in memory", asserted as the tighter bound the converter keeps: with a
+    --dtype cast (the only case that brings checkpoint bytes into the process; without one they are copied in the
+    kernel, test_mcore_to_hf_copies_converter_output_in_the_kernel) every block a writer thread holds (hf-to-mcore: the
+    cast chunk it serializes; mcore-to-hf: the rows it reads to cast) is at most --chunk-mb and at most --threads x
+    --chunk-mb are alive at once, under a quarter of one decoder layer here. At Qwen2.5-32B (--threads 4 --chunk-mb 16)
+    that is 64 MiB against a 975 MB layer."""
     from checkpoint_convert.hf_to_mcore import HfToMcoreConfig, hf_to_mcore
     from checkpoint_convert.mcore_to_hf import McoreToHfConfig, mcore_to_hf
     from megatron_dapo.checkpoint.dist_ckpt import DistCheckpointReader, LazyTensor

@@ -83,9 +83,9 @@ class _LargestOutput(TorchDispatchMode):
 
 
 def test_no_tensor_of_tokens_x_vocab_is_ever_made():
-    """README's "never materialising [tokens x vocab] logits": in the forward and in the backward, no tensor the
-    fused head makes is larger than one [chunk, V] logits block, while the unfused path makes the [N, V] logits
-    (N = 256 tokens, V = 512, chunk 16: 8,192 vs 131,072 elements; the inputs are smaller than a block). At the
+    """docs/ARCHITECTURE.md's "never materialising [tokens x vocab] logits": in the forward and in the backward, no
+    tensor the fused head makes is larger than one [chunk, V] logits block, while the unfused path makes the [N, V]
+    logits (N = 256 tokens, V = 512, chunk 16: 8,192 vs 131,072 elements; the inputs are smaller than a block). At the
     production setting (Qwen2.5-32B, V = 152,064 / TP8, a 24,576-token micro-batch) the default chunk is 882 tokens:
     one 64 MiB fp32 block instead of 1.74 GiB of logits per TP rank."""
     n, h, v, chunk = 256, 8, 512, 16

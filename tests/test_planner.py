@@ -687,7 +687,7 @@ def _fenced_block_starting(doc: Path, first: str) -> list[str]:
 def test_a3b_plan_is_the_one_the_docs_quote(tmp_path):
     """The numbers the docs quote for the 30B-A3B recipe are the planner's, at the precision they are quoted:
     docs/PARALLELISM.md's plan block is the launcher's --dry-run line for line (peak 58.13 GiB, 2 decimals as printed);
-    README.md's '58 GiB of 80' and the launchers' '~58 GiB of 80' are that peak rounded to whole GiB; the variants
+    docs/LAUNCH.md's '58 GiB of 80' and the launchers' '~58 GiB of 80' are that peak rounded to whole GiB; the variants
     docs/PARALLELISM.md names (a capacity factor, TP2 + SP, 2 / 8 / 1 actor nodes) peak at the values it prints, and
     the recipe's comment quotes the node counts to one decimal."""
     args = _launcher_train_args(tmp_path, *A3B_LAUNCHER)
@@ -695,7 +695,7 @@ def test_a3b_plan_is_the_one_the_docs_quote(tmp_path):
     assert rc == 0, "\n".join(lines)
     assert lines == _fenced_block_starting(REPO / "docs/PARALLELISM.md", "layout: TP1 x PP1 x CP1 x DP32")
     peak = float(lines[-1].split()[2])
-    assert f"TP1 x EP8, `--dry-run` {round(peak)} GiB of 80)" in " ".join((REPO / "README.md").read_text().split())
+    assert f"TP1 x EP8, `--dry-run` {round(peak)} GiB of 80)" in " ".join((REPO / "docs/LAUNCH.md").read_text().split())
     for path in ("examples/recipes/qwen3-30b-a3b.sh", "examples/run_qwen3_30b_a3b_multinode.sh"):
         assert f"~{round(peak)} GiB of 80" in (REPO / path).read_text(), path
     world = args.index("--world-size") + 1
