@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 from megatron_dapo.compat import lazy_compile as _lazy_compile  # noqa: E402
 
-_lazy_compile.install()  # megatron-core's import-time torch.compile calls wait for first use (2-3 s a process)
+_lazy_compile.install()  # megatron-core's import-time torch.compile calls wait for first use

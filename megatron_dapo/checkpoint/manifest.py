@@ -8,14 +8,9 @@ checked against its own torch_dist index instead (`check_unverified`).
 
 Checksum: CRC-32 (zlib), not SHA-256. It detects truncation and accidental corruption, not a crafted file (its
 writer rewrites the manifest too: no checksum in the checkpoint is a defence; what is, checkpoint/safe_read.py and
-docs/FAULT_TOLERANCE.md's trust model), and is ~3x faster:
-measured 2.5 GB/s (crc32) vs 0.77 GB/s (sha256) on one core here. The work is split, never
-centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote itself (rank 0 also
-the small common files); at load the files are verified round-robin over all ranks.
-Cost at Qwen2.5-32B (459 GB of checkpoint over 128 ranks, 3.6 GB per rank with
---ckpt-fully-parallel-save): ~1.4 s of CRC per rank at save (page-cache hot) and at load, plus reading
-3.6 GB back from storage per rank at load; one process doing all 459 GB would take ~184 s (crc32) or
-~600 s (sha256).
+docs/FAULT_TOLERANCE.md's trust model), and is faster (docs/BENCHMARKS.md, "Checkpoint manifest").
+The work is split, never centralised: at save each rank checksums the `__<rank>_*.distcp` files it wrote
+itself (rank 0 also the small common files); at load the files are verified round-robin over all ranks.
 """
 
 from __future__ import annotations

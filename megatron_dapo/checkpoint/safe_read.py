@@ -24,8 +24,8 @@ from elsewhere".
 
 Cost: the restricted unpickler is the C unpickler with `find_class` overridden, which runs once per distinct
 class (pickle memoizes them: ~16 calls for a whole `.metadata`), so a read costs what `pickle.load` costs, plus
-one pass over the storage records to check their file names (`read_metadata`: 0.6 s of CPU at 32B, either way);
-a ShardedObject costs the pure-Python weights_only unpickler, ~1 ms for a rank's RNG state (`load_object`).
+one pass over the storage records to check their file names (`read_metadata`); a ShardedObject costs the
+pure-Python weights_only unpickler (`load_object`). Measured: docs/CHECKPOINTS.md, "Checkpoints from elsewhere".
 """
 
 from __future__ import annotations
@@ -129,8 +129,6 @@ def read_metadata(directory: str | os.PathLike[str]) -> Any:
     Raises UnsafeCheckpointError for another class, or for a storage record whose file is not a plain name in
     `directory` (torch reads `directory / relative_path`: '../x' or '/x' would read a file outside it); a
     CheckpointError for a damaged file (truncated, not a pickle); FileNotFoundError when absent.
-    Cost at Qwen2.5-32B TP8 x PP2 x DP8 (a training checkpoint, regular optimizer; tools/bench_safe_read.py): 4.2 MiB,
-    13,253 records, ~0.6 s of CPU per read, as for torch's plain pickle.load; every rank reads it (as before).
     """
     from torch.distributed.checkpoint.metadata import Metadata
 

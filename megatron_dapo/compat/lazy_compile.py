@@ -2,10 +2,10 @@
 
 megatron-core 0.16.1 decorates its fusion functions with `jit_fuser = torch.compile` as its modules are imported
 (megatron/core/jit.py, megatron/core/fusions/*). `torch.compile(fn)` imports torch._dynamo and torch._inductor
-on the spot, measured at 2-3 s of the ~7 s that `import megatron_dapo.train` takes on one CPU core; every rank and
-every tool pays it at start-up, although on CPU the fusions are off (models/config.py) and those functions are
-never called. `install()` (run by `megatron_dapo/__init__.py`) defers each such compile to the function's first
-call, which is then compiled exactly as before: the same `torch.compile` with the same arguments, once.
+on the spot (its cost: docs/BENCHMARKS.md, "Start-up"); every rank and every tool would pay it at start-up,
+although on CPU the fusions are off (models/config.py) and those functions are never called. `install()` (run by
+`megatron_dapo/__init__.py`) defers each such compile to the function's first call, which is then compiled exactly
+as it would have been: the same `torch.compile` with the same arguments, once.
 
 It acts only while megatron-core's package `__init__` runs (the whole import chain that applies `jit_fuser`),
 through a meta-path finder that wraps that one module's loader; `torch.compile` is restored after it. A process

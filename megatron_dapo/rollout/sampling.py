@@ -78,8 +78,8 @@ def skip_draws(generator: torch.Generator, vocab: int, tokens: int) -> None:
     """Advances `generator` past `tokens` sampled tokens of `sample_tokens` (one Exp(1) draw per vocabulary
     entry per token, fp32), so a partial-rollout continuation draws what the uninterrupted sample would have.
 
-    Cost: tokens x vocab exponential draws, ~25e6 per second on one CPU thread (64 tokens of a 151,936-entry
-    vocabulary: 0.4 s). The embedded engine is a CPU engine for small runs; SGLang needs no skipping.
+    Cost: tokens x vocab exponential draws (docs/BENCHMARKS.md, "Skipped draws"). The embedded engine is a CPU
+    engine for small runs; SGLang needs no skipping.
     """
     if tokens <= 0:
         return
