@@ -16,6 +16,7 @@ from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.algorithm.registry import advantage_estimator_help, policy_loss_help
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
+from megatron_dapo.weight_sync.transports import transport_names
 
 
 class DeprecatedAlias(argparse.Action):
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its max new tokens / RATE seconds and its server counts as lost (its samples are redone on "
                         "another). At --max-response-length 20480 and the defaults: 60 + 2048 s, ~35 min; lower it "
                         "when requests queue long on the servers (--sglang-max-concurrency far above what they batch)")
-    g.add_argument("--weight-sync-mode", choices=["tensor", "distributed", "disk"], default=None,
+    g.add_argument("--weight-sync-mode", choices=transport_names(), default=None,
                    help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
                         "separate GPUs (NCCL group with the servers); disk: safetensors + "
                         "update_weights_from_disk. Default: tensor for --colocate and on CPU, "

@@ -905,7 +905,7 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
         return 2
     for line in lines:
         print(line, file=out)
-    from megatron_dapo.rollout.sglang.setup import weight_sync_mode
+    from megatron_dapo.weight_sync.transports import weight_sync_mode
 
     mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
     print(host_copy_line(arch, mode=mode, colocate=args.colocate, bytes_per_element=spec.bytes_per_element),

@@ -108,7 +108,8 @@ def _train(args: argparse.Namespace) -> None:
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      phases=phases, weight_sync=weight_sync, stop=stop)  # weight_sync None: from the engine
+                      phases=phases, weight_sync=weight_sync, stop=stop,  # weight_sync None: built from the engine
+                      weight_sync_mode=rollout_build.weight_sync_mode(args) if rank0 else None)  # and its transport
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(

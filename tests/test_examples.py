@@ -103,7 +103,8 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
 def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, env):
     """Expandable segments and one CUDA connection (Megatron-LM's settings for sequence-parallel overlap)
     reach the trainer, and the servers' placement passes the CUDA-only checks of make_rollout_engine."""
-    from megatron_dapo.rollout.sglang.setup import launched_server_gpus, physical_gpu, weight_sync_mode
+    from megatron_dapo.rollout.sglang.setup import launched_server_gpus, physical_gpu
+    from megatron_dapo.weight_sync.transports import weight_sync_mode
 
     for key in GPU_ENV:
         monkeypatch.delenv(key, raising=False)

@@ -508,10 +508,10 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
         assert planner.host_copy_bytes(arch, 4) == hf.num_parameters() * 4
         server, _ = serve(tp_size=1)
         engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
-                              client=ClientConfig(update_mode="tensor", bucket_bytes=4096))
+                              client=ClientConfig(bucket_bytes=4096))
         try:
             named = [(n, t) for n, t in hf.state_dict().items() if not (tied and n == "lm_head.weight")]
-            full_push(engine).update(iter(named), version=1)
+            full_push(engine, "tensor").update(iter(named), version=1)
             assert sum(b.nbytes for b in full_push(engine).kept) == planner.host_copy_bytes(arch, 4), tied
         finally:
             engine.shutdown()

@@ -1,5 +1,6 @@
 """Where launched SGLang servers run, how weights reach them, and seeded-rollout reproducibility
-(megatron_dapo/rollout/sglang/setup.py and train.make_rollout_engine on a simulated CUDA machine)."""
+(megatron_dapo/rollout/sglang/setup.py, weight_sync/transports weight_sync_mode and rollout/build.py
+make_rollout_engine on a simulated CUDA machine)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 import megatron_dapo.rollout as rollout_pkg
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.rollout import build as rollout_build
 from megatron_dapo.rollout.build import make_rollout_engine
 from megatron_dapo.rollout.sglang.setup import (
     DETERMINISTIC_FLAG,
@@ -17,8 +19,8 @@ from megatron_dapo.rollout.sglang.setup import (
     launched_server_gpus,
     physical_gpu,
     server_deterministic,
-    weight_sync_mode,
 )
+from megatron_dapo.weight_sync.transports import weight_sync_mode
 
 BASE = ["--hf-checkpoint", "/models/fake", "--prompt-data", "p.jsonl", "--num-steps", "1",
         "--rollout-engine", "sglang"]
@@ -113,19 +115,21 @@ def test_make_rollout_engine_on_cuda(on_cuda, capsys):
         make_rollout_engine(build_parser().parse_args(BASE), tokenizer=None)
     assert not on_cuda  # nothing launched
 
-    assert make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-gpus", "4,5"]), None) == "engine"
+    args = build_parser().parse_args(BASE + ["--sglang-gpus", "4,5"])
+    assert make_rollout_engine(args, None) == "engine"
     (_, server), kw = on_cuda[-1]
     assert server.env == {"CUDA_VISIBLE_DEVICES": "4,5"} and server.device == "cuda"
     assert DETERMINISTIC_FLAG in server.extra_args
-    assert kw["client"].update_mode == "distributed" and kw["client"].sync_backend == "nccl"
+    assert rollout_build.weight_sync_mode(args) == "distributed" and kw["client"].sync_backend == "nccl"
     assert DETERMINISTIC_FLAG in capsys.readouterr().out
 
-    make_rollout_engine(build_parser().parse_args(BASE + ["--colocate", "--mem-fraction-static", "0.7",
-                                                          "--no-sglang-deterministic-inference"]), None)
+    args = build_parser().parse_args(BASE + ["--colocate", "--mem-fraction-static", "0.7",
+                                             "--no-sglang-deterministic-inference"])
+    make_rollout_engine(args, None)
     (_, server), kw = on_cuda[-1]
     assert server.env == {} and DETERMINISTIC_FLAG not in server.extra_args
     assert server.extra_args[-3:] == ("--mem-fraction-static", "0.7", "--enable-memory-saver")
-    assert kw["client"].update_mode == "tensor"
+    assert rollout_build.weight_sync_mode(args) == "tensor"
     assert "not reproducible" in capsys.readouterr().out
 
     with pytest.raises(ValueError, match="cannot open"):

@@ -159,11 +159,10 @@ def test_abort_of_everything_in_flight_is_one_abort_all_per_server(fakes):
 @pytest.mark.parametrize("mode", ["tensor", "disk"])
 def test_weight_update_buckets_reach_server(fakes, mode, tmp_path):
     urls = [_url(s) for s, _ in fakes]
-    engine = SGLangEngine(server_urls=urls, client=ClientConfig(update_mode=mode, bucket_bytes=256,
-                                                                disk_dir=str(tmp_path)))
+    engine = SGLangEngine(server_urls=urls, client=ClientConfig(bucket_bytes=256, disk_dir=str(tmp_path)))
     named = [(f"model.layers.{i}.w", torch.randn(8, 8)) for i in range(3)]
     named.append(("lm_head.weight", torch.randn(5)))
-    full_push(engine).update(iter(named), version=4)
+    full_push(engine, mode).update(iter(named), version=4)
     assert engine.weight_version == 4
     for _, state in fakes:
         for name, t in named:
@@ -186,12 +185,12 @@ def test_attach_mode_generates_through_the_router_and_syncs_each_server(fakes, t
     try:
         urls = [_url(s) for s, _ in fakes]
         engine = SGLangEngine(server_urls=urls, router_url=_url(router) + "/",
-                              client=ClientConfig(update_mode="disk", disk_dir=str(tmp_path), max_retries=2,
+                              client=ClientConfig(disk_dir=str(tmp_path), max_retries=2,
                                                   server_wait_s=30))
         groups = engine.generate(_reqs(4, n=2))
         assert sum(len(g) for g in groups) == 8
         assert len(router_state.rids) == 8 and [len(st.rids) for _, st in fakes] == [0, 0]
-        full_push(engine).update(iter([("lm_head.weight", torch.randn(5))]), version=2)
+        full_push(engine, "disk").update(iter([("lm_head.weight", torch.randn(5))]), version=2)
         assert "/update_weights_from_disk" not in router_state.calls
         assert [st.calls["/update_weights_from_disk"] for _, st in fakes] == [1, 1]
         assert engine.generate(_reqs(1, n=1))[0][0].weight_version == 2
@@ -219,10 +218,10 @@ def test_launch_restart_and_resync(tmp_path):
     cfg = ServerConfig(model_path=str(tmp_path), num_servers=1, base_port=free_port_block(2), device="cpu",
                        python=str(wrapper), startup_timeout_s=30, log_dir=str(tmp_path / "logs"),
                        env={"FAKE_SGLANG_LIFETIME": "60"})
-    engine = SGLangEngine(cfg, client=ClientConfig(update_mode="disk", disk_dir=str(tmp_path / "w")))
+    engine = SGLangEngine(cfg, client=ClientConfig(disk_dir=str(tmp_path / "w")))
     try:
         assert engine.health()
-        full_push(engine).update([("w", torch.ones(3))], version=2)
+        full_push(engine, "disk").update([("w", torch.ones(3))], version=2)
         engine.group.servers[0].proc.kill()
         engine.group.servers[0].proc.wait()
         groups = engine.generate(_reqs(3, n=2))
@@ -267,8 +266,6 @@ def test_taken_port_is_refused_before_any_server_starts(tmp_path):
 def test_config_validation():
     with pytest.raises(ValueError, match="num_servers"):
         ServerConfig(model_path="m", num_servers=0)
-    with pytest.raises(ValueError, match="--weight-sync-mode"):
-        ClientConfig(update_mode="nfs")
     with pytest.raises(ValueError, match="exactly one"):
         SGLangEngine()
     assert ServerConfig(model_path="m", num_servers=2).router is True
@@ -368,11 +365,11 @@ def test_attached_server_lost_during_update_catches_up(fakes, mode, tmp_path):
     """Server 0 dies in the middle of an update: the update completes on server 1, and server 0, once back,
     gets the whole new version before it takes requests."""
     urls = [_url(s) for s, _ in fakes]
-    engine = SGLangEngine(server_urls=urls, client=ClientConfig(update_mode=mode, bucket_bytes=64,
-                                                                disk_dir=str(tmp_path), server_wait_s=30))
+    engine = SGLangEngine(server_urls=urls, client=ClientConfig(bucket_bytes=64, disk_dir=str(tmp_path),
+                                                                server_wait_s=30))
     named = _weights(6, seed=1)
     port0 = fakes[0][0].server_address[1]
-    full_push(engine).update(_killing(iter(named), 2, fakes[0]), version=5)
+    full_push(engine, mode).update(_killing(iter(named), 2, fakes[0]), version=5)
     assert engine.weight_version == 5
     assert engine.take_metrics()["rollout/servers_lost"] == 1  # counted in the step that lost it
     for name, t in named:

@@ -161,10 +161,9 @@ def test_an_idle_server_does_not_spin(served):
 @pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
 def test_weight_update_paths(served, mode):
     engine, _ = served
-    engine.client = dataclasses.replace(engine.client, update_mode=mode)
     new = tiny_model({"tensor": 1, "distributed": 2, "disk": 3}[mode])
     version = engine.weight_version + 1
-    full_push(engine).update(new.named_parameters(), version=version)
+    full_push(engine, mode).update(new.named_parameters(), version=version)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=8, seed=4)) for s in g]
     assert {s.weight_version for s in samples} == {version}
     assert max_logprob_error(new, samples) < 1e-4

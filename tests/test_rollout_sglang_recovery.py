@@ -5,7 +5,6 @@ costs one restart (~20 s on CPU). Needs .venv-sglang (`make sglang-env`); skippe
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import time
@@ -126,9 +125,8 @@ def test_distributed_mode_server_killed_while_generating(served):
     """Distributed weight sync: the restarted server is re-synced over a broadcast group of its own, and the
     next update rebuilds the group."""
     engine = served
-    engine.client = dataclasses.replace(engine.client, update_mode="distributed")
     current = tiny_model(3)
-    full_push(engine).update(current.named_parameters(), version=3)
+    full_push(engine, "distributed").update(current.named_parameters(), version=3)
     engine.take_metrics()
     victim = engine.group.servers[0].pid
     old_pids = _process_group(victim)
@@ -145,6 +143,6 @@ def test_distributed_mode_server_killed_while_generating(served):
     assert metrics["rollout/retried_requests"] >= 1
     _kill_and_check(engine, old_pids, metrics)
     newer = tiny_model(4)
-    full_push(engine).update(newer.named_parameters(), version=4)
+    full_push(engine, "distributed").update(newer.named_parameters(), version=4)
     samples = [s for g in engine.generate(_reqs(2, n=2, max_new=16, tag="e", seed=6)) for s in g]
     assert {s.weight_version for s in samples} == {4} and max_logprob_error(newer, samples) < 1e-4

@@ -44,9 +44,11 @@ def _named():
 
 def _attach(servers, mode):
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers]
-    return SGLangEngine(server_urls=urls, client=ClientConfig(
-        update_mode=mode, bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(),
-        control_timeout_s=60, server_wait_s=30))
+    engine = SGLangEngine(server_urls=urls, client=ClientConfig(
+        bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(), control_timeout_s=60,
+        server_wait_s=30))
+    full_push(engine, mode)  # the transport, attached as build_weight_sync attaches it
+    return engine
 
 
 def test_mixed_tp_distributed_group_forms_with_disjoint_ranks_and_reports_metrics(mixed, capsys):
@@ -97,9 +99,9 @@ def test_attaching_a_dp_server_names_it():
     server, _ = serve(tp_size=2, dp_size=2)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        engine = SGLangEngine(server_urls=[url], client=ClientConfig(update_mode="distributed", sync_backend="gloo"))
+        engine = SGLangEngine(server_urls=[url], client=ClientConfig(sync_backend="gloo"))
         with pytest.raises(RuntimeError, match=rf"{url} runs with dp_size=2"):
-            full_push(engine).update(iter(_named()), version=1)
+            full_push(engine, "distributed").update(iter(_named()), version=1)
         engine.shutdown()
     finally:
         server.shutdown()

@@ -89,10 +89,10 @@ def test_engine_checks_shm_before_the_update_session(monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(tensor_ipc.shutil, "disk_usage", lambda p: usage(64 << 20, 0, 64 << 20))
     engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
-                          client=ClientConfig(update_mode="tensor", bucket_bytes=512 << 20))
+                          client=ClientConfig(bucket_bytes=512 << 20))
     try:
         with pytest.raises(RuntimeError, match="--weight-sync-bucket-mb"):
-            full_push(engine).update([("w", torch.ones(3))], version=1)
+            full_push(engine, "tensor").update([("w", torch.ones(3))], version=1)
         assert "/begin_weight_update" not in state.calls  # failed before the servers' session opened
         assert engine.weight_version == 0
     finally:

@@ -26,7 +26,7 @@ from megatron_dapo.models.registry import family
 from megatron_dapo.rollout.partial_rollout import continuation_request, extend
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, SamplingParams
-from megatron_dapo.weight_sync.server_push import ServerPush
+from megatron_dapo.weight_sync.transports import transport
 from tests.hf_reference import hf_routes
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error
 
@@ -109,7 +109,7 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
     moe = served.config.model_type == "qwen3_moe"
     routing = RoutingShape(served.config.num_hidden_layers, served.config.num_experts_per_tok,
                            served.config.num_experts) if moe else None
-    client = ClientConfig(max_concurrency=8, control_timeout_s=120, update_mode=mode, sync_backend="gloo",
+    client = ClientConfig(max_concurrency=8, control_timeout_s=120, sync_backend="gloo",
                           sync_master_port=free_port(), routing=routing)
     server = cpu_server_config(tmp_path, return_routed_experts=moe, env={"PYTHONPATH": str(GUARD_DIR)})
     engine = SGLangEngine(server, client=client)
@@ -118,7 +118,7 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
         assert max_logprob_error(served, before) < 1e-4  # the server serves the family as HF computes it
         actor = _actor(tmp_path / "pushed")
         try:
-            ServerPush(engine).push(actor, version=1)
+            transport(mode)(engine).push(actor, version=1)
         finally:
             destroy_parallel()
         after = _samples(engine, seed=4)

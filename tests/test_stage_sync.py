@@ -144,7 +144,7 @@ def test_the_path_is_chosen_once_at_build_and_no_push_broadcasts_a_path_decision
             assert out["sync"] == "StagePush", (name, rank)
             assert out["broadcasts"] == ["stage"], (name, rank)
     for rank, out in enumerate(ranks[LAYOUTS[0]]):
-        assert out["full_sync"] == "ServerPush" and out["full_broadcasts"] == [], rank
+        assert out["full_sync"] == "DiskPush" and out["full_broadcasts"] == [], rank
 
 
 def _plan(**kw) -> SyncPlan:
@@ -312,14 +312,14 @@ def test_rank0_holds_one_host_copy_during_a_per_stage_push():
     The engine must have dropped it by the time the stages push, and keep exactly the new version after."""
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from megatron_dapo.weight_sync.buckets import Bucket
-    from megatron_dapo.weight_sync.server_push import ServerPush
     from megatron_dapo.weight_sync.stage_push import StageCoordinator
     from megatron_dapo.weight_sync.stage_sync import StagesOutcome
+    from megatron_dapo.weight_sync.transports.distributed import DistributedPush
 
     server, _ = serve(tp_size=1)
     engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
-                          client=ClientConfig(update_mode="distributed"))
-    full = ServerPush(engine)
+                          client=ClientConfig())
+    full = DistributedPush(engine)
     coordinator = StageCoordinator(full)
     held_during_push: list[int] = []
 

@@ -1,4 +1,4 @@
-"""build_weight_sync picks the implementation once, from (colocate, engine, mode, PP); the trainer calls it.
+"""build_weight_sync picks the implementation once, from (colocate, engine, transport, PP); the trainer calls it.
 
 The table below is written out from the flags' meaning (docs/ARCHITECTURE.md, weight_sync/base.py), not from
 sync_kind's code: colocated engines take each GPU's own buckets; the embedded and process engines load in
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.collect import CollectConfig
-from megatron_dapo.weight_sync.build import build_weight_sync, engine_facts, sync_kind
+from megatron_dapo.weight_sync.build import build_weight_sync, engine_kind, sync_kind
 
 CASES = [  # (colocate, engine, mode, pp) -> implementation
     (True, "sglang", "tensor", 1, "colocated"),
@@ -43,11 +43,12 @@ def test_an_unknown_engine_names_the_flag():
 
 
 def test_rank0_facts_and_the_objects_built_in_a_world_of_one():
-    """World of one (no process group): the facts come from the engine object itself, nothing is exchanged; an
-    SGLang engine gets a ServerPush that attaches to it (its recover/close), any other engine an EngineLoad."""
+    """World of one (no process group): the facts come from the engine object and the transport given, nothing is
+    exchanged; an SGLang engine gets its transport's ServerPush, which attaches to it (its recover/close), any other
+    engine an EngineLoad."""
     from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
     from megatron_dapo.weight_sync.engine_load import EngineLoad
-    from megatron_dapo.weight_sync.server_push import ServerPush
+    from megatron_dapo.weight_sync.transports.disk import DiskPush
     from tests.sglang.fake_server import serve
 
     class Loads:
@@ -61,19 +62,19 @@ def test_rank0_facts_and_the_objects_built_in_a_world_of_one():
             return {"engine/x": 1.0}
 
     loads = Loads()
-    assert engine_facts(loads) == ("embedded", None)
+    assert engine_kind(loads) == "embedded"
     sync = build_weight_sync(loads, wait_group=None)
     assert type(sync) is EngineLoad
 
     server, _ = serve(tp_size=1)
     engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
-                          client=ClientConfig(update_mode="disk"))
+                          client=ClientConfig())
     try:
-        assert engine_facts(engine) == ("sglang", "disk")
-        sync = build_weight_sync(engine, wait_group=None)
-        assert type(sync) is ServerPush and engine.weight_sync is sync
-        with pytest.raises(RuntimeError, match="already has weight sync ServerPush"):
-            ServerPush(engine)  # one sync per engine: it owns the host copy
+        assert engine_kind(engine) == "sglang"
+        sync = build_weight_sync(engine, transport="disk", wait_group=None)
+        assert type(sync) is DiskPush and engine.weight_sync is sync
+        with pytest.raises(RuntimeError, match="already has weight sync DiskPush"):
+            DiskPush(engine)  # one sync per engine: it owns the host copy
     finally:
         engine.shutdown()
         server.shutdown()

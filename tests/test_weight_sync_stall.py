@@ -170,8 +170,8 @@ def servers():
 def _engine(servers, floor_s: float = 0.5) -> SGLangEngine:
     urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers]
     return SGLangEngine(server_urls=urls, client=ClientConfig(
-        update_mode="distributed", bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(),
-        control_timeout_s=20, http_timeout_s=5, server_wait_s=5, broadcast_floor_s=floor_s))
+        bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(), control_timeout_s=20,
+        http_timeout_s=5, server_wait_s=5, broadcast_floor_s=floor_s))
 
 
 def _calls(state, path: str) -> int:
@@ -186,7 +186,7 @@ def test_a_hung_server_stops_the_update_naming_it_and_the_group_is_aborted(nccl_
     timeout (the NCCL watchdog's 600 s at production), then re-pushed to server 1 over a fresh group."""
     engine = _engine(servers)
     try:
-        push = full_push(engine)
+        push = full_push(engine, "distributed")
         push.update(iter(_named()), version=1)  # the polled path delivers a whole version
         for _, state in servers:
             assert state.version == "1"
@@ -214,7 +214,7 @@ def test_a_server_killed_in_its_receive_is_seen_at_once_not_at_the_deadline(nccl
     so; with a 15 s floor the deadline would say 'not done within')."""
     engine = _engine(servers, floor_s=15.0)
     try:
-        push = full_push(engine)
+        push = full_push(engine, "distributed")
         push.update(iter(_named()), version=1)
         server0, state0 = servers[0]
         received = _calls(state0, "/update_weights_from_distributed")
@@ -239,7 +239,7 @@ def test_a_stall_with_no_other_server_answering_is_recovered(nccl_path):
     made = [serve(tp_size=1)]
     engine = _engine(made)
     try:
-        push = full_push(engine)
+        push = full_push(engine, "distributed")
         push.update(iter(_named()), version=1)
         engine.take_metrics()
         made[0][1].stuck_receive = True
@@ -256,9 +256,9 @@ def test_a_stage_source_reports_the_stall_and_the_coordinator_makes_no_more_call
     """Per-stage push (stage_sync.StageSender): a stall with another server answering goes to StageOutcome.stalled and
     the store's broken key says STALLED (the other stages abort their groups, no teardown call); merge_outcomes
     raises it; StageCoordinator then sends no /end_weight_update (it does for any other failure)."""
-    from megatron_dapo.weight_sync.server_push import ServerPush
     from megatron_dapo.weight_sync.stage_push import StageCoordinator
     from megatron_dapo.weight_sync.stage_sync import STALLED, StageSender, SyncPlan, TicketLock, merge_outcomes
+    from megatron_dapo.weight_sync.transports.distributed import DistributedPush
 
     urls = tuple(f"http://127.0.0.1:{s.server_address[1]}" for s, _ in servers)
     plan = SyncPlan(version=2, urls=urls, tps=(1, 2), tag=5, first_port=free_port(), master_address="127.0.0.1",
@@ -284,7 +284,7 @@ def test_a_stage_source_reports_the_stall_and_the_coordinator_makes_no_more_call
 
     engine = _engine(servers[1:])
     try:
-        coordinator = StageCoordinator(ServerPush(engine))
+        coordinator = StageCoordinator(DistributedPush(engine))
         state1 = servers[1][1]
 
         def stalls(urls, tps, tag, first_port):

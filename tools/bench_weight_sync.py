@@ -70,9 +70,10 @@ def _worker(path: str) -> None:
     engine = None
     if rank == 0:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
-            update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
-            sync_master_port=data["port"], control_timeout_s=120))
-    sync = build_weight_sync(engine, wait_group=wait)  # StagePush (distributed, PP 2); rank 0's full push inside
+            bucket_bytes=data["bucket_bytes"], sync_backend="gloo", sync_master_port=data["port"],
+            control_timeout_s=120))
+    # StagePush (distributed, PP 2); rank 0's full push inside
+    sync = build_weight_sync(engine, transport="distributed", wait_group=wait)
     own = sum(t.numel() * t.element_size() for _, t in iter_stage_hf_weights(actor.chunks, arch))
     total = int(comm.all_reduce(torch.tensor([own if tp_rank == 0 else 0], dtype=torch.int64), group=wait))
     times: dict[str, list[float]] = {"before": [], "after": []}

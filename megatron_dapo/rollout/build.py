@@ -65,6 +65,23 @@ def memory_server_args(args: argparse.Namespace, *, cuda: bool) -> tuple[str, ..
     return out + (("--enable-memory-saver",) if args.colocate else ())
 
 
+def weight_sync_mode(args: argparse.Namespace) -> str | None:
+    """The run's weight-sync transport (a name of weight_sync/transports/), None for the embedded engine: the
+    flag, defaulted and checked against where the servers run and global rank 0's GPU
+    (transports.weight_sync_mode). Rank 0's answer: make_rollout_engine checks it before any server starts, and
+    the trainer's build_weight_sync makes its transport from it. Pure and cheap (no server asked)."""
+    if rollout_engine_kind(args) != "sglang":
+        return None
+    from megatron_dapo.rollout.sglang.setup import physical_gpu
+    from megatron_dapo.weight_sync.transports import weight_sync_mode as resolve
+
+    cuda = torch.cuda.is_available()
+    attach = bool(args.sglang_server_urls)
+    trainer_gpu = physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES")) if cuda else None
+    return resolve(requested=args.weight_sync_mode, attach=attach, cuda=cuda, colocate=args.colocate,
+                   trainer_gpu=trainer_gpu, server_gpus=None if attach else args.sglang_gpus)
+
+
 def make_rollout_engine(args: argparse.Namespace, tokenizer):
     """The engine of global rank 0: embedded on CPU, else SGLang servers (launched or attached)."""
     from megatron_dapo.rollout import make_engine
@@ -83,6 +100,7 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     from megatron_dapo.rollout.sglang import setup as server_setup
     from megatron_dapo.rollout.sglang.engine import ClientConfig
     from megatron_dapo.rollout.sglang.server import ServerConfig
+    from megatron_dapo.weight_sync.transports import transport
 
     check_rollout_model(args)  # before any server is attached or launched
 
@@ -94,24 +112,17 @@ def make_rollout_engine(args: argparse.Namespace, tokenizer):
     seeded = args.seed is not None  # the rollouts carry per-request sampling seeds
     server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=args.sglang_gpus,
                                                                      colocate=args.colocate)
-    trainer_gpu = (server_setup.physical_gpu(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES"))
-                   if cuda else None)
+    mode = weight_sync_mode(args)  # the transport checks the servers' placement: before any server starts
     api_key = args.sglang_api_key  # resolved by check_flags: --sglang-api-key-file, the flag, then SGLANG_API_KEY
     client = ClientConfig(
         max_concurrency=args.sglang_max_concurrency, api_key=api_key, server_wait_s=args.sglang_server_wait_s,
         http_timeout_s=args.sglang_http_timeout, min_tokens_per_s=args.sglang_min_tokens_per_s,
-        update_mode=server_setup.weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=cuda,
-                                                  colocate=args.colocate, trainer_gpu=trainer_gpu,
-                                                  server_gpus=None if attach else args.sglang_gpus),
         bucket_bytes=args.weight_sync_bucket_mb << 20,
         sync_backend="nccl" if cuda else "gloo",
         sync_master_address=args.weight_sync_master_addr, sync_master_port=args.weight_sync_master_port,
         routing=routing,
     )
-    if client.update_mode == "tensor" and not cuda:
-        from megatron_dapo.weight_sync.tensor_ipc import check_shm_space
-
-        check_shm_space(client.bucket_bytes)  # before minutes of server start-up
+    transport(mode).check_host(cuda=cuda, bucket_bytes=client.bucket_bytes)  # before minutes of server start-up
     if attach:  # the engine first checks that every URL is SGLang (UserError naming the one that is not)
         engine = make_engine("sglang", client=client, server_urls=args.sglang_server_urls,
                              router_url=args.sglang_router_url)

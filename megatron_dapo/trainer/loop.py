@@ -136,7 +136,11 @@ class Trainer:
     """--colocate: the PhaseSwitcher (megatron_dapo/trainer/colocate.py) of this rank; None on separate GPUs."""
     weight_sync: WeightSync | None = None
     """This rank's weight sync (megatron_dapo/weight_sync/), chosen once: given (--colocate: ColocatedSync, made
-    by train.py), else built in __post_init__ by build_weight_sync from rank 0's engine and the PP size."""
+    by train.py), else built in __post_init__ by build_weight_sync from rank 0's engine, its transport and the PP
+    size."""
+    weight_sync_mode: str | None = None
+    """Rank 0 with an SGLang engine: the transport its weights go by (rollout/build.py weight_sync_mode, the
+    resolved --weight-sync-mode), for build_weight_sync; None elsewhere (the other ranks get rank 0's)."""
     stop: StopSignal | None = None
     """This process's SIGTERM / SIGINT handler (train.py installs it): `run` stops at its next safe point once it
     fired on any rank. None: no stop handling (every rank alike)."""
@@ -155,7 +159,8 @@ class Trainer:
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
                                     timeout=timedelta(hours=self.config.rollout_timeout_h), routing=self.routing)
         if self.weight_sync is None:  # collective when world > 1: rank 0 tells the others its engine's kind, once
-            self.weight_sync = build_weight_sync(self.engine, wait_group=self.wait_group)
+            self.weight_sync = build_weight_sync(self.engine, transport=self.weight_sync_mode,
+                                                 wait_group=self.wait_group)
 
     @cached_property
     def routing(self) -> RoutingShape | None:

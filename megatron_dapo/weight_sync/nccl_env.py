@@ -84,12 +84,13 @@ def shares_node_group(args: argparse.Namespace, *, cuda: bool,
     Qwen3-30B-A3B's split job: 8 URLs (4 rollout nodes x 2 servers), so 8 resolver lookups and socket binds on each
     of the 32 ranks at start, milliseconds."""
     from megatron_dapo.rollout.build import rollout_engine_kind
-    from megatron_dapo.rollout.sglang.setup import weight_sync_mode
+    from megatron_dapo.weight_sync.transports import transport, weight_sync_mode
 
     if not cuda or args.colocate or rollout_engine_kind(args) != "sglang":
         return False
     attach = bool(args.sglang_server_urls)
-    if weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=True, colocate=False) != "distributed":
+    if not transport(weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=True,
+                                      colocate=False)).server_group:
         return False
     return not attach or any(is_local(urlsplit(u).hostname or "") for u in args.sglang_server_urls)
 

@@ -1,12 +1,9 @@
-"""Full push to the SGLang servers: the new version in flat buckets to every serving server, by one of three paths.
+"""Full push to the SGLang servers: the new version in flat buckets to every serving server, by one transport.
 
-- "tensor": /update_weights_from_tensor, buckets passed by handle: CUDA IPC on GPU (servers that see the
-  trainer's GPU), shared memory on CPU (weight_sync/tensor_ipc.py);
-- "distributed": /init_weights_update_group once, then one broadcast per bucket (separate GPUs, NCCL) over the
-  group of weight_sync/sync_group.py (at PP > 1 StagePush sends each stage from its own source instead);
-- "disk": safetensors shards + /update_weights_from_disk (fallback; any topology with a shared disk).
-The tensor and distributed paths are wrapped in /begin_weight_update ... /end_weight_update, which
-SGLang 0.5.23 requires.
+ServerPush is what the transports share (the export, the update session, the host copy, the re-sync of a lost
+server); each transport is one subclass in weight_sync/transports/ ("tensor": CUDA IPC / shared-memory handles;
+"distributed": a broadcast group with the servers; "disk": safetensors shards), registered there under its
+--weight-sync-mode name and chosen once when the run is built (weight_sync/build.py).
 
 Every rank iterates the whole-model export (weights/export.py iter_hf_weights: TP all-gather, PP broadcast;
 every one of the 128 actor ranks receives the whole model, 65 GB at Qwen2.5-32B bf16); rank 0 alone pushes it
@@ -22,71 +19,59 @@ planner.host_copy_bytes) and one device-to-host copy of 65 GB per update (~3 s a
 host copy: the last version's shards on disk (65 GB) are the copy. `recover(server)` re-syncs a lost server
 from it (~4-7 s at 32B; from disk ~30 s).
 
-A server lost during a "distributed" broadcast (issue 37). Over gloo the broadcast raises on every member: the
-survivors get the whole version again over a fresh group and the lost one is recovered, as for any loss. Over
-NCCL the broadcast never completes (the kernels spin) and SGLang 0.5.23 cannot abort its side of the group, so
-this is decision (b), end the run at once: each bucket is broadcast with async_op=True and polled against a
-deadline of ClientConfig.broadcast_floor_s + its bytes at 1 GB/s (sync_group.broadcast_deadline_s; no stream or
-host sync meanwhile), given up at once when a server's call fails; then the group's communicator is aborted here,
-and the update raises WeightSyncStalled naming the lost server and the step whenever another server of the group
-answers (it may be stuck in the receive); the checkpoint is the recovery. A group left with no answering server
-(the re-sync of one server, every target lost) is recovered as before. At 32B a 512 MiB bucket takes ~21 ms at
-25 GB/s and gets 30.5 s (31.6 s for the 1.56 GB embedding): a dead server (its connection reset) is seen within a
-poll (1 ms), a hung one at the deadline plus its /health check (<= --sglang-http-timeout, 60 s), instead of the
-600 s NCCL watchdog (the group's timeout, ClientConfig.control_timeout_s) killing rank 0 with no server named. (A
-group's first broadcast call also makes its NCCL communicator: that call is waited for up to the group's timeout, or
-until a server's call fails, and the deadline counts from the enqueued broadcast.)
+This module imports rollout/sglang/ (the engine's protocol), never the reverse (weight_sync/transports/__init__.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import itertools
-import json
-import shutil
-import tempfile
+import abc
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from megatron_dapo.rollout.sglang.protocol import CALL_MARGIN_S, ServerDied, check_success
-from megatron_dapo.rollout.sglang.setup import sync_group_layout
+from megatron_dapo.rollout.sglang.protocol import ServerDied
 from megatron_dapo.weight_sync.base import WeightSync, export_to
 from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
-from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine, UpdateSession
 
-SYNC_GROUP_IDS = itertools.count(1)
-"""Names of the weight-sync broadcast groups of this process (a name can be registered only once)."""
-
 
 class ServerPush(WeightSync):
-    """Full push through rank 0's SGLangEngine (None on the other ranks, which only iterate the export).
+    """Full push through rank 0's SGLangEngine (None on the other ranks, which only iterate the export), by the
+    transport of the subclass (`send`).
 
-    Owns the host copy (`kept`, or the disk copy `disk_weights`) and the broadcast group with the servers; it
-    attaches itself to the engine, which calls `recover(server)` for a lost server and `close()` at shutdown."""
+    Owns the host copy (`kept`; a transport may keep another, as disk's shards) and whatever the transport holds
+    with the servers; it attaches itself to the engine, which calls `recover(server)` for a lost server and
+    `close()` at shutdown."""
+
+    name: ClassVar[str]
+    """Its --weight-sync-mode name, set by register_transport (weight_sync/transports/__init__.py)."""
+    per_stage: ClassVar[bool] = False
+    """Whether at PP > 1 each pipeline stage sends its own part (StagePush around this transport,
+    weight_sync/stage_push.py) instead of rank 0 the whole model."""
+    server_group: ClassVar[bool] = False
+    """Whether it broadcasts over a torch.distributed group with the servers' TP ranks (NCCL on CUDA), whose
+    NCCL_CUMEM_ENABLE must match SGLang's where both run on one node (weight_sync/nccl_env.py)."""
 
     def __init__(self, engine: SGLangEngine | None) -> None:
         self.engine = engine
         self.kept: list[Bucket] = []
-        """Host copy of the last pushed version (tensor / distributed modes), for re-syncing a lost server."""
-        self.disk_weights: str | None = None
-        """Disk mode: the directory of the last pushed version's shards."""
-        self.generation = 0
-        """Broadcast groups built so far (each gets a new name and port: sync_master_port + generation - 1);
-        StagePush's stage groups take their ports from the same count."""
-        self._group = None
-        self._members: list[int] = []
-        self._member_losses: list[int] = []
-        self._name = ""
+        """Host copy of the last pushed version, for re-syncing a lost server (the transports that keep one)."""
         if engine is not None:
             engine.attach_sync(self)
+
+    @classmethod
+    def check_placement(cls, *, cuda: bool, trainer_gpu: str | None, server_gpus: str | None) -> None:
+        """Raises ValueError if this transport cannot reach servers placed so (`trainer_gpu`: global rank 0's
+        physical GPU; `server_gpus`: --sglang-gpus of launched servers, None when attached). Pure, before any
+        server starts."""
+
+    @classmethod
+    def check_host(cls, *, cuda: bool, bucket_bytes: int) -> None:
+        """Raises if rank 0's machine cannot hold what this transport needs per bucket; before minutes of server
+        start-up (rollout/build.py)."""
 
     def _push(self, actor: Any, version: int) -> dict[str, float]:
         if self.engine is None:
@@ -95,67 +80,50 @@ class ServerPush(WeightSync):
         export_to(actor, lambda named: self.update(named, version=version))
         return self.engine.take_metrics()  # this step's server recoveries (rollout and sync) and sync/*
 
-
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Pushes the new version to every serving server (rank 0). A server lost during the push is left out of
         the rest of it and recovered in the background; the update completes on the others, and every tensor is
         consumed (iter_hf_weights is a collective the other ranks iterate too) and kept for the catch-up."""
         engine = self.engine
         buckets = iter_buckets(named_tensors, engine.client.bucket_bytes)
-        mode = engine.client.update_mode
         with engine.weight_update(version) as session:
-            if mode == "disk":
-                session.lost |= self._push_disk(session.targets, buckets, version, session)
-            else:
-                kept = self._keeping(buckets)
-                push = self._push_tensor if mode == "tensor" else self.push_distributed
-                session.lost |= push(session.targets, kept, version, session)
-                for _ in kept:  # every server was lost mid-way: still take (and keep) the whole version
-                    pass
+            session.lost |= self._update(session.targets, buckets, version, session)
+
+    def _update(self, targets: list[int], buckets: Iterable[Bucket], version: int,
+                session: UpdateSession) -> set[int]:
+        """Sends the version to `targets`, keeping it as the host copy; returns the servers lost."""
+        kept = self._keeping(buckets)
+        lost = self.send(targets, kept, version, session)
+        for _ in kept:  # every server was lost mid-way: still take (and keep) the whole version
+            pass
+        return lost
 
     def recover(self, server: int) -> None:
-        """Pushes the current version from the host copy (or the disk copy) to one server that lost it."""
+        """Pushes the current version from the host copy (or the transport's own copy) to one server that lost
+        it."""
         engine = self.engine
-        version = engine.weight_version
-        if engine.client.update_mode == "disk":
-            lost: set[int] = set()
-            engine.send([server], "/update_weights_from_disk", {
-                "model_path": self.disk_weights, "weight_version": str(version)}, lost)
-            if lost:
-                raise ServerDied(f"{engine.urls[server]} died again while being re-synced")
-            engine.flush([server])
-            return
-        # A clone per bucket: the push moves its buffer to shared memory, the host copy stays put.
-        copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in self.kept)
-        push = self._push_tensor if engine.client.update_mode == "tensor" else self.push_distributed
-        if push([server], copies, version, None):
+        if self._resync(server, engine.weight_version):
             raise ServerDied(f"{engine.urls[server]} died again while being re-synced")
 
-    def close(self) -> None:
-        """At shutdown, before the servers stop: ends the broadcast group on the live servers and here, and drops
-        the host copy (and the disk copy when it went to a temporary directory).
+    def _resync(self, server: int, version: int) -> set[int]:
+        """Sends the host copy to `server`; returns it if it was lost again."""
+        # A clone per bucket: the push moves its buffer to shared memory, the host copy stays put.
+        copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in self.kept)
+        return self.send([server], copies, version, None)
 
-        A gloo group still alive when its process exits can abort it at interpreter exit ("terminate called
-        without an active exception": its worker threads outlive the interpreter), and a server run outside
-        this trainer would keep a group whose rank 0 is gone. Waits for a re-sync in flight (it uses the
-        group) up to ClientConfig.control_timeout_s; costs one /health and one /destroy_weights_update_group
-        per member server."""
-        engine = self.engine
-        if engine is None:
+    @abc.abstractmethod
+    def send(self, targets: list[int], buckets: Iterable[Bucket], version: int,
+             session: UpdateSession | None) -> set[int]:
+        """Sends `buckets` (one version) to the servers `targets` (indices into the engine's urls); adds the bytes
+        moved to `session.nbytes` (None: a re-sync). Returns the servers lost on the way (the others got every
+        bucket)."""
+
+    def close(self) -> None:
+        """At shutdown, before the servers stop: drops the host copy (a transport also ends what it holds with
+        the servers, and its own copy)."""
+        if self.engine is None:
             return
-        if self._group is not None:
-            if engine.weights_lock.acquire(timeout=engine.client.control_timeout_s):
-                try:
-                    self.drop_group(self._members)
-                finally:
-                    engine.weights_lock.release()
-            else:
-                print(f"[megatron-dapo] warning: a re-sync still holds weight-sync group {self._name} after "
-                      f"{engine.client.control_timeout_s:.0f} s; shutting down without ending it", flush=True)
         self.kept = []
-        if self.disk_weights and engine.client.disk_dir is None:
-            shutil.rmtree(self.disk_weights, ignore_errors=True)
-            self.disk_weights = None
 
     def _keeping(self, buckets: Iterable[Bucket]) -> Iterator[Bucket]:
         """Yields `buckets`, keeping a host copy of each as the new `kept` (old bucket k dropped as the new
@@ -166,234 +134,3 @@ class ServerPush(WeightSync):
                 old[k] = None
             self.kept.append(Bucket(flat=bucket.flat.detach().to("cpu", copy=True), metas=bucket.metas))
             yield bucket
-
-    def _push_tensor(self, targets: list[int], buckets: Iterable[Bucket], version: int,
-                     session: UpdateSession | None) -> set[int]:
-        """Buckets by handle (weight_sync/tensor_ipc.py): CUDA IPC on GPU, /dev/shm on CPU.
-
-        Returns the servers lost on the way (the others got every bucket)."""
-        engine = self.engine
-        cuda = torch.cuda.is_available()
-        if not cuda:
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            check_shm_space(engine.client.bucket_bytes)  # before the servers enter their update session
-        lost: set[int] = set()
-        pool = IpcBucketPool()  # CUDA: buckets outside the expandable segments (tensor_ipc.py), none on CPU
-        live = engine.send(targets, "/begin_weight_update", {}, lost)
-        try:
-            for bucket in buckets:
-                if not live:
-                    break
-                flat = stage_bucket(bucket.flat, cuda=cuda, pool=pool)
-                views = Bucket(flat=flat, metas=bucket.metas).named_tensors()
-                # One payload per server TP rank: each rank's deserialization takes one IPC reference.
-                by_tp = {}
-                for tp in sorted({engine.tps[i] for i in live}):
-                    body = {"serialized_named_tensors": [serialize_named_tensors(views) for _ in range(tp)],
-                            "flush_cache": False, "weight_version": str(version)}
-                    by_tp[tp] = engine.send([i for i in live if engine.tps[i] == tp],
-                                            "/update_weights_from_tensor", body, lost)
-                live = [i for i in live if i in set().union(*by_tp.values())]
-                if session is not None:
-                    session.nbytes += bucket.flat.numel() * bucket.flat.element_size() * len(live)
-                del flat, views, body  # the servers have loaded it: at most one bucket alive at a time
-                if cuda:
-                    torch.cuda.ipc_collect()  # free the bucket's GPU block now that no server holds it
-        finally:
-            pool.release()
-            live = engine.send(live, "/end_weight_update", {}, lost)
-        engine.flush(live)
-        return lost
-
-    def push_distributed(self, targets: list[int], buckets: Iterable[Bucket], version: int,
-                         session: UpdateSession | None) -> set[int]:
-        """One broadcast per bucket over a group of this process and the targets' TP ranks. The group is built
-        for a set of servers and rebuilt when that set changes (a server lost or re-synced alone). Returns the
-        servers lost.
-
-        A server lost mid-broadcast, over gloo: the broadcast raises; the rest of the version is kept, the group
-        torn down, and the survivors get the whole version again (from `kept`) over a fresh group. Over NCCL the
-        broadcast never completes: it is given up at its deadline (broadcast_deadline_s, 30.5 s a 512 MiB bucket),
-        or at once when the lost server's call fails, and `_stalled` aborts the group; the run stops with
-        WeightSyncStalled naming the lost server unless no other server of the group answers (issue 37)."""
-        from megatron_dapo.weight_sync.sync_group import (
-            any_died,
-            broadcast_bucket,
-            broadcast_deadline_s,
-            raises_on_loss,
-        )
-
-        engine, client = self.engine, self.engine.client
-        lost: set[int] = set()
-        if not targets:
-            return lost
-        try:
-            group_name = self._ensure_group(targets)
-        except ServerDied:
-            lost |= set(i for i in targets if not engine.answers(i))
-            self.drop_group(targets)
-            survivors = [i for i in targets if i not in lost]
-            if not survivors or survivors == targets:
-                raise
-            return lost | self.push_distributed(survivors, buckets, version, session)
-        live = engine.send(targets, "/begin_weight_update", {}, lost)
-        broken = False
-        try:
-            for k, bucket in enumerate(buckets):
-                if broken or live != targets:
-                    broken = True
-                    continue  # the group lost a member: keep draining (and keeping) the version
-                body = {"names": [m.name for m in bucket.metas],
-                        "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
-                        "shapes": [list(m.shape) for m in bucket.metas], "group_name": group_name,
-                        "load_format": "flattened_bucket", "flush_cache": False,
-                        "weight_version": str(version)}
-                # The servers block in their receive until we broadcast: post first, then send.
-                futures = {i: engine.post_later(i, "/update_weights_from_distributed", body) for i in live}
-                flat = bucket.flat.contiguous()
-                if client.sync_backend == "nccl":
-                    flat = flat.cuda()
-                nbytes = flat.numel() * flat.element_size()
-                deadline = broadcast_deadline_s(nbytes, client.control_timeout_s, floor_s=client.broadcast_floor_s)
-                try:
-                    done = broadcast_bucket(self._group, flat.view(torch.uint8), deadline_s=deadline,
-                                            call_timeout_s=client.control_timeout_s,
-                                            gone=functools.partial(any_died, futures))
-                except RuntimeError:  # gloo: a member died mid-broadcast (every member's receive failed with it)
-                    done = broken = True
-                if done and not broken and session is not None:
-                    session.nbytes += nbytes  # once over the group
-                died_now = self._replies(futures) if done else set()
-                if died_now and not raises_on_loss(self._group):
-                    done = False  # NCCL: rank 0's part can end before the lost server's successors got theirs
-                if not done:  # NCCL: no more calls to anyone, the others may be stuck in the receive
-                    live = []
-                    return lost | self._stalled(targets, futures, version, k, nbytes, deadline)
-                lost |= died_now
-                broken = broken or bool(died_now)
-                live = [i for i in live if i not in lost]
-        finally:
-            live = engine.send(live, "/end_weight_update", {}, lost)
-        if broken:
-            lost |= set(i for i in targets if not engine.answers(i))
-            self.drop_group([i for i in targets if i not in lost])
-            survivors = [i for i in targets if i not in lost]
-            if survivors:  # they may hold a partial version: send them the whole kept copy
-                copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in self.kept)
-                lost |= self.push_distributed(survivors, copies, version, session)
-            return lost
-        engine.flush(live)
-        return lost
-
-    def _replies(self, futures: dict[int, Future]) -> set[int]:
-        """Waits for each server's reply to a bucket (up to control_timeout_s); returns those lost meanwhile. A
-        refusal is raised."""
-        died_now: set[int] = set()
-        for i, f in futures.items():
-            try:
-                check_success(f.result(self.engine.client.control_timeout_s + CALL_MARGIN_S),
-                              "update_weights_from_distributed")
-            except ServerDied:
-                died_now.add(i)
-        return died_now
-
-    def _stalled(self, targets: list[int], futures: dict[int, Future], version: int, bucket: int, nbytes: int,
-                 deadline_s: float) -> set[int]:
-        """After an NCCL broadcast that did not complete: aborts the group here (the spinning kernels stop; the
-        host never waited on them) and finds the lost servers (their call failed, or no /health answer within
-        http_timeout_s). If no other server of the group answers, returns them: they are recovered as usual (a
-        re-sync of one server is such a group). Else raises WeightSyncStalled naming them and the step: the
-        others may be stuck in the receive for good (SGLang 0.5.23 cannot abort its side of the group; its
-        destroy_process_group waits for the receive), so the run stops and the checkpoint is the recovery."""
-        from megatron_dapo.weight_sync.sync_group import WeightSyncStalled, abort_group, died, stall_message
-
-        engine = self.engine
-        failed = {i for i, f in futures.items() if died(f)}
-        for f in futures.values():
-            f.cancel()
-        group, self._group = self._group, None
-        abort_group(group)
-        lost = failed | {i for i in targets if i not in failed and not engine.answers(i)}
-        answering = [i for i in targets if i not in lost]
-        if not answering:
-            return lost
-        raise WeightSyncStalled(stall_message(
-            version=version, lost=[engine.urls[i] for i in sorted(lost)], answering=len(answering), bucket=bucket,
-            nbytes=nbytes, deadline_s=deadline_s, call_failed=bool(failed)))
-
-    def _ensure_group(self, targets: list[int]) -> str:
-        """The broadcast group of exactly `targets` (rank 0 = this process, then each server's TP ranks), rebuilt
-        when the targets changed or one of them was lost since it was built."""
-        from megatron_dapo.weight_sync.sync_group import init_weight_sync_group
-
-        engine, client = self.engine, self.engine.client
-        losses = [engine.losses[i] for i in targets]
-        if self._group is not None and self._members == targets and self._member_losses == losses:
-            return self._name
-        if self._group is not None:
-            self.drop_group(self._members)
-        self.generation += 1
-        # torch.distributed keeps group names per process: unique across every engine this process made
-        name = f"megatron_dapo_weight_sync_{next(SYNC_GROUP_IDS)}"
-        port = client.sync_master_port + self.generation - 1
-        world, offsets = sync_group_layout([engine.tps[i] for i in targets])
-        futures = [engine.post_later(i, "/init_weights_update_group", {
-            "master_address": client.sync_master_address, "master_port": port,
-            "rank_offset": offsets[k], "world_size": world, "group_name": name,
-            "backend": client.sync_backend}) for k, i in enumerate(targets)]
-        self._group = init_weight_sync_group(
-            master_address=client.sync_master_address, master_port=port, world_size=world,
-            group_name=name, backend=client.sync_backend, timeout_s=client.control_timeout_s)
-        self._members, self._member_losses, self._name = list(targets), losses, name
-        for f in futures:
-            check_success(f.result(client.control_timeout_s + CALL_MARGIN_S), "init_weights_update_group")
-        return name
-
-    @property
-    def group(self):
-        """The broadcast group with the servers (None when there is none)."""
-        return self._group
-
-    def drop_group(self, members: list[int]) -> None:
-        """Forgets the current broadcast group on this side and on the given (live) servers."""
-        if self._group is None:
-            return
-        group, name, self._group = self._group, self._name, None
-        with contextlib.suppress(Exception):  # a group with a dead member may not tear down cleanly
-            torch.distributed.destroy_process_group(group)
-        alive = [i for i in members if self.engine.answers(i)]
-        # a restarted server never had the group and answers 400: nothing to do there
-        self.engine.post_quietly(alive, "/destroy_weights_update_group", {"group_name": name})
-
-    def _push_disk(self, targets: list[int], buckets: Iterable[Bucket], version: int,
-                   session: UpdateSession | None) -> set[int]:
-        """Writes the version as safetensors shards, then /update_weights_from_disk on each target; returns the
-        servers lost. The shards stay until the next version is written: they are the copy a lost server
-        re-syncs from."""
-        from safetensors.torch import save_file
-
-        engine = self.engine
-        root = Path(engine.client.disk_dir or tempfile.mkdtemp(prefix="sglang_weights_"))
-        out = root / f"v{version}"
-        out.mkdir(parents=True, exist_ok=True)
-        index: dict[str, str] = {}
-        for k, bucket in enumerate(buckets):
-            shard = f"model-{k:05d}.safetensors"
-            save_file({n: t.clone() for n, t in bucket.named_tensors()}, str(out / shard))
-            if session is not None:
-                session.nbytes += bucket.flat.numel() * bucket.flat.element_size()
-            index.update({m.name: shard for m in bucket.metas})
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
-        if engine.model_path is not None:  # the servers need the config next to the weights
-            src = Path(engine.model_path)
-            for name in ("config.json", "generation_config.json"):
-                if (src / name).is_file():
-                    shutil.copy(src / name, out / name)
-        lost: set[int] = set()
-        live = engine.send(targets, "/update_weights_from_disk", {"model_path": str(out),
-                                                                   "weight_version": str(version)}, lost)
-        old, self.disk_weights = self.disk_weights, str(out)
-        if old and old != str(out):
-            shutil.rmtree(old, ignore_errors=True)
-        engine.flush(live)
-        return lost

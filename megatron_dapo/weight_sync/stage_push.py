@@ -34,7 +34,6 @@ import torch.distributed as dist
 from megatron_dapo.distributed import comm
 from megatron_dapo.weight_sync.base import WeightSync
 from megatron_dapo.weight_sync.buckets import Bucket
-from megatron_dapo.weight_sync.server_push import SYNC_GROUP_IDS, ServerPush
 from megatron_dapo.weight_sync.stage_sync import (
     StageOutcome,
     StageSender,
@@ -45,6 +44,7 @@ from megatron_dapo.weight_sync.stage_sync import (
     merge_outcomes,
 )
 from megatron_dapo.weight_sync.sync_group import WeightSyncStalled
+from megatron_dapo.weight_sync.transports.distributed import SYNC_GROUP_IDS, DistributedPush
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
@@ -62,10 +62,10 @@ class RankStats:
 
 class StageCoordinator:
     """Rank 0's side of a per-stage update: the targets, their update session, the stage groups' tag and ports,
-    the whole version as the host copy (that of `full`, rank 0's ServerPush, which also recovers a lost server
+    the whole version as the host copy (that of `full`, rank 0's DistributedPush, which also recovers a lost server
     from it and re-pushes it to the survivors after a broken push)."""
 
-    def __init__(self, full: ServerPush) -> None:
+    def __init__(self, full: DistributedPush) -> None:
         self.full = full
         self.stage_groups: tuple[list[int], int, int] | None = None
         """(members, servers lost so far, tag) of the current stage groups; a change rebuilds them."""
@@ -84,9 +84,6 @@ class StageCoordinator:
         and returns a StagesOutcome; `tag` changes whenever the stage groups must be rebuilt (new targets, a
         server lost since, a broken push), stage s's group then using port first_port + s."""
         engine, full = self.engine, self.full
-        if engine.client.update_mode != "distributed":
-            raise RuntimeError(f"per-stage weight sync needs --weight-sync-mode distributed, not "
-                               f"{engine.client.update_mode!r}")
         with engine.weight_update(version) as session:
             targets, lost = session.targets, session.lost
             live = engine.send(targets, "/begin_weight_update", {}, lost) if targets else []
@@ -116,7 +113,7 @@ class StageCoordinator:
                 survivors = [i for i in live if i not in lost]
                 if survivors:
                     copies = (Bucket(flat=b.flat.clone(), metas=b.metas) for b in full.kept)
-                    lost |= full.push_distributed(survivors, copies, version, session)
+                    lost |= full.send(survivors, copies, version, session)
             else:
                 engine.flush(live)
 
@@ -124,10 +121,10 @@ class StageCoordinator:
 class StagePush(WeightSync):
     """Per-stage weight sync of one trainer process; made on every rank when the run is built (PP > 1).
 
-    `full`: rank 0's ServerPush (its engine, host copy and recovery), None on the other ranks; `wait_group`: the
+    `full`: rank 0's DistributedPush (its engine, host copy and recovery), None on the other ranks; `wait_group`: the
     trainer's gloo group with the --rollout-timeout, over which rank 0 sends each push's plan."""
 
-    def __init__(self, full: ServerPush | None, wait_group: dist.ProcessGroup, *, lock_timeout_s: float = 3600.0):
+    def __init__(self, full: DistributedPush | None, wait_group: dist.ProcessGroup, *, lock_timeout_s: float = 3600.0):
         from megatron.core import parallel_state
 
         from megatron_dapo.weights.export import gathers_stage, is_stage_source
@@ -145,7 +142,7 @@ class StagePush(WeightSync):
             raise RuntimeError(f"stage source {self.rank}: its pipeline group {self.pp_ranks} does not start at "
                                f"global rank 0, which collects the host copy")
         if (self.rank == 0) != (full is not None):
-            raise ValueError("StagePush: rank 0, and only rank 0, gets the engine's ServerPush")
+            raise ValueError("StagePush: rank 0, and only rank 0, gets the engine's DistributedPush")
         self.coordinator = StageCoordinator(full) if full is not None else None
         self.sender = StageSender(self.stage) if self.source else None
         self.lock = TicketLock(dist.distributed_c10d._get_default_store(), timeout_s=lock_timeout_s)

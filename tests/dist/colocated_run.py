@@ -55,7 +55,7 @@ def main() -> None:
     arch = ModelArch(**data["arch"])
     layout = init_parallel(ParallelLayout(tp=2), seed=0)
     rank = dist.get_rank()
-    engine = SGLangEngine(server_urls=[url], client=ClientConfig(update_mode="tensor", bucket_bytes=BUCKET,
+    engine = SGLangEngine(server_urls=[url], client=ClientConfig(bucket_bytes=BUCKET,
                                                                  control_timeout_s=300)) if rank == 0 else None
     result: dict = {"separate": [], "colocated": [], "switch": []}
 
@@ -65,7 +65,7 @@ def main() -> None:
         ref.train_step(samples, rollout_step=step)
         named = iter_hf_weights(ref.chunks, arch)
         if engine is not None:
-            full_push(engine).update(named, version=step)
+            full_push(engine, "tensor").update(named, version=step)
             result["separate"].append(generate(engine, data["prompts"]))
         else:
             for _ in named:

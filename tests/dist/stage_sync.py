@@ -48,11 +48,12 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
     engine = None
     if rank == 0:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
-            update_mode="distributed", bucket_bytes=data["bucket_bytes"], sync_backend="gloo",
-            sync_master_port=data["ports"][version - 1], control_timeout_s=60, server_wait_s=60))
+            bucket_bytes=data["bucket_bytes"], sync_backend="gloo", sync_master_port=data["ports"][version - 1],
+            control_timeout_s=60, server_wait_s=60))
     # The lock's holder may wait out a killed server's control (60 s) and HTTP (60 s) timeouts, longer on a loaded
     # machine: the other stage's wait for the lock must outlast that (120 s did not, once, in a full `make test`).
-    sync = build_weight_sync(engine, wait_group=wait_group, lock_timeout_s=400)  # rank 0's facts, sent once
+    sync = build_weight_sync(engine, transport="distributed", wait_group=wait_group,
+                             lock_timeout_s=400)  # rank 0's facts, sent once
     pushed, broadcasts = _counting_broadcasts(lambda: sync.push(actor, version), wait_group)
     metrics = {k: v for k, v in pushed.items() if k.startswith("sync/stage")}  # the stages' own seconds
     assert pushed["time/sync_s"] > 0
@@ -64,9 +65,8 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
         full_engine = None
         if rank == 0:  # (not tensor mode: torch's shm manager would outlive this launch, holding its stdout)
             full_engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
-                update_mode="disk", disk_dir=f"{out_dir}/disk", bucket_bytes=data["bucket_bytes"],
-                control_timeout_s=60))
-        full_sync = build_weight_sync(full_engine, wait_group=wait_group)
+                disk_dir=f"{out_dir}/disk", bucket_bytes=data["bucket_bytes"], control_timeout_s=60))
+        full_sync = build_weight_sync(full_engine, transport="disk", wait_group=wait_group)
         _, full_broadcasts = _counting_broadcasts(lambda: [full_sync.push(actor, 100 + k) for k in range(2)],
                                                   wait_group)
         out |= {"full_sync": type(full_sync).__name__, "full_broadcasts": full_broadcasts}

@@ -6,7 +6,10 @@ on another server; the dead server is restarted (when this engine launched it) a
 takes work again, so no prompt is lost. The engine pushes no weights itself: it exposes its servers to the
 weight sync (megatron_dapo/weight_sync/: the serving set, their TP sizes, an update session that holds
 the weights lock and sets the version, HTTP calls to each server), and a lost server is brought back to the current
-version by the attached sync's `recover(server)` (attach_sync; ServerPush, StagePush or ColocatedSync).
+version by the attached sync's `recover(server)` (attach_sync; a transport's ServerPush, StagePush or
+ColocatedSync). Imports run one way: weight_sync/ imports this package (the transports drive these servers), and
+nothing here imports weight_sync/; the engine knows its sync only as `Recovers`, and which transport pushes is
+weight_sync/'s choice (weight_sync/transports/), so a new transport changes nothing here.
 
 What survives what (tests/test_rollout_sglang_recovery.py kills real servers by pid):
 - A server that dies while generating (connection refused / reset, 5xx): its samples are retried on the
@@ -68,9 +71,6 @@ from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, 
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
 from megatron_dapo.rollout.sglang.setup import check_attached, server_info, sync_ranks
 from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, Sample
-from megatron_dapo.weight_sync.buckets import DEFAULT_BUCKET_BYTES
-
-UPDATE_MODES = ("tensor", "distributed", "disk")
 
 
 @dataclass(kw_only=True)
@@ -90,10 +90,10 @@ class ClientConfig:
     max_retries: int = 3
     """Attempts per sample after a server failure (on another server, or on the same one once it is back)
     before the error is raised."""
-    update_mode: str = "tensor"
-    """'tensor' (colocated), 'distributed' (separate GPUs) or 'disk' (--weight-sync-mode)."""
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Flat bucket size for weight sync (--weight-sync-bucket-mb x 2**20)."""
+    bucket_bytes: int = 512 << 20
+    """Flat bucket size for weight sync (--weight-sync-bucket-mb x 2**20; the default is weight_sync/buckets.py
+    DEFAULT_BUCKET_BYTES, which this package does not import: tests/test_weight_sync_transports.py checks they
+    agree)."""
     sync_backend: str = "nccl"
     """Backend of the update_weights_from_distributed group ('gloo' on CPU)."""
     sync_master_address: str = "127.0.0.1"
@@ -134,8 +134,6 @@ class ClientConfig:
             raise ValueError(f"--sglang-min-tokens-per-s must be > 0, got {self.min_tokens_per_s}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.update_mode not in UPDATE_MODES:
-            raise ValueError(f"--weight-sync-mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
         if self.bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1 (--weight-sync-bucket-mb), got {self.bucket_bytes}")
         if self.server_wait_s <= 0:

@@ -1,6 +1,8 @@
-"""Choices made before SGLang servers take work: which GPUs launched servers use, how weights reach them,
-and whether a seeded run's rollouts are reproducible on them. Pure functions of the flags, plus /server_info
-queries of attached servers (their determinism; with --moe-routing-replay, whether they return routed experts)."""
+"""Choices made before SGLang servers take work: which GPUs launched servers use and whether a seeded run's
+rollouts are reproducible on them; the layout of the weight-sync group the servers join. Pure functions of the
+flags, plus /server_info queries of attached servers (their determinism; with --moe-routing-replay, whether they
+return routed experts). How weights reach the servers (--weight-sync-mode) is weight_sync/'s choice
+(weight_sync/transports/): that package imports this one, never the reverse."""
 
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def check_sglang_serves(arch: Any, where: str) -> None:
             f"Qwen3-MoE checkpoint is) or the embedded engine (--rollout-engine embedded)")
 
 
-def _gpu_list(spec: str) -> list[str]:
+def gpu_list(spec: str) -> list[str]:
+    """The GPUs a comma-separated list (--sglang-gpus, CUDA_VISIBLE_DEVICES) names."""
     return [g.strip() for g in spec.split(",") if g.strip()]
 
 
@@ -47,7 +50,7 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
         raise ValueError("--sglang-gpus and --colocate exclude each other: give the servers their own "
                          "GPUs or share the actor's, not both")
     if sglang_gpus is not None:
-        if not _gpu_list(sglang_gpus):
+        if not gpu_list(sglang_gpus):
             raise ValueError(f"--sglang-gpus must list GPUs, e.g. 4,5,6,7; got {sglang_gpus!r}")
         return {"CUDA_VISIBLE_DEVICES": sglang_gpus}
     if cuda and not colocate:
@@ -61,32 +64,12 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
 
 def physical_gpu(local_index: int, visible: str | None) -> str:
     """CUDA device `local_index` of a process as CUDA_VISIBLE_DEVICES names it (an index or a UUID)."""
-    ids = _gpu_list(visible) if visible else []
+    ids = gpu_list(visible) if visible else []
     if not ids:
         return str(local_index)
     if local_index >= len(ids):
         raise ValueError(f"CUDA device {local_index} is not in CUDA_VISIBLE_DEVICES={visible!r}")
     return ids[local_index]
-
-
-def weight_sync_mode(*, requested: str | None, attach: bool, cuda: bool, colocate: bool,
-                     trainer_gpu: str | None = None, server_gpus: str | None = None) -> str:
-    """--weight-sync-mode, defaulted and checked against where the servers run.
-
-    Default: 'distributed' (NCCL broadcast) for attached servers and for launched servers on GPUs of their
-    own; 'tensor' (handles, no copy) for colocated servers and on CPU. 'tensor' on CUDA passes CUDA IPC
-    handles of global rank 0's GPU (`trainer_gpu`), which launched servers must see among `server_gpus`.
-    """
-    if requested is None:
-        return "distributed" if attach or (cuda and not colocate) else "tensor"
-    if requested == "tensor" and cuda and server_gpus is not None and trainer_gpu is not None \
-            and trainer_gpu not in _gpu_list(server_gpus):
-        raise ValueError(
-            f"--weight-sync-mode tensor hands the servers CUDA IPC handles of global rank 0's GPU {trainer_gpu}, "
-            f"which servers on --sglang-gpus {server_gpus} cannot open: use --weight-sync-mode distributed "
-            f"(NCCL) or disk, or run the servers on the actor's GPUs with --colocate"
-        )
-    return requested
 
 
 def deterministic_server_args(*, seeded: bool, wanted: bool, device: str,
