@@ -1,4 +1,5 @@
-"""The library's import graph: no cycles, and no library module imports the command line.
+"""The library's import graph: no cycles, no library module imports the command line, and weight_sync/ and
+rollout/sglang/ import one way.
 
 Every import counts, also those inside functions (a cycle broken only by a deferred import is still two
 modules that cannot be understood, tested or moved apart). The entry points that may read the CLI module:
@@ -116,3 +117,15 @@ def test_the_library_has_no_import_cycle():
 def test_no_library_module_imports_the_command_line():
     importers = sorted(m for m, edges in import_graph().items() if CLI in edges and m not in ENTRY_POINTS)
     assert importers == [], f"library modules importing {CLI} (take values as arguments instead): {importers}"
+
+
+def test_weight_sync_and_sglang_import_one_way():
+    """weight_sync/ drives the SGLang servers (it imports rollout/sglang/: the engine, its protocol, the group
+    layout); rollout/sglang/ knows its sync only as the `Recovers` protocol and imports nothing of weight_sync/, so
+    a transport is chosen and added in weight_sync/ alone (weight_sync/transports/__init__.py)."""
+    graph = import_graph()
+    back = sorted(f"{m} -> {t}" for m, edges in graph.items() if m.startswith("megatron_dapo.rollout.sglang")
+                  for t in edges if t.startswith("megatron_dapo.weight_sync"))
+    assert back == [], f"rollout/sglang/ importing weight_sync/: {back}"
+    assert any(t.startswith("megatron_dapo.rollout.sglang") for m, edges in graph.items()
+               if m.startswith("megatron_dapo.weight_sync") for t in edges)  # the one direction, still used
