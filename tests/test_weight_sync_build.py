@@ -40,6 +40,8 @@ def test_each_combination_gets_its_implementation(colocate, engine, mode, pp, wa
 def test_an_unknown_engine_names_the_flag():
     with pytest.raises(ValueError, match="--rollout-engine"):
         sync_kind(engine="vllm", mode=None, pp=1, colocate=False)
+    with pytest.raises(ValueError, match="needs its transport"):
+        sync_kind(engine="sglang", mode=None, pp=1, colocate=False)
 
 
 def test_rank0_facts_and_the_objects_built_in_a_world_of_one():

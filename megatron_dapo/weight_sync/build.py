@@ -30,6 +30,9 @@ def sync_kind(*, engine: str, mode: str | None, pp: int, colocate: bool) -> str:
         return "engine_load"
     if engine != "sglang":
         raise ValueError(f"--rollout-engine must be embedded or sglang, got {engine!r}")
+    if mode is None:  # every rank gets here alike (rank 0's facts are shared first): none waits for the others
+        raise ValueError("an SGLang engine's weight sync needs its transport: build_weight_sync(transport=...), "
+                         "rank 0's resolved --weight-sync-mode (rollout/build.py weight_sync_mode)")
     return "stage" if transport_class(mode).per_stage and pp > 1 else "server"
 
 
