@@ -30,8 +30,7 @@ def test_the_registry_holds_the_transports_and_the_flag_offers_them():
     flag = next(a for a in build_parser()._actions if "--weight-sync-mode" in a.option_strings)
     assert tuple(flag.choices) == NAMES
     for name in NAMES:
-        cls = transport(name)
-        assert issubclass(cls, ServerPush) and cls.name == name
+        assert issubclass(transport(name), ServerPush)
     with pytest.raises(ValueError, match=r"--weight-sync-mode must be one of \('tensor', 'distributed', 'disk'"):
         transport("nfs")
     with pytest.raises(ValueError, match="--weight-sync-mode must be one of"):
@@ -39,8 +38,8 @@ def test_the_registry_holds_the_transports_and_the_flag_offers_them():
 
 
 def test_a_name_is_registered_once():
-    with pytest.raises(ValueError, match="'disk' registered twice: DiskPush and Other"):
-        @register_transport("disk", order=9)
+    with pytest.raises(ValueError, match="--weight-sync-mode 'disk' is registered twice: .*DiskPush and .*Other"):
+        @register_transport("disk")
         class Other(ServerPush):
             def send(self, targets, buckets, version, session):
                 return set()

@@ -46,8 +46,6 @@ class ServerPush(WeightSync):
     with the servers; it attaches itself to the engine, which calls `recover(server)` for a lost server and
     `close()` at shutdown."""
 
-    name: ClassVar[str]
-    """Its --weight-sync-mode name, set by register_transport (weight_sync/transports/__init__.py)."""
     per_stage: ClassVar[bool] = False
     """Whether at PP > 1 each pipeline stage sends its own part (StagePush around this transport,
     weight_sync/stage_push.py) instead of rank 0 the whole model."""

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine, UpdateSession
 
 
-@register_transport("disk", order=2)
+@register_transport("disk")
 class DiskPush(ServerPush):
     """Writes each version as shards (ClientConfig.disk_dir, else a temporary directory) that the servers load."""
 

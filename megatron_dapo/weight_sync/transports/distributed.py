@@ -46,7 +46,7 @@ SYNC_GROUP_IDS = itertools.count(1)
 """Names of the weight-sync broadcast groups of this process (a name can be registered only once)."""
 
 
-@register_transport("distributed", order=1)
+@register_transport("distributed")
 class DistributedPush(ServerPush):
     """Broadcasts over a group with the servers' TP ranks, which it owns; the host copy re-syncs a lost server."""
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import UpdateSession
 
 
-@register_transport("tensor", order=0)
+@register_transport("tensor")
 class TensorPush(ServerPush):
     """Buckets by handle to every server TP rank; the host copy re-syncs a lost server."""
 
