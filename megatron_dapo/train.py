@@ -113,7 +113,7 @@ def _train(args: argparse.Namespace) -> None:
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(
-        {"trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead}, actor=actor,
+        {"actor": actor, "trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead},
         save_dir=args.save, load_dir=None if init_ckpt else args.load, fully_parallel=args.ckpt_fully_parallel_save,
         async_save=args.async_save, section=trainer.section, group=trainer.wait_group)
     try:

@@ -12,8 +12,8 @@ import io
 import pytest
 import torch
 
-from megatron_dapo.checkpoint.checkpointer import LAYOUT, Checkpointer, MissingStateError
-from megatron_dapo.checkpoint.training import RANK0_EXTRA
+from megatron_dapo.checkpoint.checkpointer import Checkpointer, MissingStateError
+from megatron_dapo.checkpoint.state import Holder
 from megatron_dapo.data import ResumableSampler
 from megatron_dapo.rollout.async_rollout import AheadBatch, BatchAhead, batch_state
 from megatron_dapo.rollout.partial_rollout import CarriedGroup, CarriedGroups
@@ -114,25 +114,27 @@ def _components(step=3, *, partial=True, ahead_step=None):
 
 def test_the_checkpointer_writes_each_state_where_every_checkpoint_so_far_has_it():
     states = _components(3, ahead_step=4)
-    shared, own = Checkpointer(states, actor=None, save_dir=None, load_dir=None).extra()
+    checkpointer = Checkpointer(states, save_dir=None, load_dir=None)
+    shared, own = checkpointer.extra()
+    rank0_only = {slot.key for slot in checkpointer.slots.values() if slot.holder is Holder.RANK0_ONLY}
     assert _same(shared, {"step": 3, "sampler": states["sampler"].state_dict(),
                           "carried": states["carried"].state_dict()})
-    assert _same(own, {"async_batch": batch_state(states["ahead"].job)}) and set(own) == set(RANK0_EXTRA)
-    assert {name: slot.key for name, slot in LAYOUT.items()} == {
+    assert _same(own, {"async_batch": batch_state(states["ahead"].job)}) and set(own) == rank0_only
+    assert {name: component.checkpoint_state.key for name, component in states.items()} == {
         "trainer": "step", "sampler": "sampler", "carried": "carried", "ahead": "async_batch"}
     without = _components(3, partial=False)  # no --partial-rollout, nothing ahead: neither key is written
-    assert Checkpointer(without, actor=None, save_dir=None, load_dir=None).extra() == (
+    assert Checkpointer(without, save_dir=None, load_dir=None).extra() == (
         {"step": 3, "sampler": without["sampler"].state_dict()}, {})
 
 
 def test_the_checkpointer_restores_every_component_by_name():
     saved = _components(3, ahead_step=4)
-    shared, own = Checkpointer(saved, actor=None, save_dir=None, load_dir=None).extra()
+    shared, own = Checkpointer(saved, save_dir=None, load_dir=None).extra()
     extra = _through_torch_save(shared | own)
     fresh = _components(0, ahead_step=None)
     fresh["carried"].groups = []
     fresh["sampler"] = ResumableSampler(6, seed=1)
-    Checkpointer(fresh, actor=None, save_dir=None, load_dir=None).load_extra(extra)
+    Checkpointer(fresh, save_dir=None, load_dir=None).load_extra(extra)
     assert fresh["trainer"].step == 3
     assert fresh["sampler"].next_batch(5) == saved["sampler"].next_batch(5)
     assert fresh["carried"].groups == saved["carried"].groups
@@ -142,10 +144,10 @@ def test_the_checkpointer_restores_every_component_by_name():
 @pytest.mark.parametrize("missing, key", [("trainer", "step"), ("sampler", "sampler")])
 def test_a_checkpoint_without_a_required_state_is_rejected_naming_the_component(missing, key):
     states = _components(3)
-    shared, own = Checkpointer(states, actor=None, save_dir=None, load_dir=None).extra()
+    shared, own = Checkpointer(states, save_dir=None, load_dir=None).extra()
     extra = {k: v for k, v in (shared | own).items() if k != key}
     with pytest.raises(MissingStateError, match=f"no state for '{missing}'"):
-        Checkpointer(_components(0), actor=None, save_dir=None, load_dir="ckpt").load_extra(extra)
+        Checkpointer(_components(0), save_dir=None, load_dir="ckpt").load_extra(extra)
 
 
 def test_a_resume_under_another_seed_is_refused_on_every_rank_before_anything_is_restored():
@@ -157,20 +159,20 @@ def test_a_resume_under_another_seed_is_refused_on_every_rank_before_anything_is
     states = _components(0)
     states["sampler"] = ResumableSampler(6, seed=2)
     with pytest.raises(UserError, match="saved with --seed 1, this run has --seed 2"):
-        Checkpointer(states, actor=None, save_dir=None, load_dir="ckpt").check_extra(extra)
+        Checkpointer(states, save_dir=None, load_dir="ckpt").check_extra(extra)
     assert states["trainer"].step == 0
     states["sampler"] = ResumableSampler(6, seed=1)
-    Checkpointer(states, actor=None, save_dir=None, load_dir="ckpt").check_extra(extra)
+    Checkpointer(states, save_dir=None, load_dir="ckpt").check_extra(extra)
 
 
 def test_optional_states_may_be_absent_and_unknown_names_are_refused():
     states = _components(0, partial=True)
     states["carried"].groups = []  # as built
-    Checkpointer(states, actor=None, save_dir=None, load_dir=None).load_extra(
+    Checkpointer(states, save_dir=None, load_dir=None).load_extra(
         {"step": 2, "sampler": ResumableSampler(6, seed=1).state_dict()})  # written without --partial-rollout
     assert states["trainer"].step == 2 and states["carried"].groups == [] and states["ahead"].job is None
     with pytest.raises(ValueError, match="no slot for component"):
-        Checkpointer({"optimiser": object()}, actor=None, save_dir=None, load_dir=None)
+        Checkpointer({"optimiser": object()}, save_dir=None, load_dir=None)
 
 
 def test_the_trainer_refuses_a_batch_ahead_for_another_step():

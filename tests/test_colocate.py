@@ -423,7 +423,7 @@ def test_a_colocated_save_runs_in_the_training_phase_and_holds_the_steps_state(w
     # one mini-batch a step, the rollout stood in for: the batch train() gets is the one the reference trains on
     trainer.rank0_batch = lambda step: ({}, [[[Rollout(s, torch.zeros(s.response_len))
                                                for s in make_samples(4, seed=40 + step)]]])
-    trainer.checkpointer = Checkpointer({"trainer": trainer}, actor=actor, save_dir=str(tmp_path), load_dir=None)
+    trainer.checkpointer = Checkpointer({"actor": actor, "trainer": trainer}, save_dir=str(tmp_path), load_dir=None)
     saver_save, at_save = trainer.checkpointer.saver.save, []
     trainer.checkpointer.saver.save = lambda step, a, extra: at_save.append((step, _resident(actor, engine))) \
         or saver_save(step, a, extra)

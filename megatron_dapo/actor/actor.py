@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ from megatron_dapo.actor.config import STEP_METRICS, ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
 from megatron_dapo.actor.moe_replay import ReplayState, routing_inputs
 from megatron_dapo.actor.moe_stats import install_router_hooks
+from megatron_dapo.checkpoint.state import ShardedState
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.errors import UserError
@@ -69,6 +71,10 @@ def moe_overrides(arch: ModelArch, config: ActorConfig) -> dict[str, object]:
 
 class MegatronActor:
     """This rank's stage/shard of the policy, its optimizer and LR schedule."""
+
+    checkpoint_state: ClassVar[ShardedState] = ShardedState()
+    """Checkpointed as the checkpoint's sharded part (dist_checkpointing, checkpoint/training.py): the model chunks,
+    the optimizer, the LR scheduler and each rank's RNG, each rank its shard."""
 
     def __init__(self, arch: ModelArch, config: ActorConfig, layout: ParallelLayout) -> None:
         validate_layout(arch, layout)

@@ -65,14 +65,12 @@ from megatron_dapo.weights.extra_state import load_tolerating_absent_extra_state
 LATEST = "latest"
 # Resharding of the distributed optimizer across DP is supported; fully_reshardable fails on CPU.
 OPTIM_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-RANK0_EXTRA = ("async_batch",)
-"""Keys of `extra` that only global rank 0 holds (the --async-rollout batch: up to ~0.7 GB at 32B): rank 0's copy is
-written, and they are left out of megatron's cross-rank common-state check, which would broadcast them to every rank."""
 
 
-def _without_rank0_extra(common: dict[str, Any]) -> dict[str, Any]:
-    """The common state megatron compares across ranks: `common` without the RANK0_EXTRA keys (not modified)."""
-    extra = {k: v for k, v in common.get("extra", {}).items() if k not in RANK0_EXTRA}
+def _without_rank0_extra(common: dict[str, Any], *, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The common state megatron compares across ranks: `common` without the `extra` keys only global rank 0 holds
+    (CheckpointSaver's `rank0_extra`; not modified)."""
+    extra = {k: v for k, v in common.get("extra", {}).items() if k not in keys}
     return {**common, "extra": extra}
 
 
@@ -236,12 +234,17 @@ class CheckpointSaver:
     async_save (--async-save): the sharded tensors are written by a forked process (megatron-core's
     AsyncCallsQueue, non-persistent caller); rename / `latest` happen when that write finished on all
     ranks, checked at the next save (which waits for it) and in `close()`. One save is in flight at most.
+    rank0_extra: the keys of `extra` that only global rank 0 holds (the --async-rollout batch: up to ~0.7 GB at 32B;
+    Holder.RANK0_ONLY in checkpoint/state.py): rank 0's copy is written, and they are left out of megatron's
+    cross-rank common-state check, which would broadcast them to every rank.
     """
 
-    def __init__(self, save_dir: str | os.PathLike, *, fully_parallel: bool = False, async_save: bool = False) -> None:
+    def __init__(self, save_dir: str | os.PathLike, *, fully_parallel: bool = False, async_save: bool = False,
+                 rank0_extra: tuple[str, ...] = ()) -> None:
         from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
         self.save_dir, self.fully_parallel, self.async_save = Path(save_dir), fully_parallel, async_save
+        self.rank0_extra = rank0_extra
         self.strategy = get_default_save_sharded_strategy()
         if fully_parallel and _rank_world()[1] > 1:
             from megatron.core import parallel_state
@@ -287,9 +290,10 @@ class CheckpointSaver:
         state["optimizer_layout"] = optimizer_layout(actor)
         impl = layer_impl_of(actor.modules)  # written by rank 0 (replica 0), read back from the stored keys
         state[LAYER_IMPL_KEY] = ShardedObject(f"{LAYER_IMPL_KEY}.{impl}", impl, (1,), (0,), replica_id=rank)
+        check_common = partial(_without_rank0_extra, keys=self.rank0_extra)
         request = dist_checkpointing.save(state, str(tmp), sharded_strategy=self.strategy,
                                           async_sharded_save=self.async_save, content_metadata=OPTIM_METADATA,
-                                          preprocess_common_before_consistancy_check=_without_rank0_extra)
+                                          preprocess_common_before_consistancy_check=check_common)
         if request is None:
             self._finish(tmp, final)
         else:

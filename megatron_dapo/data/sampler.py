@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from megatron_dapo.checkpoint.state import CommonState, Holder
 from megatron_dapo.errors import UserError
 
 _STATE_VERSION = 1
@@ -28,6 +29,10 @@ class ResumableSampler:
     so every item is used once per epoch. With `drop_last=True` the leftover items of an epoch
     (fewer than the batch) are skipped and the batch is taken from the next epoch.
     """
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="sampler", holder=Holder.RANK0_SHARED, drawn=True)
+    """Checkpointed as extra["sampler"] (a few hundred bytes): global rank 0 draws the prompts (a placeholder
+    elsewhere); a rollout draws on it before it returns, so a stop that abandons the rollout rewinds it."""
 
     def __init__(self, num_items: int, *, seed: int, shuffle: bool = True, drop_last: bool = False) -> None:
         if isinstance(num_items, bool) or not isinstance(num_items, int) or num_items < 1:

@@ -40,10 +40,11 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from megatron_dapo.checkpoint.state import CommonState, Holder
 from megatron_dapo.rollout.collect import Prompt, ScoredGroup
 from megatron_dapo.rollout.types import Sample
 
@@ -261,6 +262,9 @@ class BatchAhead:
     After step k the checkpoint holds weights k; batch k+1 came from weights k-1, so it is saved itself (up to
     ~0.7 GB at 32B, see `batch_state`). `depth` and `num_steps` (--async-rollout, --num-steps) only shape the line
     a resume prints about it (`resume_note`)."""
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="async_batch", holder=Holder.RANK0_ONLY, optional=True)
+    """extra["async_batch"], rank 0's copy alone (too large to broadcast); absent when nothing finished ahead."""
 
     def __init__(self, *, depth: int, num_steps: int) -> None:
         self.depth, self.num_steps = depth, num_steps

@@ -77,10 +77,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from megatron_dapo.checkpoint.state import CommonState, Holder
 from megatron_dapo.rollout.types import Prompt, RolloutRequest, Sample, SamplingParams
 
 STATE_VERSION = 1
@@ -257,6 +258,10 @@ class CarriedGroups:
 
     `enabled` is --partial-rollout: without it nothing is carried, nothing is saved, and a checkpoint's groups are
     dropped with a warning."""
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="carried", holder=Holder.RANK0_SHARED, optional=True)
+    """extra["carried"], rank 0's, broadcast before a save; absent from a checkpoint written without
+    --partial-rollout."""
 
     enabled: bool = False
     groups: list[CarriedGroup] = dataclasses.field(default_factory=list)

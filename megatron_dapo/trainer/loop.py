@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from megatron_dapo.algorithm.mismatch import (
     off_policy_correction,
     reduce_mismatch,
 )
+from megatron_dapo.checkpoint.state import CommonState
 from megatron_dapo.distributed import comm
 from megatron_dapo.rollout.async_rollout import AheadBatch, BatchAhead, check_depth, check_staleness
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn, ScoredGroup, collect_batch
@@ -117,6 +118,9 @@ class TrainerConfig:
 
 @dataclass
 class Trainer:
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="step", flat=True)
+    """Checkpointed as extra["step"], the last completed step (every rank holds the same)."""
+
     config: TrainerConfig
     collect: CollectConfig
     actor: MegatronActor
