@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_dapo.checkpoint.state import CommonState, Holder
 from megatron_dapo.checkpoint.training import load_checkpoint, save_checkpoint
 from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
@@ -53,5 +54,50 @@ def test_resume_restores_optimizer_state_exactly(world, tmp_path, dtype, distrib
     samples = make_samples(4, seed=9)
     assert resumed.train_step(samples) == ran.train_step(samples)
     want, got = optimizer_state(ran), optimizer_state(resumed)
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+class _Progress:
+    """A stateful component defined here, not in the package: its class declares its state, and the checkpointer
+    (checkpoint/checkpointer.py, unedited) saves and restores it with the actor's."""
+
+    checkpoint_state = CommonState(key="progress", holder=Holder.RANK0_SHARED)
+
+    def __init__(self, tokens: int = 0) -> None:
+        self.tokens = tokens
+
+    def state_dict(self) -> dict[str, int]:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.tokens = int(state["tokens"])
+
+
+def test_a_new_component_and_the_actor_go_through_one_checkpointer(world, tmp_path):
+    """The actor is one more named component (its class declares the sharded state): a save through the
+    Checkpointer writes it and the new component's state at its declared key, and a load restores both exactly."""
+    from megatron_dapo.checkpoint import safe_read
+    from megatron_dapo.checkpoint.checkpointer import Checkpointer
+    from megatron_dapo.checkpoint.training import step_dir
+
+    layout, arch, shards = world
+
+    def fresh() -> MegatronActor:
+        actor = MegatronActor(arch, ActorConfig(lr=1e-3), layout)
+        actor.load_shards(shards)
+        return actor
+
+    ran = fresh()
+    ran.train_step(make_samples(4, seed=0))
+    saving = Checkpointer({"actor": ran, "progress": _Progress(1234)}, save_dir=str(tmp_path), load_dir=None)
+    saving.save(1)
+    saving.close()
+    assert safe_read.load_common(step_dir(tmp_path, 1))["extra"] == {"step": 1, "progress": {"tokens": 1234}}
+    resumed, progress = fresh(), _Progress()
+    loading = Checkpointer({"actor": resumed, "progress": progress}, save_dir=None, load_dir=str(tmp_path))
+    assert loading.load() == 1 and (progress.tokens, resumed.steps) == (1234, 1)
+    want, got = optimizer_state(ran), optimizer_state(resumed)
+    assert set(got) == set(want)
     for key in want:
         assert torch.equal(want[key], got[key]), key

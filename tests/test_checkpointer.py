@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dapo.checkpoint.checkpointer import Checkpointer, MissingStateError
-from megatron_dapo.checkpoint.state import Holder
+from megatron_dapo.checkpoint.state import CommonState, Holder, ShardedState
 from megatron_dapo.data import ResumableSampler
 from megatron_dapo.rollout.async_rollout import AheadBatch, BatchAhead, batch_state
 from megatron_dapo.rollout.partial_rollout import CarriedGroup, CarriedGroups
@@ -180,3 +180,74 @@ def test_the_trainer_refuses_a_batch_ahead_for_another_step():
     trainer.ahead.job = AheadBatch.from_checkpoint(6, 2, [_group(0, version=2)], {})
     with pytest.raises(ValueError, match="the checkpoint of step 3 holds a batch for step 6, expected 4"):
         trainer.run()
+
+
+class _Counter:
+    """A component this test adds: its state is declared here, in its own class, and nowhere in checkpoint/."""
+
+    checkpoint_state = CommonState(key="counter", holder=Holder.RANK0_SHARED, drawn=True)
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.value = int(state["value"])
+
+
+class _Trace(_Counter):
+    checkpoint_state = CommonState(key="trace", holder=Holder.RANK0_ONLY, optional=True)
+
+
+def test_a_new_component_is_saved_and_restored_by_its_own_declaration():
+    """A component the checkpointer has never heard of: its state goes to the key its class declares, with the
+    holder, optionality and `drawn` it declares, next to the run's components (whose keys do not move)."""
+    states = _components(3) | {"counter": _Counter(5), "trace": _Trace(9)}
+    shared, own = Checkpointer(states, save_dir=None, load_dir=None).extra()
+    assert shared["counter"] == {"value": 5} and own == {"trace": {"value": 9}}
+    assert set(shared) == {"step", "sampler", "carried", "counter"}
+    fresh = _components(0) | {"counter": _Counter(), "trace": _Trace()}
+    Checkpointer(fresh, save_dir=None, load_dir=None).load_extra(_through_torch_save(shared | own))
+    assert (fresh["counter"].value, fresh["trace"].value, fresh["trace"].checkpoint_state.optional) == (5, 9, True)
+    without_trace = _components(0) | {"counter": _Counter(), "trace": _Trace(1)}
+    Checkpointer(without_trace, save_dir=None, load_dir=None).load_extra(shared)  # optional: stays as built
+    assert (without_trace["counter"].value, without_trace["trace"].value) == (5, 1)
+    # drawn: a stop's rewind puts it back; a rank-0-only key is kept out of megatron's cross-rank check
+    marked = Checkpointer(states, save_dir=None, load_dir=None)
+    marked.mark()
+    states["counter"].value, states["trace"].value = 6, 10
+    marked.rewind()
+    assert (states["counter"].value, states["trace"].value) == (5, 10)
+
+
+def test_the_saver_leaves_the_declared_rank0_only_keys_out_of_the_cross_rank_check(tmp_path):
+    states = _components(3) | {"trace": _Trace()}
+    assert Checkpointer(states, save_dir=str(tmp_path), load_dir=None).saver.rank0_extra == ("async_batch", "trace")
+
+
+def test_a_checkpoint_without_a_new_components_state_is_rejected_naming_it():
+    shared, own = Checkpointer(_components(3), save_dir=None, load_dir=None).extra()
+    with pytest.raises(MissingStateError, match=r"no state for 'counter' \(extra\['counter'\]\)"):
+        Checkpointer(_components(0) | {"counter": _Counter()}, save_dir=None, load_dir="ckpt").load_extra(shared | own)
+
+
+def test_two_components_at_one_key_are_refused_naming_both():
+    class Sampler2(_Counter):
+        checkpoint_state = CommonState(key="sampler")
+
+    with pytest.raises(ValueError, match=r"the same checkpoint key: \['sampler', 'mine'\] at extra\['sampler'\]"):
+        Checkpointer(_components(0) | {"mine": Sampler2()}, save_dir=None, load_dir=None)
+
+
+def test_the_sharded_state_has_one_owner_and_save_and_load_need_it(tmp_path):
+    class Sharded:
+        checkpoint_state = ShardedState()
+
+    with pytest.raises(ValueError, match=r"components \['a', 'b'\] each declare the checkpoint's sharded state"):
+        Checkpointer({"a": Sharded(), "b": Sharded()}, save_dir=None, load_dir=None)
+    without = Checkpointer(_components(1), save_dir=str(tmp_path), load_dir=str(tmp_path))
+    for call in (lambda: without.save(1), without.load):
+        with pytest.raises(ValueError, match="no component declares the checkpoint's sharded state"):
+            call()
