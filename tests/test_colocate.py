@@ -293,6 +293,7 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool, extra: tuple[str
     from megatron_dapo import train as train_mod
     from megatron_dapo.arguments import build_parser
     from megatron_dapo.checkpoint import training as checkpoint
+    from megatron_dapo.checkpoint.state import ShardedState
     from megatron_dapo.data import ResumableSampler
     from megatron_dapo.rollout import build as rollout_build
     from megatron_dapo.rollout.collect import Prompt
@@ -308,7 +309,7 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool, extra: tuple[str
     monkeypatch.setattr(rollout_build, "make_rollout_engine", lambda args, tok: log.append("engine up") or
                         _StartupEngine(log))
     monkeypatch.setattr(build, "build_actor", lambda *a: log.append("build actor") or
-                        SimpleNamespace(chunks=[], optimizer=SimpleNamespace()))
+                        SimpleNamespace(chunks=[], optimizer=SimpleNamespace(), checkpoint_state=ShardedState()))
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda load, actor: log.append("load checkpoint") or
                         {"sampler": ResumableSampler(1, seed=7).state_dict(), "step": 1})
     monkeypatch.setattr(ActorOffloader, "offload", lambda self: log.append("offload") or {})
