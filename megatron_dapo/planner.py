@@ -72,7 +72,6 @@ The computed --mem-fraction-static is the largest (in 0.01 steps) that keeps the
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -690,17 +689,14 @@ def save_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, byte
 
 
 # ---- --dry-run ---------------------------------------------------------------------------------------
-def world_size_from_args(args: argparse.Namespace) -> int:
+def plan_world_size(world_size: int | None, *, tp: int, pp: int, cp: int, ep: int, etp: int | None) -> int:
     """--world-size, else $WORLD_SIZE, else the fewest ranks that hold one model replica and one expert grid
     (a multiple of TP x CP and of EP x ETP per pipeline stage, times PP)."""
-    if args.world_size is not None:
-        return _at_least_one(args.world_size, "--world-size")
+    if world_size is not None:
+        return _at_least_one(world_size, "--world-size")
     if os.environ.get("WORLD_SIZE"):
         return _at_least_one(int(os.environ["WORLD_SIZE"]), "$WORLD_SIZE")
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    experts = getattr(args, "expert_model_parallel_size", 1) * (getattr(args, "expert_tensor_parallel_size", None)
-                                                                 or tp)
-    return math.lcm(tp * cp, experts) * args.pipeline_model_parallel_size
+    return math.lcm(tp * cp, ep * (etp or tp)) * pp
 
 
 def _at_least_one(world_size: int, name: str) -> int:
@@ -709,34 +705,24 @@ def _at_least_one(world_size: int, name: str) -> int:
     return world_size
 
 
-def check_plan_flags(args: argparse.Namespace) -> None:
+def check_plan_flags(*, gpu_memory_gib: float, world_size: int | None) -> None:
     """The planner's own flags, as --dry-run reads them (ValueError naming the flag): --gpu-memory-gib a finite
-    number > 0, --world-size >= 1 when given. A run checks them at start-up too (check_flags): a colocated one sizes
-    SGLang's share from --gpu-memory-gib."""
-    check_gpu_memory(args.gpu_memory_gib)
-    if args.world_size is not None:
-        _at_least_one(args.world_size, "--world-size")
+    number > 0, --world-size >= 1 when given. A run checks them at start-up too (startup.check_flags): a colocated
+    one sizes SGLang's share from --gpu-memory-gib."""
+    check_gpu_memory(gpu_memory_gib)
+    if world_size is not None:
+        _at_least_one(world_size, "--world-size")
 
 
-def plan_from_args(args: argparse.Namespace) -> tuple[ModelArch, ParallelLayout, PlanInputs, ActivationSpec]:
-    """Flags -> what plan_stages needs; reads only --hf-checkpoint's config.json."""
-    arch = ModelArch.from_hf(args.hf_checkpoint)
-    layout = ParallelLayout.from_args(args, world_size_from_args(args))
-    impl = layout.transformer_impl or "transformer_engine"  # the dry run plans a GPU run
-    params_dtype = args.params_dtype or "bfloat16"
-    max_len = args.max_prompt_length + args.max_response_length
-    tokens = args.max_tokens_per_micro_batch or max_len
-    inputs = PlanInputs(tokens_per_micro_batch=tokens, max_seq_len=max_len, params_dtype=params_dtype,
-                        use_distributed_optimizer=args.use_distributed_optimizer,
-                        fused_logprob=args.use_fused_logprob, gpu_memory_gib=args.gpu_memory_gib,
-                        packed=args.pack_sequences, fused_linear_logprob=args.fused_linear_logprob,
-                        colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
-                        mem_fraction_static=args.mem_fraction_static,
-                        sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0,
-                        moe_capacity_factor=getattr(args, "moe_expert_capacity_factor", None))
-    spec = ActivationSpec.for_arch(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
-                                   "bfloat16" else 4)
-    return arch, layout, inputs, spec
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What plan_stages needs, parsed once from the flags and config.json (startup.plan_from_flags)."""
+
+    arch: ModelArch
+    layout: ParallelLayout
+    """The layout over plan_world_size's ranks."""
+    inputs: PlanInputs
+    spec: ActivationSpec
 
 
 def _suggestions(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec
@@ -886,13 +872,13 @@ def phase_peaks_gib(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs,
     return out
 
 
-def print_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Print the per-GPU plan of these flags to `out` (stdout); 0 when the peak fits --gpu-memory-gib, else 1. Bad
-    flags: one line `plan: error: ...` on `err` (stderr), 2."""
+def print_plan(plan: Plan, *, weight_sync_mode: str | None, out: TextIO | None = None, err: TextIO | None = None
+               ) -> int:
+    """Print the per-GPU plan to `out` (stdout); 0 when the peak fits --gpu-memory-gib, else 1. A layout the model
+    does not split over: one line `plan: error: ...` on `err` (stderr), 2. `weight_sync_mode`: --weight-sync-mode."""
     out = out or sys.stdout
+    arch, layout, inputs, spec = plan.arch, plan.layout, plan.inputs, plan.spec
     try:
-        check_plan_flags(args)
-        arch, layout, inputs, spec = plan_from_args(args)
         lines = format_plan(arch, layout, inputs, spec)
         phases = phase_peaks_gib(arch, layout, inputs, spec)
         peak = max(phases.values())
@@ -900,15 +886,15 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
             plans = plan_stages(arch, layout, inputs, spec)
             peak = max(peak, startup_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB,
                        save_peaks(arch, plans, inputs, spec.bytes_per_element)[0] / GIB)
-    except (ValueError, FileNotFoundError) as exc:
+    except ValueError as exc:
         print(f"plan: error: {exc}", file=err or sys.stderr)
         return 2
     for line in lines:
         print(line, file=out)
-    from megatron_dapo.weight_sync.transports import weight_sync_mode
+    from megatron_dapo.weight_sync.transports import weight_sync_mode as resolve_mode
 
-    mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
-    print(host_copy_line(arch, mode=mode, colocate=args.colocate, bytes_per_element=spec.bytes_per_element),
+    mode = resolve_mode(requested=weight_sync_mode, attach=True, cuda=True, colocate=inputs.colocate)
+    print(host_copy_line(arch, mode=mode, colocate=inputs.colocate, bytes_per_element=spec.bytes_per_element),
           file=out)
     fits = peak <= inputs.gpu_memory_gib
     if inputs.colocate:
@@ -929,13 +915,7 @@ def print_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     return 0 if fits else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m megatron_dapo.planner <train.py flags>`: the plan `python -m megatron_dapo.train <flags> --dry-run`
-    prints, and its exit status."""
-    from megatron_dapo.arguments import build_parser
+if __name__ == "__main__":  # `python -m megatron_dapo.planner <train.py flags>`: the trainer's --dry-run, its status
+    from megatron_dapo.startup import dry_run_main
 
-    return print_plan(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(dry_run_main(sys.argv[1:]))

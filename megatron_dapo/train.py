@@ -1,9 +1,10 @@
 """Entry point: `python -m megatron_dapo.train --help` (or under torchrun for TP/PP/DP).
 
-parse -> validate (trainer/build.check_flags, the same verdict on every rank) -> build (trainer/build.py: inputs,
-actor, logger; rollout/build.py: the rollout engine; trainer/colocate.py with --colocate) -> resume
-(Checkpointer.load + one weight push) -> `Trainer.run` (trainer/loop.py). The run config (trainer/run_config.py) is
-built once from the flags and written to --log-dir as run_config.json, the record of what ran. SIGTERM or a first
+parse -> validate (startup.check_flags: the flags into typed configs, the model and the layout, the same verdict on
+every rank) -> build (trainer/build.py: inputs, actor, logger; rollout/build.py: the rollout engine;
+trainer/colocate.py with --colocate) -> resume (Checkpointer.load + one weight push) -> `Trainer.run`
+(trainer/loop.py). The run config (trainer/run_config.py) is built once from the flags and written to --log-dir as
+run_config.json, the record of what ran; nothing below reads the flags. SIGTERM or a first
 SIGINT stops the run with the last finished step saved, exit status 128 + the signal (trainer/stop.py).
 """
 
@@ -19,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout import build as rollout_build
+from megatron_dapo.startup import check_flags, dry_run
 from megatron_dapo.trainer import build, colocate
 from megatron_dapo.trainer.stop import StopRequested, StopSignal, restored_signal_handlers
 from megatron_dapo.trainer.validation import share_verdict
@@ -36,9 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     stopped by SIGTERM / SIGINT exits with 128 + the signal once its last finished step is saved (trainer/stop.py)."""
     args = build_parser().parse_args(argv)
     if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner.py)
-        from megatron_dapo.planner import print_plan
-
-        sys.exit(print_plan(args))
+        sys.exit(dry_run(args))
     try:
         train(args)
     except StopRequested as stop:
@@ -71,65 +70,65 @@ def _train(args: argparse.Namespace) -> None:
 
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        run, reward_fn = build.check_flags(args)
+        run, reward_fn = check_flags(args)
         # before any NCCL communicator: NCCL reads it once per process (weight_sync/nccl_env.py)
-        cumem = nccl_env.match_sglang_cumem(args, os.environ, cuda=torch.cuda.is_available())
+        cumem = nccl_env.match_sglang_cumem(run.engine, os.environ, cuda=torch.cuda.is_available())
     except UserError as err:
         err.echo = rank0  # every rank reaches the same verdict; one prints it
         raise
     if cumem and os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node: nodes may decide differently
         print(cumem, flush=True)
     # from here on SIGTERM / SIGINT stop the run at its next safe point, within --exit-save-timeout-s
-    stop = StopSignal(run.trainer.exit_save_timeout_s, save_dir=Path(args.save) if rank0 and args.save else None)
+    ckpt = run.checkpoint
+    stop = StopSignal(run.trainer.exit_save_timeout_s, save_dir=Path(ckpt.save) if rank0 and ckpt.save else None)
     stop.install()
     engine, inputs, verdict = None, None, None
     if rank0:
         try:
-            engine, inputs = build.prepare_rank0(args)
+            engine, inputs = build.prepare_rank0(run)
         except UserError as err:
             verdict = err
     # process groups only: the verdict travels over them
-    layout = init_parallel(seed=args.seed, num_layers=build.virtual_stage_layers(args, echo=rank0),
-                           **ParallelLayout.options_from_args(args))
+    layout = init_parallel(run.layout, seed=run.seed, num_layers=build.virtual_stage_layers(run, echo=rank0))
     share_verdict(verdict)
-    inputs = inputs or build.load_inputs(args, with_data=False)
+    inputs = inputs or build.load_inputs(run.inputs, run.arch, layout, with_data=False)
     tokenizer, prompts = inputs.tokenizer, inputs.train_prompts
     run = run.with_stop_tokens(tuple(sorted({t for t in (tokenizer.eos_token_id,) if t is not None})))
-    init_ckpt = initial_checkpoint(args.load, args.mcore_checkpoint)  # hf-to-mcore output, if given
-    if args.colocate:  # the engines free their GPU memory before the actor allocates any (colocate.py)
-        engine = colocate.start_colocated_engines(args, tokenizer, rank0)
-    actor = build.build_actor(args, inputs.arch, run.actor, layout, init_ckpt)
-    sampler = ResumableSampler(max(len(prompts), 1), seed=args.seed)  # rank 0 draws; a placeholder elsewhere
+    init_ckpt = initial_checkpoint(ckpt.load, ckpt.mcore_checkpoint)  # hf-to-mcore output, if given
+    if run.engine.colocate:  # the engines free their GPU memory before the actor allocates any (colocate.py)
+        engine = colocate.start_colocated_engines(run.engine, tokenizer, rank0)
+    actor = build.build_actor(run.inputs.hf_checkpoint, inputs.arch, run.actor, layout, init_ckpt)
+    sampler = ResumableSampler(max(len(prompts), 1), seed=run.seed)  # rank 0 draws; a placeholder elsewhere
     if rank0 and engine is None:
-        engine = rollout_build.make_rollout_engine(args, tokenizer)
+        engine = rollout_build.make_rollout_engine(run.engine, tokenizer)
     logger = build.make_logger(run) if rank0 else None
-    phases, weight_sync = colocate.make_colocated(args, actor, engine) if args.colocate else (None, None)
+    phases, weight_sync = colocate.make_colocated(run.engine, actor, engine) if run.engine.colocate else (None, None)
     trainer = Trainer(config=run.trainer, collect=run.collect, actor=actor, engine=engine,
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                       phases=phases, weight_sync=weight_sync, stop=stop,  # weight_sync None: built from the engine
-                      weight_sync_mode=rollout_build.weight_sync_mode(args) if rank0 else None)  # and its transport
+                      weight_sync_mode=rollout_build.weight_sync_mode(run.engine) if rank0 else None)  # its transport
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(
         {"actor": actor, "trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead},
-        save_dir=args.save, load_dir=None if init_ckpt else args.load, fully_parallel=args.ckpt_fully_parallel_save,
-        async_save=args.async_save, section=trainer.section, group=trainer.wait_group)
+        save_dir=ckpt.save, load_dir=None if init_ckpt else ckpt.load, fully_parallel=ckpt.fully_parallel_save,
+        async_save=ckpt.async_save, section=trainer.section, group=trainer.wait_group)
     try:
         resumed = trainer.checkpointer.load() is not None
         if (resumed or init_ckpt is not None) and trainer.phases is None:  # --colocate: Trainer.run pushes
             trainer.sync_weights(trainer.step)  # the engine was started from --hf-checkpoint
         trainer.run()
         trainer.checkpointer.close()  # an --async-save in flight is finished and renamed here
-        if args.export_hf:
+        if ckpt.export_hf:
             if trainer.phases is not None:  # the export's TP gathers need not sit next to SGLang's KV cache
                 trainer.phases.end()
-            build.export_hf(actor, args.export_hf, args.hf_checkpoint, trainer.step)
+            build.export_hf(actor, ckpt.export_hf, run.inputs.hf_checkpoint, trainer.step)
     finally:
         if logger is not None:
             logger.close()
-            build.write_report(args.log_dir)
+            build.write_report(run.log.log_dir)
         if engine is not None:
             engine.shutdown()
         if dist.is_initialized():

@@ -163,7 +163,7 @@ def test_config_errors_name_the_flag(kwargs, flag):
 
 
 def test_flags_build_the_config():
-    from megatron_dapo.trainer.run_config import build_configs
+    from megatron_dapo.startup import build_configs
 
     args = build_parser().parse_args(["--hf-checkpoint", "x", "--prompt-data", "y", "--num-steps", "2",
                                       "--use-tis", "--tis-cap", "3", "--mis-mode", "sequence",

@@ -20,7 +20,7 @@ from megatron_dapo.algorithm.registry import get_advantage_estimator, policy_los
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.dotted_path import Registry
 from megatron_dapo.errors import UserError
-from megatron_dapo.trainer.run_config import build_configs
+from megatron_dapo.startup import build_configs
 from tests.conftest import REPO
 from tests.losses import neg_adv_loss
 

@@ -22,8 +22,8 @@ from megatron_dapo.rollout.async_rollout import AheadBatch, batch_from_state, ba
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, ScoredGroup
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
+from megatron_dapo.startup import build_configs
 from megatron_dapo.trainer.loop import Trainer, TrainerConfig
-from megatron_dapo.trainer.run_config import build_configs
 from tests.dist.actor_common import load_hf_weights, single_process_world
 from tests.sim_engine import decode, reward
 

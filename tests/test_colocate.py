@@ -250,7 +250,9 @@ def test_memory_server_args_for_launched_cuda_servers():
     """Launched CUDA servers get --mem-fraction-static (given, or the planner's with --colocate) and, colocated,
     --enable-memory-saver; CPU servers nothing."""
     from megatron_dapo.arguments import build_parser
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.build import memory_server_args
+    from megatron_dapo.startup import engine_config
     from tests.test_planner import REPO
 
     base = ["--hf-checkpoint", str(REPO / "examples/models/qwen2.5-32B"), "--prompt-data", "x", "--num-steps", "1",
@@ -258,7 +260,10 @@ def test_memory_server_args_for_launched_cuda_servers():
             "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "block",
             "--recompute-num-layers", "16", "--max-tokens-per-micro-batch", "24576", "--pack-sequences",
             "--fused-linear-logprob", "--world-size", "128", "--rollout-num-gpus-per-engine", "4"]
-    parse = build_parser().parse_args
+    def parse(argv):  # the engine's config as start-up parses it (startup.engine_config)
+        args = build_parser().parse_args(argv)
+        return engine_config(args, ModelArch.from_hf(args.hf_checkpoint), api_key=None)
+
     assert memory_server_args(parse(base + ["--colocate"]), cuda=True) == \
         ("--mem-fraction-static", "0.77", "--enable-memory-saver")
     assert memory_server_args(parse(base + ["--colocate", "--mem-fraction-static", "0.7"]), cuda=True) == \
@@ -303,10 +308,10 @@ def _run_startup(world, tmp_path, monkeypatch, *, resume: bool, extra: tuple[str
     layout, _, arch = world
     log: list = []
     tokenizer = SimpleNamespace(eos_token_id=1, decode=lambda ids, **kw: "")
-    monkeypatch.setattr(build, "load_inputs", lambda args, with_data: build.Inputs(
+    monkeypatch.setattr(build, "load_inputs", lambda *configs, **kw: build.Inputs(
         arch=arch, tokenizer=tokenizer, train_prompts=[Prompt(prompt_ids=[2, 3], ground_truth="1", index=0)]))
-    monkeypatch.setattr(actor_mod, "init_parallel", lambda **kw: layout)
-    monkeypatch.setattr(rollout_build, "make_rollout_engine", lambda args, tok: log.append("engine up") or
+    monkeypatch.setattr(actor_mod, "init_parallel", lambda *a, **kw: layout)
+    monkeypatch.setattr(rollout_build, "make_rollout_engine", lambda cfg, tok: log.append("engine up") or
                         _StartupEngine(log))
     monkeypatch.setattr(build, "build_actor", lambda *a: log.append("build actor") or
                         SimpleNamespace(chunks=[], optimizer=SimpleNamespace(), checkpoint_state=ShardedState()))

@@ -15,9 +15,9 @@ from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.rollout.collect import CollectConfig
 from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.startup import build_configs
 from megatron_dapo.trainer.dataplane import ABORT, abort_reason, abort_share, pack, unpack
 from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
-from megatron_dapo.trainer.run_config import build_configs
 from megatron_dapo.weights import export as export_module
 
 FLAGS = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",

@@ -12,8 +12,8 @@ import pytest
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.rollout.evaluation import evaluate
 from megatron_dapo.rollout.types import RolloutRequest, Sample
+from megatron_dapo.startup import build_configs
 from megatron_dapo.trainer.loop import Trainer
-from megatron_dapo.trainer.run_config import build_configs
 from tests import sim_engine as sim
 from tests.sim_engine import LengthLatencyEngine
 

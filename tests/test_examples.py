@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.trainer.run_config import build_configs
+from megatron_dapo.startup import build_configs
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_VISIBLE_DEVICES")

@@ -19,7 +19,7 @@ import pytest
 
 from checkpoint_convert.cli import build_parser as build_convert_parser
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.trainer.run_config import build_configs
+from megatron_dapo.startup import build_configs
 
 REPO = Path(__file__).resolve().parent.parent
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")

@@ -1,11 +1,16 @@
-"""The library's import graph: no cycles, no library module imports the command line, and weight_sync/ and
-rollout/sglang/ import one way.
+"""The library's import graph: no cycles, no library module imports the command line, none reads the flags, and
+weight_sync/ and rollout/sglang/ import one way.
 
 Every import counts, also those inside functions (a cycle broken only by a deferred import is still two
-modules that cannot be understood, tested or moved apart). The entry points that may read the CLI module:
-`train.py` (it parses the flags), `planner.py` (`python -m megatron_dapo.planner`) and `launch/server_args.py`
-(`python -m megatron_dapo.launch.server_args`: the servers' flags from the trainer's). A module importing its
-own package (`megatron_dapo.x.y` -> `megatron_dapo.x`) is not an edge: Python runs the package first anyway.
+modules that cannot be understood, tested or moved apart); a module's `if __name__ == "__main__":` block does
+not (it runs as the module `__main__`, a script). The entry points that may read the CLI module: `train.py` (it
+parses the flags), `startup.py` (the flags into the run's typed configs, and the dry run of `python -m
+megatron_dapo.planner`) and `launch/server_args.py` (`python -m megatron_dapo.launch.server_args`: the servers'
+flags from the trainer's). A module importing its own package (`megatron_dapo.x.y` -> `megatron_dapo.x`) is not an
+edge: Python runs the package first anyway.
+
+Below them nothing takes the parsed flags: every builder takes the typed config it needs
+(`test_no_module_below_the_cli_reads_the_flags`).
 """
 
 from __future__ import annotations
@@ -13,15 +18,42 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "megatron_dapo"
 CLI = "megatron_dapo.arguments"
-ENTRY_POINTS = {"megatron_dapo.train", "megatron_dapo.planner", "megatron_dapo.launch.server_args"}
+ENTRY_POINTS = {"megatron_dapo.train", "megatron_dapo.startup", "megatron_dapo.launch.server_args"}
+FLAG_READERS = ENTRY_POINTS | {CLI}
+"""The modules that hold or read the trainer's parsed flags (an argparse.Namespace); nothing below them does."""
+NAMESPACE_PARAMS = {"args", "flags", "namespace", "ns", "opts"}
+"""Parameter names that mean "the parsed flags" unless annotated with another type (a hook's `args: tuple`, the
+flag names `flags: str` an error message cites, the record's `flags: Mapping`)."""
+NAMESPACE_AS_DATA = {
+    "megatron_dapo.checkpoint.safe_read": "Megatron-LM pickles its args (a Namespace) into common.pt: the "
+                                          "checkpoint reader's allowlist names the class",
+}
+"""Library modules that name argparse.Namespace as data, never as flags they read; each with why."""
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_main_guard(node: ast.AST) -> bool:
+    """`if __name__ == "__main__":` at module level: the module run as a script, not the library."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators))
+
+
+def library_nodes(tree: ast.Module):
+    """Every node of a module but its `if __name__ == "__main__":` block (a script's imports run in `__main__`, a
+    module of their own)."""
+    for top in tree.body:
+        if not is_main_guard(top):
+            yield from ast.walk(top)
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -37,7 +69,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in library_nodes(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -129,3 +161,78 @@ def test_weight_sync_and_sglang_import_one_way():
     assert back == [], f"rollout/sglang/ importing weight_sync/: {back}"
     assert any(t.startswith("megatron_dapo.rollout.sglang") for m, edges in graph.items()
                if m.startswith("megatron_dapo.weight_sync") for t in edges)  # the one direction, still used
+
+
+def trainer_flag_dests() -> set[str]:
+    from megatron_dapo.arguments import build_parser
+
+    return {action.dest for action in build_parser()._actions}
+
+
+def flag_reads(tree: ast.Module, *, own_parser: bool, dests: set[str] = frozenset({"context_parallel_size"})
+               ) -> list[str]:
+    """Where a module outside FLAG_READERS takes or reads a flags namespace: a parameter annotated
+    argparse.Namespace, or named like one (NAMESPACE_PARAMS) without another annotation; a getattr of a flag's
+    dest (`dests`) from a variable, with a default (how code reads a flag a namespace may lack); argparse imported
+    where the module defines no parser of its own (`own_parser`: it calls argparse.ArgumentParser, as the launch/
+    tools do for their own flags)."""
+    found = []
+    for node in library_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            name = getattr(node, "name", "<lambda>")
+            for param in params:
+                annotation = ast.unparse(param.annotation) if param.annotation is not None else ""
+                if "Namespace" in annotation or (param.arg in NAMESPACE_PARAMS and not annotation):
+                    found.append(f"line {node.lineno}: {name}({param.arg}{': ' + annotation if annotation else ''})")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) == 3 and isinstance(node.args[0], ast.Name)
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in dests):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and not own_parser:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if "argparse" in names:
+                found.append(f"line {node.lineno}: imports argparse without a parser of its own")
+    return found
+
+
+def defines_own_parser(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.Call) and ast.unparse(n.func) in ("argparse.ArgumentParser", "ArgumentParser")
+               for n in library_nodes(tree))
+
+
+def test_no_module_below_the_cli_reads_the_flags():
+    """Issue 40 item 1: the flags are parsed once, at start-up (startup.py), into typed per-component configs;
+    every builder below takes the config it needs, never the namespace."""
+    offenders, dests = {}, trainer_flag_dests()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = module_name(path)
+        if name in FLAG_READERS:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        found = flag_reads(tree, own_parser=defines_own_parser(tree) or name in NAMESPACE_AS_DATA, dests=dests)
+        if found:
+            offenders[name] = found
+    assert offenders == {}, f"modules below the CLI that take or read the parsed flags: {offenders}"
+
+
+@pytest.mark.parametrize("source, caught", [
+    pytest.param("def load(args):\n    return args.hf_checkpoint\n", True, id="args-param"),
+    pytest.param("import argparse\ndef load(cfg: argparse.Namespace):\n    return cfg.lr\n", True,
+                 id="namespace-annotation"),
+    pytest.param("def load(cfg: 'Namespace'):\n    return cfg.lr\n", True, id="string-annotation"),
+    pytest.param("def load(flags):\n    return flags.lr\n", True, id="unannotated-flags"),
+    pytest.param("def load(args: argparse.Namespace):\n    return args.lr\n", True, id="annotated-args"),
+    pytest.param("def load(cfg):\n    return getattr(cfg, 'context_parallel_size', 1)\n", True,
+                 id="getattr-default"),
+    pytest.param("import argparse\n", True, id="argparse-without-parser"),
+    pytest.param("def f(*args, **kwargs):\n    return args\n", False, id="varargs"),
+    pytest.param("def f(flags: str):\n    return flags\n", False, id="typed-flags"),
+    pytest.param("def hook(module, args: tuple, output):\n    return args\n", False, id="typed-args"),
+    pytest.param("def f(m):\n    return getattr(m, 'output_layer', None)\n", False, id="getattr-not-a-flag"),
+    pytest.param("def load(cfg):\n    return cfg.lr\n"
+                 "if __name__ == '__main__':\n    import argparse\n    args = argparse.Namespace()\n", False,
+                 id="main-guard"),
+])
+def test_the_flags_check_catches_a_namespace_passed_down(source, caught):
+    assert bool(flag_reads(ast.parse(source), own_parser=False)) is caught

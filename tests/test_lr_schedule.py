@@ -9,8 +9,8 @@ import torch
 
 from megatron_dapo.actor import MegatronActor
 from megatron_dapo.arguments import build_parser
+from megatron_dapo.startup import build_configs
 from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
-from megatron_dapo.trainer.run_config import build_configs
 from tests.dist.actor_common import (
     load_hf_weights,
     make_samples,

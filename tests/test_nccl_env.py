@@ -21,6 +21,7 @@ import pytest
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
+from megatron_dapo.startup import engine_config
 from megatron_dapo.weight_sync.nccl_env import CUMEM_VAR, is_local_host, match_sglang_cumem, sglang_cumem
 from tests.sglang.real_server import SGLANG_PY
 from tests.test_examples import launcher_args
@@ -30,9 +31,13 @@ BASE = ["--hf-checkpoint", "examples/models/qwen2.5-7B", "--prompt-data", "unuse
 LOCAL = {"127.0.0.1", "actor0"}  # the hosts a stand-in is_local takes for this machine
 
 
+def _engine(argv: list[str]):
+    """The rollout engine's config of these flags, as start-up parses them (startup.engine_config)."""
+    return engine_config(build_parser().parse_args(argv), None, api_key=None)
+
+
 def _match(flags: list[str], environ: dict[str, str], *, cuda: bool = True) -> str | None:
-    return match_sglang_cumem(build_parser().parse_args(BASE + flags), environ, cuda=cuda,
-                              is_local=lambda host: host in LOCAL)
+    return match_sglang_cumem(_engine(BASE + flags), environ, cuda=cuda, is_local=lambda host: host in LOCAL)
 
 
 @pytest.mark.parametrize("flags,cuda,want", [
@@ -57,7 +62,7 @@ def test_the_trainer_takes_sglangs_value_where_it_shares_a_node_group(flags, cud
 
 def test_embedded_rollouts_leave_nccl_alone():
     env: dict[str, str] = {}
-    assert match_sglang_cumem(build_parser().parse_args(BASE[:6] + ["--rollout-engine", "embedded"]), env,
+    assert match_sglang_cumem(_engine(BASE[:6] + ["--rollout-engine", "embedded"]), env,
                               cuda=True) is None and env == {}
 
 
@@ -119,7 +124,7 @@ def test_train_sets_it_before_anything_starts(monkeypatch):
     class Reached(Exception):
         pass
 
-    def prepare_rank0(args):
+    def prepare_rank0(run):
         seen["env"] = os.environ.get(CUMEM_VAR)
         raise Reached
 
@@ -156,7 +161,7 @@ def test_each_launchers_trainer_runs_with_its_servers_value(tmp_path, monkeypatc
     trainer_env = json.loads((tmp_path / "argv.json.env").read_text())
     assert CUMEM_VAR not in trainer_env  # no launcher sets it: train.py decides, for every launcher alike
     args = build_parser().parse_args(train_args)
-    match_sglang_cumem(args, trainer_env, cuda=True)
+    match_sglang_cumem(engine_config(args, None, api_key=None), trainer_env, cuda=True)
     assert trainer_env.get(CUMEM_VAR) == want
     if not args.sglang_server_urls and not args.colocate:  # servers launched by rank 0 (rollout/build.py)
         group = ServerGroup(ServerConfig(model_path=args.hf_checkpoint, num_servers=args.sglang_num_servers,

@@ -238,7 +238,7 @@ def test_32b_dry_run_prints_the_fused_linear_saving(tmp_path):
 
 def test_flags_reach_the_actor_config():
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.trainer.run_config import build_configs
+    from megatron_dapo.startup import build_configs
 
     base = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
             "--max-response-length", "64", "--overlong-buffer-length", "16"]

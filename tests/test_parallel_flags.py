@@ -14,6 +14,7 @@ from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, padd
 from megatron_dapo.models import spec
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.startup import layout_options
 from tests.dist.actor_common import hf_to_full_mcore, make_samples, mcore_shards_for_rank, tiny_hf_model
 
 ARCH = ModelArch(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=8,
@@ -90,7 +91,7 @@ def test_flags_reach_the_transformer_config():
         "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel",
         "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
         "--overlap-grad-reduce", "--overlap-param-gather", "--transformer-impl", "transformer_engine"])
-    layout = ParallelLayout.from_args(args, world_size=16)
+    layout = ParallelLayout.from_world(16, **layout_options(args))
     assert (layout.tp, layout.pp, layout.cp, layout.dp, layout.sp) == (2, 2, 2, 2, True)
     assert (layout.overlap_grad_reduce, layout.overlap_param_gather, layout.transformer_impl) == (
         True, True, "transformer_engine")
@@ -99,7 +100,7 @@ def test_flags_reach_the_transformer_config():
     assert cfg.sequence_parallel is True
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 2)
     with pytest.raises(ValueError, match="--context-parallel-size"):
-        ParallelLayout.from_args(args, world_size=12)
+        ParallelLayout.from_world(12, **layout_options(args))
 
 
 def test_transformer_engine_is_required_on_cuda(monkeypatch):

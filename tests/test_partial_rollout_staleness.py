@@ -13,7 +13,7 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.partial_rollout import from_state, state
-from megatron_dapo.trainer.run_config import build_configs
+from megatron_dapo.startup import build_configs
 from tests.rewards import length_parity
 from tests.test_partial_rollout import Counting, _config, _decode, _model, _prompts, _tokens
 

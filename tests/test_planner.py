@@ -18,6 +18,7 @@ from megatron_dapo import planner
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.startup import dry_run
 from tests.test_examples import REPO, launcher_args
 
 # ---- Korthikanti et al. 2022, Sec. 4 (fp16 activations, 1-byte dropout masks), written out ------------
@@ -298,7 +299,7 @@ LAUNCHERS = [
 
 def _dry_run(train_args: list[str]) -> tuple[int, list[str]]:
     out = io.StringIO()
-    rc = planner.print_plan(build_parser().parse_args(train_args + ["--dry-run"]), out=out)
+    rc = dry_run(build_parser().parse_args(train_args + ["--dry-run"]), out=out)
     return rc, out.getvalue().splitlines()
 
 
@@ -363,7 +364,7 @@ def test_dry_run_refuses_a_gpu_size_or_world_it_cannot_plan_for(capsys, flags, m
 def test_python_m_planner_prints_the_dry_run_plan():
     """`python -m megatron_dapo.planner <train flags>` is the trainer's --dry-run (it was a module that did nothing)."""
     out = io.StringIO()
-    want = planner.print_plan(build_parser().parse_args(PLAN_7B + ["--world-size", "8"]), out=out)
+    want = dry_run(build_parser().parse_args(PLAN_7B + ["--world-size", "8"]), out=out)
     import subprocess
 
     from tests.torchrun import subprocess_env

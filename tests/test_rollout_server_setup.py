@@ -20,6 +20,7 @@ from megatron_dapo.rollout.sglang.setup import (
     physical_gpu,
     server_deterministic,
 )
+from megatron_dapo.startup import engine_config, model_arch
 from megatron_dapo.weight_sync.transports import weight_sync_mode
 
 BASE = ["--hf-checkpoint", "/models/fake", "--prompt-data", "p.jsonl", "--num-steps", "1",
@@ -99,6 +100,13 @@ def test_attached_servers_are_asked_through_server_info():
     assert attached_determinism_warnings(["http://b:1"], seeded=False, get=get) == []
 
 
+def engine(argv: list[str]):
+    """The rollout engine's config of these flags as start-up parses it (startup.engine_config), with the model of
+    --hf-checkpoint when it has a config.json."""
+    args = build_parser().parse_args(argv)
+    return engine_config(args, model_arch(args.hf_checkpoint), api_key=None)
+
+
 @pytest.fixture
 def on_cuda(monkeypatch):
     """make_rollout_engine as on a CUDA machine whose rank 0 is GPU 0; make_engine records its arguments."""
@@ -112,29 +120,27 @@ def on_cuda(monkeypatch):
 
 def test_make_rollout_engine_on_cuda(on_cuda, capsys):
     with pytest.raises(ValueError, match="--sglang-gpus"):
-        make_rollout_engine(build_parser().parse_args(BASE), tokenizer=None)
+        make_rollout_engine(engine(BASE), tokenizer=None)
     assert not on_cuda  # nothing launched
 
-    args = build_parser().parse_args(BASE + ["--sglang-gpus", "4,5"])
-    assert make_rollout_engine(args, None) == "engine"
+    cfg = engine(BASE + ["--sglang-gpus", "4,5"])
+    assert make_rollout_engine(cfg, None) == "engine"
     (_, server), kw = on_cuda[-1]
     assert server.env == {"CUDA_VISIBLE_DEVICES": "4,5"} and server.device == "cuda"
     assert DETERMINISTIC_FLAG in server.extra_args
-    assert rollout_build.weight_sync_mode(args) == "distributed" and kw["client"].sync_backend == "nccl"
+    assert rollout_build.weight_sync_mode(cfg) == "distributed" and kw["client"].sync_backend == "nccl"
     assert DETERMINISTIC_FLAG in capsys.readouterr().out
 
-    args = build_parser().parse_args(BASE + ["--colocate", "--mem-fraction-static", "0.7",
-                                             "--no-sglang-deterministic-inference"])
-    make_rollout_engine(args, None)
+    cfg = engine(BASE + ["--colocate", "--mem-fraction-static", "0.7", "--no-sglang-deterministic-inference"])
+    make_rollout_engine(cfg, None)
     (_, server), kw = on_cuda[-1]
     assert server.env == {} and DETERMINISTIC_FLAG not in server.extra_args
     assert server.extra_args[-3:] == ("--mem-fraction-static", "0.7", "--enable-memory-saver")
-    assert rollout_build.weight_sync_mode(args) == "tensor"
+    assert rollout_build.weight_sync_mode(cfg) == "tensor"
     assert "not reproducible" in capsys.readouterr().out
 
     with pytest.raises(ValueError, match="cannot open"):
-        make_rollout_engine(build_parser().parse_args(BASE + ["--sglang-gpus", "4,5", "--weight-sync-mode",
-                                                              "tensor"]), None)
+        make_rollout_engine(engine(BASE + ["--sglang-gpus", "4,5", "--weight-sync-mode", "tensor"]), None)
 
 
 @pytest.mark.parametrize("overrides", [dict(mlp_only_layers=[1]), dict(decoder_sparse_step=2)],
@@ -147,7 +153,7 @@ def test_sglang_refuses_moe_model_with_dense_layers_before_launch(tmp_path, monk
 
     from megatron_dapo.models.registry import family
     from megatron_dapo.rollout.build import check_rollout_model
-    from megatron_dapo.trainer.build import check_flags
+    from megatron_dapo.startup import check_flags
 
     fam = family("qwen3_moe")
     fields = {**fam.tiny_config, "model_type": "qwen3_moe", **overrides}
@@ -159,28 +165,26 @@ def test_sglang_refuses_moe_model_with_dense_layers_before_launch(tmp_path, monk
     args = build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "mixed")])
     want = rf"layers {re.escape(str(dense))} .*dense .*mlp_only_layers / decoder_sparse_step.*qwen3_moe.py:877"
     with pytest.raises(ValueError, match=want):
-        check_rollout_model(args)
+        check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "mixed")]))
     with pytest.raises(ValueError, match=want):
         check_flags(args)
     launched = []
     monkeypatch.setattr(rollout_pkg, "make_engine", lambda *a, **k: launched.append(a))
     with pytest.raises(ValueError, match=want):
-        make_rollout_engine(args, None)
+        make_rollout_engine(engine([*BASE, "--hf-checkpoint", str(tmp_path / "mixed")]), None)
     assert launched == []  # nothing was started
     # the embedded engine serves it (transformers builds the dense layers), and an all-MoE model goes to SGLang
-    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "mixed"),
-                                                   "--rollout-engine", "embedded"]))
+    check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "mixed"), "--rollout-engine", "embedded"]))
     (tmp_path / "sparse").mkdir()
     (tmp_path / "sparse" / "config.json").write_text(json.dumps({**fam.tiny_config, "model_type": "qwen3_moe"}))
-    check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "sparse"),
-                                                   "--moe-routing-replay"]))
+    check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "sparse"), "--moe-routing-replay"]))
     # --moe-routing-replay needs experts: refused for a dense model, whatever the engine
     from megatron_dapo.models.registry import family as dense_family
 
     (tmp_path / "dense").mkdir()
     (tmp_path / "dense" / "config.json").write_text(json.dumps({**dense_family("qwen3").tiny_config,
                                                                 "model_type": "qwen3"}))
-    for engine in ("sglang", "embedded"):
+    for kind in ("sglang", "embedded"):
         with pytest.raises(ValueError, match="--moe-routing-replay needs a mixture-of-experts model"):
-            check_rollout_model(build_parser().parse_args([*BASE, "--hf-checkpoint", str(tmp_path / "dense"),
-                                                           "--rollout-engine", engine, "--moe-routing-replay"]))
+            check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "dense"),
+                                        "--rollout-engine", kind, "--moe-routing-replay"]))

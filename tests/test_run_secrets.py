@@ -143,12 +143,12 @@ def test_a_key_on_the_command_line_is_in_no_file_while_the_run_lives_nor_after_s
 def test_run_record_redacts_the_key_wherever_it_appears():
     args = build_parser().parse_args(["--hf-checkpoint", "m", "--prompt-data", "d", "--num-steps", "1",
                                       "--sglang-extra-args", f"--foo {ARGV_KEY}"])
-    args.sglang_api_key = ARGV_KEY
-    record = run_record(args)
+    flags = vars(args) | {"sglang_api_key": ARGV_KEY}
+    record = run_record(flags)
     assert record["sglang_api_key"] == REDACTED and record["sglang_extra_args"] == f"--foo {REDACTED}"
-    assert ARGV_KEY not in json.dumps(record) and args.sglang_api_key == ARGV_KEY  # args itself is untouched
-    args.sglang_api_key = None
-    assert run_record(args)["sglang_api_key"] is None  # no key: nothing to hide, the record says so
+    assert ARGV_KEY not in json.dumps(record) and flags["sglang_api_key"] == ARGV_KEY  # the flags are untouched
+    flags["sglang_api_key"] = None
+    assert run_record(flags)["sglang_api_key"] is None  # no key: nothing to hide, the record says so
 
 
 def test_wandb_files_hold_no_key_given_on_the_command_line(tmp_path, monkeypatch):
@@ -156,7 +156,7 @@ def test_wandb_files_hold_no_key_given_on_the_command_line(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["megatron_dapo.train", "--sglang-api-key", ARGV_KEY])
     args = build_parser().parse_args(sys.argv[1:] + ["--hf-checkpoint", "m", "--prompt-data", "d", "--num-steps", "1"])
-    logger = MetricsLogger(tmp_path / "log", total_steps=1, config=run_record(args), progress=False,
+    logger = MetricsLogger(tmp_path / "log", total_steps=1, config=run_record(vars(args)), progress=False,
                            private_argv=True)
     logger.log(1, {"x": 1.0})
     logger.close()

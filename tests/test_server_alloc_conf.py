@@ -109,10 +109,11 @@ def test_launched_servers_environment_follows_memory_saver(tmp_path):
 
 def test_colocated_training_launches_servers_with_memory_saver():
     """train.py --colocate adds --enable-memory-saver to the launched servers' flags: ServerConfig sees it."""
-    import argparse
-
+    from megatron_dapo.arguments import build_parser
     from megatron_dapo.rollout.build import memory_server_args
+    from megatron_dapo.startup import engine_config
 
-    args = argparse.Namespace(mem_fraction_static=0.6, colocate=True)
-    extra = memory_server_args(args, cuda=True)
+    args = build_parser().parse_args(["--hf-checkpoint", "/m", "--prompt-data", "d", "--num-steps", "1",
+                                      "--mem-fraction-static", "0.6", "--colocate"])
+    extra = memory_server_args(engine_config(args, None, api_key=None), cuda=True)
     assert ServerConfig(model_path="/m", extra_args=extra).memory_saver

@@ -28,7 +28,7 @@ from megatron_dapo.rollout.sglang.api_key import (
 from megatron_dapo.rollout.sglang.log_redact import REDACTED, Redactor, secret_forms
 from megatron_dapo.rollout.sglang.router_launch import router_argv
 from megatron_dapo.rollout.sglang.server import ServerConfig, ServerGroup
-from megatron_dapo.trainer import build as build_mod
+from megatron_dapo.startup import check_flags
 from tests.ports import free_port_block
 from tests.procs import processes
 
@@ -124,11 +124,11 @@ def test_check_flags_reads_the_key_file(tmp_path):
 
     model, data = make_model_dir(tmp_path), tmp_path / "train.jsonl"
     args = parse(model, data, "--sglang-api-key-file", str(_key_file(tmp_path, "fromfile\n")))
-    build_mod.check_flags(args)
-    assert args.sglang_api_key == "fromfile"
+    run, _ = check_flags(args)
+    assert run.engine.sglang_api_key == "fromfile"
     (tmp_path / "key").chmod(0o644)
     with pytest.raises(UserError, match="--sglang-api-key-file .*chmod 600"):
-        build_mod.check_flags(parse(model, data, "--sglang-api-key-file", str(tmp_path / "key")))
+        check_flags(parse(model, data, "--sglang-api-key-file", str(tmp_path / "key")))
     help_text = {a.dest: a.help for a in build_parser()._actions}
     assert "ps" in help_text["sglang_api_key"] and "--sglang-api-key-file" in help_text["sglang_api_key"]
 
@@ -265,7 +265,7 @@ def test_wide_bind_without_a_key_is_one_error_line_naming_the_flags(tmp_path, ca
     key = _key_file(tmp_path, "k")
     for ok in (["--sglang-api-key-file", str(key)], ["--sglang-allow-no-api-key"],
                ["--sglang-server-urls", "http://10.0.0.1:30000"]):
-        build_mod.check_flags(parse(model, data, *wide, *ok))
+        check_flags(parse(model, data, *wide, *ok))
 
 
 # ---- the key filtered out of what a keyed process prints --------------------------------------------------

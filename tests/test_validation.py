@@ -23,8 +23,8 @@ from megatron_dapo.data import prompt_set
 from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.startup import check_flags
 from megatron_dapo.trainer import build
-from megatron_dapo.trainer import build as build_mod
 from megatron_dapo.trainer.validation import (
     check_batch_arithmetic,
     check_context,
@@ -60,6 +60,12 @@ def prompts(tmp_path) -> Path:
             for i in range(8)]  # DAPO schema: no template added, a few tokens each
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def load_inputs(args, *, with_data: bool):
+    """trainer/build.load_inputs as train.py calls it: on the configs start-up parsed from these flags."""
+    run, _ = check_flags(args)
+    return build.load_inputs(run.inputs, run.arch, run.layout, with_data=with_data)
 
 
 def parse(model_dir: Path, data: Path, *extra: str):
@@ -132,15 +138,15 @@ def test_tokenizer_larger_than_the_model_vocab_fails_at_start_up(tmp_path, promp
     model = make_model_dir(tmp_path, vocab_size=CHAR_VOCAB - 10)
     with pytest.raises(UserError, match=rf"has {CHAR_VOCAB} tokens but the model of {model} has vocab_size "
                                         rf"{CHAR_VOCAB - 10}"):
-        build.load_inputs(parse(model, prompts), with_data=False)
+        load_inputs(parse(model, prompts), with_data=False)
 
 
 def test_prompt_plus_response_over_the_context_fails_at_start_up(tmp_path, prompts):
     model = make_model_dir(tmp_path, max_position_embeddings=20)
     with pytest.raises(UserError, match=r"--max-prompt-length 16 \+ --max-response-length 8 = 24 tokens exceeds "
                                         r"the model's context of 20"):
-        build.load_inputs(parse(model, prompts), with_data=False)
-    inputs = build.load_inputs(parse(model, prompts, "--allow-exceed-context"), with_data=True)
+        load_inputs(parse(model, prompts), with_data=False)
+    inputs = load_inputs(parse(model, prompts, "--allow-exceed-context"), with_data=True)
     assert len(inputs.train_prompts) == 8 and inputs.arch.max_position_embeddings == 20
 
 
@@ -152,8 +158,10 @@ def test_prompt_plus_response_over_the_context_fails_at_start_up(tmp_path, promp
 def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, where):
     (model_dir / "config.json").write_text(text)
     path = re.escape(str(model_dir / "config.json"))
+    with pytest.raises(UserError, match=rf"^--hf-checkpoint {path} is not valid JSON \(.*: {where}\)"):
+        check_flags(parse(model_dir, prompts))  # config.json is parsed once, at start-up (startup.model_arch)
     with pytest.raises(UserError, match=rf"^{path} is not valid JSON \(.*: {where}\)"):
-        build.load_inputs(parse(model_dir, prompts), with_data=False)
+        ModelArch.from_hf(model_dir)
     (model_dir / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(UserError, match=rf"^{path} is not UTF-8 text \(byte offset 0"):
         ModelArch.from_hf(model_dir)
@@ -165,7 +173,7 @@ def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, w
 def test_global_batch_size_3_of_4_responses_fails_in_check_flags(model_dir, prompts, capsys):
     args = parse(model_dir, prompts, "--global-batch-size", "3")
     with pytest.raises(UserError, match="--global-batch-size 3"):
-        build_mod.check_flags(args)
+        check_flags(args)
     argv = ["--hf-checkpoint", str(model_dir), "--prompt-data", str(prompts), "--num-steps", "1",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "3"]
     with pytest.raises(SystemExit) as info:
@@ -194,10 +202,10 @@ def test_model_that_does_not_split_over_the_layout_fails_in_load_inputs(tmp_path
     model = make_model_dir(tmp_path, **config)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args = parse(model, prompts, *flags)
-    build_mod.check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
+    check_flags(args)  # the flags alone are fine: world % (TP x PP) == 0
     with pytest.raises(UserError, match=rf"^the model of --hf-checkpoint {model} does not split over this layout: "
                                         rf"{message}$"):
-        build.load_inputs(args, with_data=False)
+        load_inputs(args, with_data=False)
 
 
 MOE_CONFIG = dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -225,7 +233,7 @@ def test_a_layout_that_does_not_fit_the_ranks_fails_in_check_flags(tmp_path, pro
     model = make_model_dir(tmp_path, **MOE_CONFIG)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     with pytest.raises(UserError, match=f"^{message}"):
-        build_mod.check_flags(parse(model, prompts, *flags))
+        check_flags(parse(model, prompts, *flags))
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -241,9 +249,9 @@ def test_moe_flags_on_a_dense_model_are_refused_naming_them(model_dir, prompts, 
     plural = "s" if " / " in named else ""
     with pytest.raises(UserError, match=rf"^{re.escape(named)} apply to mixture-of-experts models; qwen2 has no "
                                         rf"experts \(drop the flag{plural}\)$"):
-        build_mod.check_flags(parse(model_dir, prompts, *flags))
+        check_flags(parse(model_dir, prompts, *flags))
     moe = make_model_dir(model_dir.parent / "moe", **MOE_CONFIG)
-    run, _ = build_mod.check_flags(parse(moe, prompts, *flags))  # an MoE model takes them
+    run, _ = check_flags(parse(moe, prompts, *flags))  # an MoE model takes them
     run.actor.check_model(ModelArch.from_hf(moe))
 
 
@@ -276,13 +284,13 @@ def make_tiny_config() -> dict:
 def test_planner_flags_are_checked_at_a_runs_start(model_dir, prompts, flags, message):
     """A colocated run sizes SGLang's share from --gpu-memory-gib: a ZeroDivisionError at 0 as the engines started."""
     with pytest.raises(UserError, match=f"^{message}$"):
-        build_mod.check_flags(parse(model_dir, prompts, *flags))
+        check_flags(parse(model_dir, prompts, *flags))
 
 
 def test_config_dataclass_errors_become_one_line_errors(model_dir, prompts):
     with pytest.raises(UserError, match="--num-steps must be >= 1"):
-        build_mod.check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
-                                                         str(prompts), "--num-steps", "0"]))
+        check_flags(build_parser().parse_args(["--hf-checkpoint", str(model_dir), "--prompt-data",
+                                               str(prompts), "--num-steps", "0"]))
 
 
 def test_flags_named_in_errors_exist(tmp_path, model_dir, prompts):

@@ -226,9 +226,9 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout.build import make_rollout_engine
+    from megatron_dapo.startup import build_configs, engine_config
     from megatron_dapo.trainer.build import load_hf_into_actor
     from megatron_dapo.trainer.loop import Trainer
-    from megatron_dapo.trainer.run_config import build_configs
 
     args = build_parser().parse_args(demo_args(base, dry, out / f"trainer_{label}_log"))
     layout = _init_layout(args)  # the flags' layout, --transformer-impl included
@@ -244,7 +244,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     probe = [TrainSample(tokens=list(p.prompt_ids) + response, prompt_len=len(p.prompt_ids)) for p in prompts[:4]]
     logp, entropy = actor.compute_log_probs(probe, with_entropy=True)
     sampler = ResumableSampler(len(prompts), seed=args.seed)
-    engine = make_rollout_engine(args, tokenizer)
+    engine = make_rollout_engine(engine_config(args, arch, api_key=args.sglang_api_key), tokenizer)
     recorder = _Recorder()
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=lambda k: [prompts[i] for i in sampler.next_batch(k)], eval_prompts=[],
@@ -397,9 +397,9 @@ def _recompute_flags() -> list[str] | None:
 def _init_layout(args):
     """init_parallel from the flags, as train.main does (recompute options and --transformer-impl included)."""
     from megatron_dapo.actor import init_parallel
-    from megatron_dapo.distributed.parallel import ParallelLayout
+    from megatron_dapo.startup import layout_options
 
-    return init_parallel(seed=args.seed, **ParallelLayout.options_from_args(args))
+    return init_parallel(seed=args.seed, **layout_options(args))
 
 
 def _config_only_model(model_dir: Path, config: dict):
@@ -421,7 +421,7 @@ def part_scale(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
-    from megatron_dapo.trainer.run_config import build_configs
+    from megatron_dapo.startup import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()
@@ -524,8 +524,8 @@ def part_colocate(dry: bool, out: Path) -> dict:
 
     from megatron_dapo.actor import MegatronActor, TrainSample, destroy_parallel
     from megatron_dapo.arguments import build_parser
+    from megatron_dapo.startup import build_configs
     from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, device_resident_bytes
-    from megatron_dapo.trainer.run_config import build_configs
 
     size = SIZES[dry]
     cuda = torch.cuda.is_available()

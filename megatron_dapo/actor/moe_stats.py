@@ -46,7 +46,7 @@ class RouterStats:
 
     def hook(self, layer: int):
         """A forward hook for the TopKRouter of global layer `layer` (returns None: output unchanged)."""
-        def count(module, args, output) -> None:
+        def count(module, args: tuple, output) -> None:
             state = self.state
             if not state.training or in_backward() or state.valid is None:
                 return

@@ -33,7 +33,6 @@ global rank 0 touches the file system here; the other ranks learn its verdict ov
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import errno
@@ -313,22 +312,23 @@ def clear_previous_steps(save: Path, steps: list[int]) -> None:
           f"of a previous run from {save}")
 
 
-def prepare_run_dirs(args: argparse.Namespace) -> tuple[SaveDirLock | None, list[int]]:
+def prepare_run_dirs(*, load: str | None, save: str | None, overwrite_save: bool, log_dir: str
+                     ) -> tuple[SaveDirLock | None, list[int]]:
     """Global rank 0, before anything is built: check --load, make --save writable, lock it and check that it
     holds no other run's steps, check --log-dir.
 
     Returns the --save lock (held until exit; None without --save) and the steps --overwrite-save is to delete
     (`clear_previous_steps`). Prints the note of a fresh start."""
-    if args.overwrite_save and not args.save:
+    if overwrite_save and not save:
         raise UserError("--overwrite-save without --save: there is no checkpoint directory to overwrite")
-    note = check_load(args.load, args.save)
+    note = check_load(load, save)
     lock, steps = None, []
-    if args.save:
-        save = Path(args.save)
-        check_save_writable(save)
-        lock = lock_save_dir(save)
-        steps = check_save_steps(save, args.load, args.overwrite_save)
-    check_dir_creatable(Path(args.log_dir), "--log-dir")
+    if save:
+        save_dir = Path(save)
+        check_save_writable(save_dir)
+        lock = lock_save_dir(save_dir)
+        steps = check_save_steps(save_dir, load, overwrite_save)
+    check_dir_creatable(Path(log_dir), "--log-dir")
     if note:
         print(f"[megatron-dapo] {note}")
     return lock, steps

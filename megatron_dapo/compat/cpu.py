@@ -120,7 +120,7 @@ def _is_cuda_device(device: Any) -> bool:
 class _CudaToCpuMode(TorchFunctionMode):
     """Redirect cuda devices to cpu for every torch call made on this thread."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func, types, args: tuple = (), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]

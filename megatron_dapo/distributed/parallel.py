@@ -157,25 +157,6 @@ class ParallelLayout:
             )
         return cls(tp=tp, pp=pp, cp=cp, dp=world_size // (tp * pp * cp), **options)
 
-    @staticmethod
-    def options_from_args(args: Any) -> dict[str, Any]:
-        """Every field but dp from the parser's "parallelism" flags (dp follows from the world size)."""
-        return dict(
-            tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            cp=args.context_parallel_size, sp=args.sequence_parallel,
-            recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-            recompute_num_layers=args.recompute_num_layers, overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather, transformer_impl=args.transformer_impl,
-            layers_per_virtual_stage=getattr(args, "num_layers_per_virtual_pipeline_stage", None),
-            ep=getattr(args, "expert_model_parallel_size", 1),
-            etp=getattr(args, "expert_tensor_parallel_size", None),
-        )
-
-    @classmethod
-    def from_args(cls, args: Any, world_size: int) -> ParallelLayout:
-        """The layout the parser's "parallelism" flags ask for on `world_size` ranks."""
-        return cls.from_world(world_size, **cls.options_from_args(args))
-
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
     """Smallest multiple of divisible_by * tp that holds vocab_size (Megatron's rule)."""

@@ -170,11 +170,9 @@ class ModelArch:
         """
         where = "config.json"
         if isinstance(config, (str, os.PathLike)):
-            where = os.fspath(config)
-            if os.path.isdir(where):
-                where = os.path.join(where, "config.json")
+            where = hf_config_path(config)
             if not os.path.isfile(where):
-                raise FileNotFoundError(f"no HF config at {where}: pass the model directory with config.json")
+                raise FileNotFoundError(NO_HF_CONFIG.format(where))
             config = read_config_json(where)
         elif not isinstance(config, dict):
             config = config.to_dict()
@@ -188,6 +186,16 @@ class ModelArch:
         from megatron_dapo.models.registry import family
 
         return family(config.get("model_type")).parse(config)
+
+
+NO_HF_CONFIG = "no HF config at {}: pass the model directory with config.json"
+"""The error of an HF model path without config.json (its path)."""
+
+
+def hf_config_path(path: str | os.PathLike[str]) -> str:
+    """config.json of an HF model directory, or `path` itself when it is not a directory."""
+    path = os.fspath(path)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
 def dense_decoder_fields(config: dict[str, Any]) -> dict[str, Any]:

@@ -44,12 +44,15 @@ from __future__ import annotations
 import os
 import resource
 import time
-from argparse import Namespace
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_dapo.rollout.build import RolloutEngineConfig
 
 RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 """SGLang 0.5.23's memory tags (sglang/srt/constants.py GPU_MEMORY_TYPE_*)."""
@@ -337,7 +340,7 @@ class PhaseSwitcher:
         return metrics
 
 
-def start_colocated_engines(args: Namespace, tokenizer, rank0: bool):
+def start_colocated_engines(cfg: RolloutEngineConfig, tokenizer, rank0: bool):
     """--colocate, before any rank builds its actor: rank 0 starts (or attaches to) the engines and every engine
     releases its weights, KV cache and CUDA graphs; the other ranks wait in the start-up section (a failure on
     rank 0 reaches them there). Returns rank 0's engine, None elsewhere.
@@ -348,16 +351,16 @@ def start_colocated_engines(args: Namespace, tokenizer, rank0: bool):
     first, SGLang would have sized its KV pool from less free memory than planned."""
     from megatron_dapo.rollout import build as rollout_build
 
-    engine, sync = None, start_up_section(args.rollout_timeout)
+    engine, sync = None, start_up_section(cfg.rollout_timeout_h)
     what = "while rank 0 started the colocated engines and released their GPU memory"
     with sync(what) if sync is not None else nullcontext():
         if rank0:
-            engine = rollout_build.make_rollout_engine(args, tokenizer)
+            engine = rollout_build.make_rollout_engine(cfg, tokenizer)
             release_engines(engine)
     return engine
 
 
-def make_colocated(args: Namespace, actor, engine):
+def make_colocated(cfg: RolloutEngineConfig, actor, engine):
     """--colocate: this rank's PhaseSwitcher (its `section` is set once the Trainer exists) and its weight sync,
     ColocatedSync (build_weight_sync with this rank's ColocatedPusher; a collective: every rank makes every
     engine's group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host,
@@ -365,10 +368,10 @@ def make_colocated(args: Namespace, actor, engine):
     from megatron_dapo.weight_sync.build import build_weight_sync
     from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 
-    urls = args.sglang_server_urls or [f"http://{args.sglang_host}:{args.sglang_base_port + i}"
-                                       for i in range(args.sglang_num_servers)]
-    groups = make_engine_groups(urls, args.sglang_tp_size)
-    pusher = ColocatedPusher(groups, bucket_bytes=args.weight_sync_bucket_mb << 20,
-                             api_key=args.sglang_api_key, http_timeout_s=args.sglang_http_timeout)
+    urls = list(cfg.sglang_server_urls or [f"http://{cfg.sglang_host}:{cfg.sglang_base_port + i}"
+                                           for i in range(cfg.sglang_num_servers)])
+    groups = make_engine_groups(urls, cfg.sglang_tp_size)
+    pusher = ColocatedPusher(groups, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+                             api_key=cfg.sglang_api_key, http_timeout_s=cfg.sglang_http_timeout)
     return (PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine),
             build_weight_sync(engine, wait_group=None, colocated=pusher))

@@ -37,12 +37,15 @@ the fix: a value that SGLang overrides in the servers the trainer launches (0 wi
 
 from __future__ import annotations
 
-import argparse
 import socket
 from collections.abc import Callable, MutableMapping, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from megatron_dapo.errors import UserError
+
+if TYPE_CHECKING:
+    from megatron_dapo.rollout.build import RolloutEngineConfig
 
 CUMEM_VAR = "NCCL_CUMEM_ENABLE"
 SYMM_MEM_FLAG = "--enable-symm-mem"
@@ -76,34 +79,33 @@ def is_local_host(host: str) -> bool:
     return False
 
 
-def shares_node_group(args: argparse.Namespace, *, cuda: bool,
+def shares_node_group(cfg: RolloutEngineConfig, *, cuda: bool,
                       is_local: Callable[[str], bool] = is_local_host) -> bool:
     """Whether this process's node holds SGLang servers of the trainer's NCCL weight-sync group: on CUDA, SGLang
     rollouts without --colocate in --weight-sync-mode distributed, with servers launched by the trainer (on global
     rank 0's node; every rank answers alike) or an attached --sglang-server-urls URL naming this machine. Cost at
     Qwen3-30B-A3B's split job: 8 URLs (4 rollout nodes x 2 servers), so 8 resolver lookups and socket binds on each
     of the 32 ranks at start, milliseconds."""
-    from megatron_dapo.rollout.build import rollout_engine_kind
     from megatron_dapo.weight_sync.transports import transport, weight_sync_mode
 
-    if not cuda or args.colocate or rollout_engine_kind(args) != "sglang":
+    if not cuda or cfg.colocate or cfg.kind != "sglang":
         return False
-    attach = bool(args.sglang_server_urls)
-    if not transport(weight_sync_mode(requested=args.weight_sync_mode, attach=attach, cuda=True,
+    attach = bool(cfg.sglang_server_urls)
+    if not transport(weight_sync_mode(requested=cfg.weight_sync_mode, attach=attach, cuda=True,
                                       colocate=False)).server_group:
         return False
-    return not attach or any(is_local(urlsplit(u).hostname or "") for u in args.sglang_server_urls)
+    return not attach or any(is_local(urlsplit(u).hostname or "") for u in cfg.sglang_server_urls)
 
 
-def match_sglang_cumem(args: argparse.Namespace, environ: MutableMapping[str, str], *, cuda: bool,
+def match_sglang_cumem(cfg: RolloutEngineConfig, environ: MutableMapping[str, str], *, cuda: bool,
                        is_local: Callable[[str], bool] = is_local_host) -> str | None:
     """Sets NCCL_CUMEM_ENABLE in `environ` (the trainer process's os.environ, before its first NCCL communicator) to
     the value SGLang 0.5.23 gives the servers of this node's weight-sync group, when it has any
     (`shares_node_group`) and the variable is unset. Returns the line to log (None: nothing to do here); UserError
     when the environment's value is one SGLang overrides in the servers the trainer launches."""
-    if not shares_node_group(args, cuda=cuda, is_local=is_local):
+    if not shares_node_group(cfg, cuda=cuda, is_local=is_local):
         return None
-    launched_flags = () if args.sglang_server_urls else tuple(args.sglang_extra_args.split())
+    launched_flags = () if cfg.sglang_server_urls else cfg.sglang_extra_args
     given = environ.get(CUMEM_VAR)
     want = sglang_cumem(given, launched_flags)
     if given is not None and given != want:

@@ -199,7 +199,7 @@ def router_command(python: str, host: str, port: int, worker_urls: list[str], ke
 
 def check_bind(host: str, api_key: str | None, *, allow_no_api_key: bool) -> None:
     """ValueError naming the flags unless launched servers may bind `host`: loopback, or with an API key, or
-    with the explicit opt-out. Checked with the other flags (trainer/build.check_flags) and again by ServerConfig."""
+    with the explicit opt-out. Checked with the other flags (startup.check_flags) and again by ServerConfig."""
     if not is_loopback(host) and api_key is None and not allow_no_api_key:
         raise ValueError(
             f"refusing to launch SGLang servers bound to --sglang-host {host} without an API key: their weight "
