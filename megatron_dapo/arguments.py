@@ -1,21 +1,26 @@
 """Megatron-style command-line flags of `python -m megatron_dapo.train`, grouped by component.
 
-Flag names follow Megatron-LM where one exists (--tensor-model-parallel-size, --lr, --clip-grad,
---save-interval, ...) and slime / verl's DAPO recipe for the RL ones (--n-samples-per-prompt,
---rollout-batch-size, --clip-ratio-high, --overlong-buffer-length, ...). Values are validated by the
-config dataclasses they fill, whose errors name the flag.
+One function per --help group (FLAG_GROUPS), its docstring naming the configs its flags fill (startup.py builds
+them, once); choices come from the registries and constants that own them. Flag names follow Megatron-LM where one
+exists (--tensor-model-parallel-size, --lr, --clip-grad, --save-interval, ...) and slime / verl's DAPO recipe for
+the RL ones (--n-samples-per-prompt, --rollout-batch-size, --clip-ratio-high, --overlong-buffer-length, ...). Values
+are validated by the config dataclasses they fill, whose errors name the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from megatron_dapo.actor.config import LR_DECAY_STYLES
+from megatron_dapo.actor.config import LR_DECAY_STYLES, PARAMS_DTYPES
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
 from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.algorithm.registry import advantage_estimator_help, policy_loss_help
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
+from megatron_dapo.data.prompt_set import PROMPT_FORMATS
+from megatron_dapo.distributed.parallel import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, TRANSFORMER_IMPLS
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
+from megatron_dapo.rollout import ENGINE_KINDS
+from megatron_dapo.rollout.async_rollout import ASYNC_ROLLOUT_DEPTHS
 from megatron_dapo.weight_sync.transports import transport_names
 
 
@@ -35,13 +40,9 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m megatron_dapo.train",
-        description="DAPO (arXiv 2503.14476) on a Megatron-core actor with SGLang or embedded rollouts. "
-                    "Launch with torchrun for TP/PP/DP; a single process works for small models.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """The "model and checkpoints" group: InputsConfig (the model, the tokenizer), CheckpointConfig, the
+    TrainerConfig's save cadence and exit bound."""
     g = p.add_argument_group("model and checkpoints")
     g.add_argument("--hf-checkpoint", required=True,
                    help="HF model directory (config.json, safetensors, tokenizer) of a registered model family "
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write checkpoints in a forked background process; a step is renamed (and `latest` "
                         "updated) only once every rank's write finished, checked at the next save and at exit")
 
+
+def _parallel_flags(p: argparse.ArgumentParser) -> None:
+    """The "parallelism" group: ParallelLayout (distributed/parallel.py), the actor's distributed optimizer and the
+    --dry-run planner's own flags (planner.py)."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -100,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "megatron-core's default)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="shard norm/residual activations along the sequence over the TP ranks (needs TP > 1)")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES[1:], default=None,
                    help="activation recomputation: full (whole layers; with --recompute-method) or selective "
                         "(core attention only)")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS[1:], default=None,
                    help="full recompute: uniform (every layer, in units of --recompute-num-layers) or block "
                         "(the first --recompute-num-layers layers of each stage)")
     g.add_argument("--recompute-num-layers", type=int, default=None,
@@ -112,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap the DP gradient reduce(-scatter) with the backward pass (mcore DDP)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="overlap the distributed optimizer's parameter all-gather with the next forward")
-    g.add_argument("--transformer-impl", choices=["transformer_engine", "local"], default=None,
+    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS[1:], default=None,
                    help="decoder layer implementation; default: transformer_engine on CUDA (required: it fails "
                         "when TE does not import), local (megatron-core's torch spec) without CUDA")
     g.add_argument("--dry-run", action="store_true",
@@ -124,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--world-size", type=int, default=None,
                    help="actor GPUs for --dry-run, >= 1 (default: $WORLD_SIZE, else TP x PP x CP)")
 
+
+def _moe_flags(p: argparse.ArgumentParser) -> None:
+    """The "mixture of experts" group: the ActorConfig's MoE fields (ActorConfig.check_model refuses them on a dense
+    model)."""
     g = p.add_argument_group("mixture of experts", "mixture-of-experts models only: each is refused for a model "
                                                    "without experts")
     g.add_argument("--moe-aux-loss-coeff", type=float, default=None,
@@ -136,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on the experts the rollout engine routed each token to (SGLang's "
                         "--enable-return-routed-experts; arXiv 2510.11370) instead of re-routing")
 
+
+def _optimizer_flags(p: argparse.ArgumentParser) -> None:
+    """The "optimizer" group: the ActorConfig's optimizer and LR schedule; the run's seed."""
     g = p.add_argument_group("optimizer")
     g.add_argument("--lr", type=float, default=1e-6)
     g.add_argument("--min-lr", type=float, default=0.0)
@@ -153,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
 
+
+def _batching_flags(p: argparse.ArgumentParser) -> None:
+    """The "batching" group: TrainerConfig (steps, updates per step), the ActorConfig's micro-batching and log-prob
+    kernels, the context check."""
     g = p.add_argument_group("batching")
     g.add_argument("--num-steps", "--num-rollout", dest="num_steps", type=int, required=True,
                    help="training steps (one rollout batch each)")
@@ -176,15 +192,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "(megatron_dapo.ops.fused_linear_logprob_entropy), chunk by chunk: no [tokens x V/tp] "
                         "logits (32B launcher: 1.75 -> 0.66 GiB per micro-batch on the last stage). Recomputes "
                         "the output GEMM in backward; the GPU launchers turn it on")
-    g.add_argument("--params-dtype", choices=["float32", "bfloat16"], default=None,
+    g.add_argument("--params-dtype", choices=list(PARAMS_DTYPES), default=None,
                    help="actor parameter dtype (bf16 keeps fp32 main params); default: bf16 on GPU, "
                         "fp32 on CPU")
     g.add_argument("--allow-exceed-context", action="store_true",
                    help="run even when --max-prompt-length + --max-response-length exceeds the model's "
                         "max_position_embeddings (positions past the trained context)")
 
+
+def _rollout_flags(p: argparse.ArgumentParser) -> None:
+    """The "rollout" group: CollectConfig's sampling, then rank 0's RolloutEngineConfig (rollout/build.py): the SGLang
+    servers, their client, the weight-sync transport."""
     g = p.add_argument_group("rollout")
-    g.add_argument("--rollout-engine", choices=["embedded", "sglang"], default=None,
+    _sampling_flags(g)
+    _sglang_server_flags(g)
+    _sglang_client_flags(g)
+    _weight_sync_flags(g)
+
+
+def _sampling_flags(g: argparse._ArgumentGroup) -> None:
+    """The rollout's sampling and batches (CollectConfig), the engine kind, async and partial rollouts."""
+    g.add_argument("--rollout-engine", choices=ENGINE_KINDS, default=None,
                    help="default: sglang when CUDA is available, else the embedded CPU engine")
     g.add_argument("--rollout-temperature", type=float, default=1.0)
     g.add_argument("--rollout-top-p", type=float, default=1.0)
@@ -205,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "behind the engine at the step that would resume it is dropped instead (tokens counted in "
                         "rollout/discarded_tokens, groups in rollout/stale_dropped_groups), so rollout/max_staleness "
                         "<= N; >= 1, default 1 (drops nothing while carried groups are resumed at the next step)")
-    g.add_argument("--async-rollout", type=int, choices=[0, 1], default=0,
+    g.add_argument("--async-rollout", type=int, choices=ASYNC_ROLLOUT_DEPTHS, default=0,
                    help="one-step-off-policy: 1 = global rank 0 generates step k+1's batch (engine on the weights "
                         "before step k) while every rank trains step k; the weight push after step k waits for "
                         "that batch. Turns --use-tis on unless --no-use-tis is given. On CPU the embedded engine "
@@ -214,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout); a failure of "
                         "that work on rank 0 makes them raise at once")
+
+
+def _sglang_server_flags(g: argparse._ArgumentGroup) -> None:
+    """The SGLang servers: launched (GPUs, flags, colocation, memory) or attached by URL."""
     g.add_argument("--sglang-num-servers", type=int, default=1)
     g.add_argument("--sglang-tp-size", "--rollout-num-gpus-per-engine", dest="sglang_tp_size", type=int, default=1,
                    help="tensor parallel size (= GPUs) of each SGLang server; --rollout-num-gpus-per-engine is the "
@@ -250,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "and retries go to each server directly")
     g.add_argument("--sglang-max-concurrency", type=int, default=256,
                    help="requests in flight; rank 0 raises its open-file limit to match (rollout/sglang/fd_limit.py)")
+
+
+def _sglang_client_flags(g: argparse._ArgumentGroup) -> None:
+    """Rank 0's client of the servers: the API key and the timeouts (ClientConfig)."""
     g.add_argument("--sglang-api-key", default=None,
                    help="API key of the SGLang servers (default: $SGLANG_API_KEY): given to launched servers (SGLang's "
                         "api_key) and sent on every call; required to launch on a non-loopback --sglang-host. "
@@ -275,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its max new tokens / RATE seconds and its server counts as lost (its samples are redone on "
                         "another). At --max-response-length 20480 and the defaults: 60 + 2048 s, ~35 min; lower it "
                         "when requests queue long on the servers (--sglang-max-concurrency far above what they batch)")
+
+
+def _weight_sync_flags(g: argparse._ArgumentGroup) -> None:
+    """The weight-sync transport to the servers (weight_sync/transports/)."""
     g.add_argument("--weight-sync-mode", choices=transport_names(), default=None,
                    help="tensor: colocated (CUDA IPC handles on GPU, shared memory on CPU); distributed: "
                         "separate GPUs (NCCL group with the servers); disk: safetensors + "
@@ -290,6 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "hostname's, whichever is not loopback (weight_sync/stage_sync.py)")
     g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
+
+def _dapo_flags(p: argparse.ArgumentParser) -> None:
+    """The "DAPO" group: the ActorConfig's policy loss, CollectConfig's dynamic sampling and overlong shaping, the
+    TrainerConfig's advantage estimator, the reward function."""
     g = p.add_argument_group("DAPO")
     g.add_argument("--clip-ratio-low", type=float, default=0.2, help="eps_low")
     g.add_argument("--clip-ratio-high", type=float, default=0.28, help="eps_high (Clip-Higher)")
@@ -315,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{' | '.join(BUILTIN_REWARD_FNS)} | dotted path 'pkg.mod:fn' with signature "
                         "fn(response: str, ground_truth: str) -> RewardResult(score, acc, pred)")
 
+
+def _off_policy_flags(p: argparse.ArgumentParser) -> None:
+    """The "off-policy correction" group: the TrainerConfig's OffPolicyConfig (algorithm/mismatch.py)."""
     g = p.add_argument_group("off-policy correction",
                              "rollout (SGLang) vs actor log-probs, r = pi_old / pi_rollout per token; "
                              "see megatron_dapo/algorithm/mismatch.py")
@@ -327,10 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "mean of r) whose ratio is outside [1/--mis-threshold, --mis-threshold]; unset = off")
     g.add_argument("--mis-threshold", type=float, default=2.0, help="T of MIS, > 1")
 
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """The "data" group: InputsConfig's prompt files and their limits."""
     g = p.add_argument_group("data")
     g.add_argument("--prompt-data", required=True, help="training prompts: DAPO-format parquet or jsonl")
     g.add_argument("--eval-prompt-data", default=None, help="held-out prompts for avg@k (parquet or jsonl)")
-    g.add_argument("--prompt-format", choices=["chat", "raw"], default="chat",
+    g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat",
                    help="chat: apply the tokenizer's chat template to the prompt messages; raw: use the text")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="prompts with more message characters are skipped or rejected (--on-long-prompt) before "
@@ -342,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prompt over --max-prompt-chars or --max-prompt-length: skip it (counted and reported) "
                         "or stop at start-up with an error naming its file and row")
 
+
+def _eval_flags(p: argparse.ArgumentParser) -> None:
+    """The "evaluation" group: the TrainerConfig's evaluation cadence and sampling; InputsConfig's eval prompt
+    limit."""
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-interval", type=int, default=0, help="evaluate every N steps (0 = off)")
     g.add_argument("--n-samples-per-eval-prompt", type=int, default=4, help="k of avg@k")
@@ -352,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-max-prompts", type=int, default=0,
                    help="evaluate on the first N prompts (0 = all)")
 
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    """The "logging" group: LogConfig; --debug is the entry point's own."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-dir", default="runs/dapo", help="metrics.jsonl, wandb files and the PNG report")
     g.add_argument("--wandb-project", default=None, help="online wandb when WANDB_API_KEY is set too")
@@ -360,4 +417,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--debug", action="store_true",
                    help="show the traceback of input errors instead of the one-line 'error: ...' (exit status 2)")
+
+
+FLAG_GROUPS = (_checkpoint_flags, _parallel_flags, _moe_flags, _optimizer_flags, _batching_flags, _rollout_flags,
+               _dapo_flags, _off_policy_flags, _data_flags, _eval_flags, _logging_flags)
+"""The --help groups, in their order; each adds one group of flags, named after the config it fills."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_dapo.train",
+        description="DAPO (arXiv 2503.14476) on a Megatron-core actor with SGLang or embedded rollouts. "
+                    "Launch with torchrun for TP/PP/DP; a single process works for small models.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for add in FLAG_GROUPS:
+        add(p)
     return p

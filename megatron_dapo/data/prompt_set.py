@@ -8,6 +8,9 @@ from megatron_dapo.data.template import render_prompt
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.types import Prompt
 
+PROMPT_FORMATS = ("chat", "raw")
+"""--prompt-format: chat applies the tokenizer's chat template to the prompt messages, raw uses their text."""
+
 
 def load_prompt_set(path: str, tokenizer, *, prompt_format: str, max_prompt_length: int,
                     max_prompt_chars: int | None = None, on_long_prompt: str = "skip", limit: int | None = None,
