@@ -67,6 +67,7 @@ class FakeState:
         self.version = "default"
         self.calls: dict[str, int] = {}
         self.rids: list[str] = []
+        self.served: list[tuple[str, str]] = []  # (rid, the weight version it was generated with), in arrival order
         self.received: list[tuple[str, list[str], str]] = []  # (group, tensor names, version) of each bucket
         # SGLang's scheduler runs one request at a time: a group init or a receive blocks the server's others
         self.collective = threading.Lock()
@@ -90,6 +91,7 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
         return 400, {"error": f"memory released ({sorted(state.released)}): /resume_memory_occupation first"}
     with state.lock:
         state.rids.append(rid)
+        state.served.append((rid, state.version))
     seed = params.get("sampling_seed", 0)
     epoch = state.abort_epoch
     stops = set(params.get("stop_token_ids", []))
