@@ -85,7 +85,7 @@ def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
     """The "parallelism" group: ParallelLayout (distributed/parallel.py), the actor's distributed optimizer and the
-    --dry-run planner's own flags (planner.py)."""
+    --dry-run planner's own flags (planner/report.py)."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -17,15 +17,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch, hf_config_path
-from megatron_dapo.planner import (
-    SGLANG_RELEASED_GIB,
-    ActivationSpec,
-    Plan,
-    PlanInputs,
-    check_plan_flags,
-    plan_world_size,
-    print_plan,
-)
+from megatron_dapo.planner.activations import ActivationSpec
+from megatron_dapo.planner.colocated import SGLANG_RELEASED_GIB
+from megatron_dapo.planner.report import Plan, check_plan_flags, plan_world_size, print_plan
+from megatron_dapo.planner.stages import PlanInputs
 from megatron_dapo.rollout.build import RolloutEngineConfig, check_rollout_model, rollout_engine_kind
 from megatron_dapo.rollout.types import SamplingParams
 
@@ -268,7 +263,7 @@ def log_config(args: argparse.Namespace, *, private_argv: bool) -> LogConfig:
 
 # ---- --dry-run -------------------------------------------------------------------------------------------
 def plan_from_flags(args: argparse.Namespace, arch: ModelArch) -> Plan:
-    """Flags -> what the planner needs (the layout over planner.plan_world_size's ranks)."""
+    """Flags -> what the planner needs (the layout over planner.report.plan_world_size's ranks)."""
     layout = ParallelLayout.from_world(
         plan_world_size(args.world_size, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                         cp=args.context_parallel_size, ep=args.expert_model_parallel_size,
@@ -291,15 +286,20 @@ def plan_from_flags(args: argparse.Namespace, arch: ModelArch) -> Plan:
 
 
 def dry_run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Print the per-GPU plan of these flags (planner.print_plan); 0 when the peak fits --gpu-memory-gib, else 1.
-    Bad flags: one line `plan: error: ...` on `err` (stderr), 2. Reads only --hf-checkpoint's config.json."""
+    """Print the per-GPU plan of these flags (planner.report.print_plan); 0 when the peak fits --gpu-memory-gib, else 1.
+    Bad flags: one line `plan: error: ...` on `err` (stderr), 2. Reads only --hf-checkpoint's config.json. Rank 0's
+    weight-sync transport (its host copy is a line of the plan) is resolved here, as attached CUDA servers would
+    have it (weight_sync/transports/)."""
+    from megatron_dapo.weight_sync.transports import weight_sync_mode
+
     try:
         check_plan_flags(gpu_memory_gib=args.gpu_memory_gib, world_size=args.world_size)
         plan = plan_from_flags(args, ModelArch.from_hf(args.hf_checkpoint))
     except (ValueError, FileNotFoundError) as exc:
         print(f"plan: error: {exc}", file=err or sys.stderr)
         return 2
-    return print_plan(plan, weight_sync_mode=args.weight_sync_mode, out=out, err=err)
+    mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
+    return print_plan(plan, weight_sync_mode=mode, out=out, err=err)
 
 
 def dry_run_main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run; an input error prints one line `error: ...` on stderr and exits 2 (`--debug`: the traceback); a run
     stopped by SIGTERM / SIGINT exits with 128 + the signal once its last finished step is saved (trainer/stop.py)."""
     args = build_parser().parse_args(argv)
-    if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner.py)
+    if args.dry_run:  # memory plan only: no process group, no model (megatron_dapo/planner/)
         sys.exit(dry_run(args))
     try:
         train(args)

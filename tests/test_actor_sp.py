@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo import planner
 from megatron_dapo.actor import ActorConfig
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import families
+from megatron_dapo.planner import activations, stages
 from tests.dist.actor_common import (
     FAMILIES,
     LAYOUT_ADAM_EPS,
@@ -139,9 +139,9 @@ def test_planner_matches_saved_tensors_at_tp2(all_runs, model_type, name):
     exact."""
     runs = all_runs[model_type]
     arch, layout = runs["arch"], LAYOUTS[name]
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
-    inputs = planner.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
-    (plan,) = planner.plan_stages(arch, layout, inputs, spec)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=48, max_seq_len=24, params_dtype="float32")
+    (plan,) = stages.plan_stages(arch, layout, inputs, spec)
     for rank in range(2):
         measured = runs[name][rank]["saved_bytes"]
         assert measured == plan.lines["  activations per micro-batch"], (name, rank, measured)

@@ -1,5 +1,6 @@
-"""The library's import graph: no cycles, no library module imports the command line, none reads the flags, and
-weight_sync/ and rollout/sglang/ import one way.
+"""The library's import graph: no cycles, no library module imports the command line, none reads the flags,
+weight_sync/ and rollout/sglang/ import one way, and no import goes back up the layers (LAYERS) but those listed
+with their reason (UPWARD_IMPORTS).
 
 Every import counts, also those inside functions (a cycle broken only by a deferred import is still two
 modules that cannot be understood, tested or moved apart); a module's `if __name__ == "__main__":` block does
@@ -162,6 +163,64 @@ def test_weight_sync_and_sglang_import_one_way():
     assert any(t.startswith("megatron_dapo.rollout.sglang") for m, edges in graph.items()
                if m.startswith("megatron_dapo.weight_sync") for t in edges)  # the one direction, still used
 
+
+LAYERS = (
+    ("", "errors", "dotted_path", "compat", "distributed", "models", "ops"),
+    ("weights", "checkpoint", "planner"),
+    ("actor", "algorithm", "data", "reward"),
+    ("rollout",),
+    ("weight_sync",),
+    ("trainer",),
+    ("startup", "arguments", "train", "launch"),
+)
+"""The library's layers, lowest first, by top-level package or module of megatron_dapo/ ("": the package itself), as
+docs/ARCHITECTURE.md describes them: the model, its parallel layout and kernels; what reads and writes their weights
+and checkpoints, and the memory planner (config.json and the layout, nothing built); the actor and the maths of
+DAPO, its data and rewards; rank 0's rollout; the weight sync, which drives rollout/'s SGLang servers; the trainer,
+which wires them; the entry points and the command line. A module imports its own layer and those below."""
+UPWARD_IMPORTS = {
+    "megatron_dapo.data.prompt_set -> megatron_dapo.rollout.types":
+        "a prompt file becomes the engine's `Prompt`: rollout/types.py is the plain data crossing the engine "
+        "(no code of rollout/ runs)",
+    "megatron_dapo.rollout.build -> megatron_dapo.weight_sync.transports":
+        "rank 0's engine builder resolves the run's transport (weight_sync_mode) and checks its placement and host "
+        "before any server starts; only the registry of weight_sync/transports/ is read",
+}
+"""The imports that remain from a layer into one above it, each with why. A new one is a failure: move the shared
+piece down to the layer that owns it, or add it here with its reason."""
+
+
+def layer_of(module: str) -> int:
+    top = module.split(".")[1] if "." in module else ""
+    for i, layer in enumerate(LAYERS):
+        if top in layer:
+            return i
+    raise AssertionError(f"{module}: place megatron_dapo/{top} in a layer of tests/test_import_graph.py LAYERS")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[str]:
+    """`a -> b` for every import of a module in a higher layer than the importer's."""
+    return {f"{m} -> {t}" for m, edges in graph.items() for t in edges if layer_of(t) > layer_of(m)}
+
+
+def test_the_layer_check_finds_an_import_back_up():
+    graph = {"megatron_dapo.models.gpt": {"megatron_dapo.trainer.loop", "megatron_dapo.ops.fused_linear"},
+             "megatron_dapo.trainer.loop": {"megatron_dapo.models.gpt", "megatron_dapo.weight_sync.build"},
+             "megatron_dapo.planner.report": {"megatron_dapo.planner.stages"}}
+    assert upward_imports(graph) == {"megatron_dapo.models.gpt -> megatron_dapo.trainer.loop"}
+    with pytest.raises(AssertionError, match="megatron_dapo/nowhere"):
+        layer_of("megatron_dapo.nowhere.x")
+
+
+def test_no_import_goes_back_up_the_layers_but_the_listed_ones():
+    """Issue 40 item 6: the planner (config.json and the layout only) imports nothing of rollout/, weight_sync/ or
+    the trainer; every import from a layer into one above it is listed, with its reason, in UPWARD_IMPORTS."""
+    found = upward_imports(import_graph())
+    new = sorted(found - UPWARD_IMPORTS.keys())
+    assert new == [], f"imports back up the layers (LAYERS), not in UPWARD_IMPORTS: {new}"
+    gone = sorted(UPWARD_IMPORTS.keys() - found)
+    assert gone == [], f"UPWARD_IMPORTS lists imports that are gone (remove them from the list): {gone}"
+    assert all(why.strip() for why in UPWARD_IMPORTS.values())
 
 def trainer_flag_dests() -> set[str]:
     from megatron_dapo.arguments import build_parser

@@ -15,7 +15,7 @@ import torch
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import FAMILY_MODULES, families, family
-from megatron_dapo.planner import ActivationSpec
+from megatron_dapo.planner.activations import ActivationSpec
 from megatron_dapo.weights.plan import hf_tensor_specs
 
 REPO = Path(__file__).resolve().parents[1]

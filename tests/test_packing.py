@@ -181,43 +181,43 @@ def test_fused_linear_builds_no_logits(world):
 def test_planner_logits_bytes_with_and_without_the_fused_linear_head():
     """32B at TP8, 24576 tokens, bf16: [T, V/tp] logits + grad (2 x 2 B per entry) vs one chunk block
     (bf16 + fp32 temporaries) plus the fp32 [V/tp, h] d weight accumulator, written out."""
-    from megatron_dapo import planner
     from megatron_dapo.distributed.parallel import ParallelLayout
     from megatron_dapo.ops.fused_linear import DEFAULT_CHUNK_LOGITS
+    from megatron_dapo.planner import activations, stages
     from tests.torchrun import REPO
 
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
     v_local = padded_vocab_size(arch.vocab_size, 8) // 8
     kw = dict(tokens=24576, bytes_per_element=2, fused_logprob=True)
-    assert planner.logits_bytes(arch, layout, **kw) == 24576 * v_local * 4
+    assert activations.logits_bytes(arch, layout, **kw) == 24576 * v_local * 4
     chunk = DEFAULT_CHUNK_LOGITS // v_local
     gathered_hidden = 24576 * arch.hidden_size * 2 * (1 - 1 / 8)  # SP: the head saves [T, h], not [T / 8, h]
-    assert planner.logits_bytes(arch, layout, **kw, fused_linear=True) == pytest.approx(
+    assert activations.logits_bytes(arch, layout, **kw, fused_linear=True) == pytest.approx(
         chunk * v_local * 6 + v_local * arch.hidden_size * 4 + gathered_hidden)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    base = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
-    plain, head = (planner.plan_stages(arch, layout, base, spec)[-1],
-                   planner.plan_stages(arch, layout, planner.PlanInputs(
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    base = stages.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
+    plain, head = (stages.plan_stages(arch, layout, base, spec)[-1],
+                   stages.plan_stages(arch, layout, stages.PlanInputs(
                        tokens_per_micro_batch=24576, max_seq_len=22528, fused_linear_logprob=True), spec)[-1])
-    assert plain.total - head.total == pytest.approx(planner.logits_bytes(arch, layout, **kw)
-                                                     - planner.logits_bytes(arch, layout, **kw, fused_linear=True))
+    assert plain.total - head.total == pytest.approx(activations.logits_bytes(arch, layout, **kw)
+                                                     - activations.logits_bytes(arch, layout, **kw, fused_linear=True))
 
 
 def test_planner_packed_row_length_terms_use_the_whole_row():
     """Local spec: a packed micro-batch of T tokens is one row, so its mask is T^2 bytes (padded: s^2)."""
-    from megatron_dapo import planner
     from megatron_dapo.distributed.parallel import ParallelLayout
+    from megatron_dapo.planner import activations, stages
 
     arch = ModelArch(model_type="qwen2",
                      vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
     kw = dict(first=True, last=True, recompute=False)
-    padded = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=24, **kw)
-    packed = planner.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=96, **kw)
+    padded = activations.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=24, **kw)
+    packed = activations.micro_batch_extra_bytes(spec, ParallelLayout(), tokens=96, seq_len=96, **kw)
     assert packed - padded == 96 ** 2 - 24 ** 2
-    (p_pad,), (p_pack,) = (planner.plan_stages(arch, ParallelLayout(), planner.PlanInputs(
+    (p_pad,), (p_pack,) = (stages.plan_stages(arch, ParallelLayout(), stages.PlanInputs(
         tokens_per_micro_batch=96, max_seq_len=24, params_dtype="float32", packed=packed), spec)
         for packed in (False, True))
     assert p_pack.total > p_pad.total  # the local spec's [T, T] mask and scores: why CPU defaults to padding

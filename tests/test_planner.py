@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_dapo import planner
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.planner import activations, colocated, report, stages
 from megatron_dapo.startup import dry_run
 from tests.test_examples import REPO, launcher_args
 
@@ -35,9 +35,9 @@ def paper_layer_bytes(s, b, h, a, t=1, sp=False, selective=False):
     return s * b * h * 10 + (24 * s * b * h + attn_sq) / t
 
 
-def gpt_spec(h: int, a: int) -> planner.ActivationSpec:
+def gpt_spec(h: int, a: int) -> activations.ActivationSpec:
     """The paper's GPT layer: MHA, 4h GeLU MLP, LayerNorm (input only + next GEMM input), dropout, no RoPE."""
-    return planner.ActivationSpec(hidden=h, ffn=4 * h, heads=a, q=h, kv=h, head_dim=h // a, gated=False,
+    return activations.ActivationSpec(hidden=h, ffn=4 * h, heads=a, q=h, kv=h, head_dim=h // a, gated=False,
                                   attention="unfused", norm_tensors=2, norm_stats_bytes=0, dropout=True,
                                   rope="none", bytes_per_element=2)
 
@@ -51,14 +51,14 @@ def gpt_spec(h: int, a: int) -> planner.ActivationSpec:
 def test_layer_activations_match_korthikanti(s, b, h, a, t, sp):
     layout = ParallelLayout(tp=t, sp=sp)
     spec = gpt_spec(h, a)
-    got = planner.layer_activation_bytes(spec, layout, tokens=s * b, seq_len=s)
+    got = activations.layer_activation_bytes(spec, layout, tokens=s * b, seq_len=s)
     assert got == pytest.approx(paper_layer_bytes(s, b, h, a, t, sp), rel=1e-12)
     sel = ParallelLayout(tp=t, sp=sp, recompute_granularity="selective")
-    got_sel = planner.layer_activation_bytes(spec, sel, tokens=s * b, seq_len=s, selective=True)
+    got_sel = activations.layer_activation_bytes(spec, sel, tokens=s * b, seq_len=s, selective=True)
     # the paper's selective recompute keeps everything but the attention core: 34sbh (/t with SP)
     assert got_sel == pytest.approx(paper_layer_bytes(s, b, h, a, t, sp, selective=True), rel=1e-12)
     # full recompute keeps only each layer's input, 2sbh (/t with SP) (Sec. 4.3 / Table 2)
-    assert planner.recompute_input_bytes(spec, layout, tokens=s * b) == pytest.approx(
+    assert activations.recompute_input_bytes(spec, layout, tokens=s * b) == pytest.approx(
         2 * s * b * h / (t if sp else 1))
 
 
@@ -67,15 +67,15 @@ def test_flash_attention_has_no_quadratic_term():
     layer's bytes unchanged, except the RoPE tables (4 s d), while the local spec's grow by a s^2 b."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, sp=True)
-    te = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    local = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=2)
+    te = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    local = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=2)
     short, long = 4096, 16384
     rope = 4 * (long - short) * arch.head_dim * 2
-    d_te = (planner.layer_activation_bytes(te, layout, tokens=16384, seq_len=long)
-            - planner.layer_activation_bytes(te, layout, tokens=16384, seq_len=short))
+    d_te = (activations.layer_activation_bytes(te, layout, tokens=16384, seq_len=long)
+            - activations.layer_activation_bytes(te, layout, tokens=16384, seq_len=short))
     assert d_te == pytest.approx(rope)
-    d_local = (planner.layer_activation_bytes(local, layout, tokens=16384, seq_len=long)
-               - planner.layer_activation_bytes(local, layout, tokens=16384, seq_len=short))
+    d_local = (activations.layer_activation_bytes(local, layout, tokens=16384, seq_len=long)
+               - activations.layer_activation_bytes(local, layout, tokens=16384, seq_len=short))
     # softmax output [b, a/t, s, s] in bf16: tokens x a/t x (s_long - s_short) x 2 B
     assert d_local == pytest.approx(16384 * (arch.num_heads / 8) * (long - short) * 2 + rope)
 
@@ -160,14 +160,14 @@ def test_planner_matches_saved_tensors(world, arch_name, name):
     model = build_gpt_model(arch, layout=layout, use_te=False)
     b, s = 3, 40
     measured = saved_activation_bytes(model, torch.randint(0, arch.vocab_size, (b, s)))
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
     assert spec.qk_norm == arch.qk_layernorm
-    inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32")
-    (plan,) = planner.plan_stages(arch, layout, inputs, spec)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32")
+    (plan,) = stages.plan_stages(arch, layout, inputs, spec)
     predicted = plan.lines["  activations per micro-batch"]
     assert abs(predicted - measured) <= (4 * arch.num_layers if name == "selective" else 0), (predicted, measured)
     if name == "full-uniform":  # and the recompute saves what the paper says: one input of s b h per layer (fp32)
-        layer = planner.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s,
+        layer = activations.layer_activation_bytes(spec, layout, tokens=b * s, seq_len=s,
                                                moe_factor=1.0 if arch.is_moe else None)
         assert predicted < 0.15 * layer * arch.num_layers
 
@@ -191,10 +191,10 @@ def _ep2_saved_bytes_worker() -> None:
     torch.manual_seed(10 + dist.get_rank())
     measured = saved_activation_bytes(model, torch.randint(0, arch.vocab_size, (b, s)))
     factor = sum(routed) / len(routed) / (b * s * arch.num_experts_per_tok)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
-    inputs = planner.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32",
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=b * s, max_seq_len=s, params_dtype="float32",
                                 moe_capacity_factor=factor)  # at EP > 1 the plan's factor
-    (plan,) = planner.plan_stages(arch, ParallelLayout(dp=2, ep=2), inputs, spec)
+    (plan,) = stages.plan_stages(arch, ParallelLayout(dp=2, ep=2), inputs, spec)
     predicted = plan.lines["  activations per micro-batch"]
     out = Path(sys.argv[1]) / f"rank{dist.get_rank()}.json"  # a file per rank: printed lines of 2 ranks interleave
     out.write_text(json.dumps({"routed": routed, "factor": factor, "measured": measured, "predicted": predicted}))
@@ -222,15 +222,15 @@ def test_qk_norm_term_by_hand():
     keeps the fused qkv output (192) which local GQA attention would otherwise drop. TE: contiguous q and k
     inputs and the rstds. At TP2 one group per rank: no q copy."""
     arch = _family_tiny("qwen3")
-    local = planner.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
-    te = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=4)
-    assert planner.qk_norm_bytes(local, 1) == (96 + 48 + 96) * 4 + 4 * 6
-    assert planner.qk_norm_bytes(local, 2) == (96 + 48) * 4 + 4 * 6
-    assert planner.qk_norm_bytes(te, 1) == (96 + 48) * 4 + 4 * 6
+    local = activations.ActivationSpec.for_arch(arch, transformer_impl="local", bytes_per_element=4)
+    te = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=4)
+    assert activations.qk_norm_bytes(local, 1) == (96 + 48 + 96) * 4 + 4 * 6
+    assert activations.qk_norm_bytes(local, 2) == (96 + 48) * 4 + 4 * 6
+    assert activations.qk_norm_bytes(te, 1) == (96 + 48) * 4 + 4 * 6
     off = replace(local, qk_norm=False)
     layout = ParallelLayout()
-    diff = (planner.layer_activation_bytes(local, layout, tokens=10, seq_len=10)
-            - planner.layer_activation_bytes(off, layout, tokens=10, seq_len=10))
+    diff = (activations.layer_activation_bytes(local, layout, tokens=10, seq_len=10)
+            - activations.layer_activation_bytes(off, layout, tokens=10, seq_len=10))
     assert diff == 10 * ((96 + 48 + 96 + 192) * 4 + 4 * 6)
 
 
@@ -246,10 +246,10 @@ def test_stage_parameters_add_up_to_the_hf_count_per_family(model):
     with torch.device("meta"):
         hf = arch.family.hf_causal_lm()(arch.family.hf_config(**fields))
     assert hf.num_parameters() == arch.num_parameters()
-    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    assert sum(stages.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
     low, high = {"qwen3-8B": (8.1e9, 8.3e9), "qwen3-32B": (32.7e9, 32.9e9), "llama3.1-8B": (8.0e9, 8.1e9)}[model]
     assert low < arch.num_parameters() < high
-    tp8 = sum(planner.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
+    tp8 = sum(stages.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
     replicated = (2 * arch.hidden_size + (2 * arch.head_dim if arch.qk_layernorm else 0)) * arch.num_layers \
         + arch.hidden_size
     pad = -(-arch.vocab_size // 1024) * 1024 - arch.vocab_size  # vocab padded to a multiple of 128 x TP8
@@ -258,10 +258,10 @@ def test_stage_parameters_add_up_to_the_hf_count_per_family(model):
 
 def test_stage_parameters_add_up_to_the_hf_count():
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
-    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    assert sum(stages.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
     assert 32.7e9 < arch.num_parameters() < 32.8e9  # "32.5B" (31.0B non-embedding) per the model card
     # TP splits everything but the 2h norm weights per layer and the final norm
-    tp8 = sum(planner.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
+    tp8 = sum(stages.stage_parameters(arch, ParallelLayout(tp=8, pp=2), i) for i in range(2))
     replicated = 2 * arch.hidden_size * arch.num_layers + arch.hidden_size
     assert tp8 * 8 - 7 * replicated == arch.num_parameters() + 2 * 512 * arch.hidden_size  # vocab pad 152576
 
@@ -271,10 +271,10 @@ def test_static_memory_closed_form():
     distributed-optimizer table)."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")
     layout = ParallelLayout(tp=4, dp=8)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=8192,
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    (plan,) = stages.plan_stages(arch, layout, stages.PlanInputs(tokens_per_micro_batch=8192,
                                                                    max_seq_len=8192), spec)
-    n = planner.stage_parameters(arch, layout, 0)
+    n = stages.stage_parameters(arch, layout, 0)
     static = sum(v for k, v in plan.lines.items() if k.startswith(("weights", "grads", "optimizer")))
     assert static == pytest.approx(n * (2 + 4 + 12 / 8))
 
@@ -317,7 +317,7 @@ def test_launcher_dry_run_fits_an_80gb_gpu_with_headroom(tmp_path, script, env, 
     assert rc == 0, "\n".join(lines)
     peak, of = lines[-1].removeprefix("plan: peak ").split(" GiB per GPU of ")
     assert lines[-1].startswith("plan: peak ") and of == "80 GiB"
-    assert float(peak) <= (1 - planner.HEADROOM) * 80, "\n".join(lines)
+    assert float(peak) <= (1 - stages.HEADROOM) * 80, "\n".join(lines)
     assert any(line.startswith("SGLang (not colocated)") for line in lines)
 
 
@@ -397,8 +397,8 @@ def test_planned_bytes_per_component_are_itemised():
     """Each printed row is one component and the total is their sum (details excluded)."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=4, sp=True)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    plans = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    plans = stages.plan_stages(arch, layout, stages.PlanInputs(tokens_per_micro_batch=24576,
                                                                  max_seq_len=22528), spec)
     assert [p.in_flight for p in plans] == [2, 1]
     first, last = plans
@@ -411,15 +411,15 @@ def test_interleaved_activations_match_korthikanti_factor():
     """--num-layers-per-virtual-pipeline-stage: stage 0 holds L (1 + (p - 1) / (p v)) layers of activations
     (Korthikanti et al. 2022, section 4.2.3) against L for plain 1F1B."""
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-7B")  # 28 layers
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    inputs = planner.PlanInputs(tokens_per_micro_batch=4096, max_seq_len=4096)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=4096, max_seq_len=4096)
     p, v = 2, 7  # 2 layers per virtual stage
-    layer = planner.layer_activation_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096)
-    plain = planner.plan_stages(arch, ParallelLayout(tp=4, pp=p), inputs, spec)
-    vpp = planner.plan_stages(arch, ParallelLayout(tp=4, pp=p, layers_per_virtual_stage=2), inputs, spec)
+    layer = activations.layer_activation_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096)
+    plain = stages.plan_stages(arch, ParallelLayout(tp=4, pp=p), inputs, spec)
+    vpp = stages.plan_stages(arch, ParallelLayout(tp=4, pp=p, layers_per_virtual_stage=2), inputs, spec)
 
     def layer_part(plan, stage):
-        extra = planner.micro_batch_extra_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096,
+        extra = activations.micro_batch_extra_bytes(spec, ParallelLayout(tp=4, pp=p), tokens=4096, seq_len=4096,
                                                 first=stage == 0, last=stage == p - 1, recompute=False)
         return plan[stage].lines["activations in flight (1F1B)"] - plan[stage].in_flight * extra
 
@@ -452,7 +452,7 @@ def test_colocated_launcher_fits_80gb_in_both_phases(tmp_path):
     assert rc == 0, "\n".join(lines)
     phases = dict(p.split(" ")[:2] for p in lines[-3].removeprefix("phases: ").removesuffix(" GiB").split(" GiB, "))
     assert set(phases) == {"training", "generation"}, lines[-3]
-    assert all(float(v) <= (1 - planner.HEADROOM) * 80 for v in phases.values()), "\n".join(lines)
+    assert all(float(v) <= (1 - stages.HEADROOM) * 80 for v in phases.values()), "\n".join(lines)
     assert any(line.startswith("SGLang (colocated, released)") for line in lines)
     given = args[args.index("--mem-fraction-static") + 1]
     i = args.index("--mem-fraction-static")
@@ -468,31 +468,31 @@ def test_colocated_share_by_hand():
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True, recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
-                                rollout_gpus_per_engine=4, sglang_gib=planner.SGLANG_RELEASED_GIB)
-    plans = planner.plan_stages(arch, layout, inputs, spec)
-    share = planner.sglang_share(arch, plans, inputs)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
+                                rollout_gpus_per_engine=4, sglang_gib=colocated.SGLANG_RELEASED_GIB)
+    plans = stages.plan_stages(arch, layout, inputs, spec)
+    share = colocated.sglang_share(arch, plans, inputs)
     h, f, v = arch.hidden_size, arch.intermediate_size, 152064
     per_layer = (h * (5120 + 2048) + (5120 + 2048) + 5120 * h + 3 * h * f) // 4 + 2 * h
     weights = 2 * (64 * per_layer + 2 * v * h // 4 + h)
     assert share.weights == weights
-    actor = 2 * planner.stage_parameters(arch, layout, 0) + 2 * planner.GIB  # bf16 weights + context
-    frac = int((0.9 * 80 * planner.GIB - actor - 4 * planner.GIB) / (80 * planner.GIB) * 100) / 100
+    actor = 2 * stages.stage_parameters(arch, layout, 0) + 2 * stages.GIB  # bf16 weights + context
+    frac = int((0.9 * 80 * stages.GIB - actor - 4 * stages.GIB) / (80 * stages.GIB) * 100) / 100
     assert share.mem_fraction_static == frac and share.computed
-    assert share.kv_tokens == int((frac * 80 * planner.GIB - weights) // (2 * 64 * 2 * 128 * 2))
+    assert share.kv_tokens == int((frac * 80 * stages.GIB - weights) // (2 * 64 * 2 * 128 * 2))
 
 
 def test_colocated_fraction_too_small_names_the_flag():
     arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
     layout = ParallelLayout(tp=8, pp=2, dp=8, sp=True)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, colocate=True,
                                 rollout_gpus_per_engine=4, mem_fraction_static=0.2)
     with pytest.raises(ValueError, match="--mem-fraction-static 0.20 .given.*--rollout-num-gpus-per-engine"):
-        planner.sglang_share(arch, planner.plan_stages(arch, layout, inputs, spec), inputs)
+        colocated.sglang_share(arch, stages.plan_stages(arch, layout, inputs, spec), inputs)
     with pytest.raises(ValueError, match="--mem-fraction-static must be in"):
-        planner.PlanInputs(tokens_per_micro_batch=1, max_seq_len=1, mem_fraction_static=1.0)
+        stages.PlanInputs(tokens_per_micro_batch=1, max_seq_len=1, mem_fraction_static=1.0)
 
 
 def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
@@ -506,14 +506,14 @@ def test_host_copy_line_is_what_the_engine_keeps(tmp_path):
     for tied in (False, True):
         hf = tiny_hf_model(seed=1, tie=tied)
         arch = ModelArch.from_hf(hf.config)
-        assert planner.host_copy_bytes(arch, 4) == hf.num_parameters() * 4
+        assert report.host_copy_bytes(arch, 4) == hf.num_parameters() * 4
         server, _ = serve(tp_size=1)
         engine = SGLangEngine(server_urls=[f"http://127.0.0.1:{server.server_address[1]}"],
                               client=ClientConfig(bucket_bytes=4096))
         try:
             named = [(n, t) for n, t in hf.state_dict().items() if not (tied and n == "lm_head.weight")]
             full_push(engine, "tensor").update(iter(named), version=1)
-            assert sum(b.nbytes for b in full_push(engine).kept) == planner.host_copy_bytes(arch, 4), tied
+            assert sum(b.nbytes for b in full_push(engine).kept) == report.host_copy_bytes(arch, 4), tied
         finally:
             engine.shutdown()
             server.shutdown()
@@ -539,7 +539,7 @@ def test_colocated_startup_rows_by_hand(tmp_path):
     (4 GiB) in place of the released 2 GiB."""
     rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
     assert rc == 0, "\n".join(lines)
-    P, gib = _colocated_32b_stage1_params(), planner.GIB
+    P, gib = _colocated_32b_stage1_params(), stages.GIB
     build = 2 * (2 * P) + 4 * P + 4 * gib
     resume = 2 * P + 4 * P + 12 * P / 8 + (2 * P + 12 * P / 8) + 4 * gib
     old = resume + 0.77 * 80 * gib + 4 * gib - 2 * gib
@@ -560,7 +560,7 @@ def test_colocated_save_row_by_hand(tmp_path):
     (0.77 x 80 GiB), its runtime (4 GiB), the actor's weights and context: over the 80 GB GPU."""
     rc, lines = _dry_run(_launcher_train_args(tmp_path, *COLOCATED))
     assert rc == 0, "\n".join(lines)
-    P, gib = _colocated_32b_stage1_params(), planner.GIB
+    P, gib = _colocated_32b_stage1_params(), stages.GIB
     save = 2 * gib + 2 * P + 4 * P + 12 * P / 8 + 2 * gib
     old = 0.77 * 80 * gib + 4 * gib + 2 * P + 2 * gib + 4 * P + 12 * P / 8
     table = lines.index(next(line for line in lines if line.startswith("phase: save, stage 1")))
@@ -592,12 +592,12 @@ def test_moe_static_memory_closed_form():
     dense = arch.num_parameters() - 48 * 128 * expert  # 151936 = 1187 x 128: no vocab padding at TP1
     layout = ParallelLayout(tp=1, dp=32, ep=8, etp=1)
     assert layout.expert_dp == 4
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
-    (plan,) = planner.plan_stages(arch, layout, planner.PlanInputs(tokens_per_micro_batch=24576,
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    (plan,) = stages.plan_stages(arch, layout, stages.PlanInputs(tokens_per_micro_batch=24576,
                                                                    max_seq_len=22528), spec)
     local = 48 * 16 * expert
-    assert planner.stage_expert_parameters(arch, layout, 0) == local
-    assert planner.stage_parameters(arch, layout, 0) == dense + local
+    assert stages.stage_expert_parameters(arch, layout, 0) == local
+    assert stages.stage_parameters(arch, layout, 0) == dense + local
     lines = plan.lines
     assert lines["expert weights (16 of 128 per layer, /1 ETP)"] == 2 * local
     assert lines["expert grads (fp32 DDP buffer)"] == 4 * local
@@ -606,10 +606,10 @@ def test_moe_static_memory_closed_form():
     assert lines["optimizer (fp32 Adam + main params, /32)"] == 12 * dense / 32
     for ep, etp, tp in ((1, 1, 1), (8, 1, 1), (4, 2, 2), (2, 4, 4)):
         lay = ParallelLayout(tp=tp, dp=8 // tp, ep=ep, etp=etp, sp=tp > 1)
-        assert planner.stage_expert_parameters(arch, lay, 0) * ep * etp == 48 * 128 * expert
+        assert stages.stage_expert_parameters(arch, lay, 0) * ep * etp == 48 * 128 * expert
     two = ParallelLayout(pp=2, dp=4, ep=4)
-    assert sum(planner.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
-    assert [planner.stage_expert_parameters(arch, two, i) for i in range(2)] == [24 * 32 * expert] * 2
+    assert sum(stages.stage_parameters(arch, ParallelLayout(pp=2), i) for i in range(2)) == arch.num_parameters()
+    assert [stages.stage_expert_parameters(arch, two, i) for i in range(2)] == [24 * 32 * expert] * 2
 
 
 def test_moe_layer_bytes_by_hand():
@@ -618,27 +618,28 @@ def test_moe_layer_bytes_by_hand():
     (128 x 7 B); per routed copy its hidden state (2048), fc1 out + act (6 x 768 / ETP) and prob, in bf16; copies
     = local tokens x 8 x ETP x factor (2 dropless at EP > 1, the capacity factor when set, 1 at EP1)."""
     arch = ModelArch.from_hf(A3B)
-    spec = planner.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
     assert (spec.experts, spec.topk, spec.moe_ffn) == (128, 8, 768)
 
     def by_hand(local, etp, factor):
         return local * (8 * 20 + 128 * 7) + 8 * 128 + 4 + local * 8 * etp * factor * (2048 + 6 * 768 // etp + 1) * 2
 
-    inputs = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
+    inputs = stages.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528)
     for layout, local, etp in ((ParallelLayout(dp=8, ep=8), 24576, 1),
                                (ParallelLayout(tp=2, sp=True, dp=4, ep=8, etp=1), 12288, 1),
                                (ParallelLayout(tp=2, sp=True, dp=4, ep=4, etp=2), 12288, 2),
                                (ParallelLayout(dp=8), 24576, 1)):
-        factor = planner.moe_factor(layout, inputs)
-        assert factor == (1.0 if layout.ep == 1 else 2.0) and planner.MOE_DROPLESS_IMBALANCE == 2.0
-        got = planner.moe_layer_bytes(spec, layout, tokens=24576, factor=factor)
+        factor = stages.moe_factor(layout, inputs)
+        assert factor == (1.0 if layout.ep == 1 else 2.0) and stages.MOE_DROPLESS_IMBALANCE == 2.0
+        got = activations.moe_layer_bytes(spec, layout, tokens=24576, factor=factor)
         assert got == pytest.approx(by_hand(local, etp, factor), rel=1e-12), layout
-    capped = planner.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, moe_capacity_factor=1.25)
-    assert planner.moe_factor(ParallelLayout(dp=8, ep=8), capped) == 1.25
-    assert planner.moe_factor(ParallelLayout(dp=8), replace(capped, moe_capacity_factor=0.5)) == 0.5
+    capped = stages.PlanInputs(tokens_per_micro_batch=24576, max_seq_len=22528, moe_capacity_factor=1.25)
+    assert stages.moe_factor(ParallelLayout(dp=8, ep=8), capped) == 1.25
+    assert stages.moe_factor(ParallelLayout(dp=8), replace(capped, moe_capacity_factor=0.5)) == 0.5
     # the a2a: 24576 x 8 copies of 2048 bf16 per direction, 7/8 of them to the other ranks
-    assert planner.moe_alltoall_bytes(spec, ParallelLayout(dp=8, ep=8), tokens=24576) == 24576 * 8 * 2048 * 2 * 7 / 8
-    assert planner.moe_alltoall_bytes(spec, ParallelLayout(dp=8), tokens=24576) == 0
+    assert (activations.moe_alltoall_bytes(spec, ParallelLayout(dp=8, ep=8), tokens=24576)
+            == 24576 * 8 * 2048 * 2 * 7 / 8)
+    assert activations.moe_alltoall_bytes(spec, ParallelLayout(dp=8), tokens=24576) == 0
 
 
 def test_moe_launcher_dry_run_prints_the_moe_terms(tmp_path):
@@ -673,7 +674,7 @@ def test_moe_dry_run_default_world_holds_one_expert_grid(tmp_path, monkeypatch):
     rc, lines = _dry_run(args[:i] + args[i + 2:])
     assert rc == 1 and lines[0].startswith("layout: TP1 x PP1 x CP1 x DP8 = 8 GPUs; experts ETP1 x EP8 x EDP1")
     row = next(line for line in lines if line.startswith("expert optimizer (/1 expert-DP)"))
-    assert float(row.split()[-1]) == round(48 * 16 * 3 * 2048 * 768 * 12 / planner.GIB, 2) == 40.5
+    assert float(row.split()[-1]) == round(48 * 16 * 3 * 2048 * 768 * 12 / stages.GIB, 2) == 40.5
 
 
 def _fenced_block_starting(doc: Path, first: str) -> list[str]:

@@ -314,7 +314,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m("tiny-base-held-out", "tools/make_tiny_base.py", "if expr not in seen and len(eval_records) < args.num_eval:",
       "if len(eval_records) < args.num_eval:", ("tests/test_ablation.py", "-k", "shipped_base"),
       "held-out prompts may repeat"),
-    m("planner-dispatcher-2x", "megatron_dapo/planner.py", "MOE_DROPLESS_IMBALANCE = 2.0",
+    m("planner-dispatcher-2x", "megatron_dapo/planner/stages.py", "MOE_DROPLESS_IMBALANCE = 2.0",
       "MOE_DROPLESS_IMBALANCE = 2.5", ("tests/test_planner.py", "-k", "a3b_plan_is"),
       "the planner's assumed imbalance (the 58 GiB plan moves)"),
 )

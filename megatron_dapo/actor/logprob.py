@@ -10,7 +10,7 @@ path gets an fp32 copy of the whole [b, s, V/tp] tensor.
 weight (--fused-linear-logprob): no [tokens x V/tp] tensor exists. At the 32B setting (24576 tokens per
 micro-batch, V/tp = 152576 / 8 = 19072 with TP padding) that is 0.87 GiB of bf16 logits, 1.75 GiB for an fp32 copy and
 0.87 GiB for their gradient per micro-batch in flight, against one ~16 M-entry block and, in backward,
-an fp32 [V/tp, h] d weight accumulator (0.36 GiB): planner.logits_bytes, 1.75 -> 0.66 GiB with SP.
+an fp32 [V/tp, h] d weight accumulator (0.36 GiB): planner.activations.logits_bytes, 1.75 -> 0.66 GiB with SP.
 """
 
 from __future__ import annotations

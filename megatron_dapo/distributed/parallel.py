@@ -2,7 +2,7 @@
 
 Errors name the flag to change, so a launcher typo is caught before any process group exists. The same
 ParallelLayout feeds parallel_state (dist_init), the TransformerConfig (models/config.py), the actor's
-DDP config and the memory planner (planner.py); `layer_range` says which layers a pipeline stage (and each of its
+DDP config and the memory planner (planner/); `layer_range` says which layers a pipeline stage (and each of its
 virtual chunks) holds, for all of them; see docs/PARALLELISM.md.
 """
 

@@ -21,7 +21,7 @@ import torch
 from megatron_dapo.models.hf_config import ModelArch
 
 if TYPE_CHECKING:
-    from megatron_dapo.planner import Plan
+    from megatron_dapo.planner.report import Plan
 
 
 def rollout_engine_kind(requested: str | None) -> str:
@@ -126,13 +126,14 @@ def _routing(cfg: RolloutEngineConfig):
 
 def memory_server_args(cfg: RolloutEngineConfig, *, cuda: bool) -> tuple[str, ...]:
     """SGLang flags for the memory of launched CUDA servers: --mem-fraction-static (given, or with --colocate the
-    planner's, megatron_dapo/planner.py) and, colocated, --enable-memory-saver (without it
+    planner's, megatron_dapo/planner/colocated.py) and, colocated, --enable-memory-saver (without it
     release_memory_occupation frees nothing). CPU servers size their KV cache by tokens (sglang_server.py)."""
     if not cuda:
         return ()
     frac = cfg.mem_fraction_static
     if frac is None and cfg.colocate:
-        from megatron_dapo.planner import plan_stages, sglang_share
+        from megatron_dapo.planner.colocated import sglang_share
+        from megatron_dapo.planner.stages import plan_stages
 
         plan = cfg.colocated_plan
         frac = sglang_share(plan.arch, plan_stages(plan.arch, plan.layout, plan.inputs, plan.spec), plan.inputs,

@@ -347,7 +347,7 @@ def start_colocated_engines(cfg: RolloutEngineConfig, tokenizer, rank0: bool):
 
     Why first: an engine holds --mem-fraction-static x GPU memory plus its runtime (0.77 x 80 GB + ~4 GiB at the
     32B launcher) until released, and the actor's build peaks at twice its bf16 weights plus the fp32 grad buffer
-    (planner.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
+    (planner.colocated.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
     first, SGLang would have sized its KV pool from less free memory than planned."""
     from megatron_dapo.rollout import build as rollout_build
 

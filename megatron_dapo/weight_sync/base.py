@@ -11,7 +11,7 @@ calls `push(actor, version)` on every rank, every step, and never re-decides the
 | ColocatedSync (colocated_push.py) | --colocate                        | none: a lost engine stops the run        |
 | EngineLoad (engine_load.py)       | embedded / process engine (CPU)   | none: the engine holds its model         |
 
-(61.03 GiB is planner.host_copy_bytes for Qwen2.5-32B: 32.8 B parameters x 2 bytes. ServerPush is what the
+(61.03 GiB is planner.report.host_copy_bytes for Qwen2.5-32B: 32.8 B parameters x 2 bytes. ServerPush is what the
 transports share; each --weight-sync-mode is one subclass of it in transports/, the registry the flag's choices
 come from.)
 

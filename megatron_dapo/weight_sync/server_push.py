@@ -15,7 +15,7 @@ shards written once.
 The host copy (this object's, on rank 0): "tensor" and "distributed" keep every bucket of the last update (one
 copy of each bucket as it streams past; the previous version's bucket k is dropped as bucket k of the new one
 arrives, so at most one version plus one bucket is held): 61.03 GiB of rank 0's host RAM at 32B (bf16,
-planner.host_copy_bytes) and one device-to-host copy of 65 GB per update (~3 s at ~20 GB/s). "disk" keeps no
+planner.report.host_copy_bytes) and one device-to-host copy of 65 GB per update (~3 s at ~20 GB/s). "disk" keeps no
 host copy: the last version's shards on disk (65 GB) are the copy. `recover(server)` re-syncs a lost server
 from it (~4-7 s at 32B; from disk ~30 s).
 
