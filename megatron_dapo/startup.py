@@ -3,7 +3,7 @@
 `check_flags` turns the namespace of `arguments.build_parser()` into a `RunConfig` (every component's config, the
 model architecture from --hf-checkpoint's config.json and the parallel layout over $WORLD_SIZE), checking the
 flags in the order the run depends on them; each config validates its own fields and names the flag to fix.
-Everything below takes the config it is handed, never the namespace (tests/test_import_graph.py enforces it).
+Everything below takes the config it is handed, never the namespace (tests/unit/test_import_graph.py enforces it).
 `dry_run` is `--dry-run` and `python -m megatron_dapo.planner`: the memory plan of the same flags.
 """
 

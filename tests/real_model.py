@@ -44,7 +44,7 @@ def smollm2_hf_dir() -> Path:
 LOGPROB_ATOL = 1e-4
 """Max |log p - log p_hf| per token, fp32 on CPU. Each of the 30 layers' matmuls (hidden 576, MLP 1536) rounds at
 ~2^-24 relative per addition, and two implementations (Megatron's fused layers, HF's eager ones) sum in different
-orders, so logits of magnitude ~20 differ by ~1e-5 after the stack; measured (tests/test_smollm2.py) max 1.7e-5
+orders, so logits of magnitude ~20 differ by ~1e-5 after the stack; measured (tests/e2e/test_smollm2.py) max 1.7e-5
 Megatron vs HF, 3.7e-5 embedded engine vs HF over real chat text. The same bound holds for entropies: their error is
 a p-weighted mean of the log-prob errors."""
 EOS = 2

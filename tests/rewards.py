@@ -23,7 +23,7 @@ PARITY_REWARD = ("--reward-fn", "tests.rewards:length_parity")
 
 
 def length_parity_held(response: str, ground_truth: str) -> RewardResult:
-    """length_parity, for the multi-node rehearsal (tests/test_slurm_rehearsal.py), holding the step's scoring
+    """length_parity, for the multi-node rehearsal (tests/slurm/test_slurm_rehearsal.py), holding the step's scoring
     (at most $REHEARSAL_HOLD_S seconds, 300, then TimeoutError) while a killed server's recovery would otherwise
     fall behind the run. In $REHEARSAL_HOLD_DIR the test touches `killed` (server 0 got kill -9), `back`
     (its restart answers /health) and `resynced` (the trainer logged its re-sync). It holds:

@@ -22,7 +22,7 @@
 # requirements.txt); the versions that ran are printed first and recorded in every part's result.
 #
 # usage: bash tools/gpu_smoke.sh [--dry] [PART ...]
-#   --dry   tiny sizes on CPU (gloo): checks this script's plumbing (tests/test_gpu_smoke.py), measures nothing
+#   --dry   tiny sizes on CPU (gloo): checks this script's plumbing (tests/unit/tools/test_gpu_smoke.py), measures nothing
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -24,18 +24,23 @@ import sys
 import time
 from dataclasses import dataclass
 
-LOSS = ("tests/test_algorithm_loss.py", "tests/test_algorithm_losses.py", "tests/test_algorithm_mismatch.py",
-        "tests/test_algorithm_registry.py", "tests/test_actor_losses.py")
-ADV = ("tests/test_algorithm_sampling.py", "tests/test_algorithm_losses.py", "tests/test_algorithm_registry.py",
-       "tests/test_routing_data.py")
-DYN = ("tests/test_algorithm_sampling.py", "tests/test_collect.py", "tests/test_collect_property.py")
-OVER = ("tests/test_algorithm_sampling.py", "tests/test_collect.py", "tests/test_algorithm_registry.py",
-        "tests/test_dataplane.py")
-MIS = ("tests/test_algorithm_mismatch.py", "tests/test_algorithm_losses.py")
-LAYOUT = ("tests/test_weights_layout.py", "tests/test_convert.py", "tests/test_convert_families.py",
-          "tests/test_convert_mcore_load.py", "tests/test_convert_errors.py")
-SAMPLER = ("tests/test_data_sampler.py",)
-DATA = ("tests/test_dataplane.py", "tests/test_batching.py", "tests/test_routing_data.py", "tests/test_packing.py")
+LOSS = ("tests/unit/algorithm/test_algorithm_loss.py", "tests/unit/algorithm/test_algorithm_losses.py",
+        "tests/unit/algorithm/test_algorithm_mismatch.py", "tests/unit/algorithm/test_algorithm_registry.py",
+        "tests/unit/actor/test_actor_losses.py")
+ADV = ("tests/unit/algorithm/test_algorithm_sampling.py", "tests/unit/algorithm/test_algorithm_losses.py",
+       "tests/unit/algorithm/test_algorithm_registry.py", "tests/unit/rollout/test_routing_data.py")
+DYN = ("tests/unit/algorithm/test_algorithm_sampling.py", "tests/unit/rollout/test_collect.py",
+       "tests/unit/rollout/test_collect_property.py")
+OVER = ("tests/unit/algorithm/test_algorithm_sampling.py", "tests/unit/rollout/test_collect.py",
+        "tests/unit/algorithm/test_algorithm_registry.py", "tests/unit/trainer/test_dataplane.py")
+MIS = ("tests/unit/algorithm/test_algorithm_mismatch.py", "tests/unit/algorithm/test_algorithm_losses.py")
+LAYOUT = ("tests/unit/weights/test_weights_layout.py", "tests/unit/checkpoint_convert/test_convert.py",
+          "tests/unit/checkpoint_convert/test_convert_families.py",
+          "tests/unit/checkpoint_convert/test_convert_mcore_load.py",
+          "tests/unit/checkpoint_convert/test_convert_errors.py")
+SAMPLER = ("tests/unit/data/test_data_sampler.py",)
+DATA = ("tests/unit/trainer/test_dataplane.py", "tests/unit/actor/test_batching.py",
+        "tests/unit/rollout/test_routing_data.py", "tests/unit/actor/test_packing.py")
 
 
 @dataclass(frozen=True)
@@ -227,7 +232,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m("plan-etp-rank", W + "plan.py", "yield name, shards[etp_rank if entry.per_expert else tp_rank]",
       "yield name, shards[tp_rank]", LAYOUT, "experts sharded by TP rank, not expert-TP rank"),
     m("moe-sparse-step", "megatron_dapo/models/moe.py", "(i + 1) % step == 0", "i % step == 0",
-      (*LAYOUT, "tests/test_models_moe.py::test_moe_layers_are_the_layers_hf_builds_sparse"),
+      (*LAYOUT, "tests/unit/models/test_models_moe.py::test_moe_layers_are_the_layers_hf_builds_sparse"),
       "decoder_sparse_step off by one"),
     # ---- converter name and shard rules ---------------------------------------------------------------------
     m("conv-row-offset", "checkpoint_convert/hf_to_mcore.py", "offset = (*prefix, seg.row + lo - seg.hf_lo,",
@@ -272,7 +277,8 @@ MUTANTS: tuple[Mutant, ...] = (
       "tok, lp = tok + p + r, lp + p + r", DATA, "log-prob offset advances by the whole row"),
     m("routes-numel", "megatron_dapo/trainer/dataplane.py", "int((meta[:, 1] + meta[:, 2] - 1).sum())",
       "int((meta[:, 1] + meta[:, 2]).sum())",
-      (*DATA, "tests/test_dataplane_dist.py::test_each_dp_rank_gets_exactly_its_share"),  # torchrun: only it receives
+      # torchrun: only it receives
+      (*DATA, "tests/multiprocess/test_dataplane_dist.py::test_each_dp_rank_gets_exactly_its_share"),
       "route buffer one token per row too long"),
     m("dp-no-attn", "megatron_dapo/actor/batching.py", "cost = [length * (1.0 + attn_coef * length) for",
       "cost = [length * (1.0 + 0.0 * length) for", DATA, "DP balance ignores attention cost"),
@@ -299,23 +305,24 @@ MUTANTS: tuple[Mutant, ...] = (
       "                pad = (padded_vocab - lo, *lazy.shape[1:])", LAYOUT, "vocab padding as one chunk"),
     m("fused-head-unchunked", "megatron_dapo/ops/fused_linear.py",
       "    chunk = chunk_size or default_chunk_tokens(vocab_local)", "    chunk = hidden.shape[0]",
-      ("tests/test_ops_fused_linear.py",), "fused head makes the [tokens, vocab] logits"),
+      ("tests/unit/ops/test_ops_fused_linear.py",), "fused head makes the [tokens, vocab] logits"),
     m("router-retry-30", "megatron_dapo/rollout/sglang/engine.py",
       "time.monotonic() - self._router_down_at > ROUTER_RETRY_S", "time.monotonic() - self._router_down_at > 30.0",
-      ("tests/test_rollout_sglang_http.py", "-k", "router"), "router tried again after 30 s"),
+      ("tests/unit/rollout/sglang/test_rollout_sglang_http.py", "-k", "router"), "router tried again after 30 s"),
     m("router-retry-never", "megatron_dapo/rollout/sglang/engine.py",
       "return self._router_down_at is None or time.monotonic()",
       "return self._router_down_at is None and time.monotonic()",
-      ("tests/test_rollout_sglang_http.py", "-k", "router"), "a failed router is never tried again"),
+      ("tests/unit/rollout/sglang/test_rollout_sglang_http.py", "-k", "router"),
+      "a failed router is never tried again"),
     m("colocated-recover-noop", "megatron_dapo/weight_sync/colocated_push.py",
       "    def recover(self, server: int) -> None:\n        raise RuntimeError(",
       "    def recover(self, server: int) -> None:\n        return\n        raise RuntimeError(",
-      ("tests/test_colocate.py", "-k", "lost_mid_run"), "colocated recover re-syncs nothing and goes on"),
+      ("tests/unit/trainer/test_colocate.py", "-k", "lost_mid_run"), "colocated recover re-syncs nothing and goes on"),
     m("tiny-base-held-out", "tools/make_tiny_base.py", "if expr not in seen and len(eval_records) < args.num_eval:",
-      "if len(eval_records) < args.num_eval:", ("tests/test_ablation.py", "-k", "shipped_base"),
+      "if len(eval_records) < args.num_eval:", ("tests/unit/tools/test_ablation.py", "-k", "shipped_base"),
       "held-out prompts may repeat"),
     m("planner-dispatcher-2x", "megatron_dapo/planner/stages.py", "MOE_DROPLESS_IMBALANCE = 2.0",
-      "MOE_DROPLESS_IMBALANCE = 2.5", ("tests/test_planner.py", "-k", "a3b_plan_is"),
+      "MOE_DROPLESS_IMBALANCE = 2.5", ("tests/unit/planner/test_planner.py", "-k", "a3b_plan_is"),
       "the planner's assumed imbalance (the 58 GiB plan moves)"),
 )
 

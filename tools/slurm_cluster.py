@@ -26,7 +26,7 @@ the packages present (~0.4 s when the machine is quiet), `down` 0.1-0.4 s, `srun
 0.13-0.2 s. A batch job is started by backfill within bf_interval=1 s of its submission. What a finished job costs
 depends on --proctrack: a job that ran a step leaves the queue ~0.9 s after submit with linuxproc or cgroup, ~3.8 s
 with pgid (slurmstepd polls the process group, 1 s then 2 s). `sbatch --wait` polls 2 s, then 8 s later: a 3 s
-job returns after ~10 s, so callers that care poll `squeue -h -j ID` instead (tests/test_slurm_cluster.py: Job).
+job returns after ~10 s, so callers that care poll `squeue -h -j ID` instead (tests/slurm/test_slurm_cluster.py: Job).
 
 What scancel leaves (a step that starts a child with `setsid`, its stdio redirected): pgid: the setsid child
 survives the job; linuxproc and cgroup kill it. A survivor that still holds the step's stdout/stderr keeps the job

@@ -2,7 +2,7 @@
 # cores run, submitted with examples/slurm/colocated.sbatch: every node runs one real CPU SGLang engine at TP 2 and 2
 # gloo actor ranks (TP 2 x DP 2 over 2 nodes), each rank handing its weights to the engine rank of its index on its
 # own node (--colocate: tensor mode, shared memory on CPU). SGLang's CPU backend answers release/resume but frees
-# nothing (tests/test_colocate_dist.py), so this rehearses the launch and the protocol, not the memory.
+# nothing (tests/sglang/test_colocate_dist.py), so this rehearses the launch and the protocol, not the memory.
 # Otherwise examples/recipes/cpu-rehearsal.sh.
 ACTOR_NODES=${NODES:-2}
 RANKS_PER_NODE=2

@@ -1,4 +1,4 @@
-# The CPU rehearsal's MoE variant (tests/test_slurm_rehearsal.py): examples/recipes/qwen3-30b-a3b.sh's code path at a
+# The CPU rehearsal's MoE variant (tests/slurm/test_slurm_rehearsal.py): examples/recipes/qwen3-30b-a3b.sh's code path at a
 # size two CPU cores run, submitted with examples/slurm/split.sbatch: one actor node of 2 gloo ranks with the experts
 # split over them (EP 2 x DP 2) on a tiny all-MoE Qwen3-MoE (HF_CKPT: 8 experts top-2, made by the test), one
 # rollout node with one real CPU SGLang server (no router), distributed weight sync of every expert's HF tensors.

@@ -1,4 +1,4 @@
-# The CPU rehearsal (docs/REHEARSAL.md; tests/test_slurm_rehearsal.py): the 32B split recipe's code path at a size two
+# The CPU rehearsal (docs/REHEARSAL.md; tests/slurm/test_slurm_rehearsal.py): the 32B split recipe's code path at a size two
 # CPU cores run, submitted with examples/slurm/split.sbatch to a real Slurm cluster (tools/slurm_cluster.py). Two
 # actor nodes of 2 gloo ranks (TP 2 x PP 2: each node one pipeline stage, the 32B layout's shape) on a tiny Qwen2
 # (HF_CKPT, made by tools/make_tiny_base.py), a rollout node with two real CPU SGLang servers (.venv-sglang) behind

@@ -6,7 +6,7 @@
 #
 # Memory (--dry-run --world-size 128): training as the split recipe's plan (DP 8 instead of 4: smaller optimizer
 # shards) plus what the released engine keeps; generation: the actor's bf16 weights and context, SGLang's weights +
-# KV cache (--mem-fraction-static, the planner's value; tests/test_planner.py checks that it is the computed one) and
+# KV cache (--mem-fraction-static, the planner's value; tests/unit/planner/test_planner.py checks that it is the computed one) and
 # its runtime. Both phases under 90% of 80 GB; a --save checkpoint is written in the training phase (the plan's
 # save rows: 18.3 GiB per GPU). The engines start with --enable-memory-saver so that release/resume
 # frees GPU memory (without expandable segments in their allocator options: torch_memory_saver refuses them).

@@ -29,7 +29,7 @@ it again inside backward. The recomputed forward must route as the first one did
 another network. In training, a no_grad forward pushes the ids it used on a per-layer queue and the
 recomputation (detected as a forward inside the autograd engine) pops them; micro-batches are recomputed in
 their forward order (1F1B and interleaved schedules run each chunk's backwards in forward order), and each
-layer of a micro-batch once. Tested against the run without recompute (tests/test_actor_moe_replay.py).
+layer of a micro-batch once. Tested against the run without recompute (tests/unit/actor/test_actor_moe_replay.py).
 
 Cost at Qwen3-30B-A3B (48 MoE layers, top-8, 128 experts), a 24,576-token micro-batch: the table is
 24,576 x 48 x 8 int16 = 18.9 MB on the device per micro-batch (host: the samples' own uint8/int rows); per

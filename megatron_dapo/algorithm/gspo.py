@@ -11,9 +11,9 @@ per-token form GSPO-token (Sec. 4.3):
     J_GSPO-token = E[ 1/G sum_i 1/|y_i| sum_t min(s_it A_it, clip(s_it, ...) A_it) ]
     s_it = sg[s_i] * pi_theta(y_it) / sg[pi_theta(y_it)]
 
-s_it has the value s_i and the gradient of token t's own log-prob, so with A_it = A_i (the case here:
-one advantage per response) its value and its gradient equal GSPO's exactly (tests/test_algorithm_losses.py
-checks both against the sequence-level formula), and per-token advantages [B, S] also work.
+s_it has the value s_i and the gradient of token t's own log-prob, so with A_it = A_i (the case here: one advantage
+per response) its value and its gradient equal GSPO's exactly (tests/unit/algorithm/test_algorithm_losses.py checks
+both against the sequence-level formula), and per-token advantages [B, S] also work.
 
 The paper's clip ranges are far smaller than DAPO's (3e-4 / 4e-4, Sec. 5.1: a sequence ratio is a
 geometric mean, near 1); this loss reads --clip-ratio-low / --clip-ratio-high as they are, so set them.

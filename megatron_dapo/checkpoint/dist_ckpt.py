@@ -141,7 +141,7 @@ def sharded_object_key(key: str, offset: Offset, shape: Shape) -> str:
     """The storage key of a megatron-core ShardedObject (its `unique_key`), without importing megatron.
 
     Importing megatron.core costs ~3-25 s and ~500 MB RSS (it compiles fusions and imports wandb); the
-    converter needs none of it. tests/test_convert.py checks this equals megatron-core's own.
+    converter needs none of it. tests/unit/checkpoint_convert/test_convert.py checks this equals megatron-core's own.
     """
     return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 

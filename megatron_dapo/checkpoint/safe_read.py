@@ -69,8 +69,8 @@ def refuse(path: str | os.PathLike[str], what: str) -> UnsafeCheckpointError:
 @functools.cache
 def _metadata_classes() -> dict[tuple[str, str], Any]:
     """(module, name) -> object for every class torch 2.x's `Metadata` pickle refers to (as measured on converter
-    output and training checkpoints of both optimizers: tests/test_checkpoint_safe_read.py), torch.Size, the
-    layout helper and the memory-format enum of TensorProperties, the path type of StorageMeta.checkpoint_id, the
+    output and training checkpoints of both optimizers: tests/unit/checkpoint/test_checkpoint_safe_read.py), torch.Size,
+    the layout helper and the memory-format enum of TensorProperties, the path type of StorageMeta.checkpoint_id, the
     SavePlans megatron-core keeps in `all_local_plans`, and megatron-core's placeholders for older checkpoints."""
     import pathlib
 

@@ -152,8 +152,8 @@ class CheckpointLayoutError(UserError):
 def check_optimizer_layout(saved: dict[str, Any] | None, actor, path: Path, *,
                            cause: BaseException | None = None) -> None:
     """Raise CheckpointLayoutError when `saved` (a checkpoint's `optimizer_layout`; None: an older checkpoint, not
-    checked) cannot resume under `actor`'s layout. Measured on megatron-core 0.16.1 (tests/test_checkpoint_ep.py,
-    a tiny Qwen3-MoE saved at EP 2 x expert-DP 2 on 4 ranks):
+    checked) cannot resume under `actor`'s layout. Measured on megatron-core 0.16.1
+    (tests/multiprocess/test_checkpoint_ep.py, a tiny Qwen3-MoE saved at EP 2 x expert-DP 2 on 4 ranks):
 
     - the same EP: resumes exactly (regular and distributed optimizer);
     - regular optimizer, EP 2 -> EP 4 (both > 1): resumes (the expert state is stored with a global expert axis);

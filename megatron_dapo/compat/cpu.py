@@ -147,7 +147,7 @@ def check_megatron_version() -> None:
     if version != CHECKED_MEGATRON_CORE_VERSION:
         raise RuntimeError(
             f"megatron_dapo.compat.cpu was audited against megatron-core {CHECKED_MEGATRON_CORE_VERSION}, "
-            f"found {version}: re-run tests/test_models_compat.py, update SHIMS/PINNED_SITE_COUNTS in "
+            f"found {version}: re-run tests/unit/compat/test_compat_cpu.py, update SHIMS/PINNED_SITE_COUNTS in "
             f"megatron_dapo/compat/cpu.py, or install megatron-core=={CHECKED_MEGATRON_CORE_VERSION}"
         )
 

@@ -1,9 +1,9 @@
 """Collectives that put each tensor on the device its group's backend works on.
 
 NCCL groups take CUDA tensors only; gloo groups take CPU tensors (gloo's CUDA support is partial). Every
-collective of the trainer goes through these wrappers (tests/test_comm.py checks the package statically; only the
-TP reductions of the logits in ops/ and actor/logprob.py, on tensors already on the model's device, call torch
-directly): they pick the device from `dist.get_backend`,
+collective of the trainer goes through these wrappers (tests/unit/distributed/test_comm.py checks the package
+statically; only the TP reductions of the logits in ops/ and actor/logprob.py, on tensors already on the model's device,
+call torch directly): they pick the device from `dist.get_backend`,
 copy the tensor there when it is elsewhere, run the collective and copy the result back in place, so a
 caller never has to know which backend Megatron gave a group. CPU data (the rollout batch, the sampler
 state) travels over gloo groups (`gloo_group`), which also carry their own timeout: the rollout wait

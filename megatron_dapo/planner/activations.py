@@ -5,7 +5,7 @@ tokens in rows of length s (b s = T). Following Korthikanti et al. 2022 ("Reduci
 Recomputation in Large Transformer Models", Sec. 4): a GPT layer with dropout saves 34 s b h + 5 a s^2 b
 bytes in fp16; norm inputs/outputs and dropout masks (10 s b h) are replicated over TP ranks unless
 sequence parallelism shards them, the rest is split over TP. `ActivationSpec` generalises the paper's
-count to what this project runs (tests/test_planner.py checks both against the paper's formulas and
+count to what this project runs (tests/unit/planner/test_planner.py checks both against the paper's formulas and
 against the bytes the real megatron-core model saves on CPU):
   - SwiGLU MLP (fc1 output 2f, then silu(x1), x2 + 0 and their product: 3f more; 1f when fused);
   - GQA: flash/fused attention (TransformerEngine) keeps q and k after RoPE, the fused qkv output (v is
@@ -19,7 +19,7 @@ against the bytes the real megatron-core model saves on CPU):
     for k (which keeps that output alive) and for q unless megatron-core's [ng, np/ng hn] -> [np, hn]
     reshape copies it (more than one query group on the rank, more than one head per group); TE's norm
     keeps its input made contiguous (q + kv). RoPE saves none of the norm's output (it multiplies by the
-    constant cos / sin). Measured on CPU for torch (tests/test_planner.py); the TE count is read off TE's
+    constant cos / sin). Measured on CPU for torch (tests/unit/planner/test_planner.py); the TE count is read off TE's
     RMSNorm op (ops/basic/rmsnorm.py saves input_.contiguous() and the fp32 rstdevs), not measured.
 Packing (--pack-sequences): a micro-batch is one [1, T] row of T real tokens, so every row-length term
 (local attention scores, the explicit mask, the RoPE table) uses s = T; on TE (flash) only the RoPE
@@ -160,8 +160,8 @@ def moe_routed_tokens(spec: ActivationSpec, layout: ParallelLayout, *, tokens: i
 
 def moe_layer_bytes(spec: ActivationSpec, layout: ParallelLayout, *, tokens: int, factor: float) -> float:
     """Bytes an MoE block (router, dispatcher, experts) saves for backward per micro-batch, replacing the dense
-    MLP's term; the pre-MLP norm is in layer_activation_bytes (its output is the router's saved input).
-    Measured exactly on CPU at EP1 (megatron-core's alltoall dispatcher, SequentialMLP; tests/test_planner.py):
+    MLP's term; the pre-MLP norm is in layer_activation_bytes (its output is the router's saved input). Measured
+    exactly on CPU at EP1 (megatron-core's alltoall dispatcher, SequentialMLP; tests/unit/planner/test_planner.py):
       - router, per local token: int64 top-k indices and sort permutation (16 k B; the load-balancing loss's
         own top-k indices die with its integer branch before backward), the fp32 top-k probs (4 k), the fp32
         softmax scores of the aux loss (4 E), the [E, T] routing map (bool, E) and probs (E x bytes); per layer

@@ -9,7 +9,7 @@ digit strings, strip.
 The reference formulation uses five backtracking regular expressions. Each is re-implemented
 here as a left-to-right scan with the same match semantics (Python `re` without DOTALL: '.'
 never crosses a newline, '[^{]' does), so the cost is linear in the input length whatever the
-input; tests/test_reward_normalize.py checks the scans against the regexes on random strings.
+input; tests/unit/reward/test_reward_normalize.py checks the scans against the regexes on random strings.
 """
 
 from __future__ import annotations

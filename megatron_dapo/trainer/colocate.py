@@ -27,7 +27,7 @@
 Offload moves whole tensor storages (`untyped_storage().resize_(0)` after a copy to pinned host memory; back
 with resize_ and a copy), as megatron-core's DDP.offload_grad_buffers does for grads: every view (param.
 main_grad into the DDP grad buffer, the optimizer's state tensors) stays the same Python object and sees the
-bytes again after onload, so training continues bit-exactly (tests/test_colocate.py). Grad buffers are not
+bytes again after onload, so training continues bit-exactly (tests/unit/trainer/test_colocate.py). Grad buffers are not
 copied: train_step zeroes them first anyway (zero_grad_buffer).
 
 Cost at the production setting (Qwen2.5-32B, 16 x 8 GPUs, TP8 x PP2, DP 8, bf16, distributed optimizer):

@@ -2,15 +2,15 @@
 
 Why. SGLang 0.5.23 sets NCCL_CUMEM_ENABLE in every server before its scheduler processes (which hold the NCCL
 communicators) start (sglang/srt/entrypoints/engine.py `_set_envs_and_config`): to 0 where it is unset; to 1 with
---enable-symm-mem, whatever was set; a value set in its environment is otherwise kept (tests/test_nccl_env.py runs
-SGLang's own function). NCCL reads the variable once per process (`ncclParamCuMemEnable`, cached) and, unset,
-turns cuMem on wherever the driver supports it (-2: `ncclCuMemEnable` in nccl src/misc/cudawrap.cc), i.e. on every
-H100 with a CUDA 12 driver. A trainer left alone so runs cuMem on while its servers run it off. In the weight-sync
-group (weight_sync/sync_group.py: trainer rank 0, or a pipeline stage's source rank, and every server TP rank), two
-peers on one node connect through NCCL's P2P transport, where each side exports and imports the other's buffers
-by its own setting (nccl src/transport/p2p.cc `ncclP2pImportShareableBuffer`: a cuMem handle passed as a file
-descriptor, or a legacy cudaIpc handle): a pair that disagrees fails or hangs when the group first broadcasts
-(seen with vLLM, which sets the same default: SkyRL PR 143; not reproduced here, no GPU). Peers on different
+--enable-symm-mem, whatever was set; a value set in its environment is otherwise kept
+(tests/unit/weight_sync/test_nccl_env.py runs SGLang's own function). NCCL reads the variable once per process
+(`ncclParamCuMemEnable`, cached) and, unset, turns cuMem on wherever the driver supports it (-2: `ncclCuMemEnable` in
+nccl src/misc/cudawrap.cc), i.e. on every H100 with a CUDA 12 driver. A trainer left alone so runs cuMem on while its
+servers run it off. In the weight-sync group (weight_sync/sync_group.py: trainer rank 0, or a pipeline stage's source
+rank, and every server TP rank), two peers on one node connect through NCCL's P2P transport, where each side exports and
+imports the other's buffers by its own setting (nccl src/transport/p2p.cc `ncclP2pImportShareableBuffer`: a cuMem handle
+passed as a file descriptor, or a legacy cudaIpc handle): a pair that disagrees fails or hangs when the group first
+broadcasts (seen with vLLM, which sets the same default: SkyRL PR 143; not reproduced here, no GPU). Peers on different
 nodes meet in NCCL's network transport, where each side maps only its own memory; NVLS, which SGLang also turns
 off, NCCL agrees on by itself (the minimum over ranks of its channels, nccl src/init.cc).
 

@@ -2,7 +2,7 @@
 TP=2 x PP=2 and (the first family only) DP=4, and a mixture-of-experts family at its expert-parallel layouts
 (EP=2 and EP=4 over DP=4, TP=2 x EP=2 + SP with expert-TP 1 and 2, PP=2 x EP=2), on one world; save the results.
 
-argv: <input .pt from tests/test_actor_parallel.py> <output dir>. The input holds, per model key, the arch,
+argv: <input .pt from tests/multiprocess/test_actor_parallel.py> <output dir>. The input holds, per model key, the arch,
 the HF state dict and the layouts to run. For each (model, layout) every rank saves its log-probs, entropies,
 the metrics of two train steps, its ranks (TP, PP, DP, EP, expert-TP, expert-DP) and its weight shards to
 <out>/<model>_<layout>_rank<r>.pt.

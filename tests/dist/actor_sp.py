@@ -3,7 +3,7 @@ recompute) on one world, for each model family in the input; saves each layout's
 metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward. A mixture-of-experts
 family runs the SP layouts only (megatron-core's MoE layer needs SP with TP > 1).
 
-argv: <input .pt from tests/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt. The input
+argv: <input .pt from tests/multiprocess/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt. The input
 holds, per model_type, the arch, the HF state dict and the ActorConfig; the samples, seed and step count.
 """
 
@@ -19,7 +19,7 @@ from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, in
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, reset_moe_tracker
-from tests.test_planner import saved_activation_bytes
+from tests.unit.planner.test_planner import saved_activation_bytes
 
 LAYOUTS = {
     "tp2": ParallelLayout(tp=2),

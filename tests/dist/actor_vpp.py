@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks): the actor at TP1 x PP2 x VPP2 (--num-layers-per-virtual-pipeline-stage 1 on
 4 layers), then its checkpoint loaded at plain PP2.
 
-argv: <input .pt from tests/test_actor_vpp.py> <output dir>. The actor loads the HF directory through
+argv: <input .pt from tests/multiprocess/test_actor_vpp.py> <output dir>. The actor loads the HF directory through
 train.load_hf_into_actor and checks each chunk against an independent copy (tests/dist/actor_common.py).
 Rank r saves <out>/vpp_rank<r>.pt with:
 log-probs, entropies, the metrics of the train steps, the HF export after them, the metrics of one more

@@ -1,4 +1,4 @@
-"""Worker of tests/test_checkpoint_procs.py: one process saving a tiny actor's checkpoint.
+"""Worker of tests/unit/checkpoint/test_checkpoint_procs.py: one process saving a tiny actor's checkpoint.
 
 argv: OUT_DIR MODE(sync|async) SLOW(0|1). With SLOW=1 the process that forks the checkpoint writers first writes
 their number to OUT_DIR/writers.count, and every writer process creates OUT_DIR/writer_<pid> and then sleeps, so

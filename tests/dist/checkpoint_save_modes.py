@@ -1,4 +1,4 @@
-"""Worker of tests/test_checkpoint_save_modes.py: 2 ranks (DP=2), one save per mode, each loaded back.
+"""Worker of tests/multiprocess/test_checkpoint_save_modes.py: 2 ranks (DP=2), one save per mode, each loaded back.
 
 Modes: default, --ckpt-fully-parallel-save, --async-save, both. Rank 0 writes results.json to argv[1]:
 per mode whether every rank's reloaded state equals the saved one bit for bit, the .distcp bytes each

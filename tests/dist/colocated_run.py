@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks, gloo): the same DAPO updates pushed to one SGLang server at TP 2 in colocated
 mode and in separate-server mode, and what the server generates after each.
 
-argv: <input .pt from tests/test_colocate_dist.py> <output dir> <server url>. The input holds the HF state
+argv: <input .pt from tests/sglang/test_colocate_dist.py> <output dir> <server url>. The input holds the HF state
 dict, the arch, the samples of each step and the prompts. Both runs train a TP 2 actor from the same weights
 on the same samples:
 - separate: rank 0's ServerPush.update (tensor mode: rank 0's bucket, one copy per server TP rank);

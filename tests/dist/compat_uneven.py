@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks) of tests/test_models_compat.py: megatron's first-dim all-gather and reduce-scatter
+"""torchrun worker (2 gloo ranks) of tests/unit/compat/test_compat_cpu.py: megatron's first-dim all-gather and reduce-scatter
 with uneven split sizes (what the alltoall dispatcher does over the expert-TP group): the gather through the CPU
 shim and without it (gloo refuses), the reduce-scatter as megatron has it (no shim: gloo's list reduce_scatter
 takes uneven blocks); rank 0 writes argv[1] (json).

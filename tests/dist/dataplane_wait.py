@@ -1,4 +1,4 @@
-"""torchrun worker (2 gloo ranks, DP=2) for tests/test_dataplane_dist.py.
+"""torchrun worker (2 gloo ranks, DP=2) for tests/multiprocess/test_dataplane_dist.py.
 
 The default process group is made with a DEFAULT_TIMEOUT_S timeout. Checks, one launch:
   A. DataPlane with two replicas (rank 0 -> rank 1 by send/recv) and with one replica of both ranks
@@ -120,7 +120,7 @@ def main() -> None:
     from megatron_dapo.startup import build_configs
     from tests import sim_engine as sim
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
-    from tests.test_dataplane import _rows
+    from tests.unit.trainer.test_dataplane import _rows
 
     layout = init_parallel(seed=0, timeout_minutes=1)
     hour = timedelta(hours=1)

@@ -1,6 +1,6 @@
 """Triton kernels under the interpreter against the references (pytest module, not collected by `make test`).
 
-tests/test_ops_triton.py runs this file in a fresh `TRITON_INTERPRET=1 python -m pytest` process, because
+tests/unit/ops/test_ops_triton.py runs this file in a fresh `TRITON_INTERPRET=1 python -m pytest` process, because
 triton fixes interpreter mode when it is first imported.
 """
 
@@ -21,7 +21,7 @@ N, V, BLOCK = 8, 100, 32
 
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run with TRITON_INTERPRET=1 (see tests/test_ops_triton.py)", allow_module_level=True)
+    pytest.skip("run with TRITON_INTERPRET=1 (see tests/unit/ops/test_ops_triton.py)", allow_module_level=True)
 
 
 def _inputs(dtype=torch.float32, seed=0):

@@ -1,7 +1,7 @@
 """torchrun worker (2 ranks): packed micro-batches and the fused linear head at TP=2 (also with sequence
 parallelism) and PP=2, each against the padded logits path of the same layout on the same world.
 
-argv: <input .pt from tests/test_packing_parallel.py> <output dir> -> <out>/<variant>_rank<r>.pt holding
+argv: <input .pt from tests/multiprocess/test_packing_parallel.py> <output dir> -> <out>/<variant>_rank<r>.pt holding
 log-probs, entropies, the metrics of one train step and this rank's gradient (megatron's main_grad).
 """
 

@@ -53,14 +53,14 @@ def pipelined_logits(model, ids: torch.Tensor, arch: ModelArch, sp: bool = False
 
 def megatron_core_logits(work: str, tie: str, ids: torch.Tensor, ep: int) -> torch.Tensor:
     """Logits of megatron-core's own GPTModel (TP1 x PP1 x EP `ep`: its TransformerConfig and block spec written out
-    from config.json, tests/test_convert_mcore_load.py) after `dist_checkpointing.load` of the converter output,
+    from config.json, tests/unit/checkpoint_convert/test_convert_mcore_load.py) after `dist_checkpointing.load` of the converter output,
     which is what Megatron-LM does: no megatron_dapo code between the checkpoint and the model."""
     import argparse
     import json
 
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
-    from tests.test_convert_mcore_load import rope_kwargs, transformer_config
+    from tests.unit.checkpoint_convert.test_convert_mcore_load import rope_kwargs, transformer_config
 
     config = json.load(open(os.path.join(work, f"hf_{tie}", "config.json")))
     with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:

@@ -1,6 +1,6 @@
 """The adversarial probes of issue 38: each a command a new user or an adversary might run, and what a good
 answer to it is. `python -m tests.probes` runs them all and prints one line a case and the count of good ones;
-tests/test_probes.py runs the same cases in the suite.
+tests/probes/test_probes.py runs the same cases in the suite.
 
 A case module (`tests/probes/cases_<area>.py`) exports `CASES: list[Case]`. A case builds what it needs under
 its own temporary directory (`setup`), runs one command, and `check`s the outcome; a good answer to bad input is

@@ -3,10 +3,11 @@ files (item 8), expert-parallel sizes that do not fit the ranks (item 9), the pl
 (item 10), a reward function that returns a string and an SGLang server whose /generate hangs (item 12), and the
 mixture-of-experts flags on a dense model (item 16).
 
-Every input is built in the case's own directory: tiny models by transformers (tests/test_convert.py make_tiny_hf:
-Qwen2 with q/k/v biases, or Qwen3-MoE with 8 experts) with the character tokenizer, or a config.json alone where the
-run must stop before it reads weights; GGUF files by the `gguf` package's writer; the hanging server is
-tests/sglang/fake_server.py --hang-generate, started by the case and gone after its --lifetime.
+Every input is built in the case's own directory: tiny models by transformers
+(tests/unit/checkpoint_convert/test_convert.py make_tiny_hf: Qwen2 with q/k/v biases, or Qwen3-MoE with 8 experts) with
+the character tokenizer, or a config.json alone where the run must stop before it reads weights; GGUF files by the
+`gguf` package's writer; the hanging server is tests/sglang/fake_server.py --hang-generate, started by the case and gone
+after its --lifetime.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _weights(family: str, **edits) -> Callable[[Path], None]:
 
     def setup(w: Path) -> None:
         from megatron_dapo.data.synthetic import build_char_tokenizer
-        from tests.test_convert import make_tiny_hf
+        from tests.unit.checkpoint_convert.test_convert import make_tiny_hf
 
         model = w / "model"
         make_tiny_hf(model, tied=True, model_type=family)

@@ -11,7 +11,7 @@ ColocatedSync). Imports run one way: weight_sync/ imports this package (the tran
 nothing here imports weight_sync/; the engine knows its sync only as `Recovers`, and which transport pushes is
 weight_sync/'s choice (weight_sync/transports/), so a new transport changes nothing here.
 
-What survives what (tests/test_rollout_sglang_recovery.py kills real servers by pid):
+What survives what (tests/sglang/test_rollout_sglang_recovery.py kills real servers by pid):
 - A server that dies while generating (connection refused / reset, 5xx): its samples are retried on the
   other servers (or, if it was the only one, once it is back); a launched server is restarted, an attached
   one is waited for (ClientConfig.server_wait_s, then the run stops with an error naming its URL). Before
@@ -92,8 +92,8 @@ class ClientConfig:
     before the error is raised."""
     bucket_bytes: int = 512 << 20
     """Flat bucket size for weight sync (--weight-sync-bucket-mb x 2**20; the default is weight_sync/buckets.py
-    DEFAULT_BUCKET_BYTES, which this package does not import: tests/test_weight_sync_transports.py checks they
-    agree)."""
+    DEFAULT_BUCKET_BYTES, which this package does not import: tests/unit/weight_sync/test_weight_sync_transports.py
+    checks they agree)."""
     sync_backend: str = "nccl"
     """Backend of the update_weights_from_distributed group ('gloo' on CPU)."""
     sync_master_address: str = "127.0.0.1"

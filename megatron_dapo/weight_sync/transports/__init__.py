@@ -4,8 +4,8 @@ Each transport is one module of this folder holding one ServerPush subclass (wei
 registered beside it with `@register_transport("name")` (the repository's `dotted_path.Registry`, as the losses and
 reward functions register; verl's checkpoint_engine registry is the model). The folder is the list: every module in
 it is imported on the registry's first read, so a new transport is one file here plus its test, and
-`tests/test_weight_sync_transports.py` runs the same contract checks on every registered one. --weight-sync-mode's
-choices are `transport_names()` (megatron_dapo/arguments.py).
+`tests/unit/weight_sync/test_weight_sync_transports.py` runs the same contract checks on every registered one.
+--weight-sync-mode's choices are `transport_names()` (megatron_dapo/arguments.py).
 
 The choice is made once, when the run is built: `weight_sync_mode` resolves the flag against where the servers run
 (rank 0, before any server starts: rollout/build.py; also the planner and nccl_env, from the flags alone), and

@@ -1,0 +1,159 @@
+"""The rollout rows as tensors (megatron_dapo/trainer/dataplane.py): pack -> unpack gives back every field exactly,
+the --rollout-timeout flag reaches the trainer config, an abort carries what failed, and a rank 0 whose engine
+fails mid-push still runs the weight export (a collective) to the end. The multi-process failure paths are in
+tests/multiprocess/test_dataplane_dist.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_dapo.actor import TrainSample
+from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
+from megatron_dapo.arguments import build_parser
+from megatron_dapo.rollout.collect import CollectConfig
+from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.startup import build_configs
+from megatron_dapo.trainer.dataplane import ABORT, abort_reason, abort_share, pack, unpack
+from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
+from megatron_dapo.weights import export as export_module
+
+FLAGS = ["--hf-checkpoint", "unused", "--prompt-data", "unused", "--num-steps", "1",
+         "--max-response-length", "16", "--overlong-buffer-length", "4"]
+
+
+def _rows(n: int, seed: int) -> list[Rollout]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, r = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
+        tokens = torch.randint(0, 152064, (p + r,), generator=gen).tolist()
+        adv = float(torch.randn(1, dtype=torch.float64, generator=gen))  # float64: must survive exactly
+        out.append(Rollout(TrainSample(tokens=tokens, prompt_len=p, advantage=adv,
+                                       loss_mask=torch.full((r,), float(i % 3 != 0))),
+                           torch.randn(r, generator=gen)))
+    return out
+
+
+def test_pack_unpack_roundtrip_is_exact():
+    minibatches = [_rows(3, 0), [], _rows(4, 1)]  # an empty share of a mini-batch keeps its slot
+    packed = pack(minibatches)
+    n_tok = sum(len(r.sample.tokens) for mb in minibatches for r in mb)
+    n_resp = sum(r.sample.response_len for mb in minibatches for r in mb)
+    assert packed.ints.dtype == torch.int32 and packed.logp.dtype == torch.float32
+    assert packed.nbytes == 32 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
+    back = unpack(packed, Rollout)
+    assert [len(mb) for mb in back] == [3, 0, 4]
+    for want_mb, got_mb in zip(minibatches, back, strict=True):
+        for want, got in zip(want_mb, got_mb, strict=True):
+            assert got.sample.tokens == want.sample.tokens and got.sample.prompt_len == want.sample.prompt_len
+            assert got.sample.advantage == want.sample.advantage
+            assert torch.equal(got.sample.loss_mask, want.sample.loss_mask)
+            assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
+
+
+def test_a_row_with_a_varying_loss_mask_is_refused():
+    row = Rollout(TrainSample(tokens=[5, 6, 7, 8], prompt_len=1, loss_mask=torch.tensor([1.0, 0.0, 1.0])),
+                  torch.zeros(3))
+    with pytest.raises(ValueError, match="one loss-mask value per row"):
+        pack([[row]])
+
+
+def test_rollout_timeout_flag_reaches_the_trainer_config():
+    _, _, cfg = build_configs(build_parser().parse_args([*FLAGS, "--rollout-timeout", "6.5"]))
+    assert cfg.rollout_timeout_h == 6.5
+    assert build_configs(build_parser().parse_args(FLAGS))[2].rollout_timeout_h == 12.0
+    with pytest.raises(ValueError, match="--rollout-timeout"):
+        TrainerConfig(num_steps=1, rollout_timeout_h=0)
+
+
+def test_an_abort_share_carries_what_failed_and_no_rows():
+    share = abort_share("while logging the metrics of step 7 (disk full: é)")
+    assert int(share.header[0]) == ABORT and share.header[1:3].tolist() == [0, 0]
+    assert share.row_vals.numel() == share.logp.numel() == 0
+    assert share.header[3] == share.ints.numel() == len("while logging the metrics of step 7 (disk full: é)".encode())
+    assert abort_reason(share) == "while logging the metrics of step 7 (disk full: é)"
+    assert unpack(share, Rollout) == []
+
+
+def test_a_push_that_fails_still_runs_the_export_to_the_end(monkeypatch):
+    """The export is a collective the other ranks iterate too: rank 0 must take every tensor even when its engine
+    raised after the first, then re-raise the engine's error."""
+    taken: list[int] = []
+
+    def export(chunks, arch):
+        for i in range(5):
+            taken.append(i)
+            yield f"w{i}", torch.zeros(2)
+
+    class DiesMidPush:
+        def update_weights(self, named, *, version):
+            next(iter(named))
+            raise RuntimeError("every server lost past --sglang-server-wait-s")
+
+    monkeypatch.setattr(export_module, "iter_hf_weights", export)
+    collect = CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3),
+                            dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1, enabled=False),
+                            overlong=OverlongConfig(max_response_length=3))
+    trainer = Trainer(config=TrainerConfig(num_steps=1), collect=collect, actor=SimpleNamespace(chunks=[], arch=None),
+                      engine=DiesMidPush(), next_prompts=lambda k: [], eval_prompts=[], decode=str, reward_fn=None,
+                      logger=None)
+    with pytest.raises(RuntimeError, match="every server lost"):
+        trainer.sync_weights(1)
+    assert taken == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("overlong_filter", [True, False], ids=["filter", "no-filter"])
+def test_build_samples_gives_each_row_once_with_its_group_advantage_and_mask(monkeypatch, overlong_filter):
+    """Trainer.build_samples (rank 0) against the pieces written out: each response's advantage is Eq. 9 of its own
+    prompt group (mean and unbiased std over the group, + 1e-6), a truncated response's loss mask is 0 under
+    --overlong-filter and 1 without, a response without tokens counts in its group's statistics but is not trained
+    on, the rows are cut into --global-batch-size mini-batches in order, and each mini-batch's rows go to exactly one
+    of the 2 DP ranks (every rank gets some)."""
+    import statistics
+
+    from megatron_dapo.algorithm import grpo_advantages
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.models.registry import families
+    from megatron_dapo.rollout.collect import Prompt, ScoredGroup
+    from megatron_dapo.rollout.types import Sample
+    from megatron_dapo.trainer import loop
+
+    monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: 2)
+    lengths = [[3, 9, 1, 5], [7, 0, 2, 4]]  # group 1's second response is empty
+    rewards = [[1.0, -1.0, -1.0, 0.5], [-1.0, 1.0, 1.0, -0.25]]
+    groups = []
+    for g, (lens, rews) in enumerate(zip(lengths, rewards, strict=True)):
+        samples = [Sample(request_id=f"g{g}", index=i, prompt_ids=[2, 3, g], response_ids=[10 + 10 * g + i] * n,
+                          logprobs=[-0.1 * (i + 1)] * n, finish_reason="length" if n == 9 else "stop",
+                          weight_version=0) for i, n in enumerate(lens)]
+        groups.append(ScoredGroup(prompt=Prompt(prompt_ids=[2, 3, g], ground_truth="", index=g), samples=samples,
+                                  accs=[r > 0 for r in rews], rewards=rews))
+    arch = ModelArch.from_hf(dict(families()["qwen2"].tiny_config, model_type="qwen2"))
+    trainer = SimpleNamespace(actor=SimpleNamespace(arch=arch), routing=None,
+                              config=SimpleNamespace(advantage_estimator=grpo_advantages, global_batch_size=4),
+                              collect=SimpleNamespace(overlong=OverlongConfig(max_response_length=9,
+                                                                              filter_truncated=overlong_filter)))
+    trainer.dp_split = lambda mb, dp: Trainer.dp_split(trainer, mb, dp)
+    shares, metrics = Trainer.build_samples(trainer, groups)
+    expected = {}  # response token -> (advantage, loss-mask value), in flat order
+    for lens, rews, g in zip(lengths, rewards, range(2), strict=True):
+        mean, std = statistics.fmean(rews), statistics.stdev(rews)
+        for i, (n, r) in enumerate(zip(lens, rews, strict=True)):
+            if n:
+                expected[10 + 10 * g + i] = ((r - mean) / (std + 1e-6), 0.0 if overlong_filter and n == 9 else 1.0)
+    order = list(expected)
+    assert metrics["train/minibatches"] == 2 and metrics["train/responses"] == 7
+    assert len(shares) == 2 and all(len(per_rank) == 2 for per_rank in shares)
+    for m, want in enumerate((order[:4], order[4:])):
+        got = [r.sample.tokens[3] for d in range(2) for r in shares[d][m]]
+        assert sorted(got) == sorted(want) and all(shares[d][m] for d in range(2)), (m, got)
+    for d in range(2):
+        for mb in shares[d]:
+            for row in mb:
+                adv, keep = expected[row.sample.tokens[3]]
+                assert row.sample.advantage == pytest.approx(adv, rel=1e-6)
+                assert torch.equal(row.sample.loss_mask, torch.full((row.sample.response_len,), keep))
+                assert row.sample.tokens[:3] == [2, 3, row.sample.tokens[3] // 10 - 1]
