@@ -17,7 +17,8 @@ from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.algorithm.registry import advantage_estimator_help, policy_loss_help
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
 from megatron_dapo.data.prompt_set import PROMPT_FORMATS
-from megatron_dapo.distributed.parallel import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, TRANSFORMER_IMPLS
+from megatron_dapo.distributed.parallel import ParallelLayout
+from megatron_dapo.flag_field import argparse_spec, flag_fields
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 from megatron_dapo.rollout import ENGINE_KINDS
 from megatron_dapo.rollout.async_rollout import ASYNC_ROLLOUT_DEPTHS
@@ -87,39 +88,12 @@ def _parallel_flags(p: argparse.ArgumentParser) -> None:
     """The "parallelism" group: ParallelLayout (distributed/parallel.py), the actor's distributed optimizer and the
     --dry-run planner's own flags (planner/report.py)."""
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="interleaved pipeline (Megatron's VPP): each PP rank holds num_layers / (PP x this) "
-                        "model chunks; needs --pipeline-model-parallel-size > 1")
+    for f in flag_fields(ParallelLayout):  # declared beside their fields: --tensor-model-parallel-size, ...
+        name, kwargs = argparse_spec(f)
+        g.add_argument(name, **kwargs)
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (megatron-core distributed "
                         "optimizer)")
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="split each sequence over this many ranks (ring attention; TransformerEngine only)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="MoE models: split each layer's experts over this many ranks (experts / this each); "
-                        "EP x expert-TP must divide TP x CP x DP")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="MoE models: split each expert's linears over this many ranks (default: the TP size, "
-                        "megatron-core's default)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="shard norm/residual activations along the sequence over the TP ranks (needs TP > 1)")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES[1:], default=None,
-                   help="activation recomputation: full (whole layers; with --recompute-method) or selective "
-                        "(core attention only)")
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS[1:], default=None,
-                   help="full recompute: uniform (every layer, in units of --recompute-num-layers) or block "
-                        "(the first --recompute-num-layers layers of each stage)")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="layers per recompute unit (uniform) or recomputed per stage (block); default 1")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="overlap the DP gradient reduce(-scatter) with the backward pass (mcore DDP)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="overlap the distributed optimizer's parameter all-gather with the next forward")
-    g.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS[1:], default=None,
-                   help="decoder layer implementation; default: transformer_engine on CUDA (required: it fails "
-                        "when TE does not import), local (megatron-core's torch spec) without CUDA")
     g.add_argument("--dry-run", action="store_true",
                    help="build no model: print the per-GPU memory plan of these flags (megatron_dapo.planner, "
                         "reads only --hf-checkpoint's config.json) and exit 1 when it exceeds --gpu-memory-gib")

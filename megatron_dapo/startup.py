@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
+from megatron_dapo.flag_field import flag_dest, flag_fields
 from megatron_dapo.models.hf_config import ModelArch, hf_config_path
 from megatron_dapo.planner.activations import ActivationSpec
 from megatron_dapo.planner.colocated import SGLANG_RELEASED_GIB
@@ -195,16 +196,9 @@ def _sampling(flags: str, **params) -> SamplingParams:
 
 
 def layout_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Every ParallelLayout field but dp from the "parallelism" flags (dp follows from the world size)."""
-    return dict(
-        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        cp=args.context_parallel_size, sp=args.sequence_parallel,
-        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers, overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather, transformer_impl=args.transformer_impl,
-        layers_per_virtual_stage=args.num_layers_per_virtual_pipeline_stage,
-        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-    )
+    """Every ParallelLayout field but dp from the "parallelism" flags (dp follows from the world size): one
+    value per field declared with its flag (flag_field)."""
+    return {f.name: getattr(args, flag_dest(f)) for f in flag_fields(ParallelLayout)}
 
 
 def engine_config(args: argparse.Namespace, arch: ModelArch | None, *, api_key: str | None) -> RolloutEngineConfig:

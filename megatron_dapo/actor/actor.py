@@ -27,6 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.utils import get_model_config
 from torch import Tensor
 
 from megatron_dapo.actor.batching import (
@@ -43,7 +44,12 @@ from megatron_dapo.actor.moe_replay import ReplayState, routing_inputs
 from megatron_dapo.actor.moe_stats import install_router_hooks
 from megatron_dapo.checkpoint.state import ShardedState
 from megatron_dapo.distributed import comm
-from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
+from megatron_dapo.distributed.parallel import (
+    ParallelLayout,
+    micro_batch_group_size,
+    schedulable_micro_batches,
+    validate_layout,
+)
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import ModelArch
@@ -189,18 +195,16 @@ class MegatronActor:
             count = torch.tensor([len(groups)], dtype=torch.int64, device=_device())
             comm.all_reduce(count, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
             groups = plan_micro_batches(lengths, **plan, num_micro_batches=int(count.item()))
-        pp = self.layout.pp
-        if len(self.chunks) > 1 and len(groups) % pp:
-            # megatron-core's interleaved schedule runs micro-batches in groups of PP (its
-            # microbatch_group_size_per_vp_stage default): the count must be a multiple of PP.
-            # Same lengths and count on every DP rank, so they all agree.
-            target = -(-len(groups) // pp) * pp
+        if len(self.chunks) > 1 and (target := schedulable_micro_batches(self.layout, len(groups))) != len(groups):
+            # megatron-core's interleaved schedule runs micro-batches in groups (micro_batch_group_size); same
+            # lengths and count on every DP rank, so they all agree.
             groups = plan_micro_batches(lengths, **plan, num_micro_batches=target)
             if len(groups) != target:
-                raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs a multiple of "
-                                 f"--pipeline-model-parallel-size ({pp}) micro-batches, but {len(samples)} "
-                                 f"samples on this DP rank split into at most {len(groups)}: give each DP rank "
-                                 f"at least {target} samples or drop the interleaved pipeline")
+                raise ValueError(f"--num-layers-per-virtual-pipeline-stage needs {target} micro-batches here (the "
+                                 f"interleaved schedule's groups of {micro_batch_group_size(self.layout, target)} at "
+                                 f"--pipeline-model-parallel-size {self.layout.pp}), but {len(samples)} samples on "
+                                 f"this DP rank split into at most {len(groups)}: give each DP rank at least "
+                                 f"{target} samples or drop the interleaved pipeline")
         return groups
 
     def _run(self, samples: list[TrainSample], groups: list[list[int]], loss_fn, *, forward_only: bool
@@ -238,6 +242,10 @@ class MegatronActor:
             rows = max(len(g) for g in groups)
         # Interleaved: one iterator per chunk, each yielding the same micro-batches in order.
         iterators = batches() if len(self.chunks) == 1 else [batches() for _ in self.chunks]
+        if len(self.chunks) > 1:  # the interleaved schedule's group size, decided by the layout for this count
+            group = micro_batch_group_size(self.layout, len(groups))
+            for chunk in self.chunks:
+                get_model_config(chunk).microbatch_group_size_per_vp_stage = group
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iterators, model=self.chunks,
             num_microbatches=len(groups), seq_length=seq_length, micro_batch_size=rows, forward_only=forward_only,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dapo.flag_field import flag_field
 from megatron_dapo.models.hf_config import ModelArch
 
 VOCAB_DIVISIBLE_BY = 128
@@ -21,36 +22,52 @@ TRANSFORMER_IMPLS = (None, "transformer_engine", "local")
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    tp: int = 1
-    """--tensor-model-parallel-size"""
-    pp: int = 1
-    """--pipeline-model-parallel-size"""
+    """A parallel layout: the sizes of each parallel dimension and the memory/overlap options that go with them.
+
+    Every field but dp is declared with the flag that sets it (`flag_field`): its help, choices and default live
+    here, and arguments.py's "parallelism" group and startup.py's reading of it are built from these fields."""
+
+    tp: int = flag_field("--tensor-model-parallel-size", default=1, type=int)
+    pp: int = flag_field("--pipeline-model-parallel-size", default=1, type=int)
     dp: int = 1
     """data-parallel size = world size / (tp * pp * cp)"""
-    cp: int = 1
-    """--context-parallel-size: ranks one sequence is split over (TransformerEngine attention only)"""
-    sp: bool = False
-    """--sequence-parallel: shard norm/dropout activations over the TP ranks (needs tp > 1)"""
-    recompute_granularity: str | None = None
-    """--recompute-granularity: None, 'full' (whole layers) or 'selective' (core attention only)"""
-    recompute_method: str | None = None
-    """--recompute-method: 'uniform' or 'block' (full recompute only)"""
-    recompute_num_layers: int | None = None
-    """--recompute-num-layers: layers per recompute unit (uniform) or recomputed per stage (block)"""
-    overlap_grad_reduce: bool = False
-    """--overlap-grad-reduce: DP grad reduce(-scatter) overlapped with the backward pass"""
-    overlap_param_gather: bool = False
-    """--overlap-param-gather: distributed-optimizer param all-gather overlapped with the next forward"""
-    transformer_impl: str | None = None
-    """--transformer-impl: 'transformer_engine', 'local' or None (TE on CUDA, local without; models/spec.py)"""
-    layers_per_virtual_stage: int | None = None
-    """--num-layers-per-virtual-pipeline-stage: interleaved 1F1B (Megatron's VPP); each PP rank holds
-    num_layers / (pp * this) model chunks (`virtual_stages`). None: one chunk per PP rank."""
-    ep: int = 1
-    """--expert-model-parallel-size: ranks an MoE layer's experts are split over (each holds experts / ep)"""
-    etp: int | None = None
-    """--expert-tensor-parallel-size: ranks each expert's linears are split over; None: the TP size
-    (megatron-core's default). The expert grid etp x ep x expert-DP x pp covers the same world as tp x cp x dp x pp."""
+    layers_per_virtual_stage: int | None = flag_field(
+        "--num-layers-per-virtual-pipeline-stage", default=None, type=int,
+        help="interleaved pipeline (Megatron's VPP): each PP rank holds num_layers / (PP x this) model chunks; "
+             "needs --pipeline-model-parallel-size > 1")
+    """Each PP rank holds num_layers / (pp * this) model chunks (`virtual_stages`); None: one chunk per PP rank."""
+    cp: int = flag_field("--context-parallel-size", default=1, type=int,
+                         help="split each sequence over this many ranks (ring attention; TransformerEngine only)")
+    ep: int = flag_field("--expert-model-parallel-size", default=1, type=int,
+                         help="MoE models: split each layer's experts over this many ranks (experts / this each); "
+                              "EP x expert-TP must divide TP x CP x DP")
+    etp: int | None = flag_field("--expert-tensor-parallel-size", default=None, type=int,
+                                 help="MoE models: split each expert's linears over this many ranks (default: the TP "
+                                      "size, megatron-core's default)")
+    """None: the TP size. The expert grid etp x ep x expert-DP x pp covers the same world as tp x cp x dp x pp."""
+    sp: bool = flag_field("--sequence-parallel", default=False, action="store_true",
+                          help="shard norm/residual activations along the sequence over the TP ranks (needs TP > 1)")
+    recompute_granularity: str | None = flag_field(
+        "--recompute-granularity", default=None, choices=RECOMPUTE_GRANULARITIES[1:],
+        help="activation recomputation: full (whole layers; with --recompute-method) or selective (core attention "
+             "only)")
+    recompute_method: str | None = flag_field(
+        "--recompute-method", default=None, choices=RECOMPUTE_METHODS[1:],
+        help="full recompute: uniform (every layer, in units of --recompute-num-layers) or block (the first "
+             "--recompute-num-layers layers of each stage)")
+    recompute_num_layers: int | None = flag_field(
+        "--recompute-num-layers", default=None, type=int,
+        help="layers per recompute unit (uniform) or recomputed per stage (block); default 1")
+    overlap_grad_reduce: bool = flag_field(
+        "--overlap-grad-reduce", default=False, action="store_true",
+        help="overlap the DP gradient reduce(-scatter) with the backward pass (mcore DDP)")
+    overlap_param_gather: bool = flag_field(
+        "--overlap-param-gather", default=False, action="store_true",
+        help="overlap the distributed optimizer's parameter all-gather with the next forward")
+    transformer_impl: str | None = flag_field(
+        "--transformer-impl", default=None, choices=TRANSFORMER_IMPLS[1:],
+        help="decoder layer implementation; default: transformer_engine on CUDA (required: it fails when TE does "
+             "not import), local (megatron-core's torch spec) without CUDA")
 
     def __post_init__(self) -> None:
         for name, flag in (("tp", "--tensor-model-parallel-size"), ("pp", "--pipeline-model-parallel-size"),
@@ -213,6 +230,30 @@ def layer_range(num_layers: int, layout: ParallelLayout, pp_rank: int, chunk: in
     per_chunk = num_layers // (layout.pp * vpp)
     start = (chunk * layout.pp + pp_rank) * per_chunk
     return range(start, start + per_chunk)
+
+
+def micro_batch_group_size(layout: ParallelLayout, num_micro_batches: int | None) -> int:
+    """Micro-batches each model chunk runs back to back under the interleaved (VPP) 1F1B schedule of a step with
+    `num_micro_batches` (None: not known yet): megatron-core's microbatch_group_size_per_vp_stage. The schedule is
+    decided here alone: the actor hands it to megatron-core each step, rounds its micro-batch count with
+    `schedulable_micro_batches`, and the planner counts the activations in flight from it.
+
+    PP: the depth-first schedule (megatron-core's default), the fewest micro-batches in flight."""
+    return layout.pp
+
+
+def schedulable_micro_batches(layout: ParallelLayout, count: int) -> int:
+    """The smallest micro-batch count >= `count` that megatron-core's interleaved schedule runs with this layout's
+    group size G (`micro_batch_group_size`): PP <= G <= M, and the last group either full or of at least PP
+    micro-batches (M % G == 0 or M % G >= PP). Without VPP, `count` itself."""
+    if layout.layers_per_virtual_stage is None:
+        return count
+    m = max(count, 1)
+    while True:
+        g = micro_batch_group_size(layout, m)
+        if layout.pp <= g <= m and (m % g == 0 or m % g >= layout.pp):
+            return m
+        m += 1
 
 
 def _validate_experts(arch: ModelArch, layout: ParallelLayout) -> None:

@@ -6,8 +6,9 @@ with --use-distributed-optimizer).
 
 Pipeline (1F1B): stage i of p holds min(p - i, M) micro-batches in flight, so stage 0 holds p.
 Interleaved 1F1B (--num-layers-per-virtual-pipeline-stage, v chunks of L / (p v) layers per stage):
-megatron-core's schedule runs 2 (p - i - 1) + (v - 1) p warm-up chunk-forwards on stage i, so it holds
-that + 1 chunk-micro-batches (capped by M v); on stage 0 that is L (1 + (p - 1) / (p v)) layers' worth,
+megatron-core's schedule runs 2 (p - i - 1) + (v - 1) g warm-up chunk-forwards on stage i, g the schedule's
+micro-batch group size (distributed.parallel.micro_batch_group_size: p, depth-first), so it holds that + 1
+chunk-micro-batches (capped by M v); on stage 0 at g = p that is L (1 + (p - 1) / (p v)) layers' worth,
 Korthikanti et al. 2022 section 4.2.3's interleaved factor. Embedding / head extras stay per micro-batch.
 
 Mixture of experts (Qwen3-MoE): expert weights, fp32 grads and Adam state are this rank's E / EP experts of each
@@ -25,7 +26,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, padded_vocab_size, validate_layout
+from megatron_dapo.distributed.parallel import (
+    ParallelLayout,
+    layer_range,
+    micro_batch_group_size,
+    padded_vocab_size,
+    validate_layout,
+)
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner.activations import (
     ActivationSpec,
@@ -213,7 +220,8 @@ def _in_flight(layout: ParallelLayout, inputs: PlanInputs, stage: int, vpp: int)
     """(micro-batches, chunk-micro-batches) whose activations pipeline `stage` holds at its peak under 1F1B
     (interleaved: see the module doc; the two are equal without VPP), capped by the step's micro-batches."""
     in_flight = layout.pp - stage
-    chunks = in_flight if vpp == 1 else 2 * (layout.pp - stage - 1) + (vpp - 1) * layout.pp + 1
+    group = micro_batch_group_size(layout, inputs.num_micro_batches)
+    chunks = in_flight if vpp == 1 else 2 * (layout.pp - stage - 1) + (vpp - 1) * group + 1
     if inputs.num_micro_batches is not None:
         in_flight = min(in_flight, inputs.num_micro_batches)
         chunks = min(chunks, inputs.num_micro_batches * vpp)

@@ -51,13 +51,13 @@ def main() -> None:
             torch.testing.assert_close(got[name], tensor, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
     samples = data["samples"]
     logps, ents = actor.compute_log_probs(samples, with_entropy=True)
-    # 2 samples fit one micro-batch: split to 2 (a multiple of PP) for the interleaved schedule
+    # 2 samples fit one micro-batch: split to 2 (one group of PP) for the interleaved schedule
     logps_two = actor.compute_log_probs(samples[:2])
     try:  # one sample cannot be split: the error names the flag
         actor.compute_log_probs(samples[:1])
         raise AssertionError("one sample at PP2 x VPP2 did not raise")
     except ValueError as err:
-        assert "--num-layers-per-virtual-pipeline-stage needs a multiple of" in str(err), err
+        assert "--num-layers-per-virtual-pipeline-stage needs 2 micro-batches" in str(err), err
     metrics = [actor.train_step(samples) for _ in range(data["steps"])]
     exported = export(actor)
     ckpt = f"{out_dir}/ckpt"

@@ -166,7 +166,7 @@ def test_weight_sync_and_sglang_import_one_way():
 
 
 LAYERS = (
-    ("", "errors", "dotted_path", "compat", "distributed", "models", "ops"),
+    ("", "errors", "dotted_path", "flag_field", "compat", "distributed", "models", "ops"),
     ("weights", "checkpoint", "planner"),
     ("actor", "algorithm", "data", "reward"),
     ("rollout",),

@@ -10,7 +10,15 @@ import torch
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.arguments import build_parser
-from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, padded_vocab_size, validate_layout
+from megatron_dapo.distributed.parallel import (
+    ParallelLayout,
+    layer_range,
+    micro_batch_group_size,
+    padded_vocab_size,
+    schedulable_micro_batches,
+    validate_layout,
+)
+from megatron_dapo.flag_field import flag_field, flag_fields, flag_name
 from megatron_dapo.models import spec
 from megatron_dapo.models.config import transformer_config_from_arch
 from megatron_dapo.models.hf_config import ModelArch
@@ -101,6 +109,78 @@ def test_flags_reach_the_transformer_config():
     assert (cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == ("full", "block", 2)
     with pytest.raises(ValueError, match="--context-parallel-size"):
         ParallelLayout.from_world(12, **layout_options(args))
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_the_interleaved_schedule_runs_groups_of_pp_micro_batches(pp):
+    """Depth-first (megatron-core's default group size PP): a step's micro-batch count is rounded up to the next
+    multiple of PP, and without VPP it is left as it is."""
+    vpp = ParallelLayout(pp=pp, layers_per_virtual_stage=1)
+    for count in range(1, 13):
+        assert micro_batch_group_size(vpp, count) == pp
+        assert schedulable_micro_batches(vpp, count) == -(-count // pp) * pp
+        assert schedulable_micro_batches(ParallelLayout(pp=pp), count) == count
+
+
+@pytest.mark.parametrize("pp, vpp", [(2, 2), (2, 4), (3, 2), (4, 3)])
+def test_planned_chunks_in_flight_are_megatron_cores_warmup(pp, vpp):
+    """The planner's peak chunk-micro-batches on each stage = megatron-core's own warm-up count for that stage (its
+    get_pp_rank_microbatches, told the group size the actor hands it) + the first 1F1B forward, capped by the step's
+    M x v chunk-micro-batches."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from megatron_dapo.planner.stages import PlanInputs, _in_flight
+
+    layout = ParallelLayout(pp=pp, layers_per_virtual_stage=1)
+    for m in sorted({schedulable_micro_batches(layout, c) for c in range(1, 13)}):
+        for stage in range(pp):
+            group = SimpleNamespace(size=lambda: pp, rank=lambda s=stage: s)
+            comm = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp)
+            total, _, warmup, _ = get_pp_rank_microbatches(m, vpp, micro_batch_group_size(layout, m),
+                                                           p2p_communicator=comm)
+            want = min(warmup + 1, total)
+            _, chunks = _in_flight(layout, PlanInputs(tokens_per_micro_batch=1, max_seq_len=1, num_micro_batches=m),
+                                   stage, vpp)
+            assert chunks == want, (m, stage)
+
+
+# Each ParallelLayout field's flag, written out here (Megatron-LM's names), not read from the fields' metadata.
+LAYOUT_FLAGS = {
+    "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+    "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage", "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "sp": "--sequence-parallel",
+    "recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
+    "recompute_num_layers": "--recompute-num-layers", "overlap_grad_reduce": "--overlap-grad-reduce",
+    "overlap_param_gather": "--overlap-param-gather", "transformer_impl": "--transformer-impl",
+}
+REQUIRED = ["--hf-checkpoint", "x", "--num-steps", "1", "--prompt-data", "x"]
+
+
+def test_every_layout_field_but_dp_is_declared_with_megatrons_flag():
+    assert {f.name for f in dataclasses.fields(ParallelLayout)} - {f.name for f in flag_fields(ParallelLayout)} == {
+        "dp"}
+    assert {f.name: flag_name(ParallelLayout, f.name) for f in flag_fields(ParallelLayout)} == LAYOUT_FLAGS
+
+
+def test_a_layout_flag_reaches_its_field_and_one_left_out_keeps_the_fields_default():
+    defaults = {name: getattr(ParallelLayout(), name) for name in LAYOUT_FLAGS}
+    assert layout_options(build_parser().parse_args(REQUIRED)) == defaults
+    given = dict(tp=4, pp=2, layers_per_virtual_stage=3, cp=2, ep=8, etp=1, sp=True, recompute_granularity="full",
+                 recompute_method="uniform", recompute_num_layers=2, overlap_grad_reduce=True,
+                 overlap_param_gather=True, transformer_impl="local")
+    argv = list(REQUIRED)
+    for name, value in given.items():
+        argv += [LAYOUT_FLAGS[name]] if value is True else [LAYOUT_FLAGS[name], str(value)]
+    assert layout_options(build_parser().parse_args(argv)) == given
+    with pytest.raises(SystemExit):  # choices come from the field: argparse refuses the rest
+        build_parser().parse_args([*REQUIRED, "--recompute-method", "sideways"])
+
+
+def test_a_flag_field_names_a_long_flag():
+    with pytest.raises(ValueError, match="must start with '--'"):
+        flag_field("tensor-model-parallel-size", default=1)
 
 
 def test_transformer_engine_is_required_on_cuda(monkeypatch):
