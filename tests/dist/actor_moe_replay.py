@@ -3,9 +3,10 @@ micro-batch 1's forward before micro-batch 0's recomputed backward), with EP=2 (
 parallelism (each TP rank's routers see half of every micro-batch's tokens; expert TP 1) and with PP=2 x 2
 virtual stages (a chunk's routers read their global layer's column), one launch.
 
-argv: <input .pt from tests/unit/actor/test_actor_moe_replay.py> <output dir>. The input holds the arch, the HF state dict,
-the samples (with routed_experts) and the ActorConfig. Every rank saves, per layout, its samples' log-probs,
-the train_step metrics and its main grads (global layer and expert names; TP shards at TP=2) to <out>/<layout>_rank<r>.pt.
+argv: <input .pt from tests/unit/actor/test_actor_moe_replay.py> <output dir>. The input holds the arch, the HF
+state dict, the samples (with routed_experts) and the ActorConfig. Every rank saves, per layout, its samples'
+log-probs, the train_step metrics and its main grads (global layer and expert names; TP shards at TP=2) to
+<out>/<layout>_rank<r>.pt.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ recompute) on one world, for each model family in the input; saves each layout's
 metrics, weight shards and the activation bytes one [2, 24] micro-batch saves for backward. A mixture-of-experts
 family runs the SP layouts only (megatron-core's MoE layer needs SP with TP > 1).
 
-argv: <input .pt from tests/multiprocess/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt. The input
-holds, per model_type, the arch, the HF state dict and the ActorConfig; the samples, seed and step count.
+argv: <input .pt from tests/multiprocess/test_actor_sp.py> <output dir> -> <out>/<model_type>_<layout>_rank<r>.pt.
+The input holds, per model_type, the arch, the HF state dict and the ActorConfig; the samples, seed and step count.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
 from megatron_dapo.checkpoint.training import load_checkpoint, save_checkpoint
-from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.trainer.build import load_hf_into_actor
 from megatron_dapo.weights.export import iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank

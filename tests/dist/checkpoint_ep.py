@@ -1,4 +1,5 @@
-"""Worker of tests/multiprocess/test_checkpoint_ep.py: training checkpoints of a tiny Qwen3-MoE under expert parallelism, 4 ranks.
+"""Worker of tests/multiprocess/test_checkpoint_ep.py: training checkpoints of a tiny Qwen3-MoE under expert
+parallelism, 4 ranks.
 
 Per optimizer (regular, distributed): an EP=2 (DP=4, expert-DP=2) actor trains two steps, saves (step 2), trains a
 third step (the uninterrupted run). Then, on the same world, fresh actors load that checkpoint and train the third

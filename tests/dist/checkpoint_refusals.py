@@ -1,4 +1,5 @@
-"""Worker of tests/multiprocess/test_checkpoint_refusals.py: 2 ranks (DP=2); what reaches each rank when rank 1 alone meets it.
+"""Worker of tests/multiprocess/test_checkpoint_refusals.py: 2 ranks (DP=2); what reaches each rank when rank 1
+alone meets it.
 
 1. A crafted checkpoint: the RNG state object of rank 1 (`rng_state/shard_1_2`, read by rank 1 alone) runs code when
    unpickled. Each rank records what load_checkpoint raised (type, echo, the message's start) and whether the payload's

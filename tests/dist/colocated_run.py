@@ -21,13 +21,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
-from megatron_dapo.trainer.dataplane import DataPlane
-from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
-from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
+from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, process_rss_bytes
+from megatron_dapo.trainer.dataplane import DataPlane
+from megatron_dapo.weight_sync.colocated_push import ColocatedPusher, make_engine_groups
 from megatron_dapo.weights.export import iter_hf_weights
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 from tests.sglang import full_push
@@ -96,7 +96,8 @@ def main() -> None:
             result["colocated"].append(generate(engine, data["prompts"]))
         dist.barrier()
     result["weights_equal"] = all(torch.equal(a, b) for a, b in zip(
-        [p for c in actor.chunks for p in c.parameters()], [p for c in ref.chunks for p in c.parameters()]))
+        [p for c in actor.chunks for p in c.parameters()], [p for c in ref.chunks for p in c.parameters()],
+        strict=True))
     flags = [None, None]
     dist.all_gather_object(flags, result["weights_equal"])
     result["weights_equal"] = all(flags)

@@ -1,4 +1,5 @@
-"""torchrun worker (3 gloo ranks) for tests/unit/distributed/test_comm.py: comm's object collectives against torch's own.
+"""torchrun worker (3 gloo ranks) for tests/unit/distributed/test_comm.py: comm's object collectives against
+torch's own.
 
 Each rank pickles an object of a different size (so the padding to the longest pickle is exercised), then:
   all_gather_object / gather_object on the world (dst 2) and on subgroups whose group ranks differ from the

@@ -1,7 +1,7 @@
-"""torchrun worker (2 gloo ranks) of tests/unit/compat/test_compat_cpu.py: megatron's first-dim all-gather and reduce-scatter
-with uneven split sizes (what the alltoall dispatcher does over the expert-TP group): the gather through the CPU
-shim and without it (gloo refuses), the reduce-scatter as megatron has it (no shim: gloo's list reduce_scatter
-takes uneven blocks); rank 0 writes argv[1] (json).
+"""torchrun worker (2 gloo ranks) of tests/unit/compat/test_compat_cpu.py: megatron's first-dim all-gather and
+reduce-scatter with uneven split sizes (what the alltoall dispatcher does over the expert-TP group): the gather
+through the CPU shim and without it (gloo refuses), the reduce-scatter as megatron has it (no shim: gloo's list
+reduce_scatter takes uneven blocks); rank 0 writes argv[1] (json).
 
 Rank r's input rows are `torch.arange` values offset by 1000 r, so every expected output is written out here: the
 gather is the ranks' rows concatenated; rank r's reduce-scatter output is the sum over ranks of their r-th block.

@@ -115,9 +115,9 @@ def main() -> None:
     from megatron_dapo.distributed import comm
     from megatron_dapo.distributed.parallel import padded_vocab_size
     from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.startup import build_configs
     from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
     from megatron_dapo.trainer.loop import Rollout, Trainer
-    from megatron_dapo.startup import build_configs
     from tests import sim_engine as sim
     from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank, tiny_hf_model
     from tests.unit.trainer.test_dataplane import _rows

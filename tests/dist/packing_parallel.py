@@ -15,8 +15,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dapo.actor import MegatronActor, destroy_parallel, init_parallel
-from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.distributed.parallel import ParallelLayout, padded_vocab_size
+from megatron_dapo.models.hf_config import ModelArch
 from tests.dist.actor_common import hf_to_full_mcore, mcore_shards_for_rank
 
 TP2, TP2_SP, PP2 = ParallelLayout(tp=2), ParallelLayout(tp=2, sp=True), ParallelLayout(pp=2)

@@ -1,9 +1,9 @@
 """torchrun worker (4 ranks): per-stage weight sync to fake SGLang servers at TP1 x PP2 x DP2 and TP2 x PP2.
 
-argv: <input .pt from tests/unit/weight_sync/test_stage_sync.py> <output dir>. For each layout: the actor is loaded with the same
-HF weights, then rank 0's SGLangEngine (attached to the fake servers the test runs) takes one per-stage update
-(StagePush from build_weight_sync, version = layout number), then every rank iterates the old whole-model export
-(iter_hf_weights), which rank 0 saves as the reference. Every rank saves its role and what it moved
+argv: <input .pt from tests/unit/weight_sync/test_stage_sync.py> <output dir>. For each layout: the actor is
+loaded with the same HF weights, then rank 0's SGLangEngine (attached to the fake servers the test runs) takes one
+per-stage update (StagePush from build_weight_sync, version = layout number), then every rank iterates the old
+whole-model export (iter_hf_weights), which rank 0 saves as the reference. Every rank saves its role and what it moved
 (StagePush.stats) and how many Python objects it broadcast or received during the push to
 <out>/<layout>_rank<r>.pt. With "kill" in the input, the test kills a fake server during the push and brings it
 back; rank 0 waits for its re-sync before it saves.

@@ -22,8 +22,8 @@ from megatron.core import dist_checkpointing, parallel_state
 from safetensors.torch import load_file
 
 from megatron_dapo.actor import destroy_parallel, init_parallel
-from megatron_dapo.models import ModelArch, build_gpt_model
 from megatron_dapo.checkpoint.dist_load import load_model_weights
+from megatron_dapo.models import ModelArch, build_gpt_model
 from megatron_dapo.weights.export import iter_hf_weights
 from megatron_dapo.weights.hf_format import HFCheckpointReader
 
@@ -53,8 +53,8 @@ def pipelined_logits(model, ids: torch.Tensor, arch: ModelArch, sp: bool = False
 
 def megatron_core_logits(work: str, tie: str, ids: torch.Tensor, ep: int) -> torch.Tensor:
     """Logits of megatron-core's own GPTModel (TP1 x PP1 x EP `ep`: its TransformerConfig and block spec written out
-    from config.json, tests/unit/checkpoint_convert/test_convert_mcore_load.py) after `dist_checkpointing.load` of the converter output,
-    which is what Megatron-LM does: no megatron_dapo code between the checkpoint and the model."""
+    from config.json, tests/unit/checkpoint_convert/test_convert_mcore_load.py) after `dist_checkpointing.load` of
+    the converter output, which is what Megatron-LM does: no megatron_dapo code between the checkpoint and the model."""
     import argparse
     import json
 
@@ -62,7 +62,8 @@ def megatron_core_logits(work: str, tie: str, ids: torch.Tensor, ep: int) -> tor
 
     from tests.unit.checkpoint_convert.test_convert_mcore_load import rope_kwargs, transformer_config
 
-    config = json.load(open(os.path.join(work, f"hf_{tie}", "config.json")))
+    with open(os.path.join(work, f"hf_{tie}", "config.json")) as f:
+        config = json.load(f)
     with HFCheckpointReader(os.path.join(work, f"hf_{tie}")) as hf:
         tconfig = transformer_config(config, set(hf.specs), expert_model_parallel_size=ep)
     spec = gpt_layer_specs.get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
