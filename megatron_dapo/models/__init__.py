@@ -1,6 +1,6 @@
 """HF decoder families on megatron-core: HF config -> TransformerConfig, layer spec, GPTModel.
 
-Each family is a plug-in folder (`models/<model_type>/`, registered in `registry.py`; docs/MODELS.md).
+Each family is a plug-in folder (`models/<model_type>/`, found by `registry.py`; docs/MODELS.md).
 `hf_config`, `family` and `registry` stay importable without megatron-core (rollout and converter environments
 import them);
 the megatron-backed names below are loaded on first access.

@@ -178,7 +178,7 @@ def activation_terms(arch: Any) -> dict[str, Any]:
 
 
 def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defaults: dict[str, Any],
-                 tiny_config: dict[str, Any], **hooks: Any) -> ModelFamily:
+                 tiny_config: dict[str, Any], order: int | None = None, **hooks: Any) -> ModelFamily:
     """A `ModelFamily` of a dense decoder: this module's table and hooks, the family's `parse`, and `hooks`
     (e.g. `model_kwargs`) where the family differs. HF classes are `<prefix>ForCausalLM` / `<prefix>Config`."""
     fields: dict[str, Any] = dict(
@@ -191,4 +191,4 @@ def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defa
         raise TypeError(f"dense_family({model_type}): {unknown} are not overridable hooks {sorted(fields)}")
     return ModelFamily(model_type=model_type, hf_model_class=f"{hf_class_prefix}ForCausalLM",
                        hf_config_class=f"{hf_class_prefix}Config", parse=parse, arch_defaults=arch_defaults,
-                       tiny_config=tiny_config, **{**fields, **hooks})
+                       tiny_config=tiny_config, order=order, **{**fields, **hooks})

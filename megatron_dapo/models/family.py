@@ -1,9 +1,9 @@
 """ModelFamily: everything the library needs to know about one HF model family, in one object;
 MappingEntry: one row of a family's HF <-> megatron-core name table (read by `weights/mapping.py`).
 
-A family is one folder `models/<model_type>/` whose `__init__.py` defines `FAMILY = ModelFamily(...)`,
-plus its module path in `registry.FAMILY_MODULES` (docs/MODELS.md). Every other module takes a
-`ModelArch` and reaches the family through `arch.family`; none names a family.
+A family is one folder `models/<model_type>/` whose `__init__.py` defines `FAMILY = ModelFamily(...)`; the
+registry finds it there (`registry.family_modules`, docs/MODELS.md). Every other module takes a `ModelArch` and
+reaches the family through `arch.family`; none names a family.
 
 Hooks (functions of the arch, so a family option such as `qk_layernorm` or a rope scaling reaches
 megatron-core without code outside the folder):
@@ -21,6 +21,7 @@ megatron-core without code outside the folder):
 - `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
   build (`hf_causal_lm()`, `hf_config()`);
 - `tiny_config`: a small config.json dict the shared tests build random models from (docs/MODELS.md).
+- `order`: the family's place in `registry.model_types()` (the numbered ones first; optional).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class ModelFamily:
     """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
     """A tiny config.json (without model_type) the family-parametrized tests build random HF models from."""
+    order: int | None = None
+    """Where the family stands in `registry.model_types()` (the supported values an error lists; the
+    family-parametrized tests take the first as their reference family, e.g. for the converter's full TP/PP matrix);
+    None: after the ordered ones, by package name."""
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.arch_defaults) - set(ARCH_OPTIONS))

@@ -1,34 +1,54 @@
 """The registered model families, keyed by HF config.json `model_type`.
 
-Registering a family is one line: its package's dotted path in FAMILY_MODULES (the package defines
-`FAMILY`, a `models.family.ModelFamily`). Packages are imported on first lookup, so importing this
-module (and `models.hf_config`) never pulls in megatron-core or transformers.
+The folder is the registration: every subpackage of `megatron_dapo.models` that defines `FAMILY` (a
+`models.family.ModelFamily`) is a family, found on the first lookup (as `dotted_path.Registry` finds the losses),
+so a new family is one new folder and nothing lists it. Subpackages are imported on that first lookup, so importing
+this module (and `models.hf_config`) never pulls in megatron-core or transformers.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from megatron_dapo.models.family import ModelFamily
 
-FAMILY_MODULES: tuple[str, ...] = (
-    "megatron_dapo.models.qwen2",
-    "megatron_dapo.models.qwen3",
-    "megatron_dapo.models.llama",
-    "megatron_dapo.models.qwen3_moe",
-)
+PACKAGE = "megatron_dapo.models"
+"""Where the family folders live: its subpackages that define FAMILY."""
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
 
+def family_modules() -> dict[str, ModelFamily]:
+    """Dotted path -> FAMILY of every subpackage of PACKAGE that defines one (imports them), in registry order:
+    by `ModelFamily.order`, then the ones without an order by package name. Modules (not packages) and packages
+    without FAMILY are not families."""
+    found: dict[str, ModelFamily] = {}
+    for info in sorted(pkgutil.iter_modules(importlib.import_module(PACKAGE).__path__), key=lambda i: i.name):
+        if not info.ispkg:
+            continue
+        path = f"{PACKAGE}.{info.name}"
+        fam = getattr(importlib.import_module(path), "FAMILY", None)
+        if fam is None:
+            continue
+        if not isinstance(fam, ModelFamily):
+            raise TypeError(f"{path}.FAMILY is a {type(fam).__name__}, not a models.family.ModelFamily")
+        found[path] = fam
+    return dict(sorted(found.items(), key=lambda item: (item[1].order is None, item[1].order or 0)))
+
+
 def families() -> dict[str, ModelFamily]:
-    """model_type -> family, for every registered family (imports them on the first call)."""
+    """model_type -> family, for every registered family (imports them on the first call); ValueError naming both
+    packages when two register one model_type."""
     if not _FAMILIES:
-        for path in FAMILY_MODULES:
-            fam = importlib.import_module(path).FAMILY
-            if fam.model_type in _FAMILIES:
-                raise ValueError(f"model_type {fam.model_type!r} is registered twice ({path})")
-            _FAMILIES[fam.model_type] = fam
+        paths: dict[str, str] = {}
+        found: dict[str, ModelFamily] = {}
+        for path, fam in family_modules().items():
+            if fam.model_type in found:
+                raise ValueError(f"model_type {fam.model_type!r} is registered twice ({paths[fam.model_type]} and "
+                                 f"{path})")
+            paths[fam.model_type], found[fam.model_type] = path, fam
+        _FAMILIES.update(found)  # all or nothing: a failed first call leaves the next one to fail the same way
     return _FAMILIES
 
 

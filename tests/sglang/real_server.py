@@ -22,6 +22,11 @@ CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_lay
            bos_token_id=0)
 
 
+MODEL_TYPE = Qwen2Config.model_type
+"""The family of `tiny_model`: the real-server tests push weights into it in every mode (test_sglang_families.py runs
+the other registered families)."""
+
+
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
     """A random tiny Qwen2 (CFG); each seed gives other weights, for weight-update checks."""
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""Weight sync into a real SGLang 0.5.23 server (CPU, torch-native, fp32) for the Qwen3 and Llama families.
+"""Weight sync into a real SGLang 0.5.23 server (CPU, torch-native, fp32) for every registered family but the one the
+other real-server tests serve (`real_server.MODEL_TYPE`, Qwen2).
 
 Per family (one server alive at a time): the server starts on a random model of the family's `tiny_config`
 (seed A); a single-process Megatron actor loaded with another random model (seed B, through the library's own
@@ -6,12 +7,16 @@ HF -> Megatron load) pushes its weights the way a PP1 training step does (`Serve
 `iter_hf_weights` export, bucketed, over one of the sync paths). The server's log-probs of sampled responses must
 then equal a teacher-forced HF forward of seed B (the reference) within 1e-4 (measured: 4.8e-7), so a server
 that kept any of A's tensors fails; and before the push, seed A's (SGLang serves the family as HF does).
-Qwen3 is tied (its small sizes are), over the tensor path (the CPU default); Llama untied with llama3 rope
-scaling on, over the distributed (gloo broadcast) path; Qwen3-MoE (all layers MoE: 8 experts, top-2; 96 expert
-tensors by HF per-expert names) untied over the tensor path, its server started with
---enable-return-routed-experts (--moe-routing-replay): the same server then shows that the experts it routed each
-token to, for every token and layer, equal HF's top-k on the pushed weights (a hook on `Qwen3MoeTopKRouter`), also
-for a partial rollout's continuation (prompt + prefix re-routed, rows for the whole sequence).
+
+The cases come from the registry, in its order: the first family tied (the one tied head pushed into a real server;
+`real_server.tiny_model` is untied), the others untied; the transport alternates between the tensor path (the CPU
+default) and the distributed one (gloo broadcast); an MoE family's server also returns its routed experts. So
+Qwen3 is tied, over the tensor path; Llama untied with llama3 rope scaling on (a server on plain RoPE would be
+off), over the distributed path; Qwen3-MoE (all layers MoE: 8 experts, top-2; 96 expert tensors by HF per-expert
+names) untied over the tensor path, its server started with --enable-return-routed-experts (--moe-routing-replay):
+the same server then shows that the experts it routed each token to, for every token and layer, equal HF's top-k
+on the pushed weights (a hook on `Qwen3MoeTopKRouter`), also for a partial rollout's continuation (prompt + prefix
+re-routed, rows for the whole sequence).
 Needs .venv-sglang (`make sglang-env`); skipped otherwise.
 """
 
@@ -20,13 +25,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.models.registry import family
+from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import family, model_types
 from megatron_dapo.rollout.partial_rollout import continuation_request, extend
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, RoutingShape, SamplingParams
 from megatron_dapo.weight_sync.transports import transport
 from tests.hf_reference import hf_routes
-from tests.sglang.real_server import MARKS, cpu_server_config, free_port, max_logprob_error
+from tests.sglang.real_server import MARKS, MODEL_TYPE, cpu_server_config, free_port, max_logprob_error
 from tests.torchrun import REPO
 
 GUARD_DIR = REPO / "tools" / "sgl_kernel_stub"
@@ -35,9 +41,23 @@ GUARD_DIR = REPO / "tools" / "sgl_kernel_stub"
 
 pytestmark = [*MARKS, pytest.mark.slow]
 
-CASES = [pytest.param("qwen3", True, "tensor", id="qwen3-tied-tensor"),
-         pytest.param("llama", False, "distributed", id="llama-untied-distributed"),
-         pytest.param("qwen3_moe", False, "tensor", id="qwen3_moe-untied-tensor-routing")]
+MODES = ("tensor", "distributed")
+"""The push paths the families alternate over (the disk path, like these two, is tried on `tiny_model`)."""
+
+
+def _is_moe(model_type: str) -> bool:
+    """Whether the family's tiny model has mixture-of-experts layers."""
+    return ModelArch.from_hf({**family(model_type).tiny_config, "model_type": model_type}).is_moe
+
+
+def _case(i: int, model_type: str):
+    """The i-th served family's case: (model_type, tied, transport)."""
+    tied, mode = i == 0, MODES[i % len(MODES)]
+    routing = "-routing" if _is_moe(model_type) else ""
+    return pytest.param(model_type, tied, mode, id=f"{model_type}-{'tied' if tied else 'untied'}-{mode}{routing}")
+
+
+CASES = [_case(i, model_type) for i, model_type in enumerate(t for t in model_types() if t != MODEL_TYPE)]
 
 
 def _hf_model(model_type: str, *, tied: bool, seed: int):
@@ -105,7 +125,7 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
     served, pushed = _hf_model(model_type, tied=tied, seed=1), _hf_model(model_type, tied=tied, seed=2)
     served.save_pretrained(tmp_path / "model")
     pushed.save_pretrained(tmp_path / "pushed")
-    moe = served.config.model_type == "qwen3_moe"
+    moe = _is_moe(model_type)
     routing = RoutingShape(served.config.num_hidden_layers, served.config.num_experts_per_tok,
                            served.config.num_experts) if moe else None
     client = ClientConfig(max_concurrency=8, control_timeout_s=120, sync_backend="gloo",

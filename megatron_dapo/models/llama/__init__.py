@@ -56,6 +56,7 @@ def model_kwargs(arch: ModelArch) -> dict[str, Any]:
 FAMILY = dense.dense_family(
     model_type="llama",
     hf_class_prefix="Llama",
+    order=2,
     parse=parse,
     model_kwargs=model_kwargs,
     arch_defaults={"qkv_bias": False, "qk_layernorm": False},

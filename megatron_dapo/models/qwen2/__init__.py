@@ -23,6 +23,7 @@ def parse(config: dict[str, Any]) -> ModelArch:
 FAMILY = dense.dense_family(
     model_type="qwen2",
     hf_class_prefix="Qwen2",
+    order=0,  # first in model_types(): the tests' reference family
     parse=parse,
     arch_defaults={"qkv_bias": True, "qk_layernorm": False},
     tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

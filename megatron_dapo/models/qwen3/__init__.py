@@ -28,6 +28,7 @@ def parse(config: dict[str, Any]) -> ModelArch:
 FAMILY = dense.dense_family(
     model_type="qwen3",
     hf_class_prefix="Qwen3",
+    order=1,
     parse=parse,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # head_dim 24 != hidden 64 / 4 heads: the explicit head_dim path (q projection 96 wide) is exercised.

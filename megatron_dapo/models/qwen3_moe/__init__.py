@@ -36,6 +36,7 @@ def transformer_config_fields(arch: ModelArch) -> dict[str, Any]:
 FAMILY = dense.dense_family(
     model_type="qwen3_moe",
     hf_class_prefix="Qwen3Moe",
+    order=3,
     parse=parse,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     mapping=moe.with_moe_entries(dense.MAPPING),

@@ -103,13 +103,17 @@ def test_llama31_8b_dry_run_maps_to_megatron_args(tmp_path, capsys):
     assert "q_layernorm" not in out and "linear_qkv.bias" not in out
 
 
+UNREGISTERED = "not-a-registered-family"
+"""A model_type no family can take: a family's folder is named after its model_type, and no package name has a '-'."""
 BAD_MODEL_TYPES = [pytest.param({"model_type": "gpt2"}, "model_type 'gpt2' is not supported", id="gpt2"),
-                   pytest.param({"model_type": "mistral"}, "model_type 'mistral' is not supported", id="mistral"),
+                   pytest.param({"model_type": UNREGISTERED}, f"model_type {UNREGISTERED!r} is not supported",
+                                id="unregistered"),
                    pytest.param({}, "model_type is missing", id="missing")]
 
 
 def _bad_model_dir(tmp_path: Path, fields: dict) -> Path:
-    """Qwen2.5-7B's config.json with model_type replaced (or removed)."""
+    """Qwen2.5-7B's config.json with model_type replaced by an unregistered one (or removed)."""
+    assert fields.get("model_type") not in model_types(), fields
     config = json.loads((REPO / "examples/models/qwen2.5-7B/config.json").read_text())
     config.pop("model_type")
     model = tmp_path / "model"

@@ -1,11 +1,13 @@
 """Model families as plug-ins: every registered family against HF transformers, and no family named outside its folder.
 
-Parametrized over `registry.families()`, so a new family gets these checks by registering (docs/MODELS.md).
+Parametrized over `registry.families()`, so a new family folder gets these checks (docs/MODELS.md).
 """
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -13,13 +15,15 @@ import pytest
 import torch
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.models import registry
 from megatron_dapo.models.hf_config import ModelArch
-from megatron_dapo.models.registry import FAMILY_MODULES, families, family
+from megatron_dapo.models.registry import families, family
 from megatron_dapo.planner.activations import ActivationSpec
 from megatron_dapo.weights.plan import hf_tensor_specs
 from tests.torchrun import REPO
 
 FAMILIES = sorted(families())
+FIRST_MODULE = next(iter(registry.family_modules()))
 LIBRARY = ("megatron_dapo", "checkpoint_convert")
 
 
@@ -31,10 +35,74 @@ def _hf_model(model_type: str, *, tied: bool):
 
 
 def test_every_family_module_registers_its_model_type():
-    assert len(FAMILY_MODULES) == len(families())
-    for path in FAMILY_MODULES:
-        assert path == f"megatron_dapo.models.{path.rsplit('.', 1)[1]}"  # one folder per family
-        assert path.rsplit(".", 1)[1] in families()
+    modules = registry.family_modules()
+    assert len(modules) == len(families())
+    for path, fam in modules.items():
+        assert path == f"megatron_dapo.models.{fam.model_type}"  # one folder per family, named after its model_type
+        assert families()[fam.model_type] is fam
+
+
+def _family_package(root: Path, name: str, model_type: str | None, *, order: int | None = None) -> None:
+    """A package root/name whose __init__ defines FAMILY: the first registered family's under `model_type` (None:
+    no FAMILY)."""
+    (root / name).mkdir()
+    body = "" if model_type is None else (
+        f"from dataclasses import replace\nfrom {FIRST_MODULE} import FAMILY as BASE\n"
+        f"FAMILY = replace(BASE, model_type={model_type!r}, order={order!r})\n")
+    (root / name / "__init__.py").write_text(body)
+
+
+@pytest.fixture
+def plugin_registry(tmp_path, monkeypatch):
+    """The registry reading the family folders of a fresh package `plugins_families` under tmp_path (its caches
+    emptied, restored afterwards)."""
+    root = tmp_path / "plugins_families"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "PACKAGE", "plugins_families")
+    monkeypatch.setattr(registry, "_FAMILIES", {})
+    yield root
+    for name in [m for m in sys.modules if m.split(".")[0] == "plugins_families"]:
+        del sys.modules[name]
+
+
+def test_a_family_is_found_by_its_folder_in_order(plugin_registry):
+    """Found: every package defining FAMILY, the numbered ones by `order`, then the others by name; not a module
+    defining FAMILY, not a package without one."""
+    _family_package(plugin_registry, "zeta", "zeta_type", order=0)
+    _family_package(plugin_registry, "beta", "beta_type")
+    _family_package(plugin_registry, "alpha", "alpha_type")
+    _family_package(plugin_registry, "gamma", "gamma_type", order=1)
+    _family_package(plugin_registry, "helpers", None)
+    (plugin_registry / "module.py").write_text(f"from {FIRST_MODULE} import FAMILY\n")
+    assert registry.model_types() == ("zeta_type", "gamma_type", "alpha_type", "beta_type")
+    assert list(registry.family_modules()) == [f"plugins_families.{n}" for n in ("zeta", "gamma", "alpha", "beta")]
+
+
+def test_a_model_type_registered_twice_names_both_packages(plugin_registry):
+    _family_package(plugin_registry, "first", "dup")
+    _family_package(plugin_registry, "second", "dup")
+    with pytest.raises(ValueError, match=r"^model_type 'dup' is registered twice \(plugins_families\.first and "
+                                         r"plugins_families\.second\)$"):
+        registry.families()
+    assert registry._FAMILIES == {}  # nothing half-registered: the next lookup fails the same way
+
+
+def test_a_family_that_is_not_a_model_family_is_refused(plugin_registry):
+    (plugin_registry / "odd").mkdir()
+    (plugin_registry / "odd" / "__init__.py").write_text("FAMILY = 'qwen2'\n")
+    with pytest.raises(TypeError, match=r"^plugins_families\.odd\.FAMILY is a str, not a models\.family\.ModelFamily"):
+        registry.families()
+
+
+def test_reading_the_registry_imports_neither_megatron_core_nor_transformers():
+    """Rollout and converter environments read the registry: finding and importing every family stays light."""
+    code = ("import sys\nfrom megatron_dapo.models.registry import family, model_types\n"
+            "assert family(model_types()[0]).model_type == model_types()[0]\n"
+            "print(sorted(m for m in ('megatron.core', 'transformers', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -187,7 +255,7 @@ def _names_in_code(path: Path) -> list[tuple[int, str]]:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_no_library_code_names_a_family_outside_its_folder(model_type: str):
-    """Style rule 18: a family is one folder and one registration (`registry.FAMILY_MODULES`, a string)."""
+    """Style rule 18: a family is one folder (`registry.family_modules` finds it); nothing else names it."""
     folder = REPO / "megatron_dapo" / "models" / model_type
     hits = [f"{path.relative_to(REPO)}:{line} {name}"
             for root in LIBRARY for path in sorted((REPO / root).rglob("*.py")) if folder not in path.parents

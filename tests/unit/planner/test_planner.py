@@ -8,7 +8,9 @@ import json
 import sys
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.registry import family, model_types
 from megatron_dapo.planner import activations, colocated, report, stages
 from megatron_dapo.startup import dry_run
 from tests.unit.launch.test_examples import REPO, launcher_args
@@ -124,25 +127,24 @@ def world():
 
 
 def _family_tiny(model_type: str, **fields) -> ModelArch:
-    from megatron_dapo.models.registry import family
-
     return ModelArch.from_hf({**family(model_type).tiny_config, **fields, "model_type": model_type})
 
 
-# Qwen3's tiny config: 2 query groups of 2 heads (the query reshape copies q before its norm); the variants
-# without GQA and with one group keep q a view of the fused qkv output.
+# Every registered family on its tiny config (qwen3_moe's: all-MoE, 8 experts, top-2, expert width 32), except that
+# TINY's family is measured on TINY (2 layers), the model this test was written for.
+FAMILY_ARCHS: dict[str, Callable[[], ModelArch]] = {model_type: partial(_family_tiny, model_type)
+                                                    for model_type in model_types()}
+FAMILY_ARCHS[TINY.model_type] = lambda: TINY
+# Variants on top. Qwen3's tiny config: 2 query groups of 2 heads (the query reshape copies q before its norm); the
+# variants without GQA and with one group keep q a view of the fused qkv output. The MoE's mixed layout: layer 1
+# dense, 96 wide.
 ARCHS = {
-    "qwen2": lambda: TINY,
-    "qwen3": lambda: _family_tiny("qwen3"),
+    **FAMILY_ARCHS,
     "qwen3-mha": lambda: _family_tiny("qwen3", num_key_value_heads=4, head_dim=16),
     "qwen3-one-group": lambda: _family_tiny("qwen3", num_key_value_heads=1),
-    "llama": lambda: _family_tiny("llama"),
-    # all-MoE (8 experts, top-2, expert width 32) and the mixed layout (layer 1 dense, 96 wide)
-    "qwen3_moe": lambda: _family_tiny("qwen3_moe"),
     "qwen3_moe-mixed": lambda: _family_tiny("qwen3_moe", mlp_only_layers=[1]),
 }
-SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in ("qwen2", "qwen3", "llama", "qwen3_moe")
-                      for r in RECOMPUTE] + [
+SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in FAMILY_ARCHS for r in RECOMPUTE] + [
     pytest.param(a, "none", id=f"{a}-none") for a in ("qwen3-mha", "qwen3-one-group", "qwen3_moe-mixed")] + [
     pytest.param("qwen3_moe-mixed", "full-block", id="qwen3_moe-mixed-full-block")]
 

@@ -165,8 +165,8 @@ def test_config_json_that_is_not_json_names_the_file(model_dir, prompts, text, w
     (model_dir / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(UserError, match=rf"^{path} is not UTF-8 text \(byte offset 0"):
         ModelArch.from_hf(model_dir)
-    (model_dir / "config.json").write_text('{"model_type": "mistral"}')
-    with pytest.raises(UserError, match=rf"^{path}: model_type 'mistral' is not supported"):
+    (model_dir / "config.json").write_text('{"model_type": "not-a-registered-family"}')  # no package name has a '-'
+    with pytest.raises(UserError, match=rf"^{path}: model_type 'not-a-registered-family' is not supported"):
         ModelArch.from_hf(model_dir)
 
 
