@@ -311,6 +311,15 @@ def hf_actor(hf, layout, config=None):
     return actor
 
 
+def world_actor(world, **config):
+    """`hf_actor` in a `single_process_world` (layout, hf, arch): its HF weights in an actor of ActorConfig(**config),
+    lr 1e-3 unless given."""
+    from megatron_dapo.actor import ActorConfig
+
+    layout, hf, _ = world
+    return hf_actor(hf, layout, ActorConfig(**{"lr": 1e-3, **config}))
+
+
 def load_hf_weights(actor, hf) -> None:
     """Copy `hf`'s weights into a single-process (TP1, PP1) actor through this module's own mapping."""
     load_hf_state_dict(actor, hf.state_dict())

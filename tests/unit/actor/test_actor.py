@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
+from megatron_dapo.actor import ActorConfig, TrainSample
 from megatron_dapo.actor.batching import plan_micro_batches
 from megatron_dapo.actor.logprob import fused_available
 from megatron_dapo.algorithm.loss import PolicyLossConfig, policy_loss
 from tests.dist.actor_common import (
     LAYOUT_ADAM_EPS,
     hf_response_log_probs,
-    load_hf_weights,
     make_samples,
     merge_rank_shards,
     single_process_world,
+    world_actor,
 )
 from tests.hf_reference import response_terms
 
@@ -25,18 +25,11 @@ def world():
     yield from single_process_world(hf_seed=4)
 
 
-def _actor(world, **overrides) -> MegatronActor:
-    layout, hf, arch = world
-    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, **overrides}), layout)
-    load_hf_weights(actor, hf)
-    return actor
-
-
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.skipif(
     not fused_available(), reason="megatron_dapo.ops not importable"))], ids=["megatron", "fused"])
 def test_log_probs_and_entropy_match_hf(world, fused):
     samples = make_samples(5, seed=1)
-    logps, ents = _actor(world, use_fused_logprob=fused, max_tokens_per_micro_batch=40).compute_log_probs(
+    logps, ents = world_actor(world, use_fused_logprob=fused, max_tokens_per_micro_batch=40).compute_log_probs(
         samples, with_entropy=True)
     ref_logps, ref_ents = hf_response_log_probs(world[1], samples)
     for got, want, s in zip(logps, ref_logps, samples, strict=True):
@@ -65,7 +58,7 @@ def test_train_step_loss_and_grad_norm_match_hf_reference(world):
     samples = make_samples(8, seed=5)
     loss_config = PolicyLossConfig()
     want_loss, want_norm = _hf_loss_and_grad_norm(world[1], samples, loss_config)
-    metrics = _actor(world, max_tokens_per_micro_batch=40, clip_grad=0.0).train_step(samples)
+    metrics = world_actor(world, max_tokens_per_micro_batch=40, clip_grad=0.0).train_step(samples)
     assert metrics["pg_loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
     assert metrics["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
     tokens = sum(float(s.loss_mask.sum()) if s.loss_mask is not None else s.response_len for s in samples)
@@ -81,7 +74,7 @@ def test_token_mean_loss_is_invariant_to_micro_batch_split(world):
     results = []
     for split in (dict(max_tokens_per_micro_batch=10_000), dict(max_tokens_per_micro_batch=30),
                   dict(micro_batch_size=1)):
-        actor = _actor(world, adam_eps=LAYOUT_ADAM_EPS, **split)
+        actor = world_actor(world, adam_eps=LAYOUT_ADAM_EPS, **split)
         n_micro = len(actor._micro_batches(samples))
         metrics = actor.train_step(samples)
         weights = merge_rank_shards({(0, 0): actor.state_dict_for_export()}, arch, tp=1, pp=1)
@@ -101,7 +94,7 @@ def test_token_mean_loss_is_invariant_to_micro_batch_split(world):
 
 
 def test_lr_warmup_then_constant(world):
-    actor = _actor(world, lr=1e-3, lr_warmup_steps=2, max_tokens_per_micro_batch=10_000)
+    actor = world_actor(world, lr=1e-3, lr_warmup_steps=2, max_tokens_per_micro_batch=10_000)
     samples = make_samples(2, seed=7)
     lrs = [actor.train_step(samples)["lr"] for _ in range(3)]
     assert lrs == pytest.approx([5e-4, 1e-3, 1e-3])

@@ -18,11 +18,18 @@ import pytest
 import torch
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
+from megatron_dapo.actor import TrainSample
 from megatron_dapo.weights.mapping import canonical_mcore_name
-from tests.dist.actor_common import hf_to_full_mcore, load_hf_weights, mcore_shards_for_rank, single_process_world
+from tests.dist.actor_common import (
+    hf_to_full_mcore,
+    load_hf_weights,
+    mcore_shards_for_rank,
+    single_process_world,
+    world_actor,
+)
 
 LENGTH, PROMPT, ROWS = 16, 4, 3
+ACTOR = {"use_fused_logprob": False, "clip_grad": 0.0, "max_tokens_per_micro_batch": ROWS * LENGTH}
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +44,6 @@ def _samples(advantage: float = 0.0) -> list[TrainSample]:
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 300, (ROWS, LENGTH), generator=gen)
     return [TrainSample(tokens=row.tolist(), prompt_len=PROMPT, advantage=advantage) for row in ids]
-
-
-def _actor(world, **overrides) -> MegatronActor:
-    layout, hf, arch = world
-    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "use_fused_logprob": False, "clip_grad": 0.0,
-                                               "max_tokens_per_micro_batch": ROWS * LENGTH,
-                                               **overrides}), layout)
-    load_hf_weights(actor, hf)
-    return actor
 
 
 def _hf_router_logits(hf, samples) -> list[torch.Tensor]:
@@ -65,7 +63,7 @@ def _switch_terms(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.
 def test_aux_loss_and_tokens_per_expert_equal_hf_formula(world):
     _, hf, arch = world
     samples = _samples(advantage=0.5)
-    actor = _actor(world, moe_aux_loss_coeff=0.01)
+    actor = world_actor(world, **ACTOR, moe_aux_loss_coeff=0.01)
     assert len(actor._micro_batches(samples)) == 1
     metrics = actor.train_step(samples)
     E, k, T = arch.num_experts, arch.num_experts_per_tok, ROWS * LENGTH
@@ -94,7 +92,7 @@ def test_aux_loss_gradient_is_on_or_off(world, coeff):
 
     _, hf, arch = world
     samples = _samples(advantage=0.0)  # on-policy, zero advantage: the DAPO loss has no gradient
-    actor = _actor(world, moe_aux_loss_coeff=coeff)
+    actor = world_actor(world, **ACTOR, moe_aux_loss_coeff=coeff)
     metrics = actor.train_step(samples)
     got = _main_grads(actor)
     if coeff == 0:
@@ -124,7 +122,8 @@ def test_dropped_tokens_with_a_capacity_factor(world):
     _, hf, arch = world
     samples = _samples(advantage=0.5)
     factor = 1.0
-    metrics = _actor(world, moe_expert_capacity_factor=factor, moe_aux_loss_coeff=0.0).train_step(samples)
+    actor = world_actor(world, **ACTOR, moe_expert_capacity_factor=factor, moe_aux_loss_coeff=0.0)
+    metrics = actor.train_step(samples)
     E, k, T = arch.num_experts, arch.num_experts_per_tok, ROWS * LENGTH
     capacity = math.ceil(T * k / E * factor)  # megatron-core get_capacity
     kept: list[torch.Tensor] = []

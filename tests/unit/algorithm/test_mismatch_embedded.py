@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.actor import ActorConfig, MegatronActor, TrainSample
+from megatron_dapo.actor import TrainSample
 from megatron_dapo.algorithm import OffPolicyConfig, PolicyLossConfig, policy_loss
 from megatron_dapo.rollout.embedded import EmbeddedEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
 from tests.dist.actor_common import (
     TINY,
-    load_hf_weights,
     make_samples,
     single_process_world,
+    world_actor,
 )
 from tests.hf_reference import response_terms
 
@@ -23,13 +23,6 @@ from tests.hf_reference import response_terms
 @pytest.fixture(scope="module")
 def world():
     yield from single_process_world(hf_seed=4)
-
-
-def _actor(world, **overrides) -> MegatronActor:
-    layout, hf, arch = world
-    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "clip_grad": 0.0, **overrides}), layout)
-    load_hf_weights(actor, hf)
-    return actor
 
 
 def _rollouts(world, engine: EmbeddedEngine) -> list[Rollout]:
@@ -50,7 +43,7 @@ def test_embedded_engine_step1_ratio_is_one_and_tis_changes_nothing(world):
     engine = EmbeddedEngine(dict(TINY, model_type="qwen2", tie_word_embeddings=False), state_dict=hf.state_dict(),
                             max_batch_size=8)
     off_policy = OffPolicyConfig(use_tis=True, tis_cap=2.0, mis_mode="sequence", mis_threshold=1.001)
-    actor = _actor(world, max_tokens_per_micro_batch=64)
+    actor = world_actor(world, clip_grad=0.0, max_tokens_per_micro_batch=64)
     trainer = Trainer(config=TrainerConfig(num_steps=1, off_policy=off_policy), collect=None, actor=actor,
                       engine=engine, next_prompts=lambda k: [], eval_prompts=[], decode=str, reward_fn=None,
                       logger=None)
@@ -74,7 +67,7 @@ def test_embedded_engine_step1_ratio_is_one_and_tis_changes_nothing(world):
     weighted = actor.train_step([r.sample for r in rollouts])
     plain_samples = [TrainSample(tokens=r.sample.tokens, prompt_len=r.sample.prompt_len, advantage=r.sample.advantage)
                      for r in rollouts]
-    plain = _actor(world, max_tokens_per_micro_batch=64).train_step(plain_samples)
+    plain = world_actor(world, clip_grad=0.0, max_tokens_per_micro_batch=64).train_step(plain_samples)
     assert weighted["ratio"] == pytest.approx(1.0, abs=1e-6)
     assert weighted["clipfrac_high"] == weighted["clipfrac_low"] == 0.0
     for key in ("pg_loss", "grad_norm", "num_tokens"):
@@ -101,11 +94,11 @@ def test_tis_weighted_train_step_matches_hf_reference(world):
     want_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
     hf.zero_grad()
 
-    got = _actor(world, max_tokens_per_micro_batch=40).train_step(samples)
+    got = world_actor(world, clip_grad=0.0, max_tokens_per_micro_batch=40).train_step(samples)
     assert got["pg_loss"] == pytest.approx(float(sums.detach()) / tokens, rel=1e-5, abs=1e-7)
     assert got["grad_norm"] == pytest.approx(want_norm, rel=1e-4)
     # and the weights matter: without them the loss differs
     for s in samples:
         s.is_weights = None
-    assert _actor(world, max_tokens_per_micro_batch=40).train_step(samples)["pg_loss"] != pytest.approx(
-        got["pg_loss"], rel=1e-3)
+    unweighted = world_actor(world, clip_grad=0.0, max_tokens_per_micro_batch=40).train_step(samples)
+    assert unweighted["pg_loss"] != pytest.approx(got["pg_loss"], rel=1e-3)

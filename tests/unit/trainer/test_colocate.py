@@ -9,21 +9,14 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megatron_dapo.actor import ActorConfig, MegatronActor
+from megatron_dapo.actor import MegatronActor
 from megatron_dapo.trainer.colocate import ActorOffloader, PhaseSwitcher, check_colocate_flags, engine_of_rank
-from tests.dist.actor_common import load_hf_weights, make_samples, single_process_world
+from tests.dist.actor_common import make_samples, single_process_world, world_actor
 
 
 @pytest.fixture(scope="module")
 def world():
     yield from single_process_world(hf_seed=7)
-
-
-def _actor(world, **overrides) -> MegatronActor:
-    layout, hf, arch = world
-    actor = MegatronActor(arch, ActorConfig(**{"lr": 1e-3, "max_tokens_per_micro_batch": 64, **overrides}), layout)
-    load_hf_weights(actor, hf)
-    return actor
 
 
 def _state(actor: MegatronActor) -> dict[str, torch.Tensor]:
@@ -40,11 +33,11 @@ def test_offload_then_onload_continues_training_bit_exactly(world):
     """Two optimizer steps with an offload/onload between them == two steps never offloaded, bit for bit
     (weights and Adam state), and while offloaded the grad buffer and Adam state hold no memory."""
     s1, s2 = make_samples(6, seed=11), make_samples(6, seed=12)
-    ref = _actor(world)
+    ref = world_actor(world, max_tokens_per_micro_batch=64)
     ref.train_step(s1, rollout_step=1)
     ref_metrics = ref.train_step(s2, rollout_step=2)
 
-    actor = _actor(world)
+    actor = world_actor(world, max_tokens_per_micro_batch=64)
     actor.train_step(s1, rollout_step=1)
     off = ActorOffloader(actor.chunks, actor.optimizer)
     before = _state(actor)
@@ -416,8 +409,9 @@ def test_a_colocated_save_runs_in_the_training_phase_and_holds_the_steps_state(w
     from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
     from tests.checkpoint_helpers import optimizer_state
 
-    cfg = {"params_dtype": "bfloat16", "use_distributed_optimizer": True}  # the production optimizer
-    actor, engine, pushed = _actor(world, **cfg), _MemoryEngine(), []
+    cfg = {"max_tokens_per_micro_batch": 64, "params_dtype": "bfloat16",
+           "use_distributed_optimizer": True}  # the production optimizer
+    actor, engine, pushed = world_actor(world, **cfg), _MemoryEngine(), []
     collect = CollectConfig(n_samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=3),
                             dynamic_sampling=DynamicSamplingConfig(rollout_batch_size=1, enabled=False),
                             overlong=OverlongConfig(max_response_length=3))
@@ -442,10 +436,10 @@ def test_a_colocated_save_runs_in_the_training_phase_and_holds_the_steps_state(w
     with pytest.raises(RuntimeError, match="in the colocated 'generation' phase"):
         trainer.save(3)  # the old save's moment: refused, not onloaded next to the engine
 
-    ref = _actor(world, **cfg)
+    ref = world_actor(world, **cfg)
     for step in (1, 2):
         ref.train_step(make_samples(4, seed=40 + step), rollout_step=step)
-    resumed = _actor(world, **cfg)
+    resumed = world_actor(world, **cfg)
     assert load_checkpoint(tmp_path, resumed)["step"] == 2
     want, got = optimizer_state(ref), optimizer_state(resumed)
     assert set(want) == set(got) and any(k.startswith("model.") for k in want)
