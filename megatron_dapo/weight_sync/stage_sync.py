@@ -391,24 +391,19 @@ class StageSender:
         from megatron_dapo.weight_sync.sync_group import (
             any_died,
             broadcast_bucket,
-            broadcast_deadline_s,
+            bucket_on_wire,
+            distributed_update_body,
             raises_on_loss,
         )
 
-        body = {"names": [m.name for m in bucket.metas],
-                "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
-                "shapes": [list(m.shape) for m in bucket.metas], "group_name": self.name,
-                "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(plan.version)}
+        body = distributed_update_body(bucket, self.name, plan.version)
         # The servers block in their receive until the source broadcasts: post first, then send.
         futures = client.submit(range(len(plan.urls)), "/update_weights_from_distributed", body)
-        flat = bucket.flat.contiguous()
-        if plan.backend == "nccl":
-            flat = flat.cuda()
-        nbytes = flat.numel() * flat.element_size()
-        deadline = broadcast_deadline_s(nbytes, plan.timeout_s, floor_s=plan.broadcast_floor_s)
+        wire, nbytes, deadline = bucket_on_wire(bucket, plan.backend, group_timeout_s=plan.timeout_s,
+                                                floor_s=plan.broadcast_floor_s)
         try:
-            done = broadcast_bucket(self.group, flat.view(torch.uint8), deadline_s=deadline,
-                                    call_timeout_s=plan.timeout_s, gone=functools.partial(any_died, futures))
+            done = broadcast_bucket(self.group, wire, deadline_s=deadline, call_timeout_s=plan.timeout_s,
+                                    gone=functools.partial(any_died, futures))
         except RuntimeError:  # gloo: a member died mid-broadcast (every member's receive failed with it)
             out.broken = True
             _settle(futures, out, plan.timeout_s)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_dapo.distributed import comm
 from megatron_dapo.rollout.sglang.protocol import ServerDied
+from megatron_dapo.weight_sync.buckets import Bucket
 
 BROADCAST_MIN_GBPS = 1.0
 """The slowest link rate a healthy push runs at (GB/s, 1e9 B/s), 10-25x under the 10-25 GB/s of the production
@@ -69,6 +70,26 @@ def broadcast_deadline_s(nbytes: int, group_timeout_s: float, *, floor_s: float,
                          f"not under its group's {group_timeout_s:.0f} s timeout (ClientConfig.control_timeout_s), "
                          f"where the NCCL watchdog ends the process first: lower --weight-sync-bucket-mb or the floor")
     return deadline
+
+
+def distributed_update_body(bucket: Bucket, group_name: str, version: int) -> dict:
+    """The /update_weights_from_distributed request announcing `bucket` (its tensors' names, dtypes and shapes, in
+    one flattened bucket) on the weight-sync group `group_name` at weight `version`, without a cache flush."""
+    return {"names": [m.name for m in bucket.metas],
+            "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
+            "shapes": [list(m.shape) for m in bucket.metas], "group_name": group_name,
+            "load_format": "flattened_bucket", "flush_cache": False, "weight_version": str(version)}
+
+
+def bucket_on_wire(bucket: Bucket, backend: str, *, group_timeout_s: float,
+                   floor_s: float) -> tuple[torch.Tensor, int, float]:
+    """What broadcast_bucket sends of `bucket` over a group of `backend`: (its flat buffer, contiguous, on the current
+    CUDA device for NCCL, viewed as bytes; its byte count; its deadline, broadcast_deadline_s of that count)."""
+    flat = bucket.flat.contiguous()
+    if backend == "nccl":
+        flat = flat.cuda()
+    nbytes = flat.numel() * flat.element_size()
+    return flat.view(torch.uint8), nbytes, broadcast_deadline_s(nbytes, group_timeout_s, floor_s=floor_s)
 
 
 def wait_until(done: Callable[[], bool], *, deadline_s: float, gone: Callable[[], bool] = lambda: False,

@@ -98,7 +98,8 @@ class DistributedPush(ServerPush):
         from megatron_dapo.weight_sync.sync_group import (
             any_died,
             broadcast_bucket,
-            broadcast_deadline_s,
+            bucket_on_wire,
+            distributed_update_body,
             raises_on_loss,
         )
 
@@ -122,20 +123,14 @@ class DistributedPush(ServerPush):
                 if broken or live != targets:
                     broken = True
                     continue  # the group lost a member: keep draining (and keeping) the version
-                body = {"names": [m.name for m in bucket.metas],
-                        "dtypes": [str(m.dtype).removeprefix("torch.") for m in bucket.metas],
-                        "shapes": [list(m.shape) for m in bucket.metas], "group_name": group_name,
-                        "load_format": "flattened_bucket", "flush_cache": False,
-                        "weight_version": str(version)}
+                body = distributed_update_body(bucket, group_name, version)
                 # The servers block in their receive until we broadcast: post first, then send.
                 futures = {i: engine.post_later(i, "/update_weights_from_distributed", body) for i in live}
-                flat = bucket.flat.contiguous()
-                if client.sync_backend == "nccl":
-                    flat = flat.cuda()
-                nbytes = flat.numel() * flat.element_size()
-                deadline = broadcast_deadline_s(nbytes, client.control_timeout_s, floor_s=client.broadcast_floor_s)
+                wire, nbytes, deadline = bucket_on_wire(bucket, client.sync_backend,
+                                                        group_timeout_s=client.control_timeout_s,
+                                                        floor_s=client.broadcast_floor_s)
                 try:
-                    done = broadcast_bucket(self._group, flat.view(torch.uint8), deadline_s=deadline,
+                    done = broadcast_bucket(self._group, wire, deadline_s=deadline,
                                             call_timeout_s=client.control_timeout_s,
                                             gone=functools.partial(any_died, futures))
                 except RuntimeError:  # gloo: a member died mid-broadcast (every member's receive failed with it)
