@@ -21,7 +21,14 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
-from tests.e2e.test_trainer_e2e import COMPARED, NUM_STEPS, latest_step, read_jsonl, train_cmd
+from tests.e2e.test_trainer_e2e import (
+    COMPARED,
+    NUM_STEPS,
+    assert_resume_matches,
+    latest_step,
+    read_jsonl,
+    train_cmd,
+)
 from tests.procs import running
 
 pytestmark = pytest.mark.slow
@@ -41,7 +48,6 @@ def test_async_run_is_one_step_off_and_resumes_exactly_after_sigkill(tiny_base, 
     subprocess.run(train_cmd(tiny_base, ref, *ASYNC, "--export-hf", str(ref / "hf")), cwd=REPO, env=train_env(),
                    check=True, capture_output=True, timeout=900)
     ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
-    ref_prompts = read_jsonl(ref / "log" / "prompts.jsonl")
     assert sorted(ref_metrics) == list(range(1, NUM_STEPS + 1))
     assert [ref_metrics[s]["async/staleness"] for s in ref_metrics] == [0.0] + [1.0] * (NUM_STEPS - 1)
     assert ref_metrics[1]["mismatch/logprob_abs_diff_mean"] < 1e-5  # same weights at step 1
@@ -72,18 +78,9 @@ def test_async_run_is_one_step_off_and_resumes_exactly_after_sigkill(tiny_base, 
         os.kill(c, signal.SIGKILL)
     assert not left, f"processes {left} outlived the SIGKILLed trainer"
 
-    out = subprocess.run(train_cmd(tiny_base, run, *ASYNC, "--load", str(run / "ckpt"), "--export-hf",
-                                   str(run / "hf")), cwd=REPO, env=train_env(), capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
-    metrics = read_jsonl(run / "log" / "metrics.jsonl")
-    prompts = read_jsonl(run / "log" / "prompts.jsonl")
-    for step in range(resumed_from + 1, NUM_STEPS + 1):
-        assert prompts[step]["requested"] == ref_prompts[step]["requested"], f"step {step} saw other prompts"
-        for key in (*COMPARED, "async/staleness", "mismatch/logprob_abs_diff_mean", "mismatch/tis_weight_mean"):
-            expected = pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7)
-            assert metrics[step][key] == expected, (step, key)
+    assert_resume_matches(tiny_base, run, resumed_from, ref, *ASYNC, timeout=900,
+                          keys=(*COMPARED, "async/staleness", "mismatch/logprob_abs_diff_mean",
+                                "mismatch/tis_weight_mean"))
     ref_model, resumed = Qwen2ForCausalLM.from_pretrained(ref / "hf"), Qwen2ForCausalLM.from_pretrained(run / "hf")
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after resume")

@@ -57,13 +57,30 @@ def latest_step(ckpt: Path) -> int:
     return int(marker.read_text().strip().split("_")[-1]) if marker.is_file() else 0
 
 
+def assert_resume_matches(base: Path, run: Path, resumed_from: int, ref: Path, *extra: str,
+                          keys: tuple[str, ...] = COMPARED, timeout: int = 600) -> None:
+    """Resumes the killed `run` from its checkpoint (train_cmd with `extra`, --load, --export-hf run/hf) and asserts
+    it says it resumed at `resumed_from` and every later step drew the prompts and logged the metrics `keys` of the
+    uninterrupted run `ref` (rel 1e-5, abs 1e-7)."""
+    out = subprocess.run(train_cmd(base, run, *extra, "--load", str(run / "ckpt"), "--export-hf", str(run / "hf")),
+                         cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
+    ref_metrics, ref_prompts = read_jsonl(ref / "log" / "metrics.jsonl"), read_jsonl(ref / "log" / "prompts.jsonl")
+    metrics, prompts = read_jsonl(run / "log" / "metrics.jsonl"), read_jsonl(run / "log" / "prompts.jsonl")
+    for step in range(resumed_from + 1, NUM_STEPS + 1):
+        assert prompts[step]["requested"] == ref_prompts[step]["requested"], f"step {step} saw other prompts"
+        for key in keys:
+            expected = pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7)
+            assert metrics[step][key] == expected, (step, key)
+
+
 def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tmp_path):
     ref = tmp_path / "ref"
     subprocess.run(train_cmd(tiny_base, ref, "--export-hf", str(ref / "hf")), cwd=REPO, env=train_env(),
                    check=True, capture_output=True, timeout=600)
     assert list((ref / "log" / "wandb").glob("offline-run-*")), "wandb should log offline by default"
     ref_metrics = read_jsonl(ref / "log" / "metrics.jsonl")
-    ref_prompts = read_jsonl(ref / "log" / "prompts.jsonl")
     assert sorted(ref_metrics) == list(range(1, NUM_STEPS + 1))
     assert (ref / "log" / "report.png").is_file()
     assert latest_step(ref / "ckpt") == NUM_STEPS
@@ -77,28 +94,9 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
         assert record["train/grad_norm"] > 0
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(tiny_base, run, "--no-wandb"), cwd=REPO, env=train_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    while latest_step(run / "ckpt") < 2 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    resumed_from = latest_step(run / "ckpt")
+    resumed_from = _kill_after_save(train_cmd(tiny_base, run, "--no-wandb"), run, 2)
     assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
-
-    out = subprocess.run(train_cmd(tiny_base, run, "--no-wandb", "--load", str(run / "ckpt"), "--export-hf",
-                                   str(run / "hf")), cwd=REPO, env=train_env(), capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert f"resumed from {run / 'ckpt'} at step {resumed_from}" in out.stdout
-    metrics = read_jsonl(run / "log" / "metrics.jsonl")
-    prompts = read_jsonl(run / "log" / "prompts.jsonl")
-    for step in range(resumed_from + 1, NUM_STEPS + 1):
-        assert prompts[step]["requested"] == ref_prompts[step]["requested"], f"step {step} saw other prompts"
-        for key in COMPARED:
-            expected = pytest.approx(ref_metrics[step][key], rel=1e-5, abs=1e-7)
-            assert metrics[step][key] == expected, (step, key)
+    assert_resume_matches(tiny_base, run, resumed_from, ref, "--no-wandb")
 
     # the exported HF checkpoints of both runs hold the same trained weights, and transformers loads them
     ref_model = Qwen2ForCausalLM.from_pretrained(ref / "hf")
