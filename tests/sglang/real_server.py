@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,19 @@ def cpu_server_config(root: Path, **overrides) -> ServerConfig:
                   python=str(SGLANG_PY), startup_timeout_s=400, log_dir=str(root / "logs"),
                   extra_args=("--dtype", "float32"), env=env)
     return ServerConfig(**{**fields, **overrides})
+
+
+def sglang_train_cmd(base: Path, log_dir: Path, reward: tuple[str, ...], port: int, *extra: str) -> list[str]:
+    """`python -m megatron_dapo.train` on the tiny base (tests/conftest.py tiny_base) with its rollouts from a CPU
+    SGLang server it launches (fp32, base port `port`): 3 steps of 4 prompts x 4 samples of up to 12 tokens, scored by
+    `reward` (tests/rewards.py), metrics under `log_dir`; then `extra`."""
+    return [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(base / "model"),
+            "--prompt-data", str(base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
+            "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *reward, "--max-response-length", "12",
+            "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(log_dir), "--no-wandb",
+            "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
+            "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(port), "--max-prompt-length", "16",
+            *extra]
 
 
 def max_logprob_error(model, samples) -> float:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +25,15 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.rollout.sglang.server import ServerGroup
 from tests.dist.actor_common import make_samples, tiny_hf_model
 from tests.ports import free_port_block
-from tests.sglang.real_server import MARKS, cpu_server_config
+from tests.sglang.real_server import MARKS, cpu_server_config, sglang_train_cmd
 from tests.torchrun import REPO, free_port, subprocess_env
 
 pytestmark = [*MARKS, pytest.mark.slow]
+
+
+def _colocated(run: Path) -> tuple[str, ...]:
+    """What the colocated runs add to sglang_train_cmd: --colocate, a checkpoint in run/ckpt every 2 steps."""
+    return ("--colocate", "--save", str(run / "ckpt"), "--save-interval", "2")
 
 
 def test_colocated_run_equals_separate_server_run(tmp_path):
@@ -81,15 +87,8 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
 
     from tests.conftest import train_env
     from tests.rewards import PARITY_REWARD
-    from tests.sglang.real_server import SGLANG_PY
 
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *PARITY_REWARD, "--max-response-length", "12",
-           "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
-           "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
-           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port_block(2)), "--colocate",
-           "--max-prompt-length", "16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    cmd = sglang_train_cmd(tiny_base, tmp_path / "log", PARITY_REWARD, free_port_block(2), *_colocated(tmp_path))
     out = subprocess.run(cmd, cwd=REPO, env=train_env(), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     records = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
@@ -119,15 +118,8 @@ def test_sigterm_in_a_colocated_rollout_releases_the_engine_and_saves_in_the_tra
 
     from tests.conftest import train_env
     from tests.rewards import SIGNALLED_REWARD
-    from tests.sglang.real_server import SGLANG_PY
 
-    cmd = [sys.executable, "-m", "megatron_dapo.train", "--hf-checkpoint", str(tiny_base / "model"),
-           "--prompt-data", str(tiny_base / "train.jsonl"), "--num-steps", "3", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "4", "--no-dynamic-sampling", *SIGNALLED_REWARD, "--max-response-length", "12",
-           "--overlong-buffer-length", "10", "--lr", "1e-3", "--log-dir", str(tmp_path / "log"), "--no-wandb",
-           "--no-progress", "--seed", "7", "--rollout-engine", "sglang", "--sglang-python", str(SGLANG_PY),
-           "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(free_port_block(2)), "--colocate",
-           "--max-prompt-length", "16", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    cmd = sglang_train_cmd(tiny_base, tmp_path / "log", SIGNALLED_REWARD, free_port_block(2), *_colocated(tmp_path))
     out = subprocess.run(cmd, cwd=REPO, env=train_env() | {"DAPO_TEST_SIGNAL": "SIGTERM:18"}, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 143, out.stdout[-3000:] + out.stderr[-3000:]
