@@ -20,7 +20,7 @@ from tests.unit.reward.test_reward_normalize import (
     run_with_cpu_budget,
 )
 
-# (response, ground truth, expected acc, expected normalised pred)
+# (response, ground truth, expected acc, expected normalised pred), answer mode (the default)
 CASES = [
     pytest.param("2 + 40 = 42.\nAnswer: 42", "42", True, "42", id="plain"),
     pytest.param("Answer: 41", "42", False, "41", id="wrong"),
@@ -44,10 +44,25 @@ CASES = [
     pytest.param("", "42", False, None, id="empty-response"),
 ]
 
+# the same in strict-boxed mode (compute_score(..., strict_box=True), --reward-fn math_dapo_boxed): pred is the last
+# box's raw content
+BOXED_CASES = [
+    pytest.param("so we get \\boxed{42}.", "42", True, "42", id="boxed"),
+    pytest.param("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True, "\\frac{1}{2}", id="nested-braces"),
+    pytest.param("\\boxed{1} or rather \\boxed{2}", "2", True, "2", id="last-box-wins"),
+    pytest.param("\\boxed{ 42 }", "42", False, " 42 ", id="no-normalisation"),
+    pytest.param("\\boxed{1,000}", "1000", False, "1,000", id="no-comma-removal"),
+    pytest.param("Answer: 42", "42", False, None, id="answer-line-not-enough"),
+    pytest.param("\\boxed{42", "42", False, None, id="unclosed"),
+    pytest.param("\\boxed{42}\n" + "w" * 100, "42", False, None, id="outside-100-chars"),
+]
 
-@pytest.mark.parametrize("response, truth, acc, pred", CASES)
-def test_verifier_cases(response, truth, acc, pred):
-    result = compute_score(response, truth)
+
+@pytest.mark.parametrize("strict_box, response, truth, acc, pred",
+                         [pytest.param(False, *case.values, id=case.id) for case in CASES]
+                         + [pytest.param(True, *case.values, id=f"strict-box-{case.id}") for case in BOXED_CASES])
+def test_verifier_cases(strict_box, response, truth, acc, pred):
+    result = compute_score(response, truth, strict_box=strict_box)
     assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
@@ -63,24 +78,6 @@ def test_window_is_the_last_300_characters():
 def test_answer_before_window_falls_back_to_later_answer():
     text = "Answer: 1\n" + "." * 400 + "\nAnswer: 2"
     assert compute_score(text, "2").acc and not compute_score(text, "1").acc
-
-
-@pytest.mark.parametrize(
-    "response, truth, acc, pred",
-    [
-        pytest.param("so we get \\boxed{42}.", "42", True, "42", id="boxed"),
-        pytest.param("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True, "\\frac{1}{2}", id="nested-braces"),
-        pytest.param("\\boxed{1} or rather \\boxed{2}", "2", True, "2", id="last-box-wins"),
-        pytest.param("\\boxed{ 42 }", "42", False, " 42 ", id="no-normalisation"),
-        pytest.param("\\boxed{1,000}", "1000", False, "1,000", id="no-comma-removal"),
-        pytest.param("Answer: 42", "42", False, None, id="answer-line-not-enough"),
-        pytest.param("\\boxed{42", "42", False, None, id="unclosed"),
-        pytest.param("\\boxed{42}\n" + "w" * 100, "42", False, None, id="outside-100-chars"),
-    ],
-)
-def test_strict_box_mode(response, truth, acc, pred):
-    result = compute_score(response, truth, strict_box=True)
-    assert result == RewardResult(score=1.0 if acc else -1.0, acc=acc, pred=pred)
 
 
 def test_extract_answer_and_box_helpers():
