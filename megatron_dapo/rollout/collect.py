@@ -7,17 +7,14 @@ finishes early waits until every group submitted before it is decided. Once the 
 requests still in flight (all submitted after the cut) are aborted.
 
 Why submission order: deciding in completion order keeps the fastest groups, and the slowest are the
-long and truncated responses that carry the overlong penalty. tools/bench_dynamic_sampling.py (keep rate
-0.9, over-sample 1.3, batch 512, G = 16, 40 simulated steps): 27.7% of requested groups hold a truncated
-response; completion order keeps 15.5% such groups, submission order 27.8% (the eligible share is 27.9%):
-the kept groups are the first informative ones of a random prompt order, an unbiased sample. It also
+long and truncated responses that carry the overlong penalty, so it keeps too few truncated groups; in
+submission order the kept groups are the first informative ones of a random prompt order, an unbiased sample
+(tools/bench_dynamic_sampling.py simulates both: docs/BENCHMARKS.md, "Dynamic sampling"). It also
 makes a seeded step's kept set independent of timing (resume determinism).
 The cost is waiting for the slow groups ahead of the cut: a round ends when the group that fills the
 batch and every group submitted before it have finished, in practice the round's slowest response (at
-production scale a 20480-token response, ~14 min at ~25 tokens/s per sequence on a busy Qwen2.5-32B
-SGLang server). Completion order waits for it too whenever the cut falls among the truncated groups;
-in the simulation the step time is 1.03 vs 1.01 max-length responses at keep rate 0.9. Groups that
-finished behind the cut are generated and discarded (finished/kept 1.30 vs 1.12 at keep rate 0.9).
+production scale a 20480-token response). Completion order waits for it too whenever the cut falls among the
+truncated groups. Groups that finished behind the cut are generated and discarded.
 
 With --partial-rollout nothing is discarded: the groups behind the cut, finished or still generating, are
 carried to the next step and submitted there first, filling part of its first round (all of it when they are at

@@ -41,7 +41,7 @@ Why 1: in the regime partial rollout is for (carried groups are a fraction of th
 is resumed, and decided, at the very next step, so staleness is 1 and the cap drops nothing; only a group cut
 twice (the carried groups alone filled the batch) would reach 2. N = 1 keeps every trained token within one
 weight update of the engine's (two of the actor's with --async-rollout 1). The cost of the cap is the
-tokens of the dropped groups, generated and never trained on (measured below).
+tokens of the dropped groups, generated and never trained on (simulated: docs/BENCHMARKS.md, "Partial rollout").
 
 Reproducibility: a continuation keeps its sample's random stream (same seed, same sample index;
 RolloutRequest.first_index / resumed_tokens), and the carried groups are in the checkpoint (`state()`), so
@@ -55,21 +55,11 @@ continues the carried prefixes with the same seeds (SGLang keys seeded noise by 
 a continuation draws the noise the uninterrupted sample would have), bit-exact only under deterministic
 inference, and its own later cuts are timing-dependent again.
 
-Cost at the production setting (Qwen2.5-32B, B = 512 groups of G = 16, 20,480-token responses,
---over-sample-factor 1.3, keep rate 0.9; tools/bench_partial_rollout.py, simulated, 12 steps): ~97 groups and
-16.5e6 response tokens carried per step (17% of the tokens generated in a step; 18% of the kept tokens come
-from the previous weights, staleness 1). Without partial rollout the same steps discard 16.0e6 tokens each, so
-generation per step drops from 111e6 to 95e6 tokens (-15%). The carried state is 12 bytes per token (int32
-ids, fp32 log-probs, int32 versions): ~200 MB in the checkpoint's common state, written by rank 0 and
-broadcast to every rank twice per save (ours in train.py, megatron's common-state consistency check), a few
-seconds per save (each rank receives ~200 MB twice over gloo). On rank 0 the carried Samples are Python lists
-(~16.5e6 x 3 values, ~1.5 GB of host RAM; the kept batch itself is 5x that).
-With the cap at its default 1 the same simulation drops nothing (0 groups, 0 tokens per step; max staleness 1
-with or without the cap), nor at keep rate 0.3 (66e6 tokens carried per step, still staleness
-1): 1.3 x 512 groups a round leave the carried ~100-250 groups well short of filling the batch. It bites on a
-small batch with a low keep rate (B = 32, keep rate 0.3, scaled to the same 20,480-token responses):
-uncapped staleness reaches 2; cap 1 drops 2.8 groups and 0.50e6 tokens per step (2.8% of the 18.1e6
-generated) and trims the carried tokens from 6.8e6 to 5.9e6 per step.
+Cost: the carried state is 12 bytes per token (int32 ids, fp32 log-probs, int32 versions) in the checkpoint's
+common state, written by rank 0 and broadcast to every rank twice per save (ours in train.py, megatron's
+common-state consistency check); on rank 0 the carried Samples are Python lists (3 values per token). How much
+is carried, discarded and dropped at the production setting, and what that state then weighs
+(tools/bench_partial_rollout.py, simulated): docs/BENCHMARKS.md, "Partial rollout".
 """
 
 from __future__ import annotations

@@ -12,9 +12,7 @@
                  optimizer state (host -> device) and re-allocates its grad buffers (zeroed).
   save:          a due checkpoint (--save-interval, the last step) is written in the training phase, after the
                  step's update and before to_generation (Trainer.save): everything it reads is resident and SGLang
-                 holds only its released leftovers; 18.3 GiB per GPU at 32B (the planner's save row), where a save
-                 in the generation phase onloaded grads and optimizer state next to SGLang's weights, KV cache
-                 and graphs: 81.9 GiB on an 80 GB GPU.
+                 holds only its released leftovers; 18.3 GiB per GPU at 32B (the planner's save row).
   to_generation: the actor offloads optimizer state to host and frees its grad buffers, empties the CUDA
                  cache; SGLang /resume_memory_occupation of its weights, the new weights are pushed, then
                  its KV cache and CUDA graphs are resumed (the order of slime and verl: the push needs the
@@ -32,11 +30,11 @@ copied: train_step zeroes them first anyway (zero_grad_buffer).
 
 Cost at the production setting (Qwen2.5-32B, 16 x 8 GPUs, TP8 x PP2, DP 8, bf16, distributed optimizer):
 per GPU the actor holds ~2.05 B parameters of its stage (the --dry-run plan): 7.6 GiB of fp32 grads freed (no
-copy), 12 B/param / DP 8 = 2.9 GiB of fp32 Adam state and main params copied each way over PCIe (~25 GB/s
-pinned: ~0.12 s per switch; the 8 GPUs of a node share the host links: up to ~1 s); the bf16 weights (3.8 GiB)
-stay. SGLang's release/resume of its 15.3 GiB TP4 weight shard and 46 GiB KV cache are allocator calls
-(torch_memory_saver), well under 1 s; the weight push is then local to each GPU
-(megatron_dapo/weight_sync/colocated_push.py).
+copy), 12 B/param / DP 8 = 2.9 GiB of fp32 Adam state and main params copied each way over PCIe from and to
+pinned host memory (the 8 GPUs of a node share the host links); the bf16 weights (3.8 GiB) stay. SGLang's
+release/resume of its 15.3 GiB TP4 weight shard and 46 GiB KV cache are allocator calls (torch_memory_saver); the
+weight push is then local to each GPU (megatron_dapo/weight_sync/colocated_push.py). The times of a switch:
+docs/BENCHMARKS.md, "Colocated mode".
 """
 
 from __future__ import annotations
@@ -347,8 +345,9 @@ def start_colocated_engines(cfg: RolloutEngineConfig, tokenizer, rank0: bool):
 
     Why first: an engine holds --mem-fraction-static x GPU memory plus its runtime (0.77 x 80 GB + ~4 GiB at the
     32B launcher) until released, and the actor's build peaks at twice its bf16 weights plus the fp32 grad buffer
-    (planner.colocated.startup_lines); together that was 83 GiB per 80 GB GPU (89 resuming), or, had the actor allocated
-    first, SGLang would have sized its KV pool from less free memory than planned."""
+    (planner.colocated.startup_lines): the two together do not fit a GPU at 32B (docs/BENCHMARKS.md, "Colocated
+    mode"), and an actor allocated first would leave SGLang less free memory to size its KV pool from than
+    planned."""
     from megatron_dapo.rollout import build as rollout_build
 
     engine, sync = None, start_up_section(cfg.rollout_timeout_h)

@@ -531,13 +531,11 @@ class Trainer:
         SGLang has released its weights, KV cache and CUDA graphs and the actor holds what the save reads (bf16
         weights; fp32 main params and Adam moments) with nothing to onload. At 32B (TP8 x PP2, DP 8) that is 18.3
         GiB per GPU (the planner's save row: weights 3.8 + grads 7.6 + optimizer shard 2.9 + released engine and
-        context 4); a save in the generation phase onloaded 10.5 GiB of grads and optimizer state next to SGLang's
-        65.6 GiB: 81.9 GiB on an 80 GB GPU. The save's own cost is unchanged (~29 s with the distributed
-        optimizer, ~14 s with --ckpt-fully-parallel-save: checkpoint/training.py), minus the onload and offload it
-        needed (~0.24 s, up to ~2 s with a node's 8 GPUs sharing the host links). The checkpoint is the state the
-        old save read: nothing between this point and the end of the step changes model, optimizer, scheduler,
-        sampler or carried groups, and nothing in this process draws from the RNGs (the push hands buffers, the
-        evaluation's sampling is seeded per request inside the SGLang servers). A run that dies after this save
+        context 4; what a save in the generation phase would hold: docs/BENCHMARKS.md, "Colocated mode"). The
+        save's own cost: checkpoint/training.py. The checkpoint is the state at the end of the step: nothing
+        between this point and the end of the step changes model, optimizer, scheduler, sampler or carried
+        groups, and nothing in this process draws from the RNGs (the push hands buffers, the evaluation's
+        sampling is seeded per request inside the SGLang servers). A run that dies after this save
         but before the step's push, evaluation or metrics log resumes at step + 1 without that step's evaluation
         and metrics record."""
         if self.checkpointer is None:
@@ -559,9 +557,8 @@ class Trainer:
         token, reduced over DP ranks (CPU values moved to the DP group's device by comm). With --use-tis /
         --mis-mode, sets each sample's is_weights / loss_mask.
 
-        Host cost, per DP rank: about 30 vector ops per response, 3.2 s at the 32B worst case (1024 responses
-        x 20480 tokens, one CPU thread, measured here at 64 x 20480), against a step of tens of minutes; one
-        all-reduce of 88 B."""
+        Host cost, per DP rank: about 30 vector ops per response on one CPU thread (their time at the 32B worst
+        case: docs/BENCHMARKS.md, "Off-policy metrics"); one all-reduce of 88 B."""
         cfg = self.config.off_policy
         stats = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         peak = torch.zeros(len(MAX_KEYS), dtype=torch.float64)

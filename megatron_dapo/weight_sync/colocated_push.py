@@ -10,11 +10,11 @@ the format SGLang expects for TP > 1 (verl's sglang rollout gathers the per-rank
 `gather_object` over the TP group to the rank that calls the engine). Each SGLang rank then reads the bucket
 from its own GPU: no cross-GPU copy, no NCCL group with the servers.
 
-Cost at the production setting (Qwen2.5-32B bf16, 65 GB, 512 MiB buckets, 32 engines of TP4): each GPU
-stages 65 GB through one 512 MiB bucket at a time (device copies at ~1-2 TB/s: well under a second in all);
-each engine reads 65 GB per TP rank from its own GPU; the 32 posting ranks send ~130 HTTP calls each, in
-parallel over the engines. Per bucket the other ranks of an engine wait on its post (a gloo barrier), so the
-push takes as long as the slowest engine's ~130 loads, a few seconds; rank 0 holds no host copy (the
+Cost at the production setting (Qwen2.5-32B bf16, 65 GB, 512 MiB buckets, 32 engines of TP4; the times:
+docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"): each GPU stages 65 GB through one 512 MiB bucket at a time
+(one device copy each); each engine reads 65 GB per TP rank from its own GPU; the 32 posting ranks send ~130 HTTP
+calls each, in parallel over the engines. Per bucket the other ranks of an engine wait on its post (a gloo
+barrier), so the push takes as long as the slowest engine's ~130 loads; rank 0 holds no host copy (the
 separate-server path keeps 65 GB of host RAM for re-syncs, this one keeps nothing: a colocated engine lost
 mid-run is not re-synced, the run stops).
 
@@ -111,7 +111,7 @@ class ColocatedPusher:
         """Every rank's handle of this engine on the poster, in TP-rank order (None elsewhere).
 
         Over the engine's gloo group (CPU): the poster receives g handles of a few hundred bytes; each rank
-        waits for the slowest of its engine to stage the bucket (a device copy, ~1 ms for 512 MiB)."""
+        waits for the slowest of its engine to stage the bucket (a device copy of it)."""
         g = self.groups
         if g.group is None:
             return [handle]

@@ -9,15 +9,14 @@ Every rank iterates the whole-model export (weights/export.py iter_hf_weights: T
 every one of the 128 actor ranks receives the whole model, 65 GB at Qwen2.5-32B bf16); rank 0 alone pushes it
 through its engine's servers, the others drop it. The 127 other ranks then wait for rank 0's push at the
 trainer's section (one int64 all-reduce). Bytes pushed per sync at 32B: "distributed" 65 GB once over the group
-of rank 0 and the 16 servers' 128 TP ranks (~3-7 s at 10-25 GB/s); "tensor" 65 GB per server; "disk" 65 GB of
-shards written once.
+of rank 0 and the 16 servers' 128 TP ranks; "tensor" 65 GB per server; "disk" 65 GB of shards written once (the
+time each takes: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B").
 
 The host copy (this object's, on rank 0): "tensor" and "distributed" keep every bucket of the last update (one
 copy of each bucket as it streams past; the previous version's bucket k is dropped as bucket k of the new one
 arrives, so at most one version plus one bucket is held): 61.03 GiB of rank 0's host RAM at 32B (bf16,
-planner.report.host_copy_bytes) and one device-to-host copy of 65 GB per update (~3 s at ~20 GB/s). "disk" keeps no
-host copy: the last version's shards on disk (65 GB) are the copy. `recover(server)` re-syncs a lost server
-from it (~4-7 s at 32B; from disk ~30 s).
+planner.report.host_copy_bytes) and one device-to-host copy of 65 GB per update. "disk" keeps no host copy: the
+last version's shards on disk (65 GB) are the copy. `recover(server)` re-syncs a lost server from it.
 
 This module imports rollout/sglang/ (the engine's protocol), never the reverse (weight_sync/transports/__init__.py).
 """

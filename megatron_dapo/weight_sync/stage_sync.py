@@ -24,27 +24,26 @@ store, and its replies are awaited before the lock is released (slime serialises
 the same way). What runs in parallel across stages is everything else: TP gather, HF conversion, bucket
 packing and the device-to-host copy of the host copy, while another stage's bucket is on the wire.
 
-A server lost during a stage's NCCL broadcast (issue 37): that broadcast is given up at its deadline (or at once
+A server lost during a stage's NCCL broadcast: that broadcast is given up at its deadline (or at once
 when the server's call fails), the source aborts its group, and when other servers answer it reports the stall
 (StageOutcome.stalled, and STALLED on the store for the other stages, which abort their groups too); rank 0 then
 raises WeightSyncStalled without another call to the servers (they may be stuck in the receive): the run stops,
-as decided for the full push (weight_sync/server_push.py). Over gloo the broadcast raises and the push is
+as in the full push (weight_sync/transports/distributed.py). Over gloo the broadcast raises and the push is
 recovered as below.
 
 The host copy for re-syncing a lost server stays whole on rank 0: after its push each source s > 0 sends its
 stage's host copy (CPU buckets) to rank 0 over the pipeline group (point-to-point, megatron_dapo.distributed.comm), so
 the recovery (ServerPush.recover of one server, its re-push to the survivors after a broken push) is unchanged.
 
-Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets):
-- before: all 128 ranks received 32.5 GB each over PP (the other stage; 4.2 TB of PP traffic per sync), every
-  TP rank gathered 65 GB, and rank 0 alone pushed 65 GB to the servers;
-- now: the 2 stage sources each push 32.5 GB (~65 buckets) over their own group of 1 + 64 ranks; the only PP
-  traffic is stage 1's host copy to rank 0, 32.5 GB once (~1.5-3 s at 10-25 GB/s, after the push); only the
-  16 ranks of DP replica 0 gather (32.5 GB each); the other 112 ranks move nothing.
-- host memory: rank 0 keeps 65 GB (the whole version, as before; the previous version is dropped when the push
-  starts, so that is also the peak); stage 1's source holds its 32.5 GB host copy until it has sent it to rank 0.
-- waits: a source waits for the lock at most (PP - 1) bucket pushes (~0.2-0.5 s each at 10-25 GB/s); the
-  stage's TP peers wait in the TP all-gather for their source meanwhile.
+Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets; the times and the
+whole-model push this replaces at PP > 1: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"):
+- bytes: the 2 stage sources each push 32.5 GB (~65 buckets) over their own group of 1 + 64 ranks; the only PP
+  traffic is stage 1's host copy to rank 0, 32.5 GB once, after the push; only the 16 ranks of DP replica 0
+  gather (32.5 GB each); the other 112 ranks move nothing.
+- host memory: rank 0 keeps 65 GB (the whole version; the previous version is dropped when the push starts, so
+  that is also the peak); stage 1's source holds its 32.5 GB host copy until it has sent it to rank 0.
+- waits: a source waits for the lock at most (PP - 1) bucket pushes; the stage's TP peers wait in the TP
+  all-gather for their source meanwhile.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ class StageOutcome:
     """An unexpected failure (a refusal by a server, a bad address): rank 0 raises it after the push."""
     stalled: str | None = None
     """An NCCL broadcast of this stage that did not complete while other servers answer (sync_group.stall_message):
-    rank 0 raises WeightSyncStalled with it and makes no more calls to the servers (issue 37)."""
+    rank 0 raises WeightSyncStalled with it and makes no more calls to the servers."""
 
 
 @dataclass
@@ -229,7 +228,7 @@ class TicketLock:
     """A FIFO lock of the stage sources on a torch.distributed store: one server collective at a time.
 
     acquire: ticket = add(counter, 1) - 1, then wait for the key `turn<ticket>` that the holder of the previous
-    ticket sets on release. One store round trip each way (~0.1 ms) per bucket."""
+    ticket sets on release. One store round trip each way per bucket."""
 
     def __init__(self, store: dist.Store, prefix: str = "megatron_dapo/stage_sync_lock", timeout_s: float = 600.0):
         self.store, self.prefix, self.timeout = store, prefix, timedelta(seconds=timeout_s)
@@ -324,8 +323,8 @@ class StageSender:
         Consumes `named` to the end whatever happens (the stage's TP peers iterate the same collective). Once a
         stage's push breaks (a server lost), it says so on the store and the other stages stop sending too: their
         broadcasts would wait on the dead member, and rank 0 re-pushes the whole version to the survivors. When the
-        break is a stalled NCCL broadcast with servers still answering (out.stalled, issue 37), every source ends
-        its group here only (abort) and calls no server again: they may be stuck in the receive, and the run stops."""
+        break is a stalled NCCL broadcast with servers still answering (out.stalled), every source ends its group
+        here only (abort) and calls no server again: they may be stuck in the receive, and the run stops."""
         t0 = time.perf_counter()
         out = StageOutcome(stage=self.stage)
         client = StageClient(plan.urls, api_key=plan.api_key, timeout_s=plan.timeout_s,
@@ -419,7 +418,7 @@ class StageSender:
 
     def _stalled(self, plan: SyncPlan, client: StageClient, futures: dict[int, Future], out: StageOutcome,
                  bucket: int, nbytes: int, deadline_s: float) -> None:
-        """After an NCCL broadcast of this stage that did not complete, as ServerPush._stalled: aborts the group
+        """After an NCCL broadcast of this stage that did not complete, as DistributedPush._stalled: aborts the group
         here and counts the servers whose call failed or that do not answer /health as lost. If others answer,
         out.stalled gets the one-line error (rank 0 raises it: the run stops); else the push is only broken, and
         the lost servers are recovered."""

@@ -5,7 +5,7 @@ rendezvous at tcp://master_address:master_port, with its store prefixed by the g
 rank_offset + tp_rank. The trainer joins the same group as rank 0 (the TCP store master) and broadcasts
 each tensor from there. It is a group of its own, outside the trainer's default (Megatron) process group.
 
-A member lost during a broadcast (issue 37). On gloo the broadcast raises on every member (the lost one's
+A member lost during a broadcast. On gloo the broadcast raises on every member (the lost one's
 connection closes), and the caller recovers: the survivors' receives failed too. On NCCL it never completes:
 every member's kernel spins until the communicator is aborted or the watchdog kills the process at the group's
 timeout (ClientConfig.control_timeout_s, 600 s), and a synchronous `dist.broadcast` (on torch >= 2.12 a kernel
@@ -13,11 +13,11 @@ on the current stream) blocks rank 0's next device-to-host copy behind it. So on
 the broadcast with async_op=True (on the group's own stream, which the default stream never waits for), polls
 `Work.is_completed()` (cudaEventQuery: no stream or host sync) against `broadcast_deadline_s`, and reports a
 stall instead of blocking; the caller aborts the communicator (`abort_group`: ncclCommAbort stops this rank's
-kernels) and names the lost server. Then decision (b) of issue 37 (weight_sync/server_push.py `_stalled`): the
+kernels) and names the lost server. Then (DistributedPush._stalled, weight_sync/transports/distributed.py): the
 run stops with WeightSyncStalled when another server of the group still answers, since SGLang 0.5.23 cannot
 abort its side of the group (its destroy_process_group finalizes, i.e. waits for the stuck receive) and that
 server may be wedged in it; the checkpoint is the recovery. A group with no answering server left (a re-sync of
-one server) is recovered as before.
+one server) is recovered as a loss over gloo is.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from megatron_dapo.rollout.sglang.protocol import ServerDied
 from megatron_dapo.weight_sync.buckets import Bucket
 
 BROADCAST_MIN_GBPS = 1.0
-"""The slowest link rate a healthy push runs at (GB/s, 1e9 B/s), 10-25x under the 10-25 GB/s of the production
-network: the per-byte part of the deadline."""
+"""The slowest link rate a healthy push is allowed (GB/s, 1e9 B/s): the per-byte part of the deadline (its margin
+under the production network's rate: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B")."""
 POLL_S = 0.001
-"""How often the host asks a pending broadcast whether it is done: ~0.5 ms added to a bucket's ~21 ms at 25 GB/s
-(0.1 s over the 194 buckets of a 32B push)."""
+"""How often the host asks a pending broadcast whether it is done (seconds): a broadcast is seen done up to this
+late (what that adds to a 32B push: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B")."""
 
 
 class WeightSyncStalled(RuntimeError):
@@ -56,9 +56,9 @@ def broadcast_deadline_s(nbytes: int, group_timeout_s: float, *, floor_s: float,
     their receive (an HTTP request through SGLang's tokenizer manager to its scheduler, behind the previous bucket's
     load). The deadline counts from the moment the broadcast is enqueued, after NCCL created a new group's
     communicator in its first call (broadcast_bucket waits for that call apart).
-    At Qwen2.5-32B (512 MiB buckets): 30 + 0.54 = 30.5 s a bucket (31.6 s for the 1.56 GB embedding, the largest),
-    against ~21 ms (62 ms) on the wire at 25 GB/s. Raises ValueError when the deadline is not under the group's
-    timeout `group_timeout_s`: the NCCL watchdog would end the process before the stall is seen."""
+    At Qwen2.5-32B (512 MiB buckets): 30 + 0.54 = 30.5 s a bucket (31.6 s for the 1.56 GB embedding, the largest).
+    Raises ValueError when the deadline is not under the group's timeout `group_timeout_s`: the NCCL watchdog would
+    end the process before the stall is seen."""
     if nbytes < 0:
         raise ValueError(f"broadcast_deadline_s: nbytes must be >= 0, got {nbytes}")
     if floor_s <= 0 or min_gbps <= 0:
@@ -164,7 +164,7 @@ def broadcast_bucket(group: dist.ProcessGroup, tensor: torch.Tensor, *, deadline
                      gone: Callable[[], bool] = lambda: False) -> bool:
     """Broadcasts `tensor` from rank 0 of `group` (the bytes SGLang's receive takes); True once every member has it.
 
-    gloo (raises_on_loss): the synchronous broadcast as before (comm.broadcast); a lost member raises RuntimeError.
+    gloo (raises_on_loss): the synchronous broadcast (comm.broadcast); a lost member raises RuntimeError.
     NCCL: issued with async_op=True on a helper thread (_issue) and polled (wait_until), first until the call returns
     (at once, but a group's first call also creates the NCCL communicator: up to `call_timeout_s`, the group's timeout,
     so a slow creation is not taken for a stall), then until the broadcast is done, up to `deadline_s`

@@ -24,7 +24,7 @@ format); the bytes stay where they are:
 
 Cost at the production setting (Qwen2.5-32B, 64 GiB of bf16 weights, 512 MiB buckets): on CUDA, the bucket
 and its copy in the IPC pool (2 x 512 MiB; 2 x 1.5 GiB for the embedding, which gets its own bucket) of GPU
-memory on each pushing rank while a bucket is being read, one device copy per bucket (~1 ms), no host copy;
+memory on each pushing rank while a bucket is being read, one device copy per bucket, no host copy;
 the pool's cached segment is returned to the driver when the push ends (IpcBucketPool.release). On CPU, the
 same bytes in /dev/shm.
 """

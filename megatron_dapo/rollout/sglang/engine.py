@@ -29,12 +29,12 @@ Attached URLs are checked at construction (server_setup.check_attached): one tha
 
 The last pushed weights, from which a lost server is re-synced: the sync's host copy (weight_sync/server_push.py).
 
-Production (Qwen2.5-32B, 16 servers at TP4, 65 GB bf16): a restart takes ~1-3 min (process start, 65 GB
-load, CUDA graphs), the re-sync from the host copy ~4-7 s (tensor: each TP rank reads 65 GB from shared
-memory at ~10-20 GB/s; distributed: a broadcast group of the trainer and that server's 4 ranks, bounded by
-rank 0's host-to-device copy and the network at ~10-25 GB/s), from disk ~30 s at ~2 GB/s. Meanwhile the
-other 15 servers keep generating (1/16 less throughput, the dead server's in-flight samples redone there)
-and a weight update meanwhile goes to those 15 without waiting for it.
+Production (Qwen2.5-32B, 16 servers at TP4, 65 GB bf16): a restart is a process start, a 65 GB load and CUDA
+graphs; the re-sync from the host copy moves 65 GB (tensor: each TP rank reads 65 GB from shared memory;
+distributed: a broadcast group of the trainer and that server's 4 ranks, bounded by rank 0's host-to-device copy
+and the network), from disk 65 GB of shards (how long each takes: docs/BENCHMARKS.md, "Weight sync at
+Qwen2.5-32B"). Meanwhile the other 15 servers keep generating (1/16 less throughput, the dead server's in-flight
+samples redone there) and a weight update meanwhile goes to those 15 without waiting for it.
 """
 
 from __future__ import annotations
@@ -669,7 +669,7 @@ class SGLangEngine(RolloutEngine):
         under the weights lock (no re-sync meanwhile), the body pushes to `session.targets` and records the
         servers it lost and the bytes it pushed. On a clean exit the version is set, sync/* reported (take_metrics)
         and the lost servers recovered in the background (from the new version); a body that raises sets
-        nothing. Costs one /model_info per server before the update (16 at 32B: milliseconds)."""
+        nothing. Costs one /model_info per server before the update (16 at 32B)."""
         self._check_open()
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"weight update: version must be an int >= 0, got {version!r}")
@@ -762,7 +762,7 @@ class SGLangEngine(RolloutEngine):
     def _sync_report(self, version: int, seconds: float, servers: int, nbytes: int) -> None:
         """sync/seconds, sync/gbytes (bytes pushed / 1e9), sync/gbps of this update into take_metrics(), and
         one line on stdout. At 32B (bf16) one server copy is 65 GB: "distributed" broadcasts it once over the
-        group of the trainer and the 16 servers' 128 TP ranks (65 GB, ~3-7 s at 10-25 GB/s); "tensor" hands it
+        group of the trainer and the 16 servers' 128 TP ranks (65 GB); "tensor" hands it
         to each server (65 GB per server); "disk" writes it once (65 GB of shards)."""
         gbytes = nbytes / 1e9
         gbps = gbytes / seconds if seconds > 0 else 0.0
@@ -781,7 +781,7 @@ class SGLangEngine(RolloutEngine):
         A restarted server reports its launch weight_version at /model_info instead of the one pushed last,
         and is not in the broadcast group: pushing to it would hang the group's collective. One GET per
         server before each update, and whenever a /generate response reports another weight version than the
-        one pushed last (`_served_stale`: such a server's samples are generated again) (16 at 32B: milliseconds)."""
+        one pushed last (`_served_stale`: such a server's samples are generated again) (16 at 32B)."""
         if self._version == 0:
             return []
 

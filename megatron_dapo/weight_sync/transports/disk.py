@@ -2,7 +2,8 @@
 the servers see, --weight-sync-mode disk).
 
 Bytes per sync at Qwen2.5-32B: 65 GB of shards written once, read by every server. No host copy: the last
-version's shards on disk (65 GB) are the copy a lost server re-syncs from (~30 s at 32B).
+version's shards on disk (65 GB) are the copy a lost server re-syncs from (its time: docs/BENCHMARKS.md, "Weight
+sync at Qwen2.5-32B").
 """
 
 from __future__ import annotations

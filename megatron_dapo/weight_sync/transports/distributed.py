@@ -3,18 +3,19 @@ NCCL) over the group of weight_sync/sync_group.py, wrapped in /begin_weight_upda
 SGLang 0.5.23 requires. At PP > 1 each stage sends its own part instead (`per_stage`: StagePush,
 weight_sync/stage_push.py, around rank 0's DistributedPush, whose host copy, group ports and recovery it uses).
 
-Bytes pushed per sync at Qwen2.5-32B: 65 GB once over the group of rank 0 and the 16 servers' 128 TP ranks
-(~3-7 s at 10-25 GB/s); rank 0 keeps the host copy (61.03 GiB, weight_sync/server_push.py).
-A server lost during a "distributed" broadcast (issue 37). Over gloo the broadcast raises on every member: the
+Bytes pushed per sync at Qwen2.5-32B: 65 GB once over the group of rank 0 and the 16 servers' 128 TP ranks (the
+time: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"); rank 0 keeps the host copy (61.03 GiB,
+weight_sync/server_push.py).
+A server lost during a "distributed" broadcast. Over gloo the broadcast raises on every member: the
 survivors get the whole version again over a fresh group and the lost one is recovered, as for any loss. Over
 NCCL the broadcast never completes (the kernels spin) and SGLang 0.5.23 cannot abort its side of the group, so
-this is decision (b), end the run at once: each bucket is broadcast with async_op=True and polled against a
+the run ends at once: each bucket is broadcast with async_op=True and polled against a
 deadline of ClientConfig.broadcast_floor_s + its bytes at 1 GB/s (sync_group.broadcast_deadline_s; no stream or
 host sync meanwhile), given up at once when a server's call fails; then the group's communicator is aborted here,
 and the update raises WeightSyncStalled naming the lost server and the step whenever another server of the group
 answers (it may be stuck in the receive); the checkpoint is the recovery. A group left with no answering server
-(the re-sync of one server, every target lost) is recovered as before. At 32B a 512 MiB bucket takes ~21 ms at
-25 GB/s and gets 30.5 s (31.6 s for the 1.56 GB embedding): a dead server (its connection reset) is seen within a
+(the re-sync of one server, every target lost) is recovered as a loss over gloo is. At 32B a 512 MiB bucket gets
+30.5 s (31.6 s for the 1.56 GB embedding): a dead server (its connection reset) is seen within a
 poll (1 ms), a hung one at the deadline plus its /health check (<= --sglang-http-timeout, 60 s), instead of the
 600 s NCCL watchdog (the group's timeout, ClientConfig.control_timeout_s) killing rank 0 with no server named. (A
 group's first broadcast call also makes its NCCL communicator: that call is waited for up to the group's timeout, or
@@ -94,7 +95,7 @@ class DistributedPush(ServerPush):
         torn down, and the survivors get the whole version again (from `kept`) over a fresh group. Over NCCL the
         broadcast never completes: it is given up at its deadline (broadcast_deadline_s, 30.5 s a 512 MiB bucket),
         or at once when the lost server's call fails, and `_stalled` aborts the group; the run stops with
-        WeightSyncStalled naming the lost server unless no other server of the group answers (issue 37)."""
+        WeightSyncStalled naming the lost server unless no other server of the group answers."""
         from megatron_dapo.weight_sync.sync_group import (
             any_died,
             broadcast_bucket,
