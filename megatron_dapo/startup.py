@@ -22,7 +22,7 @@ from megatron_dapo.planner.activations import ActivationSpec
 from megatron_dapo.planner.colocated import SGLANG_RELEASED_GIB
 from megatron_dapo.planner.report import Plan, check_plan_flags, plan_world_size, print_plan
 from megatron_dapo.planner.stages import PlanInputs
-from megatron_dapo.rollout.build import RolloutEngineConfig, check_rollout_model, rollout_engine_kind
+from megatron_dapo.rollout.build import RolloutEngineConfig, rollout_engine_kind
 from megatron_dapo.rollout.types import SamplingParams
 
 if TYPE_CHECKING:  # the trainer's modules import megatron-core: the dry run (planner's own CLI) needs none of it
@@ -42,7 +42,6 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
     from megatron_dapo.data import PromptLengthLimit, default_max_prompt_chars
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout.sglang.api_key import resolve_api_key
-    from megatron_dapo.rollout.sglang.server import check_bind
     from megatron_dapo.trainer.colocate import check_colocate_flags
     from megatron_dapo.trainer.run_config import RunConfig
     from megatron_dapo.trainer.run_record import argv_has_secret, run_record, secrets_of
@@ -51,17 +50,13 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
     try:
         actor, collect, trainer = build_configs(args)
         api_key = resolve_api_key(args.sglang_api_key, args.sglang_api_key_file, os.environ)
-        kind = rollout_engine_kind(args.rollout_engine)
-        if kind == "sglang" and not args.sglang_server_urls:  # checked before minutes of model build
-            check_bind(args.sglang_host, api_key, allow_no_api_key=args.sglang_allow_no_api_key)
         PromptLengthLimit(max_tokens=args.max_prompt_length, on_long=args.on_long_prompt,
                           max_chars=args.max_prompt_chars or default_max_prompt_chars(args.max_prompt_length))
         reward_fn = get_reward_fn(args.reward_fn)
         arch = model_arch(args.hf_checkpoint)
         if arch is not None:  # MoE-only flags on a dense model: refused, not ignored
             actor.check_model(arch)
-        engine = engine_config(args, arch, api_key=api_key)
-        check_rollout_model(engine)  # e.g. a model SGLang would serve wrong, before minutes of start-up
+        engine = engine_config(args, arch, api_key=api_key)  # e.g. a model SGLang would serve wrong, an open bind
         check_plan_flags(gpu_memory_gib=args.gpu_memory_gib, world_size=args.world_size)  # sizes SGLang's share
     except UserError:
         raise
@@ -81,9 +76,7 @@ def check_flags(args: argparse.Namespace) -> tuple[RunConfig, RewardFn]:
         check_colocate_flags(colocate=args.colocate, world_size=world,
                              gpus_per_node=int(local) if local else None, gpus_per_engine=args.sglang_tp_size,
                              num_servers=args.sglang_num_servers, server_urls=args.sglang_server_urls,
-                             sglang_gpus=args.sglang_gpus, weight_sync_mode=args.weight_sync_mode,
-                             rollout_engine=args.rollout_engine, extra_args=args.sglang_extra_args.split(),
-                             mem_fraction_static=args.mem_fraction_static, async_rollout=args.async_rollout)
+                             rollout_engine=args.rollout_engine)
     except ValueError as err:
         raise UserError(str(err)) from err
     flags = vars(args) | {"sglang_api_key": api_key}  # the key as resolved: the record redacts it
@@ -202,8 +195,9 @@ def layout_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace, arch: ModelArch | None, *, api_key: str | None) -> RolloutEngineConfig:
-    """The "rollout" flags -> rank 0's engine config; `api_key` as resolve_api_key found it. With --colocate and no
-    --mem-fraction-static, the memory plan that sizes SGLang's share (`arch` known)."""
+    """The "rollout" flags -> rank 0's engine config, which checks them (ValueError naming the flag); `api_key` as
+    resolve_api_key found it. With --colocate and no --mem-fraction-static, the memory plan that sizes SGLang's
+    share (`arch` known)."""
     planned = args.colocate and args.mem_fraction_static is None and arch is not None
     return RolloutEngineConfig(
         kind=rollout_engine_kind(args.rollout_engine), hf_checkpoint=args.hf_checkpoint, arch=arch,

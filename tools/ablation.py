@@ -435,12 +435,14 @@ def heldout_main(argv: list[str]) -> None:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.embedded import EmbeddedEngine
     from megatron_dapo.rollout.remainder_eval import remainder_sample_stats
 
     records = load_heldout(Path(args.base), args.num_prompts)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    with EmbeddedEngine(args.model, tokenizer=tokenizer, seed=args.seed, max_batch_size=256) as engine:
+    with EmbeddedEngine(args.model, arch=ModelArch.from_hf(args.model), tokenizer=tokenizer, seed=args.seed,
+                        max_batch_size=256) as engine:
         stats = remainder_sample_stats(engine, tokenizer, records, k=args.k,
                                        max_new_tokens=args.max_response_length, seed=args.seed)
     tmp = Path(args.out + ".tmp")

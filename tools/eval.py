@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.prompt_set import load_prompt_set
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.reward import get_reward_fn
     from megatron_dapo.rollout import make_engine
     from megatron_dapo.rollout.evaluation import evaluate
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     eos = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     sampling = eval_sampling(args, eos)
     if args.engine == "embedded":
-        engine = make_engine("embedded", args.model, tokenizer=tokenizer, seed=args.seed)
+        engine = make_engine("embedded", args.model, arch=ModelArch.from_hf(args.model), tokenizer=tokenizer,
+                             seed=args.seed)
     else:
         from megatron_dapo.rollout.sglang.server import ServerConfig
 

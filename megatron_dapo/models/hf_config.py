@@ -192,6 +192,14 @@ NO_HF_CONFIG = "no HF config at {}: pass the model directory with config.json"
 """The error of an HF model path without config.json (its path)."""
 
 
+def require_arch(arch: ModelArch | None, hf_checkpoint: str) -> ModelArch:
+    """The architecture parsed at start-up; its absence (--hf-checkpoint without config.json) is a UserError where
+    the run first needs it (load_inputs, after rank 0 checked --load / --save; the embedded engine's build)."""
+    if arch is None:
+        raise UserError(f"--hf-checkpoint: {NO_HF_CONFIG.format(hf_config_path(hf_checkpoint))}")
+    return arch
+
+
 def hf_config_path(path: str | os.PathLike[str]) -> str:
     """config.json of an HF model directory, or `path` itself when it is not a directory."""
     path = os.fspath(path)

@@ -13,7 +13,8 @@ ENGINE_KINDS = ("embedded", "sglang")
 def make_engine(kind: str, *args: Any, **kwargs: Any) -> RolloutEngine:
     """Builds an engine by --rollout-engine name.
 
-    "embedded": EmbeddedEngine(model_dir_or_config, *, state_dict, tokenizer, dtype, max_batch_size, seed).
+    "embedded": EmbeddedEngine(model_dir_or_config, *, arch, state_dict, tokenizer, dtype, max_batch_size, seed);
+    a model directory comes with its ModelArch (`arch`, ModelArch.from_hf of it).
     "sglang": SGLangEngine(ServerConfig(...) or server_urls=[...], *, client=ClientConfig(...), router_url).
     """
     if kind == "embedded":

@@ -4,8 +4,8 @@ SGLang servers, launched (with their router) or attached by URL.
 
 Cost at the production setting (the 32B split launcher: 16 servers x TP8 attached): one /server_info round trip
 per server at attach, in parallel; launched servers take minutes to load the weights, which is why every flag
-they need is checked before (startup.check_flags) and the colocated engines start before any actor is built
-(trainer/colocate.py: start_colocated_engines).
+they need is checked before (RolloutEngineConfig's construction, then startup.check_flags for what needs the world)
+and the colocated engines start before any actor is built (trainer/colocate.py: start_colocated_engines).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_dapo.models.hf_config import ModelArch
+from megatron_dapo.models.hf_config import ModelArch, require_arch
 
 if TYPE_CHECKING:
     from megatron_dapo.planner.report import Plan
@@ -100,11 +100,98 @@ class RolloutEngineConfig:
     weight_sync_master_port: int
     """--weight-sync-master-port"""
 
+    def __post_init__(self) -> None:
+        """ValueError naming the flag of the first value that cannot work, judged on these values alone, before
+        anything is built or launched. What needs more is checked where it is known: the world size and GPUs per node
+        (trainer/colocate.py check_colocate_flags), rank 0's GPU and the servers' placement (make_rollout_engine)."""
+        from megatron_dapo.rollout import ENGINE_KINDS
+        from megatron_dapo.rollout.async_rollout import check_depth
+
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"--rollout-engine must be one of {ENGINE_KINDS}, got {self.kind!r}")
+        if not self.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is empty: give the HF model directory")
+        if self.weight_sync_mode is not None:
+            from megatron_dapo.weight_sync.transports import transport
+
+            transport(self.weight_sync_mode)  # ValueError naming --weight-sync-mode and its choices
+        check_depth(self.async_rollout)
+        if self.max_batch_size < 1:
+            raise ValueError(f"--rollout-batch-size x --n-samples-per-prompt (the embedded engine's batch) must be "
+                             f">= 1, got {self.max_batch_size}")
+        if not self.rollout_timeout_h > 0:
+            raise ValueError(f"--rollout-timeout must be > 0 hours, got {self.rollout_timeout_h}")
+        self._check_sizes()
+        self._check_exclusive()
+        if self.kind == "sglang" and not self.sglang_server_urls:
+            self._check_launch()
+        check_rollout_model(self)
+
+    def _check_sizes(self) -> None:
+        """Counts >= 1, waits and rates > 0, ports in range (ValueError naming the flag)."""
+        for flag, count in (("--sglang-num-servers", self.sglang_num_servers),
+                            ("--sglang-tp-size (--rollout-num-gpus-per-engine)", self.sglang_tp_size),
+                            ("--sglang-max-concurrency", self.sglang_max_concurrency),
+                            ("--weight-sync-bucket-mb", self.weight_sync_bucket_mb)):
+            if count < 1:
+                raise ValueError(f"{flag} must be >= 1, got {count}")
+        for flag, value in (("--sglang-server-wait-s", self.sglang_server_wait_s),
+                            ("--sglang-http-timeout", self.sglang_http_timeout)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+        if not self.sglang_min_tokens_per_s > 0:
+            raise ValueError(f"--sglang-min-tokens-per-s must be > 0, got {self.sglang_min_tokens_per_s}")
+        if not 1024 <= self.sglang_base_port <= 65535 - self.sglang_num_servers:
+            raise ValueError(f"--sglang-base-port {self.sglang_base_port} leaves no room for the ports of "
+                             f"--sglang-num-servers {self.sglang_num_servers} servers and their router "
+                             f"(1024..65535)")
+        if not 1 <= self.weight_sync_master_port <= 65535:
+            raise ValueError(f"--weight-sync-master-port must be a port in 1..65535, got "
+                             f"{self.weight_sync_master_port}")
+
+    def _check_exclusive(self) -> None:
+        """Options that exclude each other, SGLang's memory share and the attach-only router (ValueError naming
+        the flags)."""
+        if "--mem-fraction-static" in self.sglang_extra_args and (self.colocate or
+                                                                 self.mem_fraction_static is not None):
+            raise ValueError("--mem-fraction-static is given in --sglang-extra-args: use the --mem-fraction-static "
+                             "flag instead (with --colocate the planner computes or validates it)")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.colocate:
+            if self.async_rollout:
+                raise ValueError("--colocate and --async-rollout 1 exclude each other: a colocated engine releases "
+                                 "its GPU memory while the actor trains, so it cannot generate the next batch "
+                                 "meanwhile")
+            if self.sglang_gpus is not None:
+                raise ValueError("--colocate and --sglang-gpus exclude each other: colocated engines use the actor's "
+                                 "GPUs")
+            if self.weight_sync_mode not in (None, "tensor"):
+                raise ValueError(f"--colocate pushes weights by handle on each GPU: --weight-sync-mode must be tensor "
+                                 f"(or unset), got {self.weight_sync_mode}")
+        elif self.colocated_plan is not None:
+            raise ValueError("colocated_plan sizes SGLang's share under --colocate: it needs --colocate")
+        if self.sglang_router_url and not self.sglang_server_urls:
+            raise ValueError("--sglang-router-url is for attach mode: give the servers behind it with "
+                             "--sglang-server-urls (launched servers get their own router)")
+
+    def _check_launch(self) -> None:
+        """Launched SGLang servers: --sglang-gpus names GPUs, the bind is safe (check_bind), no API key would reach
+        their command line (check_key_args)."""
+        from megatron_dapo.rollout.sglang.server import check_bind, check_key_args
+        from megatron_dapo.rollout.sglang.setup import gpu_list
+
+        if self.sglang_gpus is not None and not gpu_list(self.sglang_gpus):
+            raise ValueError(f"--sglang-gpus must list GPUs, e.g. 4,5,6,7; got {self.sglang_gpus!r}")
+        check_bind(self.sglang_host, self.sglang_api_key, allow_no_api_key=self.sglang_allow_no_api_key)
+        check_key_args(self.sglang_extra_args, self.sglang_api_key)
+
 
 def check_rollout_model(cfg: RolloutEngineConfig) -> None:
-    """Refuses, before anything is built or launched, a --hf-checkpoint the chosen engine would serve wrong (ValueError
-    naming the config.json fields): SGLang and an MoE model with dense layers (sglang/setup.py check_sglang_serves);
-    --moe-routing-replay with a model without experts. Uses the architecture parsed at start-up."""
+    """Refuses a --hf-checkpoint the chosen engine would serve wrong (ValueError naming the config.json fields): SGLang
+    and an MoE model with dense layers (sglang/setup.py check_sglang_serves); --moe-routing-replay with a model
+    without experts. Uses the architecture parsed at start-up; part of RolloutEngineConfig's construction, so it runs
+    before anything is built or launched."""
     if cfg.arch is None:
         return  # a missing config.json is load_inputs' error
     _routing(cfg)
@@ -164,9 +251,9 @@ def make_rollout_engine(cfg: RolloutEngineConfig, tokenizer):
     from megatron_dapo.rollout import make_engine
 
     routing = _routing(cfg)  # --moe-routing-replay: the engine returns each token's experts
-    if cfg.kind == "embedded":
-        kwargs = dict(tokenizer=tokenizer, seed=cfg.seed, max_batch_size=cfg.max_batch_size,
-                      record_routing=routing is not None)
+    if cfg.kind == "embedded":  # it loads --hf-checkpoint as the family of the architecture parsed at start-up
+        kwargs = dict(arch=require_arch(cfg.arch, cfg.hf_checkpoint), tokenizer=tokenizer, seed=cfg.seed,
+                      max_batch_size=cfg.max_batch_size, record_routing=routing is not None)
         if cfg.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
             from megatron_dapo.rollout.process_engine import ProcessEngine
 
@@ -177,13 +264,8 @@ def make_rollout_engine(cfg: RolloutEngineConfig, tokenizer):
     from megatron_dapo.rollout.sglang.server import ServerConfig
     from megatron_dapo.weight_sync.transports import transport
 
-    check_rollout_model(cfg)  # before any server is attached or launched
-
     attach = bool(cfg.sglang_server_urls)
     urls = list(cfg.sglang_server_urls or ())
-    if cfg.sglang_router_url and not attach:
-        raise ValueError("--sglang-router-url is for attach mode: give the servers behind it with "
-                         "--sglang-server-urls (launched servers get their own router)")
     cuda = torch.cuda.is_available()
     seeded = cfg.seed is not None  # the rollouts carry per-request sampling seeds
     server_env = {} if attach else server_setup.launched_server_gpus(cuda=cuda, sglang_gpus=cfg.sglang_gpus,

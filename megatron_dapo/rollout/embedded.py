@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from megatron_dapo.models.family import ModelFamily
-from megatron_dapo.models.hf_config import read_config_json
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import family
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.sampling import row_seed, sample_tokens, skip_draws
@@ -54,8 +54,13 @@ def _family(model_type: Any, where: str) -> ModelFamily:
         raise ValueError(f"EmbeddedEngine: {where}: {err}") from None
 
 
-def _build_model(source: Any, state_dict: dict[str, torch.Tensor] | None, dtype: torch.dtype, seed: int):
-    """The HF causal LM of the family registered under the source's model_type."""
+def _build_model(source: Any, arch: ModelArch | None, state_dict: dict[str, torch.Tensor] | None,
+                 dtype: torch.dtype, seed: int):
+    """The HF causal LM of the family registered under the source's model_type: for a model directory, `arch`'s
+    (its config.json as the caller parsed it, ModelArch.from_hf); else the config's or model's own."""
+    if arch is not None and not isinstance(source, (str, Path)):
+        raise ValueError("EmbeddedEngine: pass arch only with a model directory (a config or a model names its "
+                         "model_type itself)")
     if isinstance(source, PreTrainedModel):
         _family(source.config.model_type, "the model's config")
         if state_dict is not None:
@@ -66,8 +71,11 @@ def _build_model(source: Any, state_dict: dict[str, torch.Tensor] | None, dtype:
             raise ValueError("EmbeddedEngine: pass state_dict only with a config, not with a model directory")
         if not (Path(source) / "config.json").is_file():
             raise FileNotFoundError(f"EmbeddedEngine: {source} has no config.json (expected an HF model dir)")
-        config = Path(source) / "config.json"
-        cls = _family(read_config_json(config).get("model_type"), str(config)).hf_causal_lm()
+        if arch is None:
+            raise ValueError(f"EmbeddedEngine: the model directory {source} needs arch=, its ModelArch: "
+                             f"ModelArch.from_hf({str(source)!r}), parsed once by the caller (start-up passes "
+                             f"RolloutEngineConfig.arch)")
+        cls = arch.family.hf_causal_lm()
         return cls.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     if isinstance(source, dict):
         source = _family(source.get("model_type"), "the config dict").hf_config(**source)
@@ -99,8 +107,9 @@ def _eos_ids(model: PreTrainedModel, tokenizer: Any) -> frozenset[int]:
 class EmbeddedEngine(RolloutEngine):
     """Batched sampling with KV cache on the local CPU (or any torch device) in this process.
 
-    model_dir_or_config: HF model directory, config dict / PretrainedConfig (+ `state_dict` with HF names),
-    or a ready HF causal LM; the config's model_type picks the family (`models/registry.py`).
+    model_dir_or_config: HF model directory (with `arch`, its parsed config.json), config dict / PretrainedConfig
+    (+ `state_dict` with HF names), or a ready HF causal LM; the model_type of `arch` or of the config picks the
+    family (`models/registry.py`). The engine reads no config.json itself: start-up parsed it once.
     `max_batch_size` bounds rows (samples) per forward pass.
     `seed` drives samples whose request has no seed, and the random init when no weights are given.
     `record_routing`: MoE models, keep each sample's routed experts (Sample.routed_experts; --moe-routing-replay).
@@ -110,6 +119,7 @@ class EmbeddedEngine(RolloutEngine):
         self,
         model_dir_or_config: Any,
         *,
+        arch: ModelArch | None = None,
         state_dict: dict[str, torch.Tensor] | None = None,
         tokenizer: Any = None,
         dtype: torch.dtype = torch.float32,
@@ -127,7 +137,7 @@ class EmbeddedEngine(RolloutEngine):
             torch.set_num_threads(num_threads)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = _build_model(model_dir_or_config, state_dict, dtype, seed).to(self.device).eval()
+        self.model = _build_model(model_dir_or_config, arch, state_dict, dtype, seed).to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.eos_ids = _eos_ids(self.model, tokenizer)

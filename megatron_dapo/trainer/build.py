@@ -13,7 +13,7 @@ from typing import Any
 from megatron_dapo.data.prompt_set import load_prompt_set
 from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.hf_config import NO_HF_CONFIG, ModelArch, hf_config_path
+from megatron_dapo.models.hf_config import ModelArch, require_arch
 from megatron_dapo.rollout import build as rollout_build
 from megatron_dapo.rollout.types import Prompt
 from megatron_dapo.trainer.run_config import InputsConfig, RunConfig
@@ -28,14 +28,6 @@ class Inputs:
     tokenizer: Any
     train_prompts: list[Prompt] = field(default_factory=list)
     eval_prompts: list[Prompt] = field(default_factory=list)
-
-
-def require_arch(arch: ModelArch | None, hf_checkpoint: str) -> ModelArch:
-    """The architecture parsed at start-up; its absence (--hf-checkpoint without config.json) is a UserError here,
-    where the run first needs it (after rank 0 checked --load / --save)."""
-    if arch is None:
-        raise UserError(f"--hf-checkpoint: {NO_HF_CONFIG.format(hf_config_path(hf_checkpoint))}")
-    return arch
 
 
 def load_inputs(cfg: InputsConfig, arch: ModelArch | None, layout: ParallelLayout, *, with_data: bool,

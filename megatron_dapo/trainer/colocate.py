@@ -58,31 +58,19 @@ RELEASE_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 # ---- flags ---------------------------------------------------------------------------------------------
 def check_colocate_flags(*, colocate: bool, world_size: int, gpus_per_node: int | None, gpus_per_engine: int,
-                         num_servers: int, server_urls: Sequence[str] | None, sglang_gpus: str | None,
-                         weight_sync_mode: str | None, rollout_engine: str | None, extra_args: Sequence[str],
-                         mem_fraction_static: float | None, async_rollout: int = 0) -> None:
-    """Raise ValueError (naming the flags) for a --colocate combination that cannot work.
+                         num_servers: int, server_urls: Sequence[str] | None, rollout_engine: str | None) -> None:
+    """Raise ValueError (naming the flags) for a --colocate combination that cannot work on this world.
 
     Engine e runs on the GPUs of global ranks e x g ... (e + 1) x g - 1 (g = --rollout-num-gpus-per-engine):
-    one engine never spans two nodes, every actor rank is on exactly one engine's GPU."""
-    if "--mem-fraction-static" in extra_args and (colocate or mem_fraction_static is not None):
-        raise ValueError("--mem-fraction-static is given in --sglang-extra-args: use the --mem-fraction-static "
-                         "flag instead (with --colocate the planner computes or validates it)")
-    if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
-        raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mem_fraction_static}")
+    one engine never spans two nodes, every actor rank is on exactly one engine's GPU. The checks of the rollout
+    flags alone (--async-rollout, --sglang-gpus, --weight-sync-mode, --mem-fraction-static) are
+    RolloutEngineConfig's; --rollout-engine is checked here as given (the config holds it resolved, embedded by
+    default on CPU)."""
     if not colocate:
         return
-    if async_rollout:
-        raise ValueError("--colocate and --async-rollout 1 exclude each other: a colocated engine releases its GPU "
-                         "memory while the actor trains, so it cannot generate the next batch meanwhile")
     if rollout_engine == "embedded":
         raise ValueError("--colocate needs --rollout-engine sglang (the embedded engine always shares the actor's "
                          "process)")
-    if sglang_gpus is not None:
-        raise ValueError("--colocate and --sglang-gpus exclude each other: colocated engines use the actor's GPUs")
-    if weight_sync_mode not in (None, "tensor"):
-        raise ValueError(f"--colocate pushes weights by handle on each GPU: --weight-sync-mode must be tensor "
-                         f"(or unset), got {weight_sync_mode}")
     if gpus_per_engine < 1 or world_size % gpus_per_engine:
         raise ValueError(f"--rollout-num-gpus-per-engine {gpus_per_engine} must divide the {world_size} actor "
                          f"GPUs under --colocate")

@@ -139,13 +139,14 @@ def test_megatron_logprobs_equal_hf(round_trip, hf_dir, hf_model, tokenizer):
 
 def test_embedded_engine_greedy_equals_hf_generate(round_trip, hf_model, tokenizer):
     """From the exported directory: the same greedy tokens as HF generate, a stop at <|im_end|>, HF's log-probs."""
+    from megatron_dapo.models.hf_config import ModelArch
     from megatron_dapo.rollout.embedded import EmbeddedEngine
     from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 
     _, back = round_trip
     max_new = 40
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
-    engine = EmbeddedEngine(str(back), tokenizer=tokenizer, max_batch_size=8)
+    engine = EmbeddedEngine(str(back), arch=ModelArch.from_hf(back), tokenizer=tokenizer, max_batch_size=8)
     assert EOS in engine.eos_ids
     sampling = SamplingParams(max_new_tokens=max_new, temperature=0.0)
     requests = [RolloutRequest(request_id=f"p{i}", prompt_ids=ids, n=1, sampling=sampling)

@@ -11,7 +11,8 @@ flags from the trainer's). A module importing its own package (`megatron_dapo.x.
 edge: Python runs the package first anyway.
 
 Below them nothing takes the parsed flags: every builder takes the typed config it needs
-(`test_no_module_below_the_cli_reads_the_flags`).
+(`test_no_module_below_the_cli_reads_the_flags`), and --hf-checkpoint's config.json is parsed once, at start-up,
+into the ModelArch they are handed (`test_config_json_is_parsed_only_at_start_up`).
 """
 
 from __future__ import annotations
@@ -296,3 +297,49 @@ def test_no_module_below_the_cli_reads_the_flags():
 ])
 def test_the_flags_check_catches_a_namespace_passed_down(source, caught):
     assert bool(flag_reads(ast.parse(source), own_parser=False)) is caught
+
+
+HF_CONFIG_READERS = {
+    "megatron_dapo.startup": "--hf-checkpoint's architecture, parsed once for the run (model_arch) and for the dry "
+                             "run; every builder below is handed the ModelArch (the embedded engine: "
+                             "RolloutEngineConfig.arch)",
+    "megatron_dapo.models.hf_config": "the parse itself (ModelArch.from_hf, read_config_json)",
+    "megatron_dapo.checkpoint.hf_export": "copies --hf-checkpoint's config.json into the export as it is (all its "
+                                          "fields, the dtype rewritten), not an architecture",
+    "megatron_dapo.checkpoint.dist_load": "a checkpoint's stored HF config: a dict already read, no file",
+}
+"""The library modules that call read_config_json or ModelArch.from_hf, each with why."""
+
+
+def config_json_parses(tree: ast.Module) -> list[str]:
+    """`line N: f` for each call of read_config_json or a `from_hf` in a module's library code."""
+    found = []
+    for node in library_nodes(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in ("read_config_json", "from_hf"):
+                found.append(f"line {node.lineno}: {ast.unparse(func)}")
+    return found
+
+
+def test_config_json_is_parsed_only_at_start_up():
+    """Issue 40: the embedded engine took the model family from config.json itself, a second parse of what start-up
+    had parsed; now it is handed the ModelArch. A new parse site is a failure: take the ModelArch from the config
+    that start-up built (or list the module here with its reason)."""
+    found = {module_name(p): hits for p in sorted(PACKAGE.rglob("*.py"))
+             if (hits := config_json_parses(ast.parse(p.read_text(), str(p))))}
+    assert sorted(found.keys() - HF_CONFIG_READERS.keys()) == [], \
+        f"config.json parsed outside start-up: { {m: found[m] for m in found.keys() - HF_CONFIG_READERS.keys()} }"
+    assert sorted(HF_CONFIG_READERS.keys() - found.keys()) == [], "HF_CONFIG_READERS lists modules that parse none"
+    assert len(found["megatron_dapo.startup"]) == 2  # model_arch and dry_run
+
+
+@pytest.mark.parametrize("source, caught", [
+    pytest.param("from x import read_config_json\nc = read_config_json(p)\n", True, id="read_config_json"),
+    pytest.param("a = ModelArch.from_hf(d)\n", True, id="from_hf"),
+    pytest.param("a = arch.family.hf_causal_lm()\n", False, id="family"),
+    pytest.param("if __name__ == '__main__':\n    ModelArch.from_hf(d)\n", False, id="main-guard"),
+])
+def test_the_parse_check_finds_a_parse(source, caught):
+    assert bool(config_json_parses(ast.parse(source))) is caught

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,15 +103,7 @@ class ServerConfig:
                              "SGLANG_API_KEY) or none")
         if self.api_key is not None:
             check_key(self.api_key, "ServerConfig.api_key")
-            for arg in self.extra_args:
-                if arg == "--api-key" or arg.startswith("--api-key="):
-                    raise ValueError("--sglang-extra-args has --api-key, which puts the key on the servers' command "
-                                     "line for every user of the node to read: give it with --sglang-api-key-file "
-                                     "or SGLANG_API_KEY")
-                if arg == "--config" or arg.startswith("--config="):
-                    raise ValueError("--sglang-extra-args has --config, which SGLang takes once and which a keyed "
-                                     "launch uses to hand over the API key: pass those options as "
-                                     "flags in --sglang-extra-args instead")
+        check_key_args(self.extra_args, self.api_key)
         check_bind(self.host, self.api_key, allow_no_api_key=self.allow_no_api_key)
         if self.router is None:
             self.router = self.num_servers > 1
@@ -197,9 +190,26 @@ def router_command(python: str, host: str, port: int, worker_urls: list[str], ke
             "--worker-urls", *worker_urls]
 
 
+def check_key_args(extra_args: Sequence[str], api_key: str | None) -> None:
+    """ValueError naming --sglang-extra-args when a keyed launch's servers would get their key from it: --api-key
+    (on the command line, which ps shows) or --config (the option the key is handed over through). Checked with
+    the other flags (RolloutEngineConfig) and again by ServerConfig."""
+    if api_key is None:
+        return
+    for arg in extra_args:
+        if arg == "--api-key" or arg.startswith("--api-key="):
+            raise ValueError("--sglang-extra-args has --api-key, which puts the key on the servers' command "
+                             "line for every user of the node to read: give it with --sglang-api-key-file "
+                             "or SGLANG_API_KEY")
+        if arg == "--config" or arg.startswith("--config="):
+            raise ValueError("--sglang-extra-args has --config, which SGLang takes once and which a keyed "
+                             "launch uses to hand over the API key: pass those options as "
+                             "flags in --sglang-extra-args instead")
+
+
 def check_bind(host: str, api_key: str | None, *, allow_no_api_key: bool) -> None:
     """ValueError naming the flags unless launched servers may bind `host`: loopback, or with an API key, or
-    with the explicit opt-out. Checked with the other flags (startup.check_flags) and again by ServerConfig."""
+    with the explicit opt-out. Checked with the other flags (RolloutEngineConfig) and again by ServerConfig."""
     if not is_loopback(host) and api_key is None and not allow_no_api_key:
         raise ValueError(
             f"refusing to launch SGLang servers bound to --sglang-host {host} without an API key: their weight "

@@ -44,14 +44,10 @@ def launched_server_gpus(*, cuda: bool, sglang_gpus: str | None, colocate: bool)
     """Environment of launched servers: CUDA_VISIBLE_DEVICES=--sglang-gpus, or nothing with --colocate.
 
     On CUDA one of the two is required: without either, server i would start at GPU i x --sglang-tp-size of
-    the actor's own devices (SGLang's base GPU id) and take the memory the actor needs.
+    the actor's own devices (SGLang's base GPU id) and take the memory the actor needs. The values themselves (a
+    list of GPUs, not both) are RolloutEngineConfig's checks.
     """
-    if sglang_gpus is not None and colocate:
-        raise ValueError("--sglang-gpus and --colocate exclude each other: give the servers their own "
-                         "GPUs or share the actor's, not both")
     if sglang_gpus is not None:
-        if not gpu_list(sglang_gpus):
-            raise ValueError(f"--sglang-gpus must list GPUs, e.g. 4,5,6,7; got {sglang_gpus!r}")
         return {"CUDA_VISIBLE_DEVICES": sglang_gpus}
     if cuda and not colocate:
         raise ValueError(

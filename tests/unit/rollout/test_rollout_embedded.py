@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.hf_params import hf_state_dict
 from megatron_dapo.rollout import make_engine
 from megatron_dapo.rollout.embedded import EmbeddedEngine
@@ -273,8 +274,15 @@ def test_bad_construction_and_requests():
 
 
 def test_loads_hf_directory(tmp_path, model0):
+    """A model directory comes with the ModelArch its caller parsed (start-up's RolloutEngineConfig.arch): the engine
+    reads no config.json itself, and refuses a directory without it, or an arch beside a config or a model."""
     model0.save_pretrained(tmp_path)
-    engine = EmbeddedEngine(str(tmp_path))
+    with pytest.raises(ValueError, match=r"needs arch=, its ModelArch: ModelArch\.from_hf"):
+        EmbeddedEngine(str(tmp_path))
+    arch = ModelArch.from_hf(tmp_path)
+    with pytest.raises(ValueError, match="pass arch only with a model directory"):
+        EmbeddedEngine(model0, arch=arch)
+    engine = EmbeddedEngine(str(tmp_path), arch=arch)
     reqs = _requests(_prompts(2), 1, SamplingParams(max_new_tokens=5, temperature=0.0))
     ref = EmbeddedEngine(model0).generate(reqs)
     assert [g[0].response_ids for g in engine.generate(reqs)] == [g[0].response_ids for g in ref]

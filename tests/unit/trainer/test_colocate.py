@@ -130,20 +130,15 @@ def test_a_failed_release_is_reported_at_the_barrier_and_nothing_onloads():
 
 
 BASE = dict(colocate=True, world_size=16, gpus_per_node=8, gpus_per_engine=4, num_servers=1, server_urls=None,
-            sglang_gpus=None, weight_sync_mode=None, rollout_engine="sglang", extra_args=(), mem_fraction_static=None)
+            rollout_engine="sglang")
 
 
-@pytest.mark.parametrize("change,flag", [
-    (dict(sglang_gpus="4,5"), "--sglang-gpus"),
-    (dict(weight_sync_mode="distributed"), "--weight-sync-mode"),
+@pytest.mark.parametrize("change,flag", [  # the rollout flags' own checks: RolloutEngineConfig (tests/unit/rollout)
     (dict(rollout_engine="embedded"), "--rollout-engine"),
     (dict(gpus_per_engine=3, world_size=12, gpus_per_node=8, server_urls=["u"] * 4), "--rollout-num-gpus-per-engine"),
     (dict(gpus_per_engine=16), "--rollout-num-gpus-per-engine"),
     (dict(server_urls=["http://a:1"] * 3), "--sglang-server-urls"),
     (dict(num_servers=2), "--sglang-num-servers"),
-    (dict(extra_args=("--mem-fraction-static", "0.5")), "--sglang-extra-args"),
-    (dict(mem_fraction_static=1.2), "--mem-fraction-static"),
-    (dict(async_rollout=1), "--async-rollout"),
 ])
 def test_colocate_flag_errors_name_the_flag(change, flag):
     with pytest.raises(ValueError, match=flag):
@@ -153,8 +148,7 @@ def test_colocate_flag_errors_name_the_flag(change, flag):
 def test_colocate_flags_that_work():
     check_colocate_flags(**{**BASE, "server_urls": [f"http://n{i}:30000" for i in range(4)]})
     check_colocate_flags(**{**BASE, "world_size": 8, "gpus_per_node": None, "num_servers": 2})
-    # separate GPUs: SGLang's own option through --sglang-extra-args stays allowed
-    check_colocate_flags(**{**BASE, "colocate": False, "extra_args": ("--mem-fraction-static", "0.5")})
+    check_colocate_flags(**{**BASE, "colocate": False, "num_servers": 3})  # separate GPUs: no world to cover
     assert [engine_of_rank(r, 4) for r in (0, 3, 4, 15)] == [(0, 0), (0, 3), (1, 0), (3, 3)]
 
 
