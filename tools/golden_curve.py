@@ -5,7 +5,7 @@ sampled token) changes these numbers; one that only moves code does not. The run
 (examples/run_embedded_demo.sh: its rollout, DAPO and optimizer flags, read from the script itself, seed 1234) on
 the demo's base policy (tools/make_tiny_base.py, defaults), for 10 steps, without evaluation, checkpoints or export.
 
-    python tools/golden_curve.py --write   # record tests/golden/demo_curve_<machine>.json
+    python tools/golden_curve.py --write   # record tests/golden/demo_curve_<machine>-<vendor>.json
     python tools/golden_curve.py           # compare a fresh run with it
 
 Compared: every metric the trainer logs except wall-clock times (`time/*`, throughput) and the progress
@@ -15,10 +15,13 @@ Pinned kernels (PINNED_ENV), for the base build and the run, on every machine: f
 bits between CPUs (AVX512 or AVX2 in ATen, MKL's per-CPU GEMM paths), Adam and sampling amplify those bits into
 another trajectory within a step (the base alone ends up to 0.4 apart), so an unpinned curve holds on the machine
 that recorded it only. ATen's `default` kernels exist on every x86_64 CPU and MKL's conditional-reproducibility
-branch COMPATIBLE (SSE2) gives the same results on every x86_64 CPU, Intel or AMD, at a fixed thread count; the
-recording names the torch build, the capability and MKL's CNR branch the run reported, and a check under others
-fails naming them. Another architecture (aarch64: no MKL, other BLAS kernels) has a file of its own
-(`golden_path`): with none recorded the check fails, saying how to record one.
+branch COMPATIBLE (SSE2) gives the same results at a fixed thread count on every CPU of one vendor, but not across
+vendors: on an AMD EPYC (Zen 4) the pinned base differs from the one an Intel Xeon builds (MKL runs other code for
+a non-Intel CPU; its branch reaches the bits there, its other branches build a third base, while glibc's libm variant
+changes nothing; docs/TESTING.md). So a recording is per architecture and CPU vendor (`golden_path`: Intel's
+GenuineIntel, AMD's AuthenticAMD), and names the vendor, the torch build, the capability and MKL's CNR branch the
+run reported; a check under others fails naming them. A machine with no recording of its own (aarch64: no MKL,
+other BLAS kernels; another vendor) fails, saying how to record one.
 """
 
 from __future__ import annotations
@@ -61,9 +64,24 @@ def demo_flags(script: Path = DEMO_SCRIPT) -> list[str]:
     return done.stdout.split("\0")[:-1]
 
 
-def golden_path(machine: str | None = None) -> Path:
-    """The golden curve of `machine` (this one's `platform.machine()` by default): one file per architecture."""
-    return REPO / "tests" / "golden" / f"demo_curve_{machine or platform.machine()}.json"
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's vendor as the kernel reports it (`vendor_id`: GenuineIntel, AuthenticAMD; "unknown" where the
+    file or field is absent, as on aarch64, whose BLAS is not MKL anyway)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return "unknown"
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return "unknown"
+
+
+def golden_path(machine: str | None = None, vendor: str | None = None) -> Path:
+    """The golden curve of `machine` and CPU `vendor` (this machine's `platform.machine()` and `cpu_vendor()` by
+    default): one file per architecture and vendor."""
+    return REPO / "tests" / "golden" / f"demo_curve_{machine or platform.machine()}-{vendor or cpu_vendor()}.json"
 
 
 def _env() -> dict[str, str]:
@@ -79,14 +97,14 @@ print(json.dumps({"machine": platform.machine(), "torch": torch.__version__,
 
 
 def kernels() -> dict[str, str | None]:
-    """What a process under PINNED_ENV runs on: machine, torch build, ATen's CPU capability, MKL's CNR branch (None
-    without MKL), as that process reports them."""
+    """What a process under PINNED_ENV runs on: machine, CPU vendor, torch build, ATen's CPU capability, MKL's CNR
+    branch (None without MKL), as that process reports them."""
     done = subprocess.run([sys.executable, "-c", _KERNELS_PROBE], env=_env() | {"MKL_VERBOSE": "1"},
                           capture_output=True, text=True, check=True)
     lines = done.stdout.splitlines()
     cnr = [w.removeprefix("CNR:") for line in lines if line.startswith("MKL_VERBOSE SGEMM")
            for w in line.split() if w.startswith("CNR:")]
-    return json.loads(lines[-1]) | {"mkl_cnr": cnr[0] if cnr else None}
+    return json.loads(lines[-1]) | {"cpu_vendor": cpu_vendor(), "mkl_cnr": cnr[0] if cnr else None}
 
 
 def kernel_differences(golden: dict, now: dict) -> list[str]:
@@ -162,9 +180,9 @@ def check(golden_file: Path, base: Path, log_dir: Path) -> list[str]:
     """Every way a fresh run on `base` departs from `golden_file`'s recording (empty when it holds): its kernels,
     its base policy, then the curve's `differences`. A missing file is one line saying how to record it."""
     if not golden_file.exists():
-        return [f"no golden curve for {platform.machine()} ({golden_file.relative_to(REPO)} is missing): the "
-                "recorded ones hold other architectures' kernels; record one on this architecture with "
-                "`python tools/golden_curve.py --write` and commit it"]
+        return [f"no golden curve for {platform.machine()} {cpu_vendor()} ({golden_file.relative_to(REPO)} is "
+                "missing): the recorded ones hold other architectures' or vendors' kernels; record one on this "
+                "machine with `python tools/golden_curve.py --write` and commit it"]
     golden = json.loads(golden_file.read_text())
     out = kernel_differences(golden["kernels"], kernels())
     if (digest := base_digest(base)) != golden["base_sha256"]:
@@ -178,7 +196,8 @@ def main() -> int:
     ap.add_argument("--base", type=Path, default=None,
                     help="the demo's base policy directory, built under the pinned kernels (built here, ~4 min, "
                          "when not given)")
-    ap.add_argument("--write", action="store_true", help="record the curve in tests/golden/demo_curve_<machine>.json")
+    ap.add_argument("--write", action="store_true",
+                    help="record the curve in tests/golden/demo_curve_<machine>-<vendor>.json")
     ap.add_argument("--golden", type=Path, default=golden_path())
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,9 +1,10 @@
 """The golden curve: the demo's first 10 steps of metrics at seed 1234 equal the stored ones within 1e-5 relative
 (counts exactly), on any x86_64 machine.
 
-tests/golden/demo_curve_<machine>.json is recorded by `tools/golden_curve.py --write` under pinned kernels
+tests/golden/demo_curve_<machine>-<vendor>.json is recorded by `tools/golden_curve.py --write` under pinned kernels
 (golden_curve.PINNED_ENV: ATen's `default` capability, MKL's CNR branch COMPATIBLE), the same for the recording and
-every check whatever the CPU dispatches natively or the caller sets; a change that alters what the trainer computes
+every check whatever the CPU dispatches natively or the caller sets (one recording per CPU vendor: MKL's branch
+gives Intel and AMD CPUs different bits); a change that alters what the trainer computes
 fails here, naming each metric that moved. Rewrite the file only for a change meant to alter behaviour (or a
 deliberate torch upgrade), and say so in its commit. The run's flags are the demo script's own
 (examples/run_embedded_demo.sh), read from it.
@@ -88,7 +89,7 @@ def test_pinned_kernels_override_the_callers(monkeypatch):
     now = golden_curve.kernels()
     assert (now["cpu_capability"], now["mkl_cnr"]) == ("DEFAULT", "COMPATIBLE"), \
         f"{now}: the pinned kernels did not take (a torch without MKL, as on aarch64, has no CNR branch)"
-    recorded = json.loads(golden_curve.golden_path("x86_64").read_text())["kernels"]
+    recorded = json.loads(golden_curve.golden_path("x86_64", "GenuineIntel").read_text())["kernels"]
     assert set(recorded) == set(now) and recorded["cpu_capability"] == "DEFAULT"
     assert golden_curve.kernel_differences(now, now) == []
     assert golden_curve.kernel_differences(now, now | {"torch": "9.9"}) == [
@@ -101,11 +102,32 @@ def test_an_architecture_without_a_recording_fails_saying_how_to_record(tmp_path
     """On aarch64 (no MKL, other kernels: no x86_64 recording applies), or any machine with no file of its own, the
     check is one line saying how to record one, not a skip."""
     monkeypatch.setattr(golden_curve.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(golden_curve, "cpu_vendor", lambda: "unknown")
     assert not golden_curve.golden_path().exists()
     assert golden_curve.check(golden_curve.golden_path(), tmp_path, tmp_path) == [
-        "no golden curve for aarch64 (tests/golden/demo_curve_aarch64.json is missing): the recorded ones hold "
-        "other architectures' kernels; record one on this architecture with `python tools/golden_curve.py --write` "
-        "and commit it"]
+        "no golden curve for aarch64 unknown (tests/golden/demo_curve_aarch64-unknown.json is missing): the recorded "
+        "ones hold other architectures' or vendors' kernels; record one on this machine with `python "
+        "tools/golden_curve.py --write` and commit it"]
+
+
+def test_the_cpu_vendor_is_the_kernels_vendor_id(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
+                       "vendor_id\t: AuthenticAMD\n")
+    assert golden_curve.cpu_vendor(cpuinfo) == "AuthenticAMD"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # aarch64 names no vendor_id
+    assert golden_curve.cpu_vendor(cpuinfo) == "unknown"
+    assert golden_curve.cpu_vendor(tmp_path / "absent") == "unknown"
+
+
+def test_each_recording_is_filed_under_its_own_machine_and_vendor():
+    """A recording's file name is the machine and vendor its kernels report: a file copied to another vendor's name
+    would compare a run with kernels that never produced it."""
+    recordings = sorted((REPO / "tests" / "golden").glob("demo_curve_*.json"))
+    assert recordings
+    for path in recordings:
+        kernels = json.loads(path.read_text())["kernels"]
+        assert path == golden_curve.golden_path(kernels["machine"], kernels["cpu_vendor"]), path.name
 
 
 @pytest.mark.slow
