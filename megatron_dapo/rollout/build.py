@@ -2,7 +2,7 @@
 megatron_dapo/startup.py): the embedded engine (in this process, or in its own with --async-rollout 1 on CPU), or
 SGLang servers, launched (with their router) or attached by URL.
 
-Cost at the production setting (the 32B split launcher: 16 servers x TP8 attached): one /server_info round trip
+Cost at the production setting (the 32B split launcher: 16 servers x TP4 attached): one /server_info round trip
 per server at attach, in parallel; launched servers take minutes to load the weights, which is why every flag
 they need is checked before (RolloutEngineConfig's construction, then startup.check_flags for what needs the world)
 and the colocated engines start before any actor is built (trainer/colocate.py: start_colocated_engines).

@@ -12,11 +12,11 @@ from its own GPU: no cross-GPU copy, no NCCL group with the servers.
 
 Cost at the production setting (Qwen2.5-32B bf16, 65 GB, 512 MiB buckets, 32 engines of TP4; the times:
 docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"): each GPU stages 65 GB through one 512 MiB bucket at a time
-(one device copy each); each engine reads 65 GB per TP rank from its own GPU; the 32 posting ranks send ~130 HTTP
+(one device copy each); each engine reads 65 GB per TP rank from its own GPU; the 32 posting ranks send 194 HTTP
 calls each, in parallel over the engines. Per bucket the other ranks of an engine wait on its post (a gloo
-barrier), so the push takes as long as the slowest engine's ~130 loads; rank 0 holds no host copy (the
-separate-server path keeps 65 GB of host RAM for re-syncs, this one keeps nothing: a colocated engine lost
-mid-run is not re-synced, the run stops).
+barrier), so the push takes as long as the slowest engine's 194 loads (plan_buckets on the 771 tensors); rank 0
+holds no host copy (the separate-server path keeps 65 GB of host RAM for re-syncs, this one keeps nothing: a
+colocated engine lost mid-run is not re-synced, the run stops).
 
 ColocatedSync is the WeightSync the trainer calls (build_weight_sync picks it under --colocate): every rank's
 ColocatedPusher push, then rank 0's engine takes the version. The phase switch around it (release, offload,

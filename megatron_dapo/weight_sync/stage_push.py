@@ -7,11 +7,11 @@ nothing decides the path per step. Per push, rank 0 sends the others the plan (S
 the trainer's gloo wait group): which servers, their TP sizes, the group tag and ports, facts only rank 0's
 engine has; or, when rank 0 failed before its push, the error, so no rank waits for a plan that never comes.
 
-Cost at the production setting (Qwen2.5-32B, 65 GB bf16, TP8 x PP2 on 128 actor GPUs, 16 servers x TP8; the times:
-docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"):
+Cost at the production setting (Qwen2.5-32B, 65 GB bf16, TP8 x PP2 on 128 actor GPUs, 16 servers x TP4 as in the
+32B recipe; the times: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"):
 - bytes pushed per sync: 65 GB in all, 32.5 GB from each of the 2 stage sources over its own group of
-  1 + 128 server ranks (~65 buckets of 512 MiB each); the only PP traffic is stage 1's host copy to rank 0,
-  32.5 GB once after the push;
+  1 + 64 server ranks (97 buckets of up to 512 MiB each: plan_buckets on the stage's 385 tensors); the only PP
+  traffic is stage 1's host copy to rank 0, 32.5 GB once after the push;
 - host copy: rank 0 keeps the whole version, 61.03 GiB (planner.report.host_copy_bytes, per-stage PP2; the previous
   version is dropped as the push starts, so that is also the peak); stage 1's source holds its 30.5 GiB until it
   has sent it to rank 0;

@@ -37,9 +37,9 @@ the recovery (ServerPush.recover of one server, its re-push to the survivors aft
 
 Cost at 32B (Qwen2.5-32B, 65 GB bf16, TP8 x PP2, 16 servers at TP4, 512 MiB buckets; the times and the
 whole-model push this replaces at PP > 1: docs/BENCHMARKS.md, "Weight sync at Qwen2.5-32B"):
-- bytes: the 2 stage sources each push 32.5 GB (~65 buckets) over their own group of 1 + 64 ranks; the only PP
-  traffic is stage 1's host copy to rank 0, 32.5 GB once, after the push; only the 16 ranks of DP replica 0
-  gather (32.5 GB each); the other 112 ranks move nothing.
+- bytes: the 2 stage sources each push 32.5 GB (97 buckets: plan_buckets on the stage's 385 tensors) over their
+  own group of 1 + 64 ranks; the only PP traffic is stage 1's host copy to rank 0, 32.5 GB once, after the push;
+  only the 16 ranks of DP replica 0 gather (32.5 GB each); the other 112 ranks move nothing.
 - host memory: rank 0 keeps 65 GB (the whole version; the previous version is dropped when the push starts, so
   that is also the peak); stage 1's source holds its 32.5 GB host copy until it has sent it to rank 0.
 - waits: a source waits for the lock at most (PP - 1) bucket pushes; the stage's TP peers wait in the TP
