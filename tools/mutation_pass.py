@@ -225,7 +225,7 @@ MUTANTS: tuple[Mutant, ...] = (
     m("map-layer-offset", W + "layout.py", "global_layer = None if layer is None else layer + layer_offset",
       "global_layer = layer", LAYOUT, "export ignores the PP layer offset"),
     m("plan-global-layer", "megatron_dapo/distributed/parallel.py",
-      "start = (chunk * layout.pp + pp_rank) * per_chunk", "start = 0", LAYOUT,
+      "start = chunk * sum(per_chunk) + sum(per_chunk[:pp_rank])", "start = 0", LAYOUT,
       "stage tensors read layer `local` of the HF model"),
     m("plan-global-expert", W + "plan.py", "expert = ep_rank * local_experts + j", "expert = j", LAYOUT,
       "EP rank reads experts 0.. of its own"),

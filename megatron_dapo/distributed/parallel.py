@@ -36,6 +36,19 @@ class ParallelLayout:
         help="interleaved pipeline (Megatron's VPP): each PP rank holds num_layers / (PP x this) model chunks; "
              "needs --pipeline-model-parallel-size > 1")
     """Each PP rank holds num_layers / (pp * this) model chunks (`virtual_stages`); None: one chunk per PP rank."""
+    layers_in_first_stage: int | None = flag_field(
+        "--decoder-first-pipeline-num-layers", default=None, type=int,
+        help="uneven pipeline: decoder layers on the first pipeline stage (the one that also holds the embedding); "
+             "the layers left split evenly over the stages not set by this flag or "
+             "--decoder-last-pipeline-num-layers, e.g. 64 layers at PP3 as 20/24/20; needs "
+             "--pipeline-model-parallel-size > 1")
+    """megatron-core's num_layers_in_first_pipeline_stage; None: stage 0 takes its even share (`layer_range`)."""
+    layers_in_last_stage: int | None = flag_field(
+        "--decoder-last-pipeline-num-layers", default=None, type=int,
+        help="uneven pipeline: decoder layers on the last pipeline stage (the one that also holds the final norm, "
+             "the output layer and the [tokens, vocab / TP] logits); the layers left split evenly over the other "
+             "stages; needs --pipeline-model-parallel-size > 1")
+    """megatron-core's num_layers_in_last_pipeline_stage; None: the last stage takes its even share."""
     cp: int = flag_field("--context-parallel-size", default=1, type=int,
                          help="split each sequence over this many ranks (ring attention; TransformerEngine only)")
     ep: int = flag_field("--expert-model-parallel-size", default=1, type=int,
@@ -118,6 +131,23 @@ class ParallelLayout:
             if self.pp == 1:
                 raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 "
                                  "(it interleaves model chunks over the pipeline ranks)")
+        for value, flag in ((self.layers_in_first_stage, "--decoder-first-pipeline-num-layers"),
+                            (self.layers_in_last_stage, "--decoder-last-pipeline-num-layers")):
+            if value is None:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer (megatron-core builds no empty stage), "
+                                 f"got {value!r}")
+            if self.pp == 1:
+                raise ValueError(f"{flag} needs --pipeline-model-parallel-size > 1 (it sets the layers of one "
+                                 "pipeline stage)")
+            if self.layers_per_virtual_stage is not None:
+                # megatron-core would take a chunk count, but "layers per virtual stage" has no one meaning when
+                # the stages differ; Megatron-LM refuses the pair too (its --num-virtual-stages-per-pipeline-rank,
+                # which megatron-dapo does not have, sizes an uneven interleaved pipeline)
+                raise ValueError(f"{flag} and --num-layers-per-virtual-pipeline-stage cannot be combined: with "
+                                 "uneven stages a layer count per virtual stage does not fix the chunks of each stage "
+                                 "(Megatron-LM refuses the pair as well); drop one of the two")
 
     @property
     def world_size(self) -> int:
@@ -149,7 +179,7 @@ class ParallelLayout:
         return self.recompute_num_layers or 1
 
     def transformer_config_fields(self) -> dict[str, Any]:
-        """The TransformerConfig fields this layout sets (sizes, SP, recompute)."""
+        """The TransformerConfig fields this layout sets (sizes, SP, recompute, an uneven pipeline's end stages)."""
         fields: dict[str, Any] = dict(
             tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             context_parallel_size=self.cp, sequence_parallel=self.sp,
@@ -157,6 +187,8 @@ class ParallelLayout:
             recompute_num_layers=(self.layers_recomputed_per_unit if self.recompute_granularity == "full"
                                   else None),
             expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.expert_tp,
+            num_layers_in_first_pipeline_stage=self.layers_in_first_stage,
+            num_layers_in_last_pipeline_stage=self.layers_in_last_stage,
         )
         return fields
 
@@ -199,14 +231,49 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             f"--tensor-model-parallel-size ({layout.tp})"
         )
     _validate_experts(arch, layout)
-    stage_layers = len(layer_range(arch.num_layers, layout, 0))  # layers of one model chunk (every chunk's count)
-    if layout.recompute_granularity == "full":
+    for stage in range(layout.pp):  # each stage's layers (every chunk of a stage holds the same count)
+        chunk_layers = len(layer_range(arch.num_layers, layout, stage))
+        if layout.recompute_granularity != "full":
+            continue
         n = layout.layers_recomputed_per_unit
-        if n > stage_layers or (layout.recompute_method == "uniform" and stage_layers % n):
+        if n > chunk_layers or (layout.recompute_method == "uniform" and chunk_layers % n):
+            where = "each model chunk of " if layout.layers_per_virtual_stage is not None else ""
             raise ValueError(
-                f"--recompute-num-layers ({n}) must be <= the {stage_layers} layers of a pipeline stage"
+                f"--recompute-num-layers ({n}) must be <= the {chunk_layers} layers of {where}pipeline stage {stage}"
                 + (" and divide them (--recompute-method uniform)" if layout.recompute_method == "uniform" else "")
             )
+
+
+def stage_layer_counts(num_layers: int, layout: ParallelLayout) -> list[int]:
+    """Decoder layers of each pipeline stage (all its chunks together): --decoder-first-pipeline-num-layers /
+    --decoder-last-pipeline-num-layers on the first / last stage where given, the layers left cut evenly over the
+    other stages (megatron-core's get_num_layers_to_build); num_layers / PP each without them. Raises ValueError
+    naming the flags when the layers do not cut so (megatron-core's TransformerConfig checks, plus a negative
+    remainder, which megatron-core lets through)."""
+    ends = {flag: n for flag, n in (("--decoder-first-pipeline-num-layers", layout.layers_in_first_stage),
+                                     ("--decoder-last-pipeline-num-layers", layout.layers_in_last_stage))
+            if n is not None}
+    if not ends:
+        if num_layers % layout.pp:
+            raise ValueError(
+                f"num_hidden_layers ({num_layers}) is not divisible by --pipeline-model-parallel-size ({layout.pp})"
+            )
+        return [num_layers // layout.pp] * layout.pp
+    given = " - ".join(f"{flag} ({n})" for flag, n in ends.items())
+    middle_stages, middle = layout.pp - len(ends), num_layers - sum(ends.values())
+    if middle_stages == 0 and middle:
+        raise ValueError(f"num_hidden_layers ({num_layers}) - {given} = {middle}: at --pipeline-model-parallel-size "
+                         f"{layout.pp} the two end stages must hold every layer")
+    if middle_stages and (middle < middle_stages or middle % middle_stages):
+        raise ValueError(f"num_hidden_layers ({num_layers}) - {given} = {middle} layers do not split evenly over the "
+                         f"{middle_stages} other pipeline stage(s) of --pipeline-model-parallel-size {layout.pp}, at "
+                         "least one layer each")
+    counts = [middle // middle_stages if middle_stages else 0] * layout.pp
+    if layout.layers_in_first_stage is not None:
+        counts[0] = layout.layers_in_first_stage
+    if layout.layers_in_last_stage is not None:
+        counts[-1] = layout.layers_in_last_stage
+    return counts
 
 
 def layer_range(num_layers: int, layout: ParallelLayout, pp_rank: int, chunk: int = 0) -> range:
@@ -214,22 +281,21 @@ def layer_range(num_layers: int, layout: ParallelLayout, pp_rank: int, chunk: in
     derivation of "which layers a stage holds" (megatron-core's get_transformer_layer_offset and
     get_num_layers_to_build), for the layout check, the memory planner and the weight plan alike.
 
-    The layers are cut into pp x v equal runs, v = layout.virtual_stages(num_layers) chunks per rank (1 without
-    --num-layers-per-virtual-pipeline-stage), and chunk c of rank r holds run c x pp + r: 8 layers at PP2 x VPP2
-    put [0, 1] and [4, 5] on rank 0, [2, 3] and [6, 7] on rank 1. Raises ValueError naming the flags when the
-    layers do not cut evenly."""
-    if num_layers % layout.pp:
-        raise ValueError(
-            f"num_hidden_layers ({num_layers}) is not divisible by --pipeline-model-parallel-size ({layout.pp})"
-        )
+    Stage r holds stage_layer_counts(...)[r] layers (num_layers / pp each, unless --decoder-first-pipeline-num-layers
+    or --decoder-last-pipeline-num-layers set an end stage), cut into v equal chunks, v =
+    layout.virtual_stages(num_layers) (1 without --num-layers-per-virtual-pipeline-stage). The layers run chunk-major:
+    chunk c of every stage, stage by stage, then chunk c + 1. 8 layers at PP2 x VPP2 put [0, 1] and [4, 5] on rank 0,
+    [2, 3] and [6, 7] on rank 1; 64 layers at PP3 with 20 first and 20 last put 0..19, 20..43, 44..63. Raises
+    ValueError naming the flags when the layers do not cut so."""
+    counts = stage_layer_counts(num_layers, layout)
     vpp = layout.virtual_stages(num_layers)
     if not 0 <= pp_rank < layout.pp:
         raise ValueError(f"pp_rank {pp_rank} is outside 0..{layout.pp - 1}")
     if not 0 <= chunk < vpp:
         raise ValueError(f"chunk {chunk} is outside 0..{vpp - 1}")
-    per_chunk = num_layers // (layout.pp * vpp)
-    start = (chunk * layout.pp + pp_rank) * per_chunk
-    return range(start, start + per_chunk)
+    per_chunk = [n // vpp for n in counts]  # virtual_stages (and __post_init__ for uneven stages) make them divide
+    start = chunk * sum(per_chunk) + sum(per_chunk[:pp_rank])
+    return range(start, start + per_chunk[pp_rank])
 
 
 def micro_batch_group_size(layout: ParallelLayout, num_micro_batches: int | None) -> int:

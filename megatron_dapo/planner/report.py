@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
-from megatron_dapo.distributed.parallel import ParallelLayout
+from megatron_dapo.distributed.parallel import ParallelLayout, stage_layer_counts
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner.activations import (
     ActivationSpec,
@@ -123,7 +123,7 @@ def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
         f"({'transformer_engine' if spec.attention == 'flash' else 'local'})",
         (f"micro-batch: {inputs.tokens_per_micro_batch} real tokens packed in one row (--pack-sequences); "
          if inputs.packed else f"micro-batch: {inputs.tokens_per_micro_batch} padded tokens, rows up to {s}; ")
-        + f"{arch.num_layers // layout.pp} layers per stage"
+        + _layers_per_stage(arch, layout)
         + (f" in {layout.virtual_stages(arch.num_layers)} interleaved chunks (--num-layers-per-virtual-pipeline-"
            f"stage {layout.layers_per_virtual_stage}; activations: Korthikanti 2022 4.2.3)"
            if layout.layers_per_virtual_stage else ""),
@@ -131,6 +131,9 @@ def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     ]
     lines.append(f"{'  micro-batches in flight (1F1B: pp - stage)':<48}"
                  + "".join(f"{p.in_flight:>10d}" for p in plans))
+    counts = stage_layer_counts(arch.num_layers, layout)
+    if len(set(counts)) > 1:  # an uneven pipeline: each stage's decoder layers beside its bytes
+        lines.append(f"{'  decoder layers (uneven pipeline)':<48}" + "".join(f"{n:>10d}" for n in counts))
     for key in plans[0].lines:
         lines.append(f"{key:<48}" + "".join(f"{p.lines[key] / GIB:>10.2f}" for p in plans))
     lines.append(f"{'total':<48}" + "".join(f"{p.total / GIB:>10.2f}" for p in plans))
@@ -145,6 +148,17 @@ def format_plan(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     if inputs.colocate:
         lines += colocated_lines(arch, plans, inputs, spec)
     return lines
+
+
+def _layers_per_stage(arch: ModelArch, layout: ParallelLayout) -> str:
+    """The plan's "layers per stage" phrase: one count when every stage holds the same, else each stage's."""
+    counts = stage_layer_counts(arch.num_layers, layout)
+    if len(set(counts)) == 1:
+        return f"{counts[0]} layers per stage"
+    flags = " / ".join(flag for flag, n in (("--decoder-first-pipeline-num-layers", layout.layers_in_first_stage),
+                                            ("--decoder-last-pipeline-num-layers", layout.layers_in_last_stage))
+                       if n is not None)
+    return f"{'/'.join(map(str, counts))} layers on stages 0..{layout.pp - 1} ({flags})"
 
 
 def moe_lines(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spec: ActivationSpec) -> list[str]:

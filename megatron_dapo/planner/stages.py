@@ -10,6 +10,10 @@ megatron-core's schedule runs 2 (p - i - 1) + (v - 1) g warm-up chunk-forwards o
 micro-batch group size (distributed.parallel.micro_batch_group_size: p, depth-first), so it holds that + 1
 chunk-micro-batches (capped by M v); on stage 0 at g = p that is L (1 + (p - 1) / (p v)) layers' worth,
 Korthikanti et al. 2022 section 4.2.3's interleaved factor. Embedding / head extras stay per micro-batch.
+An uneven pipeline (--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers) changes only which
+layers a stage holds (`stage_layers`, from `layer_range`): each stage's weights and activations are its own layer
+count's, its in-flight count the same p - i (Qwen2.5-32B at TP8 x PP3 as 20/24/20 layers: the first stage's three
+micro-batches over 20 layers, not 24).
 
 Mixture of experts (Qwen3-MoE): expert weights, fp32 grads and Adam state are this rank's E / EP experts of each
 MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them over

@@ -8,6 +8,7 @@ equivalence tests check the model against HF, not one table against itself.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -144,11 +145,21 @@ def _kind(name: str) -> str:
     return "column"  # qkv (groups are contiguous), vocab rows, fc1 halves
 
 
+def _stage_starts(arch: ModelArch, pp: int, stage_layers: Sequence[int] | None) -> list[int]:
+    """First global layer of each PP stage, and the layer count after the last: `stage_layers` (each stage's layers,
+    an uneven pipeline's, written out by the caller) or num_layers / pp each."""
+    counts = list(stage_layers) if stage_layers is not None else [arch.num_layers // pp] * pp
+    assert len(counts) == pp and sum(counts) == arch.num_layers, (counts, pp, arch.num_layers)
+    return [sum(counts[:r]) for r in range(pp + 1)]
+
+
 def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp: int, tp_rank: int, pp: int,
                           pp_rank: int, padded_vocab: int, ep: int = 1, ep_rank: int = 0, etp: int | None = None,
-                          etp_rank: int | None = None) -> dict[str, torch.Tensor]:
+                          etp_rank: int | None = None, stage_layers: Sequence[int] | None = None
+                          ) -> dict[str, torch.Tensor]:
     """This (tp_rank, pp_rank)'s stage-local megatron state from `hf_to_full_mcore` output; of the experts, EP rank
-    `ep_rank`'s block of E / ep (renumbered from 0), split over `etp` expert-TP ranks (default: as TP)."""
+    `ep_rank`'s block of E / ep (renumbered from 0), split over `etp` expert-TP ranks (default: as TP). `stage_layers`:
+    each PP stage's layer count (an uneven pipeline); default num_layers / pp each."""
     etp, etp_rank = (tp, tp_rank) if etp is None else (etp, etp_rank)
     per_expert = arch.num_experts // ep if arch.num_experts else 0
     experts = {}
@@ -158,15 +169,15 @@ def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp:
             if ep_rank * per_expert <= e < (ep_rank + 1) * per_expert:
                 experts[name.replace(f"local_experts.{e}.", f"local_experts.{e - ep_rank * per_expert}.")] = t
     full = {**{k: v for k, v in full.items() if ".local_experts." not in k}, **experts}
-    per_stage = arch.num_layers // pp
+    start, end = _stage_starts(arch, pp, stage_layers)[pp_rank:pp_rank + 2]
     first, last = pp_rank == 0, pp_rank == pp - 1
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
         if name.startswith("decoder.layers."):
             layer = int(name.split(".")[2])
-            if not pp_rank * per_stage <= layer < (pp_rank + 1) * per_stage:
+            if not start <= layer < end:
                 continue
-            local = name.replace(f"layers.{layer}.", f"layers.{layer - pp_rank * per_stage}.", 1)
+            local = name.replace(f"layers.{layer}.", f"layers.{layer - start}.", 1)
         elif name.startswith("embedding."):
             if not first:
                 continue
@@ -194,16 +205,17 @@ def mcore_shards_for_rank(full: dict[str, torch.Tensor], arch: ModelArch, *, tp:
 
 
 def merge_rank_shards(shards: dict[tuple[int, int], dict[str, torch.Tensor]], arch: ModelArch, *, tp: int,
-                      pp: int) -> dict[str, torch.Tensor]:
-    """{(tp_rank, pp_rank): stage-local state} -> TP=1 names, global layers, fc1 [gate; up], no vocab pad."""
-    per_stage = arch.num_layers // pp
+                      pp: int, stage_layers: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """{(tp_rank, pp_rank): stage-local state} -> TP=1 names, global layers, fc1 [gate; up], no vocab pad.
+    `stage_layers`: each PP stage's layer count (an uneven pipeline); default num_layers / pp each."""
+    starts = _stage_starts(arch, pp, stage_layers)
     out: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
         for name in shards[(0, pp_rank)]:
             parts = [shards[(r, pp_rank)][name] for r in range(tp)]
             if name.startswith("decoder.layers."):
                 layer = int(name.split(".")[2])
-                glob = name.replace(f"layers.{layer}.", f"layers.{layer + pp_rank * per_stage}.", 1)
+                glob = name.replace(f"layers.{layer}.", f"layers.{layer + starts[pp_rank]}.", 1)
             else:
                 glob = name
             if name.endswith("linear_fc1.weight"):
@@ -335,10 +347,11 @@ def load_hf_state_dict(actor, state_dict: dict[str, torch.Tensor]) -> None:
 
 
 def merge_layout_shards(ranks: list[dict], arch: ModelArch, *, tp: int, pp: int, dp: int, ep: int = 1,
-                        etp: int | None = None, edp: int = 1) -> tuple[list[dict], list[dict]]:
+                        etp: int | None = None, edp: int = 1, stage_layers: Sequence[int] | None = None
+                        ) -> tuple[list[dict], list[dict]]:
     """Per-rank results (each with "weights" and its tp/pp/dp/ep/etp/edp ranks, as tests/dist/actor_parallel.py saves
     them) -> (per DP replica: the non-expert weights, per expert-DP replica: the experts), in `merge_rank_shards`'
-    names with global expert numbers (EP rank r's local expert j is global r * E / ep + j)."""
+    names with global expert numbers (EP rank r's local expert j is global r * E / ep + j); `stage_layers` as there."""
     etp = tp if etp is None else etp
     per_rank = arch.num_experts // ep if arch.num_experts else 0
     dense, experts = [], []
@@ -346,7 +359,7 @@ def merge_layout_shards(ranks: list[dict], arch: ModelArch, *, tp: int, pp: int,
         shards = {(r["tp_rank"], r["pp_rank"]): {k: v for k, v in r["weights"].items() if ".local_experts." not in k}
                   for r in ranks if r["dp_rank"] == d}
         assert len(shards) == tp * pp, (d, sorted(shards))
-        dense.append(merge_rank_shards(shards, arch, tp=tp, pp=pp))
+        dense.append(merge_rank_shards(shards, arch, tp=tp, pp=pp, stage_layers=stage_layers))
     if not per_rank:
         return dense, experts
     for x in range(edp):
@@ -362,7 +375,7 @@ def merge_layout_shards(ranks: list[dict], arch: ModelArch, *, tp: int, pp: int,
                     j = int(k.split(".local_experts.")[1].split(".")[0])
                     part[k.replace(f".local_experts.{j}.", f".local_experts.{r['ep_rank'] * per_rank + j}.")] = v
         assert len(seen) == ep * etp * pp, (x, sorted(seen))
-        experts.append(merge_rank_shards(shards, arch, tp=etp, pp=pp))
+        experts.append(merge_rank_shards(shards, arch, tp=etp, pp=pp, stage_layers=stage_layers))
     return dense, experts
 
 

@@ -2,6 +2,11 @@
 metrics and updated weights, for every registered model family; a mixture-of-experts family runs its
 expert-parallel layouts instead: one launch runs every family and layout.
 
+Uneven pipelines (UNEVEN_LAYOUTS, --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers): a
+4-layer model of the first family at PP=2 x DP=2 split 1/3 and 3/1, with the same checks, plus the weight plan's HF
+load of each rank against the independent copy (bit for bit) and the HF export after the steps against the
+single-process weights.
+
 On 4 ranks TP=2 and PP=2 run with DP=2 (the distributed optimizer on, half the samples per replica); pure
 DP (DP=4) runs for the first family only (it does not depend on the family's layers).
 
@@ -22,20 +27,24 @@ import pytest
 import torch
 
 from megatron_dapo.actor import ActorConfig
+from megatron_dapo.distributed.parallel import padded_vocab_size
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import families
 from tests.dist.actor_common import (
     FAMILIES,
     LAYOUT_ADAM_EPS,
     hf_response_log_probs,
+    hf_to_full_mcore,
     make_samples,
+    mcore_shards_for_rank,
     merge_layout_shards,
+    merge_rank_shards,
     sharpen_router,
     single_process_run,
     tiny_config,
     tiny_hf_model,
 )
-from tests.dist.actor_parallel import LAYOUTS, NPROC
+from tests.dist.actor_parallel import LAYOUTS, NPROC, STAGE_LAYERS
 from tests.torchrun import REPO, run_torchrun
 
 
@@ -47,9 +56,13 @@ FAMILY_LAYOUTS = ("tp2", "pp2", "tp2pp2")
 MOE_LAYOUTS = ("ep2", "ep4", "tp2ep2", "tp2ep2etp2")
 MIXED_LAYOUTS = ("pp2ep2",)
 """Layouts of the mixed dense / MoE variant of each MoE family (model key `<model_type>_mixed`)."""
+UNEVEN_LAYOUTS = tuple(STAGE_LAYERS)
+UNEVEN_MODEL = f"{FAMILIES[0]}_4layers"
+"""The model key of the uneven layouts: the first family with 4 layers (2 layers split only 1/1)."""
 MOE_FAMILIES = tuple(f for f in FAMILIES if _is_moe(f))
 CASES = ([(f, lay) for f in FAMILIES if f not in MOE_FAMILIES for lay in FAMILY_LAYOUTS]
          + [(FAMILIES[0], "dp4")]
+         + [(UNEVEN_MODEL, lay) for lay in UNEVEN_LAYOUTS]
          + [(f, lay) for f in MOE_FAMILIES for lay in MOE_LAYOUTS]
          + [(f"{f}_mixed", lay) for f in MOE_FAMILIES for lay in MIXED_LAYOUTS])
 IDS = [f"{f}-{lay}" for f, lay in CASES]
@@ -74,7 +87,7 @@ def _tiny_moe(model_type: str, seed: int, **overrides):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[dict, dict[str, list[dict]], ModelArch]]:
     """model key -> (single-process reference, {layout: per-rank results}, arch); MoE references also hold HF's
-    log-probs and entropies ("hf_logps", "hf_entropies")."""
+    log-probs and entropies ("hf_logps", "hf_entropies"), UNEVEN_MODEL's its HF state dict ("hf_state_dict")."""
     tmp = tmp_path_factory.mktemp("actor_parallel")
     models, hfs = {}, {}
     for i, model_type in enumerate(FAMILIES):
@@ -87,6 +100,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict[str, list[dict]], Model
         # untied and tied alternate over the families: PP=2 with a tied model keeps an embedding copy on the
         # last stage whose gradient megatron-core must all-reduce with the first stage's
         hfs[model_type] = tiny_hf_model(model_type, tie=i % 2 == 1, seed=1, num_hidden_layers=2)
+    hfs[UNEVEN_MODEL] = tiny_hf_model(FAMILIES[0], tie=False, seed=1, num_hidden_layers=4)
     for key, hf in hfs.items():
         arch = ModelArch.from_hf(hf.config)
         models[key] = {"arch": dataclasses.asdict(arch), "hf_state_dict": hf.state_dict(),
@@ -104,6 +118,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict[str, list[dict]], Model
                                        data["samples"], seed=data["seed"], steps=STEPS)
         if ModelArch(**model["arch"]).is_moe:
             reference["hf_logps"], reference["hf_entropies"] = hf_response_log_probs(hfs[key], data["samples"])
+        if key == UNEVEN_MODEL:  # the weight plan's load is checked against it
+            reference["hf_state_dict"] = model["hf_state_dict"]
         out[key] = (reference, results, ModelArch(**model["arch"]))
     return out
 
@@ -155,7 +171,7 @@ def test_updated_weights_match_single_process(runs, model_type, layout):
     reference, results, arch = runs[model_type]
     lay = LAYOUTS[layout]
     dense, experts = merge_layout_shards(results[layout], arch, tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep,
-                                         etp=lay.expert_tp, edp=lay.expert_dp)
+                                         etp=lay.expert_tp, edp=lay.expert_dp, stage_layers=STAGE_LAYERS.get(layout))
     want_experts = {k: v for k, v in reference["weights"].items() if ".local_experts." in k}
     for got in dense:
         _assert_weights_close(got, {k: v for k, v in reference["weights"].items() if k not in want_experts})
@@ -164,6 +180,30 @@ def test_updated_weights_match_single_process(runs, model_type, layout):
         _assert_weights_close(got, want_experts)
     worst = max((g[k] - reference["weights"][k]).abs().max().item() for g in dense + experts for k in g)
     print(f"{model_type} {layout}: max |updated weight - single-process| {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", UNEVEN_LAYOUTS)
+def test_uneven_pipeline_weight_plan_loads_and_exports(runs, layout):
+    """The weights plan under an uneven split: each rank's HF -> megatron shards (weights.plan.iter_rank_shards, the
+    --hf-checkpoint load) equal the independent copy placed by STAGE_LAYERS, bit for bit; and the HF export after the
+    steps (weights.export.iter_hf_weights, every rank the whole model), mapped back through the independent copy,
+    equals the single-process weights."""
+    reference, results, arch = runs[UNEVEN_MODEL]
+    assert len({r["pp_rank"] for r in results[layout]}) == 2
+    full = hf_to_full_mcore(reference["hf_state_dict"], arch)
+    for rank in results[layout]:
+        want = mcore_shards_for_rank(full, arch, tp=1, tp_rank=0, pp=2, pp_rank=rank["pp_rank"],
+                                     padded_vocab=padded_vocab_size(arch.vocab_size, 1),
+                                     stage_layers=STAGE_LAYERS[layout])
+        got = rank["plan_shards"]
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        exported = hf_to_full_mcore(rank["hf_export"], arch)
+        shards = mcore_shards_for_rank(exported, arch, tp=1, tp_rank=0, pp=1, pp_rank=0,
+                                       padded_vocab=padded_vocab_size(arch.vocab_size, 1))
+        _assert_weights_close(merge_rank_shards({(0, 0): shards}, arch, tp=1, pp=1), reference["weights"])
 
 
 def _assert_weights_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ from megatron_dapo.distributed.parallel import (
     micro_batch_group_size,
     padded_vocab_size,
     schedulable_micro_batches,
+    stage_layer_counts,
     validate_layout,
 )
 from megatron_dapo.flag_field import flag_field, flag_fields, flag_name
@@ -40,6 +41,14 @@ ARCH = ModelArch(model_type="qwen2", vocab_size=300, hidden_size=64, intermediat
     (dict(overlap_param_gather=True), "--overlap-grad-reduce"),
     (dict(transformer_impl="local", cp=2), "--context-parallel-size"),
     (dict(transformer_impl="apex"), "--transformer-impl"),
+    (dict(pp=1, layers_in_first_stage=1), "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size"),
+    (dict(pp=1, layers_in_last_stage=1), "--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size"),
+    (dict(pp=2, layers_in_first_stage=0), "--decoder-first-pipeline-num-layers must be a positive integer"),
+    (dict(pp=2, layers_in_last_stage=-1), "--decoder-last-pipeline-num-layers must be a positive integer"),
+    (dict(pp=2, layers_in_first_stage=2, layers_per_virtual_stage=1),
+     "--decoder-first-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage cannot be combined"),
+    (dict(pp=2, layers_in_last_stage=2, layers_per_virtual_stage=1),
+     "--decoder-last-pipeline-num-layers and --num-layers-per-virtual-pipeline-stage cannot be combined"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_layout_errors_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -54,22 +63,47 @@ def test_recompute_layers_must_fit_a_stage():
                                          recompute_num_layers=2))
 
 
-# (layers, PP, model chunks per PP rank): VPP only at PP > 1, the layers cut into PP x chunks equal runs
-LAYER_GRID = [(n, pp, v) for n in (4, 6, 8, 12, 24) for pp in (1, 2, 3, 4) for v in (1, 2, 3)
+def test_recompute_layers_must_fit_each_stage_of_an_uneven_pipeline():
+    """Each stage's own layer count bounds the recompute unit: at 3/1 stage 0 fits 3 layers, stage 1 does not."""
+    for first, last, method, n, bad in ((3, None, "uniform", 3, 1), (1, None, "block", 2, 0), (None, 1, "block", 2, 1),
+                                        (None, 3, "uniform", 3, 0)):
+        layout = ParallelLayout(pp=2, layers_in_first_stage=first, layers_in_last_stage=last,
+                                recompute_granularity="full", recompute_method=method, recompute_num_layers=n)
+        with pytest.raises(ValueError, match=rf"--recompute-num-layers \({n}\) must be <= the 1 layers of pipeline "
+                                             rf"stage {bad}"):
+            validate_layout(ARCH, layout)
+    validate_layout(ARCH, ParallelLayout(pp=2, layers_in_first_stage=1, recompute_granularity="full",
+                                         recompute_method="uniform", recompute_num_layers=1))
+
+
+# (layers, PP, model chunks per PP rank, --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers):
+# VPP only at PP > 1, the layers cut into PP x chunks equal runs; uneven: the end stages given, the rest cut evenly
+# over the middle stages (VPP refused with them: ParallelLayout.__post_init__)
+LAYER_GRID = [(n, pp, v, None, None) for n in (4, 6, 8, 12, 24) for pp in (1, 2, 3, 4) for v in (1, 2, 3)
               if n % (pp * v) == 0 and (v == 1 or pp > 1)]
+UNEVEN_GRID = [(4, 2, 1, 1, None), (4, 2, 1, None, 1), (4, 2, 1, 1, 3), (4, 2, 1, 3, 1), (5, 2, 1, 2, None),
+               (7, 3, 1, 1, None), (7, 3, 1, None, 3), (5, 3, 1, 1, 2), (9, 4, 1, 3, None), (12, 4, 1, 2, 4),
+               (10, 4, 1, 1, 3), (64, 3, 1, 20, 20), (64, 3, 1, 16, 24), (64, 4, 1, 14, 14), (64, 5, 1, 10, 18)]
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp", LAYER_GRID, ids=[f"L{n}-pp{p}-vpp{v}" for n, p, v in LAYER_GRID])
-def test_layer_range_is_megatron_cores_placement(num_layers, pp, vpp):
+def _grid_id(n: int, pp: int, v: int, first: int | None, last: int | None) -> str:
+    return f"L{n}-pp{pp}-vpp{v}" + (f"-first{first}" if first else "") + (f"-last{last}" if last else "")
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, first, last", LAYER_GRID + UNEVEN_GRID,
+                         ids=[_grid_id(*case) for case in LAYER_GRID + UNEVEN_GRID])
+def test_layer_range_is_megatron_cores_placement(num_layers, pp, vpp, first, last):
     """Which layers each (PP rank, virtual chunk) holds, against megatron-core's own answer for the TransformerConfig
     the actor builds from the same layout (get_transformer_layer_offset + get_num_layers_to_build, as its
     TransformerBlock places layers); together the chunks hold every layer once."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layout = ParallelLayout(pp=pp, layers_per_virtual_stage=num_layers // (pp * vpp) if vpp > 1 else None)
+    layout = ParallelLayout(pp=pp, layers_per_virtual_stage=num_layers // (pp * vpp) if vpp > 1 else None,
+                            layers_in_first_stage=first, layers_in_last_stage=last)
     arch = dataclasses.replace(ARCH, num_layers=num_layers)
     cfg = transformer_config_from_arch(arch, pp=pp, layout=layout)
+    assert (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage) == (first, last)
     assert layout.virtual_stages(num_layers) == vpp
     held = []
     for r in range(pp):
@@ -91,6 +125,60 @@ def test_layer_range_refuses_layers_that_do_not_cut():
         layer_range(6, ParallelLayout(pp=4), 0)
     with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage"):
         layer_range(8, ParallelLayout(pp=2, layers_per_virtual_stage=3), 0)
+
+
+def _megatron_core_accepts(num_layers: int, pp: int, first: int | None, last: int | None) -> bool:
+    """Whether megatron-core's TransformerConfig takes this uneven split (its __post_init__ checks)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    try:
+        TransformerConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=8, pipeline_model_parallel_size=pp,
+                          pipeline_dtype=torch.float32, num_layers_in_first_pipeline_stage=first,
+                          num_layers_in_last_pipeline_stage=last)
+    except ValueError:
+        return False
+    return True
+
+
+def test_an_uneven_split_is_refused_where_megatron_core_refuses_it():
+    """Over a grid of layer counts, PP sizes and end-stage layers, `layer_range` refuses (naming the flags) every split
+    megatron-core's TransformerConfig refuses, and accepts every split it accepts, except the one megatron-core lets
+    through: end stages holding more than every layer (a negative remainder that a single middle stage "divides")."""
+    for num_layers in (3, 4, 5, 7, 8, 12):
+        for pp in (2, 3, 4):
+            for first in (None, 1, 2, 3, 5):
+                for last in (None, 1, 2, 4):
+                    if first is None and last is None:
+                        continue
+                    layout = ParallelLayout(pp=pp, layers_in_first_stage=first, layers_in_last_stage=last)
+                    case = (num_layers, pp, first, last)
+                    negative = num_layers - (first or 0) - (last or 0) < 0
+                    try:
+                        counts = stage_layer_counts(num_layers, layout)
+                    except ValueError as err:
+                        assert "--decoder-" in str(err) and "--pipeline-model-parallel-size" in str(err), case
+                        assert negative or not _megatron_core_accepts(*case), case
+                        continue
+                    assert _megatron_core_accepts(*case), case
+                    assert sum(counts) == num_layers and min(counts) >= 1, case
+                    assert [len(layer_range(num_layers, layout, r)) for r in range(pp)] == counts, case
+    with pytest.raises(ValueError, match=r"= -2 layers do not split evenly"):  # megatron-core: -2 % 1 == 0, accepted
+        stage_layer_counts(4, ParallelLayout(pp=3, layers_in_first_stage=3, layers_in_last_stage=3))
+    assert _megatron_core_accepts(4, 3, 3, 3)
+
+
+def test_uneven_flags_reach_the_transformer_config():
+    args = build_parser().parse_args([*REQUIRED, "--pipeline-model-parallel-size", "3",
+                                      "--decoder-first-pipeline-num-layers", "1",
+                                      "--decoder-last-pipeline-num-layers", "3"])
+    layout = ParallelLayout.from_world(3, **layout_options(args))
+    assert (layout.pp, layout.layers_in_first_stage, layout.layers_in_last_stage) == (3, 1, 3)
+    arch = dataclasses.replace(ARCH, num_layers=6)
+    cfg = transformer_config_from_arch(arch, pp=3, layout=layout)
+    assert (cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage) == (1, 3)
+    assert [layer_range(6, layout, r) for r in range(3)] == [range(0, 1), range(1, 3), range(3, 6)]
+    even = transformer_config_from_arch(arch, pp=3, layout=ParallelLayout(pp=3))
+    assert (even.num_layers_in_first_pipeline_stage, even.num_layers_in_last_pipeline_stage) == (None, None)
 
 
 def test_flags_reach_the_transformer_config():
@@ -149,7 +237,9 @@ def test_planned_chunks_in_flight_are_megatron_cores_warmup(pp, vpp):
 # Each ParallelLayout field's flag, written out here (Megatron-LM's names), not read from the fields' metadata.
 LAYOUT_FLAGS = {
     "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-    "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage", "cp": "--context-parallel-size",
+    "layers_per_virtual_stage": "--num-layers-per-virtual-pipeline-stage",
+    "layers_in_first_stage": "--decoder-first-pipeline-num-layers",
+    "layers_in_last_stage": "--decoder-last-pipeline-num-layers", "cp": "--context-parallel-size",
     "ep": "--expert-model-parallel-size", "etp": "--expert-tensor-parallel-size", "sp": "--sequence-parallel",
     "recompute_granularity": "--recompute-granularity", "recompute_method": "--recompute-method",
     "recompute_num_layers": "--recompute-num-layers", "overlap_grad_reduce": "--overlap-grad-reduce",
@@ -167,9 +257,9 @@ def test_every_layout_field_but_dp_is_declared_with_megatrons_flag():
 def test_a_layout_flag_reaches_its_field_and_one_left_out_keeps_the_fields_default():
     defaults = {name: getattr(ParallelLayout(), name) for name in LAYOUT_FLAGS}
     assert layout_options(build_parser().parse_args(REQUIRED)) == defaults
-    given = dict(tp=4, pp=2, layers_per_virtual_stage=3, cp=2, ep=8, etp=1, sp=True, recompute_granularity="full",
-                 recompute_method="uniform", recompute_num_layers=2, overlap_grad_reduce=True,
-                 overlap_param_gather=True, transformer_impl="local")
+    given = dict(tp=4, pp=2, layers_per_virtual_stage=3, layers_in_first_stage=5, layers_in_last_stage=7, cp=2,
+                 ep=8, etp=1, sp=True, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2,
+                 overlap_grad_reduce=True, overlap_param_gather=True, transformer_impl="local")
     argv = list(REQUIRED)
     for name, value in given.items():
         argv += [LAYOUT_FLAGS[name]] if value is True else [LAYOUT_FLAGS[name], str(value)]

@@ -437,6 +437,35 @@ def test_interleaved_activations_match_korthikanti_factor():
             {k: x for k, x in b.lines.items() if "activation" not in k}
 
 
+def test_uneven_pipeline_plans_each_stages_own_layers():
+    """--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: Qwen2.5-32B's 64 layers at PP3 as
+    20/24/20. Each stage's parameters and activations are its own layer count's (a middle stage's 24 layers = 1.5 x a
+    PP4 middle stage's 16), the stages together hold the model once, and the printed plan names each stage's count."""
+    arch = ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
+    spec = activations.ActivationSpec.for_arch(arch, transformer_impl="transformer_engine", bytes_per_element=2)
+    uneven = ParallelLayout(tp=8, pp=3, dp=2, sp=True, layers_in_first_stage=20, layers_in_last_stage=20)
+    even = ParallelLayout(tp=8, pp=4, dp=2, sp=True)
+    assert sum(stages.stage_parameters(arch, replace(uneven, tp=1, sp=False), i) for i in range(3)) == \
+        arch.num_parameters()
+    params = {(lay.pp, i): stages.stage_parameters(arch, lay, i) for lay in (uneven, even) for i in range(lay.pp)}
+    layer = params[4, 1] / 16  # one layer's parameters on a TP rank
+    assert params[3, 1] == 24 * layer
+    assert params[3, 0] - 20 * layer == params[4, 0] - 16 * layer  # + the embedding
+    assert params[3, 2] - 20 * layer == params[4, 3] - 16 * layer  # + the final norm and the output layer
+    inputs = stages.PlanInputs(tokens_per_micro_batch=8192, max_seq_len=8192)
+    per_layer = activations.layer_activation_bytes(spec, uneven, tokens=8192, seq_len=8192)
+    plans = stages.plan_stages(arch, uneven, inputs, spec)
+    for plan, layers in zip(plans, (20, 24, 20), strict=True):
+        extra = activations.micro_batch_extra_bytes(spec, uneven, tokens=8192, seq_len=8192, first=plan.stage == 0,
+                                                    last=plan.stage == 2, recompute=False)
+        assert plan.lines["  activations per micro-batch"] == pytest.approx(layers * per_layer + extra)
+    lines = report.format_plan(arch, uneven, inputs, spec)
+    assert "20/24/20 layers on stages 0..2 (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers)" \
+        in lines[1]
+    assert lines[4].split() == ["decoder", "layers", "(uneven", "pipeline)", "20", "24", "20"]
+    assert not any("decoder layers" in line for line in report.format_plan(arch, even, inputs, spec))
+
+
 # ---- --colocate ------------------------------------------------------------------------------------------
 
 COLOCATED = ("examples/run_qwen2.5_32b_colocated.sh",
