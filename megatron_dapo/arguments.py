@@ -347,6 +347,10 @@ def _off_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="masked importance sampling: drop tokens (token) or whole responses (sequence: geometric "
                         "mean of r) whose ratio is outside [1/--mis-threshold, --mis-threshold]; unset = off")
     g.add_argument("--mis-threshold", type=float, default=2.0, help="T of MIS, > 1")
+    g.add_argument("--behav-weight-cap", type=float, default=None,
+                   help="with --policy-loss decoupled (AReaL's decoupled PPO, weight r per token): tokens whose r "
+                        "exceeds this cap (> 1) get weight 0; unset = uncapped, the paper's objective. Excludes "
+                        "--use-tis")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:

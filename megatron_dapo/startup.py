@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from megatron_dapo.distributed.parallel import ParallelLayout
@@ -112,6 +113,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
 
     from megatron_dapo.actor.config import ActorConfig
     from megatron_dapo.algorithm import DynamicSamplingConfig, OffPolicyConfig, OverlongConfig
+    from megatron_dapo.algorithm.loss import takes_behaviour_weights
     from megatron_dapo.algorithm.registry import get_advantage_estimator, policy_loss_config
     from megatron_dapo.rollout.collect import CollectConfig
     from megatron_dapo.trainer.loop import TrainerConfig
@@ -130,7 +132,8 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
         params_dtype=args.params_dtype or ("bfloat16" if torch.cuda.is_available() else "float32"),
         loss=policy_loss_config(args.policy_loss, eps_low=args.clip_ratio_low, eps_high=args.clip_ratio_high,
                                 dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode,
-                                max_response_length=args.max_response_length),
+                                max_response_length=args.max_response_length,
+                                behav_weight_cap=args.behav_weight_cap),
     )
     sampling = _sampling("--max-response-length, --rollout-temperature, --rollout-top-p, --rollout-top-k",
                          max_new_tokens=args.max_response_length, temperature=args.rollout_temperature,
@@ -158,17 +161,27 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
         eval_n_samples=args.n_samples_per_eval_prompt, save_dir=args.save, save_interval=args.save_interval,
         eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
         async_rollout=args.async_rollout, exit_save_timeout_s=args.exit_save_timeout_s,
-        off_policy=OffPolicyConfig(use_tis=use_tis(args), tis_cap=args.tis_cap, mis_mode=args.mis_mode,
-                                   mis_threshold=args.mis_threshold),
+        off_policy=OffPolicyConfig(use_tis=use_tis(args, actor.loss.fn), tis_cap=args.tis_cap,
+                                   mis_mode=args.mis_mode, mis_threshold=args.mis_threshold,
+                                   behaviour_weights=takes_behaviour_weights(actor.loss.fn)),
         advantage_estimator=get_advantage_estimator(args.advantage_estimator),
     )
     return actor, collect, trainer
 
 
-def use_tis(args: argparse.Namespace) -> bool:
+def use_tis(args: argparse.Namespace, loss_fn: Callable | None = None) -> bool:
     """--use-tis / --no-use-tis as given; unset: on exactly when --async-rollout 1 (the batch was generated
-    by the weights one update behind the actor, the gap TIS corrects)."""
-    return args.use_tis if args.use_tis is not None else args.async_rollout > 0
+    by the weights one update behind the actor, the gap TIS corrects) and the --policy-loss `loss_fn` does not
+    weight by the behaviour ratio itself (`takes_behaviour_weights`: decoupled). UserError for --use-tis given
+    with such a loss (the ratio would weight each token twice)."""
+    from megatron_dapo.algorithm.loss import takes_behaviour_weights
+
+    own = loss_fn is not None and takes_behaviour_weights(loss_fn)
+    if args.use_tis and own:
+        raise UserError(f"--use-tis with --policy-loss {args.policy_loss}: that loss weights each token by "
+                        "pi_old / pi_rollout itself (the decoupled objective); drop --use-tis, cap its weights "
+                        "with --behav-weight-cap")
+    return args.use_tis if args.use_tis is not None else args.async_rollout > 0 and not own
 
 
 def max_staleness(args: argparse.Namespace) -> int | None:

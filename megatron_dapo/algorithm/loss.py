@@ -36,6 +36,7 @@ chooses one for the run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,6 +64,10 @@ class PolicyLossConfig:
     token-level loss. The other registered losses fix their own aggregation and reject a different one."""
     max_response_length: int | None = None
     """L_max (--max-response-length): the constant Dr. GRPO divides token sums by; only dr_grpo reads it."""
+    behav_weight_cap: float | None = None
+    """Cap of the behaviour weight pi_prox / pi_behav (--behav-weight-cap, > 1): a token whose weight exceeds it
+    leaves the numerator (weight 0), as AReaL's behav_imp_weight_cap; None = uncapped, the paper's objective. Only
+    a loss registered with behaviour_weights=True (--policy-loss decoupled) reads it."""
     name: str = "dapo"
     """The --policy-loss value (a registered name or a dotted path): what `fn` is, for messages."""
     fn: PolicyLossFn | None = field(default=None, repr=False, compare=False)
@@ -81,6 +86,10 @@ class PolicyLossConfig:
         if self.max_response_length is not None and self.max_response_length < 1:
             raise ValueError(f"max_response_length (--max-response-length) must be >= 1, got "
                              f"{self.max_response_length}")
+        if self.behav_weight_cap is not None and not (math.isfinite(self.behav_weight_cap)
+                                                      and self.behav_weight_cap > 1.0):
+            raise ValueError(f"behav_weight_cap (--behav-weight-cap) must be a finite number > 1 or unset, got "
+                             f"{self.behav_weight_cap}")
         if self.fn is None:
             if self.name != "dapo":
                 raise ValueError(f"PolicyLossConfig(name={self.name!r}) needs its fn: build it with "
@@ -128,18 +137,28 @@ TOKEN_METRICS: tuple[str, ...] = ("pg_loss", "clipfrac_high", "clipfrac_low", "c
 """The token sums `token_metrics` reports (entropy when given one): the metrics of a loss that declares none."""
 
 
-def register_policy_loss(name: str, *, help: str, metrics: tuple[str, ...] = TOKEN_METRICS
-                         ) -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(name: str, *, help: str, metrics: tuple[str, ...] = TOKEN_METRICS,
+                         behaviour_weights: bool = False) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: the loss under --policy-loss `name`, `help` its description in the flag's help, `metrics` the
     names of the token sums its PolicyLossOutput.metrics holds (set as the function's `metrics` attribute, which
-    is also how a dotted-path loss declares them; see `declared_metrics`)."""
+    is also how a dotted-path loss declares them; see `declared_metrics`). `behaviour_weights`: the loss takes
+    `is_weights` as the raw behaviour weights pi_old / pi_rollout and weights (and caps) them itself, instead of
+    TIS's min(r, C) (`takes_behaviour_weights`; the decoupled objective, algorithm/decoupled.py)."""
     checked = _checked_metrics(metrics, f"register_policy_loss({name!r})")
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         fn.metrics = checked  # type: ignore[attr-defined]
+        fn.behaviour_weights = behaviour_weights  # type: ignore[attr-defined]
         return POLICY_LOSSES.register(name, help=help)(fn)
 
     return decorator
+
+
+def takes_behaviour_weights(fn: Callable) -> bool:
+    """True for a loss that wants `is_weights` = pi_old / pi_rollout per token, uncapped (the trainer then passes
+    those, OffPolicyConfig.behaviour_weights, and refuses --use-tis beside it); its `behaviour_weights` attribute
+    (register_policy_loss sets it; a dotted-path loss may set it by hand), False when it has none."""
+    return bool(getattr(fn, "behaviour_weights", False))
 
 
 def declared_metrics(fn: Callable) -> tuple[str, ...]:

@@ -27,6 +27,10 @@ mask becomes 0, so it also leaves the token-mean denominator) when
 
 TIS and MIS compose: a kept token is still weighted by min(r_t, C).
 
+Behaviour weights (--policy-loss decoupled, algorithm/decoupled.py, AReaL's decoupled PPO): the loss gets r_t
+itself, uncapped, as its per-token weight (pi_old is the proximal policy, pi_rollout the behaviour policy) and
+caps it its own way (--behav-weight-cap); it excludes TIS and composes with MIS like TIS.
+
 Metrics (`mismatch/*`, token means over every response token of the step unless said otherwise; they are
 computed with the configured C and T whether or not the correction is switched on, so a run can watch
 them before enabling it):
@@ -79,6 +83,10 @@ class OffPolicyConfig:
     [1/mis_threshold, mis_threshold] (--mis-mode); None = no masking."""
     mis_threshold: float = 2.0
     """T of MIS (--mis-threshold), > 1."""
+    behaviour_weights: bool = False
+    """Pass each token's raw r_t = pi_old / pi_rollout (uncapped) as the loss's is_weights: set when the
+    --policy-loss takes behaviour weights (`loss.takes_behaviour_weights`: --policy-loss decoupled, which caps
+    them itself); excludes use_tis (the same ratio would weight the loss twice)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.tis_cap) and self.tis_cap >= 1.0):
@@ -90,9 +98,14 @@ class OffPolicyConfig:
             raise ValueError(f"mis_threshold (--mis-threshold) must be a finite number > 1, got "
                              f"{self.mis_threshold}")
 
+        if self.use_tis and self.behaviour_weights:
+            raise ValueError("--use-tis weights the loss by min(pi_old / pi_rollout, --tis-cap), and a --policy-loss "
+                             "that takes behaviour weights (decoupled) weights it by pi_old / pi_rollout itself: "
+                             "drop --use-tis (cap the decoupled weights with --behav-weight-cap)")
+
     @property
     def enabled(self) -> bool:
-        return self.use_tis or self.mis_mode is not None
+        return self.use_tis or self.behaviour_weights or self.mis_mode is not None
 
 
 def _log_ratio(old_log_probs: Tensor, rollout_log_probs: Tensor) -> Tensor:
@@ -180,14 +193,16 @@ class Correction:
     """What the loss needs for one [B, S] batch of responses."""
 
     is_weights: Tensor | None
-    """[B, S] detached min(r_t, C) (0 outside mask); None when TIS is off."""
+    """[B, S] detached min(r_t, C) under TIS, r_t under behaviour_weights (0 outside mask); None when both are
+    off."""
     loss_mask: Tensor
     """[B, S] the input mask with MIS-rejected tokens set to 0 (the input mask when MIS is off)."""
 
 
 def off_policy_correction(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
                           config: OffPolicyConfig) -> Correction:
-    """Apply the configured TIS weights and MIS mask to [B, S] responses (module docstring)."""
+    """Apply the configured TIS weights (or the raw behaviour weights r_t) and MIS mask to [B, S] responses
+    (module docstring)."""
     loss_mask = mask
     if config.mis_mode is not None:
         keep = mis_keep_mask(old_log_probs, rollout_log_probs, mask, config.mis_mode, config.mis_threshold)
@@ -195,4 +210,6 @@ def off_policy_correction(old_log_probs: Tensor, rollout_log_probs: Tensor, mask
     weights = None
     if config.use_tis:
         weights = tis_weights(old_log_probs, rollout_log_probs, config.tis_cap) * (mask != 0)
+    elif config.behaviour_weights:
+        weights = torch.exp(_log_ratio(old_log_probs, rollout_log_probs)) * (mask != 0)
     return Correction(is_weights=weights, loss_mask=loss_mask)

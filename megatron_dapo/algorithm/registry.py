@@ -28,6 +28,7 @@ from megatron_dapo.algorithm.loss import (
     PolicyLossConfig,
     PolicyLossOutput,
     declared_metrics,
+    takes_behaviour_weights,
 )
 from megatron_dapo.errors import UserError
 
@@ -71,11 +72,16 @@ def policy_loss_config(name: str = "dapo", **fields) -> PolicyLossConfig:
 
     Raises UserError naming --policy-loss for an unknown name, an unimportable path or a function that does not
     take the signature or return a PolicyLossOutput with a differentiable scalar loss_sum and a scalar denominator
-    on a 2 x 3 CPU trial batch, or whose metrics are not declared (`loss.declared_metrics`: a tuple naming
+    on a 2 x 3 CPU trial batch, --behav-weight-cap for a loss that does not take behaviour weights
+    (`loss.takes_behaviour_weights`), or whose metrics are not declared (`loss.declared_metrics`: a tuple naming
     'tokens', and every metric the trial returns); the loss's own objection to another flag (a ValueError naming
     it, e.g. --loss-agg-mode with grpo) comes back as a UserError with its message."""
     fn = POLICY_LOSSES.resolve(name)
     config = PolicyLossConfig(**fields, name=name.strip(), fn=fn)
+    if config.behav_weight_cap is not None and not takes_behaviour_weights(fn):
+        raise UserError(f"--behav-weight-cap {config.behav_weight_cap} applies to a loss that takes the behaviour "
+                        f"weights (--policy-loss decoupled), not to --policy-loss {config.name!r}; drop it, or cap "
+                        "this loss's weights with --use-tis --tis-cap")
     try:
         declared = declared_metrics(fn)
     except ValueError as err:
