@@ -65,6 +65,8 @@ class FakeState:
         self.in_update = False
         self.weights: dict[str, list] = {}
         self.version = "default"
+        # also answer meta_info.weight_versions (SGLang 0.5.23's per-token version spans); off: older servers
+        self.weight_versions = False
         self.calls: dict[str, int] = {}
         self.rids: list[str] = []
         self.served: list[tuple[str, str]] = []  # (rid, the weight version it was generated with), in arrival order
@@ -96,6 +98,7 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
     epoch = state.abort_epoch
     stops = set(params.get("stop_token_ids", []))
     tokens, reason = [], {"type": "length", "length": params["max_new_tokens"]}
+    labels: list[str] = []  # the weight version each token was generated with
     for k in range(params["max_new_tokens"]):
         if k == 1:
             _hold(state, rid, epoch)
@@ -109,6 +112,7 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
         time.sleep(state.token_delay_s)
         tok = fake_token(prompt, seed, k)
         tokens.append(tok)
+        labels.append(state.version)
         if tok in stops:
             reason = {"type": "stop", "matched": tok}
             break
@@ -117,7 +121,22 @@ def _generate(state: FakeState, body: dict) -> tuple[int, dict]:
         "weight_version": state.version,
         "output_token_logprobs": [[fake_logprob(t), t, None] for t in tokens],
     }
+    if state.weight_versions:
+        meta["weight_versions"] = version_spans(labels, state.version)
+        meta["weight_version"] = meta["weight_versions"][-1]["version"]  # as SGLang: the last span's
     return 200, {"output_ids": tokens, "meta_info": meta}
+
+
+def version_spans(labels: list[str], current: str) -> list[dict]:
+    """SGLang's meta_info.weight_versions for tokens generated with weight versions `labels`: half-open
+    [start, end) spans of equal versions; an empty response has one span [0, 0) of the `current` version."""
+    spans = [{"version": current, "start": 0, "end": 0}] if not labels else []
+    for k, label in enumerate(labels):
+        if spans and spans[-1]["version"] == label:
+            spans[-1]["end"] = k + 1
+        else:
+            spans.append({"version": label, "start": k, "end": k + 1})
+    return spans
 
 
 def _hold(state: FakeState, rid: str, epoch: int) -> None:

@@ -7,7 +7,7 @@ One HTTP request per sample (not `n` in sampling_params): each sample then has i
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -100,6 +100,9 @@ class ParsedOutput:
     served_version: str | None = None
     """meta_info.weight_version as the server reported it ('default' for a server no update reached since its
     launch); None when the response does not say."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version that generated it (from meta_info.weight_versions); empty when every
+    token has the same version or the server does not say (Sample.token_versions)."""
 
 
 def decode_routed_experts(text: Any, shape: RoutingShape) -> torch.Tensor:
@@ -121,11 +124,58 @@ def decode_routed_experts(text: Any, shape: RoutingShape) -> torch.Tensor:
     return torch.from_numpy(flat.reshape(-1, shape.num_layers, shape.top_k).astype(np.int64)).to(shape.dtype)
 
 
+def _span_int(span: dict[str, Any], key: str, i: int) -> int:
+    """Field `key` (start / end) of span `i` of meta_info.weight_versions, an int or a ValueError naming it."""
+    value = span.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"SGLang response: meta_info.weight_versions[{i}].{key} is {value!r}, expected an int")
+    return value
+
+
+def parse_weight_versions(spans: Any, num_tokens: int, served: Any) -> list[int]:
+    """The weight version of each of the `num_tokens` response tokens from SGLang 0.5.23's meta_info.weight_versions
+    (`srt/utils/weight_versions.py`: compute_weight_version_spans, add_weight_versions_to_meta_info): a list of
+    {"version": str, "start": int, "end": int}, half-open [start, end) ranges of output-token indices, in order, the
+    first starting at 0, each starting where the previous ended, the last ending at the number of output tokens;
+    the last span's version is meta_info.weight_version (`served`). Empty when every span has the same version (the
+    caller labels all tokens with meta_info.weight_version, as without the field). Raises ValueError naming the
+    field when the spans do not cover exactly the response tokens, when versions differ and one is not an integer
+    (the 'default' label a server reports until its first update), or when versions decrease."""
+    where = "SGLang response: meta_info.weight_versions"
+    if not isinstance(spans, list) or not spans or not all(isinstance(s, dict) for s in spans):
+        raise ValueError(f"{where} is {spans!r}, expected a non-empty list of {{version, start, end}} objects")
+    bounds = [(_span_int(s, "start", i), _span_int(s, "end", i)) for i, s in enumerate(spans)]
+    if missing := [i for i, s in enumerate(spans) if s.get("version") is None]:
+        raise ValueError(f"{where}[{missing[0]}] has no version")
+    labels = [str(s["version"]) for s in spans]
+    position = 0
+    for i, (start, end) in enumerate(bounds):
+        if start != position or not (end > start or (len(bounds) == 1 and num_tokens == end == 0)):
+            raise ValueError(f"{where}[{i}] covers [{start}, {end}), expected a non-empty span starting at token "
+                             f"{position} (spans {bounds} must cover the {num_tokens} response tokens in order)")
+        position = end
+    if position != num_tokens:
+        raise ValueError(f"{where} covers {position} tokens, but the response has {num_tokens} (spans {bounds})")
+    if served is not None and labels[-1] != str(served):
+        raise ValueError(f"{where} ends with version {labels[-1]!r} but meta_info.weight_version is {served!r}")
+    if len(set(labels)) == 1:
+        return []
+    try:
+        versions = [int(label) for label in labels]
+    except ValueError:
+        raise ValueError(f"{where} has versions {labels}: a token's version is not an integer (a server reports "
+                         f"'default' until its first update), so the tokens cannot be labelled") from None
+    if any(b < a for a, b in zip(versions, versions[1:], strict=False)):
+        raise ValueError(f"{where} has versions {labels}, decreasing within one response")
+    return [v for v, (start, end) in zip(versions, bounds, strict=True) for _ in range(start, end)]
+
+
 def parse_generate_response(body: dict[str, Any], *, routing: RoutingShape | None = None) -> ParsedOutput:
     """Reads output_ids, meta_info.output_token_logprobs ([[logprob, token_id, text], ...]) and
-    meta_info.finish_reason.type ('length' = truncated, 'stop', 'abort'); with `routing` (routed experts were
-    asked for) meta_info.routed_experts too. Raises ValueError on a
-    body that does not follow that shape, naming the field."""
+    meta_info.finish_reason.type ('length' = truncated, 'stop', 'abort'); meta_info.weight_versions when the server
+    sends it (parse_weight_versions: the version then is that of the first token); with `routing` (routed experts
+    were asked for) meta_info.routed_experts too. Raises ValueError on a body that does not follow that shape,
+    naming the field."""
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise ValueError(f"SGLang /generate response has no meta_info: keys {sorted(body)}")
@@ -146,6 +196,11 @@ def parse_generate_response(body: dict[str, Any], *, routing: RoutingShape | Non
         version = int(version) if version is not None else None
     except (TypeError, ValueError):
         version = None  # a server started without --weight-version reports 'default'
+    token_versions: list[int] = []
+    if "weight_versions" in meta:
+        token_versions = parse_weight_versions(meta["weight_versions"], len(ids), meta.get("weight_version"))
+        if token_versions:
+            version = token_versions[0]
     routes = None
     if routing is not None:
         if "routed_experts" not in meta:
@@ -155,7 +210,8 @@ def parse_generate_response(body: dict[str, Any], *, routing: RoutingShape | Non
         routes = decode_routed_experts(meta["routed_experts"], routing)
     served = meta.get("weight_version")
     return ParsedOutput(response_ids=ids, logprobs=logprobs, finish_reason=kind, weight_version=version,
-                        routed_experts=routes, served_version=None if served is None else str(served))
+                        routed_experts=routes, served_version=None if served is None else str(served),
+                        token_versions=token_versions)
 
 
 def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_version: int) -> Sample:
@@ -167,6 +223,7 @@ def to_sample(req: RolloutRequest, index: int, out: ParsedOutput, fallback_versi
         logprobs=out.logprobs,
         finish_reason=out.finish_reason,
         weight_version=out.weight_version if out.weight_version is not None else fallback_version,
+        token_versions=list(out.token_versions),
         routed_experts=out.routed_experts,
     )
 

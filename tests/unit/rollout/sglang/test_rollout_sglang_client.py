@@ -19,7 +19,7 @@ import yaml
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
-from megatron_dapo.rollout.sglang.protocol import generate_payload, parse_generate_response, sample_rid
+from megatron_dapo.rollout.sglang.protocol import generate_payload, parse_generate_response, sample_rid, to_sample
 from megatron_dapo.rollout.sglang.server import ServerConfig
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.weight_sync.buckets import iter_buckets
@@ -69,6 +69,80 @@ def test_payload_and_parsing():
     with pytest.raises(ValueError, match="disagree"):
         parse_generate_response({"output_ids": [1], "meta_info": {"finish_reason": {"type": "stop"},
                                                                   "output_token_logprobs": []}})
+
+
+def _spanned(spans, served, n=4):
+    """A /generate response of `n` tokens with meta_info.weight_versions `spans` and meta_info.weight_version
+    `served`."""
+    ids = list(range(10, 10 + n))
+    return {"output_ids": ids, "meta_info": {
+        "finish_reason": {"type": "length"}, "weight_version": served, "weight_versions": spans,
+        "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+
+
+def _span(version, start, end):
+    return {"version": version, "start": start, "end": end}
+
+
+def test_weight_versions_become_token_versions():
+    """meta_info.weight_versions (SGLang 0.5.23, half-open output-token spans): one version leaves token_versions
+    empty as without the field; a change mid-response labels each token and the sample with its first version."""
+    req = _reqs(1)[0]
+    one = parse_generate_response(_spanned([_span("3", 0, 4)], "3"))
+    assert (one.weight_version, one.token_versions) == (3, [])
+    default = parse_generate_response(_spanned([_span("default", 0, 4)], "default"))
+    assert (default.weight_version, default.token_versions) == (None, [])  # as without the field: the fallback
+    assert to_sample(req, 0, default, 7).versions() == [7] * 4
+    empty = parse_generate_response(_spanned([_span("5", 0, 0)], "5", n=0))
+    assert (empty.weight_version, empty.token_versions, empty.response_ids) == (5, [], [])
+    mid = parse_generate_response(_spanned([_span("3", 0, 1), _span("4", 1, 3), _span("6", 3, 4)], "6"))
+    assert (mid.weight_version, mid.token_versions, mid.served_version) == (3, [3, 4, 4, 6], "6")
+    sample = to_sample(req, 1, mid, 9)
+    assert (sample.weight_version, sample.token_versions, sample.versions()) == (3, [3, 4, 4, 6], [3, 4, 4, 6])
+
+
+@pytest.mark.parametrize(("spans", "served", "match"), [
+    ([_span("3", 0, 3)], "3", r"covers 3 tokens, but the response has 4"),
+    ([_span("3", 0, 5)], "3", r"covers 5 tokens, but the response has 4"),
+    ([_span("3", 1, 4)], "3", r"weight_versions\[0\] covers \[1, 4\)"),
+    ([_span("3", 0, 2), _span("4", 1, 4)], "4", r"weight_versions\[1\] covers \[1, 4\)"),
+    ([_span("3", 0, 2), _span("4", 3, 4)], "4", r"weight_versions\[1\] covers \[3, 4\)"),
+    ([_span("3", 0, 2), _span("4", 2, 2), _span("5", 2, 4)], "5", r"weight_versions\[1\] covers \[2, 2\)"),
+    ([_span("4", 0, 2), _span("3", 2, 4)], "3", r"decreasing"),
+    ([_span("default", 0, 2), _span("1", 2, 4)], "1", r"not an integer"),
+    ([_span("3", 0, 2), _span("4", 2, 4)], "3", r"ends with version '4' but meta_info.weight_version is '3'"),
+    ([_span("3", "0", 4)], "3", r"weight_versions\[0\].start is '0'"),
+    ([{"start": 0, "end": 4}], None, r"weight_versions\[0\] has no version"),
+    ([], "3", r"expected a non-empty list"),
+    ({"version": "3", "start": 0, "end": 4}, "3", r"expected a non-empty list"),
+])
+def test_malformed_weight_versions_are_refused(spans, served, match):
+    """Spans that do not cover exactly the response tokens in order, or whose versions cannot be ordered or
+    decrease, raise naming meta_info.weight_versions: nothing is guessed."""
+    with pytest.raises(ValueError, match=r"meta_info\.weight_versions") as err:
+        parse_generate_response(_spanned(spans, served))
+    assert err.match(match)
+
+
+def test_weight_update_mid_request_labels_tokens_through_the_client(fakes):
+    """A fake server that sends meta_info.weight_versions: a sample held after its first token while the server's
+    version moves 3 -> 4 comes back with token_versions [3, 4, 4, 4]; the one generated after, all 4 (empty)."""
+    for _, state in fakes:
+        state.weight_versions, state.version = True, "3"
+    held = _rids("p0", n=1)
+    _hold(fakes, held)
+    engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes], client=ClientConfig(max_concurrency=4))
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(engine.generate, _reqs(1, n=1, max_new=4))
+        _wait_holding(fakes, held)
+        for _, state in fakes:
+            state.version = "4"
+            state.held -= held
+        [[sample]] = first.result(timeout=60)
+    assert (sample.weight_version, sample.token_versions, len(sample.response_ids)) == (3, [3, 4, 4, 4], 4)
+    [[after]] = engine.generate(_reqs(1, n=1, max_new=4))
+    assert (after.weight_version, after.token_versions, after.versions()) == (4, [], [4] * 4)
+    engine.shutdown()
 
 
 def test_buckets_bound_size_split_dtype_and_roundtrip():
