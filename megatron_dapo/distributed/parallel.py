@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dapo.flag_field import flag_field
+from megatron_dapo.flag_field import flag_field, flag_name
 from megatron_dapo.models.hf_config import ModelArch
 
 VOCAB_DIVISIBLE_BY = 128
@@ -244,15 +244,20 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             )
 
 
+def uneven_end_stages(layout: ParallelLayout) -> dict[str, int]:
+    """The end stages an uneven pipeline sets, flag -> layers, first then last, only those given (empty: every stage
+    holds num_layers / PP)."""
+    return {flag_name(ParallelLayout, name): n for name in ("layers_in_first_stage", "layers_in_last_stage")
+            if (n := getattr(layout, name)) is not None}
+
+
 def stage_layer_counts(num_layers: int, layout: ParallelLayout) -> list[int]:
     """Decoder layers of each pipeline stage (all its chunks together): --decoder-first-pipeline-num-layers /
     --decoder-last-pipeline-num-layers on the first / last stage where given, the layers left cut evenly over the
     other stages (megatron-core's get_num_layers_to_build); num_layers / PP each without them. Raises ValueError
     naming the flags when the layers do not cut so (megatron-core's TransformerConfig checks, plus a negative
     remainder, which megatron-core lets through)."""
-    ends = {flag: n for flag, n in (("--decoder-first-pipeline-num-layers", layout.layers_in_first_stage),
-                                     ("--decoder-last-pipeline-num-layers", layout.layers_in_last_stage))
-            if n is not None}
+    ends = uneven_end_stages(layout)
     if not ends:
         if num_layers % layout.pp:
             raise ValueError(

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import TextIO
 
-from megatron_dapo.distributed.parallel import ParallelLayout, stage_layer_counts
+from megatron_dapo.distributed.parallel import ParallelLayout, stage_layer_counts, uneven_end_stages
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner.activations import (
     ActivationSpec,
@@ -155,9 +155,7 @@ def _layers_per_stage(arch: ModelArch, layout: ParallelLayout) -> str:
     counts = stage_layer_counts(arch.num_layers, layout)
     if len(set(counts)) == 1:
         return f"{counts[0]} layers per stage"
-    flags = " / ".join(flag for flag, n in (("--decoder-first-pipeline-num-layers", layout.layers_in_first_stage),
-                                            ("--decoder-last-pipeline-num-layers", layout.layers_in_last_stage))
-                       if n is not None)
+    flags = " / ".join(uneven_end_stages(layout))
     return f"{'/'.join(map(str, counts))} layers on stages 0..{layout.pp - 1} ({flags})"
 
 
