@@ -781,9 +781,12 @@ class SGLangEngine(RolloutEngine):
         A restarted server reports its launch weight_version at /model_info instead of the one pushed last,
         and is not in the broadcast group: pushing to it would hang the group's collective. One GET per
         server before each update, and whenever a /generate response reports another weight version than the
-        one pushed last (`_served_stale`: such a server's samples are generated again) (16 at 32B)."""
+        one pushed last (`_served_stale`: such a server's samples are generated again) (16 at 32B). A server
+        whose recovery started while its GET was out is left out: that recovery re-syncs it to the version pushed
+        last, and a second one would count one restart twice (two stale responses checked at once)."""
         if self._version == 0:
             return []
+        losses = list(self.losses)
 
         async def lost(i: int) -> bool:
             try:
@@ -796,7 +799,7 @@ class SGLangEngine(RolloutEngine):
 
         serving = self.serving()
         flags = await asyncio.gather(*(lost(i) for i in serving))
-        return [i for i, f in zip(serving, flags, strict=True) if f]
+        return [i for i, f in zip(serving, flags, strict=True) if f and self.losses[i] == losses[i]]
 
     async def _start_recoveries(self, servers: Iterable[int]) -> None:
         for i in sorted(servers):

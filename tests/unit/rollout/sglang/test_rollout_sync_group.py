@@ -206,3 +206,29 @@ def test_samples_from_a_server_restarted_unseen_are_generated_again_and_it_is_re
         engine.shutdown()
         if back is not None:
             kill(*back)
+
+
+def test_a_restart_found_by_two_checks_at_once_is_recovered_once(mixed):
+    """Two stale responses checked at once both read server 0's launch version at /model_info; the first check's
+    recovery starts (and may finish) while the second's GET is out. The second check leaves server 0 to that
+    recovery: one restart is one loss (CI saw rollout/servers_lost == 2 for one restart on a loaded machine)."""
+    engine = _attach(mixed, "distributed")
+    back = None
+    try:
+        back = _restart_server0_unseen(engine, mixed)
+        assert engine._call(engine._lost_unseen(), 30) == [0]  # the restart is found: the check sees it
+        real_get = engine._http.get
+
+        async def get_while_recovered(url, *args, **kwargs):
+            resp = await real_get(url, *args, **kwargs)
+            engine.losses[0] += 1  # another check's recovery of server 0 started after this GET was answered
+            return resp
+
+        engine._http.get = get_while_recovered
+        assert engine._call(engine._lost_unseen(), 30) == []
+        engine._http.get = real_get
+        assert engine._call(engine._lost_unseen(), 30) == [0]  # no recovery ran in between: found again
+    finally:
+        engine.shutdown()
+        if back is not None:
+            kill(*back)
