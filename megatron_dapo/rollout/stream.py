@@ -1,4 +1,4 @@
-"""Fully asynchronous rollout: the scheduling rules, as a pure state machine (--max-staleness K, issue 41).
+"""Fully asynchronous rollout: the scheduling rules, as a pure state machine (max staleness K, issue 41).
 
 `StreamScheduler` holds no engine, thread or clock: a driver tells it what was submitted and what finished,
 asks it how many groups to submit and takes the batches it hands over. The threaded manager and the
@@ -36,7 +36,7 @@ from typing import Any
 from megatron_dapo.algorithm.dynamic_sampling import KEEP_RATE_FLOOR, group_is_informative
 
 STALE_POLICIES: tuple[str, ...] = ("drop", "regenerate")
-"""--stale-policy choices."""
+"""StreamConfig.stale_policy choices."""
 STATE_VERSION = 1
 """Layout version of `StreamScheduler.state_dict()`."""
 
@@ -49,7 +49,7 @@ class StreamConfig:
     batch_groups: int
     """B: kept groups per training batch (--rollout-batch-size)."""
     max_staleness: int
-    """K: the most weight versions a trained token may lag the actor that trains it (--max-staleness)."""
+    """K: the most weight versions a trained token may lag the actor that trains it."""
     n_samples: int
     """G: responses per prompt (--n-samples-per-prompt)."""
     dynamic_sampling: bool = True
@@ -57,7 +57,7 @@ class StreamConfig:
     over_sample_factor: float = 1.0
     """Multiplies the in-flight target (--over-sample-factor)."""
     stale_policy: str = "drop"
-    """What happens to a group with a token staler than K at its decision (--stale-policy)."""
+    """What happens to a group with a token staler than K at its decision (STALE_POLICIES)."""
     first_train_version: int = 0
     """Actor version the first handed-over batch is trained at: 0 in a fresh run, k after a resume at step k."""
 
@@ -65,7 +65,7 @@ class StreamConfig:
         if self.batch_groups < 1:
             raise ValueError(f"--rollout-batch-size must be >= 1, got {self.batch_groups}")
         if self.max_staleness < 1:
-            raise ValueError(f"--max-staleness must be >= 1 (weight versions a trained token may lag the actor), "
+            raise ValueError(f"max_staleness must be >= 1 (weight versions a trained token may lag the actor), "
                              f"got {self.max_staleness}")
         if self.n_samples < 1:
             raise ValueError(f"--n-samples-per-prompt must be >= 1, got {self.n_samples}")
@@ -75,7 +75,7 @@ class StreamConfig:
         if self.over_sample_factor < 1.0:
             raise ValueError(f"--over-sample-factor must be >= 1, got {self.over_sample_factor}")
         if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         if self.first_train_version < 0:
             raise ValueError(f"first_train_version must be >= 0, got {self.first_train_version}")
 
@@ -170,7 +170,9 @@ class StreamScheduler:
         self._batches: list[HandedBatch] = []
         """Handed over, not taken."""
         self._handed = 0
+        self._in_flight = 0
         self._regenerate: list[Regenerate] = []
+        self._decisions: list[tuple[Any, str]] = []
         self.decided = 0
         self.kept = 0
         self.counts: dict[str, float] = dict.fromkeys(_COUNTS, 0.0)
@@ -180,7 +182,7 @@ class StreamScheduler:
     @property
     def in_flight(self) -> int:
         """Groups submitted whose results have not come back."""
-        return sum(1 for g in self._groups.values() if g.samples is None)
+        return self._in_flight
 
     @property
     def ready(self) -> int:
@@ -204,8 +206,16 @@ class StreamScheduler:
         seq = self._next_seq
         self._next_seq += 1
         self._groups[seq] = _Group(key=key, submit_version=int(version))
+        self._in_flight += 1
         self.counts["stream/submitted_groups"] += 1
         return seq
+
+    def take_decisions(self) -> list[tuple[Any, str]]:
+        """(key, outcome) of every group decided since the last call, in decision order: 'kept' (its batch is or
+        will be handed over), 'filtered' (dynamic sampling), 'dropped' (stale), 'regenerate' (some samples sent
+        again: `take_regenerations`). The driver frees a filtered or dropped group's samples."""
+        out, self._decisions = self._decisions, []
+        return out
 
     def take_regenerations(self) -> list[Regenerate]:
         """The regenerate policy's resubmissions since the last call (already counted in flight)."""
@@ -225,6 +235,7 @@ class StreamScheduler:
                              f"{self.config.n_samples} of each")
         group.samples = [check_spans(s, f"group {seq} sample {i}") for i, s in enumerate(samples)]
         group.accs = [bool(a) for a in accs]
+        self._in_flight -= 1
         self.counts["stream/generated_tokens"] += sum(tokens(s) for i, s in enumerate(group.samples)
                                                        if i not in group.kept_samples)
         while self._next_decision in self._groups and self._groups[self._next_decision].samples is not None:
@@ -242,21 +253,26 @@ class StreamScheduler:
             if c.stale_policy == "drop":
                 self.counts["rollout/stale_dropped_groups"] += 1
                 self.counts["rollout/discarded_tokens"] += group_tokens
+                self._decisions.append((group.key, "dropped"))
                 return
             new_seq = self._next_seq
             self._next_seq += 1
             kept = {i: s for i, s in enumerate(group.samples) if i not in stale}
             self._groups[new_seq] = _Group(key=group.key, submit_version=group.submit_version, kept_samples=kept)
+            self._in_flight += 1
             self._regenerate.append(Regenerate(seq=new_seq, key=group.key, samples=tuple(stale)))
             self.counts["rollout/regenerated_groups"] += 1
             self.counts["rollout/regenerated_tokens"] += sum(tokens(group.samples[i]) for i in stale)
+            self._decisions.append((group.key, "regenerate"))
             return
         self.decided += 1
         if c.dynamic_sampling and not group_is_informative(group.accs):
             self.counts["rollout/filtered_groups"] += 1
             self.counts["rollout/filtered_tokens"] += group_tokens
+            self._decisions.append((group.key, "filtered"))
             return
         self.kept += 1
+        self._decisions.append((group.key, "kept"))
         self.counts["rollout/kept_tokens"] += group_tokens
         self._building.append(group.key)
         for s in group.samples:
@@ -302,6 +318,7 @@ class StreamScheduler:
                          "staleness_tokens": {str(d): n for d, n in b.staleness_tokens.items()}}
                         for b in self._batches],
             "regenerate": [{"seq": r.seq, "key": r.key, "samples": list(r.samples)} for r in self._regenerate],
+            "decisions": [[key, outcome] for key, outcome in self._decisions],
         }
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
@@ -323,6 +340,8 @@ class StreamScheduler:
                          for b in data["batches"]]
         self._regenerate = [Regenerate(seq=int(r["seq"]), key=r["key"], samples=tuple(r["samples"]))
                             for r in data["regenerate"]]
+        self._in_flight = sum(1 for g in self._groups.values() if g.samples is None)
+        self._decisions = [(key, str(outcome)) for key, outcome in data["decisions"]]
 
 
 _COUNTS = ("stream/submitted_groups", "stream/generated_tokens", "rollout/kept_tokens", "rollout/filtered_tokens",

@@ -43,7 +43,7 @@ def _reference(rng: random.Random, count: int, config: StreamConfig):
     train version of the batch being built being the count of batches handed before it. Each group's tokens are
     generated at versions up to that train version (the engine never runs ahead of the actor), its first token
     lagging by 0 to K + 2 versions (a long-running group), versions non-decreasing along each response."""
-    groups, batches, building, dropped = [], [], [], []
+    groups, batches, building, dropped, outcomes = [], [], [], [], {}
     for key in range(count):
         train_version = config.first_train_version + len(batches)
         start = max(0, train_version - rng.choice([0, 0, 1, config.max_staleness, config.max_staleness + 2]))
@@ -58,21 +58,24 @@ def _reference(rng: random.Random, count: int, config: StreamConfig):
         groups.append((key, samples, accs))
         if any(oldest(s) is not None and train_version - oldest(s) > config.max_staleness for s in samples):
             dropped.append(key)
+            outcomes[key] = "dropped"
             continue
         if config.dynamic_sampling and all(accs) == any(accs):
+            outcomes[key] = "filtered"
             continue
+        outcomes[key] = "kept"
         building.append(key)
         if len(building) == config.batch_groups:
             batches.append(building)
             building = []
-    return groups, batches, dropped
+    return groups, batches, dropped, outcomes
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_batches_do_not_depend_on_completion_order_and_match_the_reference(seed):
     rng = random.Random(seed)
     config = _config(batch_groups=3, max_staleness=1 + seed % 3, n_samples=3)
-    groups, expected, dropped = _reference(rng, 60, config)
+    groups, expected, dropped, outcomes = _reference(rng, 60, config)
     assert expected and dropped, "the case needs full batches and stale groups"
     for order_seed in range(3):
         s = StreamScheduler(config)
@@ -87,6 +90,7 @@ def test_batches_do_not_depend_on_completion_order_and_match_the_reference(seed)
         assert [b.keys for b in handed] == expected
         assert [b.train_version for b in handed] == list(range(len(expected)))
         assert s.take_counts()["rollout/stale_dropped_groups"] == len(dropped)
+        assert dict(s.take_decisions()) == outcomes  # every group decided once, as the reference decides it
         for b in handed:  # every trained token within the bound
             assert max(b.staleness_tokens) <= config.max_staleness
 
@@ -132,14 +136,14 @@ def test_regenerate_resubmits_only_the_stale_samples_at_the_end_of_the_order():
 def test_state_round_trip_continues_identically():
     rng = random.Random(7)
     config = _config(batch_groups=3, max_staleness=2, n_samples=3, stale_policy="regenerate")
-    groups, _, _ = _reference(rng, 40, config)
+    groups, _, _, _ = _reference(rng, 40, config)
 
     def run(restore_at: int | None):
         s = StreamScheduler(config)
         seqs = [s.submit(key, 0) for key, _, _ in groups]
         order = list(range(len(groups)))
         random.Random(1).shuffle(order)
-        handed, regens = [], []
+        handed, regens, decisions = [], [], []
         for step, i in enumerate(order):
             if step == restore_at:
                 state = torch.load(_save(s.state_dict()), weights_only=True)  # plain types: no pickled class
@@ -147,9 +151,10 @@ def test_state_round_trip_continues_identically():
                 s.load_state_dict(state)
             s.complete(seqs[i], groups[i][1], groups[i][2])
             regens += s.take_regenerations()
+            decisions.append(s.take_decisions())
             while (b := s.pop_batch()) is not None:
                 handed.append((b.keys, b.train_version, b.staleness_tokens))
-        return handed, regens
+        return handed, regens, decisions
 
     baseline = run(None)
     assert baseline[0] and baseline[1]
@@ -166,9 +171,9 @@ def _save(obj):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="--max-staleness must be >= 1"):
+    with pytest.raises(ValueError, match="max_staleness must be >= 1"):
         _config(max_staleness=0)
-    with pytest.raises(ValueError, match="--stale-policy must be one of"):
+    with pytest.raises(ValueError, match="stale_policy must be one of"):
         _config(stale_policy="truncate")
     with pytest.raises(ValueError, match="dynamic sampling needs --n-samples-per-prompt >= 2"):
         _config(n_samples=1)
