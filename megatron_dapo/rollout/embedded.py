@@ -5,6 +5,12 @@ from the raw fp32 logits of the very forward pass that produced it, the quantity
 reports and the actor recomputes. Prompts are left-padded so every row's next token sits in the last
 column; rows leave the batch (and the KV cache) as soon as they stop, so short answers cost nothing.
 
+A weight update while rows are live (`update_weights` called between two yields of `stream`, as a fully async push
+lands mid-generation) is applied as SGLang's retract pause does it (docs/ASYNC.md): before the next token, every
+live row's KV cache is recomputed from its prompt and the tokens it has generated, under the new weights; so each
+token's log-prob comes from one set of weights, and `Sample.token_versions` says which (the version of the forward
+pass that produced the token's logits).
+
 With `record_routing` (--moe-routing-replay on an MoE model) a forward hook on each MoE layer's router (HF's
 `mlp.gate`, whose forward returns (logits, scores, top-k indices)) keeps the experts every fed-in token was routed
 to, what SGLang's return_routed_experts gives: Sample.routed_experts, rows for prompt + response - 1 tokens.
@@ -44,7 +50,10 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     routes: list[torch.Tensor] = field(default_factory=list)
-    """record_routing: [tokens, num_layers, top_k] per forward pass this row took part in (prompt, then one a token)."""
+    """record_routing: [tokens, num_layers, top_k] per forward pass this row took part in (prompt, then one a token;
+    after a weight update, one for prompt + response re-prefilled, replacing the earlier ones)."""
+    versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version of the forward pass that produced its logits."""
 
 
 def _family(model_type: Any, where: str) -> ModelFamily:
@@ -262,6 +271,7 @@ class EmbeddedEngine(RolloutEngine):
             logprobs=row.logprobs,
             finish_reason=row.finish or "abort",
             weight_version=row.weight_version if row.weight_version >= 0 else self._version,
+            token_versions=list(row.versions) if len(set(row.versions)) > 1 else [],
             # every fed-in token's row: the prompt's, then each sampled token but the last (never fed back)
             routed_experts=torch.cat(row.routes)[: len(row.req.prompt_ids) + len(row.response) - 1]
             if row.routes else None,
@@ -279,30 +289,12 @@ class EmbeddedEngine(RolloutEngine):
                 live.append(row)
         if not live:
             return
-        lengths = [len(r.req.prompt_ids) for r in live]
-        width = max(lengths)
-        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(live), width), dtype=torch.long)
-        for i, row in enumerate(live):
-            ids[i, width - lengths[i] :] = torch.tensor(row.req.prompt_ids)
-            mask[i, width - lengths[i] :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        position = (mask.cumsum(dim=1) - 1).clamp_min(0)
         params = [r.req.sampling for r in live]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
         top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        with self._recording() as picked:
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
-                use_cache=True, logits_to_keep=1,
-            )
-        if picked:  # [b * width, L, K] -> each row's own (unpadded) prompt positions
-            routes = picked[0].view(len(live), width, *picked[0].shape[1:])
-            for i, row in enumerate(live):
-                row.routes.append(routes[i, width - lengths[i]:])
-        last_pos = position[:, -1]
+        out, cache, mask, last_pos = self._prefill(live, [list(r.req.prompt_ids) for r in live])
+        forward_version = self._version
         for row in live:
             row.weight_version = self._version
         while True:
@@ -314,6 +306,7 @@ class EmbeddedEngine(RolloutEngine):
                 tok = int(tokens[i])
                 row.response.append(tok)
                 row.logprobs.append(float(chosen_lp[i]))
+                row.versions.append(forward_version)
                 if tok in row.stop_ids:
                     row.finish = "stop"
                 elif len(row.response) >= row.req.sampling.max_new_tokens:
@@ -336,6 +329,11 @@ class EmbeddedEngine(RolloutEngine):
                 live = [live[i] for i in keep]
                 tokens, mask, last_pos = tokens[index], mask[index], last_pos[index]
                 temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
+            if self._version != forward_version:  # weights updated during the yields: retract, re-prefill
+                out, cache, mask, last_pos = self._prefill(live, [list(r.req.prompt_ids) + r.response for r in live],
+                                                           replace_routes=True)
+                forward_version = self._version
+                continue
             mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
             last_pos = last_pos + 1
             with self._recording() as picked:
@@ -346,6 +344,33 @@ class EmbeddedEngine(RolloutEngine):
             if picked:
                 for i, row in enumerate(live):
                     row.routes.append(picked[0][i : i + 1])
+
+    def _prefill(self, live: list[_Row], sequences: list[list[int]], replace_routes: bool = False):
+        """One forward pass over `sequences` (a row's prompt, or prompt + response after a weight update), left
+        padded into a fresh KV cache. Returns (output with the last position's logits, cache, attention mask
+        [b, width], each row's last position [b]); records each row's routes for those tokens."""
+        lengths = [len(seq) for seq in sequences]
+        width = max(lengths)
+        ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(live), width), dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            ids[i, width - lengths[i]:] = torch.tensor(seq)
+            mask[i, width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        position = (mask.cumsum(dim=1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        with self._recording() as picked:
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+                use_cache=True, logits_to_keep=1,
+            )
+        if picked:  # [b * width, L, K] -> each row's own (unpadded) positions
+            routes = picked[0].view(len(live), width, *picked[0].shape[1:])
+            for i, row in enumerate(live):
+                if replace_routes:
+                    row.routes.clear()
+                row.routes.append(routes[i, width - lengths[i]:])
+        return out, cache, mask, position[:, -1]
 
     @contextlib.contextmanager
     def _recording(self) -> Iterator[list[torch.Tensor]]:

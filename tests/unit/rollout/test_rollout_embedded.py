@@ -286,3 +286,35 @@ def test_loads_hf_directory(tmp_path, model0):
     reqs = _requests(_prompts(2), 1, SamplingParams(max_new_tokens=5, temperature=0.0))
     ref = EmbeddedEngine(model0).generate(reqs)
     assert [g[0].response_ids for g in engine.generate(reqs)] == [g[0].response_ids for g in ref]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["t1", "greedy"])
+def test_an_update_mid_stream_recomputes_the_live_rows_cache_under_the_new_weights(model0, temperature):
+    """A push lands while rows are generating (a fully async push; SGLang's retract pause): the rows go on with
+    their KV recomputed under the new weights, so every token's log-prob is one model's teacher-forced log-prob
+    (the old model's before the update, the new one's after) and token_versions says which. Keeping the old K/V
+    (in place) would give the new model's tokens over the old model's prefix K/V: neither reference."""
+    model1 = _hf_model(1)
+    engine = make_engine("embedded", CFG, state_dict=_state(model0))  # its own copy: model0 stays the reference
+    short = RolloutRequest(prompt_ids=[5, 6, 7], n=1, request_id="short",
+                           sampling=SamplingParams(max_new_tokens=3, temperature=temperature, seed=11))
+    long = RolloutRequest(prompt_ids=[8, 9, 10, 11], n=2, request_id="long",
+                          sampling=SamplingParams(max_new_tokens=10, temperature=temperature, seed=12))
+    groups = {}
+    for group in engine.stream([short, long]):
+        if not groups:  # 'short' ends after 3 tokens: the push lands between decode steps 3 and 4 of 'long'
+            assert group[0].request_id == "short" and len(group[0].response_ids) == 3
+            engine.update_weights(model1.named_parameters(), version=1)
+        groups[group[0].request_id] = group
+    for s in groups["long"]:
+        assert len(s.response_ids) > 3, "the case needs tokens after the update"
+        assert s.weight_version == 0 and s.token_versions == [0] * 3 + [1] * (len(s.response_ids) - 3)
+        old = _teacher_forced_logprobs(model0, s.prompt_ids, s.response_ids)[:3]
+        new = _teacher_forced_logprobs(model1, s.prompt_ids, s.response_ids)[3:]
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.cat([old, new]))
+        if temperature == 0.0:  # greedy: each token after the update is the new model's argmax
+            with torch.no_grad():
+                logits = model1(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
+            argmax = logits[len(s.prompt_ids) - 1:-1].argmax(-1).tolist()
+            assert s.response_ids[3:] == argmax[3:]
+    assert groups["short"][0].token_versions == []  # one version: the field stays empty
