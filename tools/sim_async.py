@@ -47,6 +47,9 @@ from megatron_dapo.simulate.schedules import (  # noqa: E402
 )
 from megatron_dapo.simulate.servers import ServerModel  # noqa: E402
 
+HOST_BYTES_PER_TOKEN = 12
+"""Rank 0's host bytes per token of a finished group waiting to be trained, packed as partial rollout's carried state
+is (int32 id, fp32 log-prob, int32 version); Python lists of Samples cost ~6x that."""
 H100_TP4 = ServerModel(t0=0.008, t1=0.000135, max_running=160, prefill_tps=25_000.0)
 
 
@@ -72,24 +75,27 @@ def run_all(args: argparse.Namespace) -> list[Result]:
 
     out.append(best(sync_split))
     out.append(best(one_step_off))
+    slack = None if args.uncapped else args.in_flight_slack
     for k in (1, 2, 4):
-        out.append(best(fully_async, max_staleness=k))
+        out.append(best(fully_async, max_staleness=k, in_flight_slack=slack))
     return out
 
 
 def table(results: list[Result]) -> str:
     """One line a schedule; GPU-hours relative to verl's recipe (the first) and to our synchronous colocated run
-    (the second)."""
+    (the second); host GB: the peak of finished groups' tokens held on rank 0, packed."""
     verl, ours = results[0].gpu_hours_per_1k, results[1].gpu_hours_per_1k
     lines = [f"{'schedule':<28} {'s/step':>7} {'GPU-h/1k resp':>13} {'vs verl':>8} {'vs sync coloc':>13} "
-             f"{'server idle':>11}  staleness (share of tokens at 0, 1, ...)   push hold"]
+             f"{'server idle':>11}  staleness (share of tokens at 0, 1, ...)   push hold  host GB"]
     for r in results:
         idle = "-" if r.server_idle is None else f"{r.server_idle:.1%}"
         stale = " ".join(f"{d}:{v:.2f}" for d, v in r.staleness.items())
         hold = f"{r.extra['hold_s']:.0f} s" if "hold_s" in r.extra else ""
+        peak = r.extra.get("peak_host_tokens")
+        host = "" if peak is None else f"{peak * HOST_BYTES_PER_TOKEN / 1e9:.1f}"
         lines.append(f"{r.name:<28} {r.seconds_per_step:>7.0f} {r.gpu_hours_per_1k:>13.2f} "
                      f"{r.gpu_hours_per_1k / verl:>7.2f}x {r.gpu_hours_per_1k / ours:>12.2f}x {idle:>11}  "
-                     f"{stale:<40}   {hold}")
+                     f"{stale:<40}   {hold:>9}  {host:>7}")
     return "\n".join(lines)
 
 
@@ -104,6 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--push-s", type=float, default=14.2)
     parser.add_argument("--switch-s", type=float, default=30.0)
     parser.add_argument("--in-place", action="store_true", help="pushes pause in_place (no re-prefill)")
+    parser.add_argument("--in-flight-slack", type=float, default=1.25,
+                        help="fully async: groups in flight at most this x the servers' capacity")
+    parser.add_argument("--uncapped", action="store_true",
+                        help="fully async: no cap on groups in flight (K x B / keep rate alone)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="1/8 of the batch and of the GPUs")
     args = parser.parse_args(argv)

@@ -60,6 +60,10 @@ class StreamConfig:
     """What happens to a group with a token staler than K at its decision (STALE_POLICIES)."""
     first_train_version: int = 0
     """Actor version the first handed-over batch is trained at: 0 in a fresh run, k after a resume at step k."""
+    max_in_flight: int | None = None
+    """Cap on the groups in flight (None: none). Past the servers' capacity (servers x running requests per server
+    / G) a submitted group only queues, and grows staler before its first token: the driver sets this from the
+    servers it has (docs/BENCHMARKS.md, "Fully async at the production setting", measures the difference)."""
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1:
@@ -78,6 +82,8 @@ class StreamConfig:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
         if self.first_train_version < 0:
             raise ValueError(f"first_train_version must be >= 0, got {self.first_train_version}")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1 group (or None), got {self.max_in_flight}")
 
 
 def check_spans(spans: Sequence[Sequence[int]], where: str) -> Spans:
@@ -194,12 +200,15 @@ class StreamScheduler:
         return self.kept / self.decided if self.decided else 1.0
 
     def want(self) -> int:
-        """New groups to submit now: the in-flight target ceil(factor x (K x B - ready) / rate) minus the groups
-        in flight (regenerations count as in flight)."""
+        """New groups to submit now: the in-flight target ceil(factor x (K x B - ready) / rate), at most
+        max_in_flight, minus the groups in flight (regenerations count as in flight)."""
         c = self.config
         need = max(0, c.max_staleness * c.batch_groups - self.ready)
         rate = max(self.keep_rate, KEEP_RATE_FLOOR)
-        return max(0, math.ceil(c.over_sample_factor * need / rate) - self.in_flight)
+        target = math.ceil(c.over_sample_factor * need / rate)
+        if c.max_in_flight is not None:
+            target = min(target, c.max_in_flight)
+        return max(0, target - self.in_flight)
 
     def submit(self, key: Any, version: int) -> int:
         """A new group `key` was submitted while the engine served `version`; returns its sequence number."""

@@ -290,15 +290,19 @@ class _Flight:
 
 
 def fully_async(w: Workload, hw: Hardware, *, gen_gpus: int, train_gpus: int, max_staleness: int, steps: int,
-                warmup: int, stale_policy: str = "drop") -> Result:
+                warmup: int, stale_policy: str = "drop", in_flight_slack: float | None = 1.25) -> Result:
     """The StreamScheduler with `gen_gpus / server_gpus` servers and a trainer on `train_gpus`: the trainer takes
-    each batch the moment it is handed over (when free), trains, then pushes while the servers generate."""
+    each batch the moment it is handed over (when free), trains, then pushes while the servers generate.
+    `in_flight_slack`: groups in flight capped at slack x the servers' capacity (servers x max_running / G);
+    None: no cap (the K x B / keep-rate target alone)."""
     if not 0 <= warmup < steps:
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
     pool = ServerPool(hw.server, gen_gpus // hw.server_gpus)
+    cap = None if in_flight_slack is None else \
+        max(1, math.ceil(in_flight_slack * len(pool.servers) * hw.server.max_running / w.n_samples))
     sched = StreamScheduler(StreamConfig(batch_groups=w.batch_groups, max_staleness=max_staleness,
                                          n_samples=w.n_samples, over_sample_factor=w.over_sample_factor,
-                                         stale_policy=stale_policy))
+                                         stale_policy=stale_policy, max_in_flight=cap))
     counter = _prompts()
     flights: dict[int, _Flight] = {}
     tokens_of: dict[int, int] = {}  # prompt index -> prompt + response tokens of its finished group

@@ -84,3 +84,21 @@ def test_fully_async_trains_every_token_within_k_and_no_faster_than_its_trainer(
     floor = 8 * 4 * 21 / hw.train_tokens_per_gpu_s + hw.step_overhead_s + hw.push_s
     assert r.seconds_per_step >= floor
     assert 0.0 <= r.server_idle < 1.0 and r.extra["generated_per_kept_token"] >= 1.0
+
+
+def test_the_tool_prints_every_schedule_against_verls_recipe(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "tools" / "sim_async.py"
+    spec = importlib.util.spec_from_file_location("sim_async", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--quick", "--steps", "3", "--warmup", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    names = [ln.split("  ")[0].rsplit(" ", 1)[0] for ln in lines[1:8]]  # without the GPUs (the best split)
+    assert names == ["verl recipe colocated", "sync colocated", "sync split", "one-step-off", "fully async K=1",
+                     "fully async K=2", "fully async K=4"]
+    assert " 1.00x " in lines[1]  # verl's recipe is the baseline
+    with pytest.raises(SystemExit):
+        tool.main(["--steps", "3", "--warmup", "3"])

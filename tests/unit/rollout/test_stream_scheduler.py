@@ -32,6 +32,16 @@ def test_in_flight_target_is_k_batches_of_kept_groups_over_the_keep_rate():
     assert s.want() == 18 - 8
 
 
+def test_in_flight_cap_bounds_the_target_and_refills_as_groups_finish():
+    s = StreamScheduler(_config(batch_groups=4, max_staleness=2, max_in_flight=3))
+    seqs = [s.submit(i, 0) for i in range(s.want())]
+    assert len(seqs) == 3 and s.want() == 0  # the uncapped target would be 8
+    s.complete(seqs[0], [((0, 1),)] * 2, MIXED)
+    assert s.want() == 1
+    with pytest.raises(ValueError, match="max_in_flight must be >= 1"):
+        _config(max_in_flight=0)
+
+
 def test_keep_rate_zero_is_floored_not_infinite():
     s = StreamScheduler(_config(batch_groups=1, max_staleness=1))
     s.complete(s.submit(0, 0), [((0, 1),)] * 2, ALL_RIGHT)
