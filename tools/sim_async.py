@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     results = run_all(args)
     print(table(results))
+    k2 = results[5]  # fully async K=2: its generated tokens (kept, filtered and dropped groups) per step
+    trained = k2.extra["kept_tokens_per_step"] + k2.responses_per_step * Workload().prompt_tokens
+    bound = hardware(args).work_bound_s(k2.extra["generated_tokens_per_step"], trained, k2.gpus)
+    print(f"work bound (every GPU busy, K=2's generated tokens, {trained / 1e6:.0f} M trained): {bound:.0f} s/step, "
+          f"{k2.gpus * bound / 3600 / (k2.responses_per_step / 1000):.2f} GPU-h/1k responses, "
+          f"{k2.gpus * bound / 3600 / (k2.responses_per_step / 1000) / results[0].gpu_hours_per_1k:.2f}x verl's "
+          f"recipe")
     for r in results:
         extra = {k: round(v, 2) for k, v in r.extra.items()}
         print(f"  {r.name}: {extra}")

@@ -86,6 +86,14 @@ class Hardware:
     def train_s(self, tokens: int, gpus: int) -> float:
         return tokens / (self.train_tokens_per_gpu_s * gpus) + self.step_overhead_s
 
+    def work_bound_s(self, generated: float, trained: float, gpus: int) -> float:
+        """Seconds a step takes with every GPU busy all the time: `generated` response tokens at the servers'
+        full-load decode rate, `trained` tokens at the actor's rate, on `gpus` GPUs, plus the step's overhead.
+        No schedule beats it; how close one gets is what scheduling buys."""
+        m = self.server
+        decode_per_gpu = m.max_running / m.iteration_s(m.max_running) / self.server_gpus
+        return (generated / decode_per_gpu + trained / self.train_tokens_per_gpu_s) / gpus + self.step_overhead_s
+
 
 @dataclass
 class Result:
@@ -384,4 +392,6 @@ def fully_async(w: Workload, hw: Hardware, *, gen_gpus: int, train_gpus: int, ma
                          "peak_host_tokens": float(peak_held),
                          "stale_dropped_groups": counts.get("rollout/stale_dropped_groups", 0.0) / steps,
                          "generated_per_kept_token": counts.get("stream/generated_tokens", 0.0)
-                         / max(1.0, counts.get("rollout/kept_tokens", 0.0))})
+                         / max(1.0, counts.get("rollout/kept_tokens", 0.0)),
+                         "generated_tokens_per_step": counts.get("stream/generated_tokens", 0.0) / steps,
+                         "kept_tokens_per_step": counts.get("rollout/kept_tokens", 0.0) / steps})

@@ -100,5 +100,7 @@ def test_the_tool_prints_every_schedule_against_verls_recipe(capsys):
     assert names == ["verl recipe colocated", "sync colocated", "sync split", "one-step-off", "fully async K=1",
                      "fully async K=2", "fully async K=4"]
     assert " 1.00x " in lines[1]  # verl's recipe is the baseline
+    bound = float(next(ln for ln in lines if ln.startswith("work bound")).split(": ")[1].split(" s/step")[0])
+    assert float(lines[6].split()[4]) >= bound  # fully async K=2 takes no less than every GPU busy all the time
     with pytest.raises(SystemExit):
         tool.main(["--steps", "3", "--warmup", "3"])
