@@ -104,11 +104,13 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the averages (the pipeline fills)")
-    parser.add_argument("--keep-rate", type=float, default=0.5)
-    parser.add_argument("--mean-length", type=float, default=4500.0)
-    parser.add_argument("--train-tps", type=float, default=1040.0, help="actor tokens per GPU-second")
-    parser.add_argument("--push-s", type=float, default=14.2)
-    parser.add_argument("--switch-s", type=float, default=30.0)
+    w, hw = Workload(), Hardware(server=H100_TP4)
+    parser.add_argument("--keep-rate", type=float, default=w.keep_rate)
+    parser.add_argument("--mean-length", type=float, default=w.mean_length)
+    parser.add_argument("--train-tps", type=float, default=hw.train_tokens_per_gpu_s,
+                        help="actor tokens per GPU-second")
+    parser.add_argument("--push-s", type=float, default=hw.push_s)
+    parser.add_argument("--switch-s", type=float, default=hw.switch_s)
     parser.add_argument("--in-place", action="store_true", help="pushes pause in_place (no re-prefill)")
     parser.add_argument("--in-flight-slack", type=float, default=1.25,
                         help="fully async: groups in flight at most this x the servers' capacity")
@@ -120,7 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
     t0 = time.perf_counter()
-    results = run_all(args)
+    try:
+        results = run_all(args)
+    except ValueError as err:  # a workload or hardware figure out of range: name it
+        parser.error(str(err))
     print(table(results))
     k2 = results[5]  # fully async K=2: its generated tokens (kept, filtered and dropped groups) per step
     trained = k2.extra["kept_tokens_per_step"] + k2.responses_per_step * Workload().prompt_tokens

@@ -31,13 +31,13 @@ from megatron_dapo.simulate.servers import ServerModel, ServerPool, SimRequest
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """DAPO's batch and the responses' lengths and outcomes."""
+    """DAPO's batch and the responses' lengths and outcomes (defaults: tools/sim_async.py's sources)."""
 
     batch_groups: int = 512
     n_samples: int = 16
-    keep_rate: float = 0.6
+    keep_rate: float = 0.5
     """Share of groups with mixed accuracies (kept by dynamic sampling)."""
-    mean_length: float = 5000.0
+    mean_length: float = 4500.0
     """Mean response length before truncation (tokens)."""
     max_length: int = 20480
     sigma_prompt: float = 0.6
@@ -47,6 +47,18 @@ class Workload:
     prompt_tokens: int = 300
     over_sample_factor: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_groups < 1 or self.n_samples < 2:
+            raise ValueError(f"Workload needs batch_groups >= 1 and n_samples >= 2 (dynamic sampling), got "
+                             f"{self.batch_groups}, {self.n_samples}")
+        if not 0.0 < self.keep_rate <= 1.0:
+            raise ValueError(f"Workload.keep_rate must be in (0, 1], got {self.keep_rate}")
+        if not 0 < self.mean_length <= self.max_length:
+            raise ValueError(f"Workload.mean_length must be in (0, max_length={self.max_length}], got "
+                             f"{self.mean_length}")
+        if self.sigma_prompt < 0 or self.sigma_sample < 0 or self.prompt_tokens < 1:
+            raise ValueError("Workload needs sigma_prompt, sigma_sample >= 0 and prompt_tokens >= 1")
 
     def draw(self, index: int, attempt: int = 0) -> tuple[list[int], list[bool]]:
         """Prompt `index`'s G response lengths and accuracies (a fixed draw per index and attempt)."""
@@ -71,17 +83,24 @@ class Hardware:
     server: ServerModel
     server_gpus: int = 4
     """GPUs per SGLang server (TP)."""
-    train_tokens_per_gpu_s: float = 1300.0
+    train_tokens_per_gpu_s: float = 1040.0
     """Actor throughput: prompt + response tokens per GPU-second, log-prob recompute, forward and backward."""
     step_overhead_s: float = 10.0
     """Per train step: optimizer, gradient reduction, data plane."""
-    push_s: float = 15.0
+    push_s: float = 14.2
     """A weight push to every server (split pools)."""
     switch_s: float = 30.0
     """Colocated: per step, the engine's sleep / wake and the weights' reload in place."""
     retract: bool = True
     """Fully async pushes: SGLang's retract pause (running requests re-prefilled on the new weights, docs/ASYNC.md);
     False: in_place (KV kept, no re-prefill; the tokens' version labels then overstate how fresh they are)."""
+
+    def __post_init__(self) -> None:
+        if self.server_gpus < 1 or self.train_tokens_per_gpu_s <= 0:
+            raise ValueError(f"Hardware needs server_gpus >= 1 and train_tokens_per_gpu_s > 0, got "
+                             f"{self.server_gpus}, {self.train_tokens_per_gpu_s}")
+        if min(self.step_overhead_s, self.push_s, self.switch_s) < 0:
+            raise ValueError("Hardware's step_overhead_s, push_s and switch_s must be >= 0")
 
     def train_s(self, tokens: int, gpus: int) -> float:
         return tokens / (self.train_tokens_per_gpu_s * gpus) + self.step_overhead_s
