@@ -364,7 +364,7 @@ class StageSender:
         name = plan.group_name(self.stage)
         if self.name == name:
             return
-        from megatron_dapo.weight_sync.sync_group import init_weight_sync_group
+        from megatron_dapo.weight_sync.sync_group import any_died, join_weight_sync_group
 
         self.drop(client, [i for i, u in enumerate(plan.urls) if u in self.members])
         world, offsets = sync_group_layout(plan.tps)
@@ -372,10 +372,10 @@ class StageSender:
         futures = client.submit(range(len(plan.urls)), "/init_weights_update_group", lambda k: {
             "master_address": address, "master_port": port, "rank_offset": offsets[k], "world_size": world,
             "group_name": name, "backend": plan.backend})
-        try:
-            group = init_weight_sync_group(master_address=address, master_port=port, world_size=world,
-                                           group_name=name, backend=plan.backend, timeout_s=plan.timeout_s)
-        except RuntimeError:  # a server never joined (the rendezvous timed out)
+        group = join_weight_sync_group(master_address=address, master_port=port, world_size=world, group_name=name,
+                                       backend=plan.backend, timeout_s=plan.timeout_s,
+                                       gone=functools.partial(any_died, futures))
+        if group is None:  # a server never joined: its call failed (lost before this stage's push), or a timeout
             out.broken = True
             _settle(futures, out, plan.timeout_s)
             return

@@ -49,7 +49,7 @@ def run_layout(version: int, name: str, data: dict, out_dir: str) -> None:
     if rank == 0:
         engine = SGLangEngine(server_urls=data["urls"], client=ClientConfig(
             bucket_bytes=data["bucket_bytes"], sync_backend="gloo", sync_master_port=data["ports"][version - 1],
-            control_timeout_s=60, server_wait_s=60))
+            control_timeout_s=data.get("control_timeout_s", 60), server_wait_s=60))
     # The lock's holder may wait out a killed server's control (60 s) and HTTP (60 s) timeouts, longer on a loaded
     # machine: the other stage's wait for the lock must outlast that (120 s did not, once, in a full `make test`).
     sync = build_weight_sync(engine, transport="distributed", wait_group=wait_group,

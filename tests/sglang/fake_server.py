@@ -12,7 +12,8 @@ Run as a script (it accepts --api-key, or a --config YAML with api-key, and igno
 other flags) or in a thread via serve(); kill() makes a threaded one die like a real server (in-flight requests
 get their connection dropped, new ones are refused) and serve(port=...) brings one back on the same port with
 fresh state; `state.frozen = True` makes it hang (every request read, none answered) until kill(), and
-`state.hang_generate = True` (--hang-generate) only its /generate;
+`state.hang_generate = True` (--hang-generate) only its /generate; --die-at-group-init makes the process exit when
+/init_weights_update_group arrives (a server lost after the update began, before its group formed);
 `state.stuck_receive = True` hangs only its weight receive (/health answers 503), as a server hung mid-update.
 Abort tests: a rid in `state.held` stops after its first token (listed in `state.holding` meanwhile) until it is
 aborted or taken out of `held`, so a test knows what is in flight when it aborts; every /abort_request body is kept
@@ -74,6 +75,7 @@ class FakeState:
         # SGLang's scheduler runs one request at a time: a group init or a receive blocks the server's others
         self.collective = threading.Lock()
         self.receive_delay_s = 0.0  # a slow receive (a bucket taking time to load), --receive-delay
+        self.die_at_group_init = False  # the process exits when /init_weights_update_group arrives: --die-at-group-init
         # a hung server: /update_weights_from_distributed never enters the broadcast and /health answers 503 (SGLang's
         # /health when its scheduler does not answer), until kill()
         self.stuck_receive = False
@@ -262,6 +264,8 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     if path == "/server_info":
         return 200, {"tp_size": state.tp_size, "dp_size": state.dp_size}
     if path == "/init_weights_update_group":
+        if state.die_at_group_init:  # --die-at-group-init: the process dies as the call arrives (SIGKILL-like)
+            os._exit(1)
         return _init_group(state, body)
     if path == "/update_weights_from_distributed":
         return _receive(state, body)
@@ -394,6 +398,8 @@ def main() -> None:
     parser.add_argument("--config", default=None, help="YAML merged into the arguments, as SGLang's (api-key only)")
     parser.add_argument("--receive-delay", type=float, default=0.0)
     parser.add_argument("--hang-generate", action="store_true", help="/generate never answers; the rest does")
+    parser.add_argument("--die-at-group-init", action="store_true",
+                        help="the process exits when /init_weights_update_group arrives (lost before a group forms)")
     args, _ = parser.parse_known_args()
     time.sleep(args.startup_delay)  # a real server is not healthy at once either
     threading.Timer(args.lifetime, lambda: os._exit(0)).start()  # never outlives a test run
@@ -405,6 +411,7 @@ def main() -> None:
     state = FakeState(api_key=args.api_key)
     state.receive_delay_s = args.receive_delay
     state.hang_generate = args.hang_generate
+    state.die_at_group_init = args.die_at_group_init
     make_server(args.port, state).serve_forever()
 
 

@@ -257,21 +257,20 @@ def _stats(url: str) -> dict | None:
         return None
 
 
-def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_version(tmp_path):
-    """SIGKILL of one of two servers (real processes) during its first bucket at TP1 x PP2: the update completes on
-    the other (the whole version re-pushed from rank 0's host copy), and the killed server, back on its port, is
-    re-synced from that copy: it ends with every tensor of the version though no stage pushed to it again."""
+def _lost_mid_push(tmp_path, server1_flags: tuple[str, ...], lose, control_timeout_s: float = 60) -> None:
+    """Two fake servers (real processes) at TP1 x PP2; `lose(procs, urls)` loses server 1 during the per-stage push
+    (on a watcher thread), which then restarts it on its port once rank 0 has closed the update. The update must
+    complete on server 0 (the whole version re-pushed from rank 0's host copy), and server 1, back, be re-synced from
+    that copy: both end with every tensor of the version though no stage pushed to server 1 again."""
     hf = tiny_hf_model(seed=4, num_hidden_layers=4)
     sync_base, server_base = free_ports(2)
     urls = [f"http://127.0.0.1:{server_base + k}" for k in range(2)]
-    procs = [_fake_process(server_base + k, "--receive-delay", "0.02") for k in range(2)]
+    procs = [_fake_process(server_base, "--receive-delay", "0.02"),
+             _fake_process(server_base + 1, "--receive-delay", "0.02", *server1_flags)]
     stop = threading.Event()
 
-    def chaos():  # kill server 1 at its first bucket; restart it once rank 0 has closed the update
-        while not stop.is_set() and not (_stats(urls[1]) or {}).get("received"):
-            time.sleep(0.02)
-        procs[1].kill()
-        procs[1].wait()
+    def chaos():
+        lose(procs, urls, stop)
         while not stop.is_set() and not (_stats(urls[0]) or {}).get("calls", {}).get("/end_weight_update"):
             time.sleep(0.05)
         procs[1] = _fake_process(server_base + 1)
@@ -285,11 +284,11 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
         watcher.start()
         data = {"arch": vars(ModelArch.from_hf(hf.config)), "layouts": ["tp1pp2"], "urls": urls, "kill": True,
                 "hf_state_dict": {k: v.clone() for k, v in hf.state_dict().items()}, "bucket_bytes": 32 << 10,
-                "ports": [sync_base]}
+                "ports": [sync_base], "control_timeout_s": control_timeout_s}
         torch.save(data, tmp_path / "in.pt")
-        run_torchrun(WORKER, tmp_path / "in.pt", tmp_path, nproc=2, timeout=600)
+        log = run_torchrun(WORKER, tmp_path / "in.pt", tmp_path, nproc=2, timeout=600)
         rank0 = torch.load(tmp_path / "tp1pp2_rank0.pt", weights_only=False)
-        assert rank0["stale"] == []
+        assert rank0["stale"] == [], (rank0["engine_metrics"], log[-6000:])
         assert rank0["engine_metrics"]["rollout/servers_lost"] >= 1
         assert rank0["engine_metrics"]["sync/servers_recovered"] >= 1
         for url in urls:
@@ -304,6 +303,30 @@ def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_ver
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_server_killed_during_a_per_stage_push_is_recovered_with_the_whole_version(tmp_path):
+    """SIGKILL of server 1 at its first bucket (whichever stage sends it)."""
+    def kill_at_first_bucket(procs, urls, stop):
+        while not stop.is_set() and not (_stats(urls[1]) or {}).get("received"):
+            time.sleep(0.02)
+        procs[1].kill()
+        procs[1].wait()
+
+    _lost_mid_push(tmp_path, (), kill_at_first_bucket)
+
+
+def test_a_server_lost_before_a_stage_group_forms_does_not_hold_the_push(tmp_path):
+    """Server 1 dies as the first stage group's /init_weights_update_group reaches it: the group can never form.
+    Rank 0's rendezvous used to wait out the group's timeout (300 s: the push above, once in CI, when stage 1 took the
+    lock first and the kill landed before stage 0's group formed); it now stops when the server's call fails, and the
+    update completes on server 0 as above (the worker waits at most 120 s for server 1's re-sync)."""
+    def dies_by_itself(procs, urls, stop):
+        procs[1].wait()
+
+    # the group's timeout is the control timeout: 300 s here, so a rendezvous waiting it out leaves server 1 stale
+    # past the worker's 120 s wait for its re-sync
+    _lost_mid_push(tmp_path, ("--die-at-group-init",), dies_by_itself, control_timeout_s=300)
 
 
 def test_rank0_holds_one_host_copy_during_a_per_stage_push():

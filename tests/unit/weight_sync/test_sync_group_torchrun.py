@@ -65,3 +65,42 @@ def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
             torch.distributed.destroy_process_group(group)
     assert peer.returncode == 0, err[-2000:]
     assert out.strip() == "[1.0, 2.0, 3.0] 0"  # the tensors arrived; no gloo thread left running at exit
+
+
+def test_joining_gives_up_when_a_member_is_gone_and_forms_the_group_otherwise():
+    """A server lost before its stage's group forms never joins: rank 0's rendezvous would wait out the group's
+    timeout (300 s: CI once saw a per-stage push held that long). join_weight_sync_group stops at the first sign that
+    a member's /init_weights_update_group call failed (`gone`), leaving the rendezvous to its thread."""
+    import threading
+
+    from megatron_dapo.weight_sync.sync_group import join_weight_sync_group
+
+    calls = []
+
+    def gone() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    group = join_weight_sync_group(master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                                   group_name="megatron_dapo_weight_sync_test_gone", backend="gloo", timeout_s=30,
+                                   gone=gone)
+    assert group is None and len(calls) == 3  # given up at the first True
+    assert any(t.name == "weight-sync-group" and t.is_alive() for t in threading.enumerate())  # still waiting
+
+    port, name = free_port(), "megatron_dapo_weight_sync_test_join"
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group = None
+    try:
+        group = join_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
+                                       backend="gloo", timeout_s=60, gone=lambda: False)
+        assert group is not None
+        broadcast_tensors(group, [torch.tensor([4.0, 5.0, 6.0])])
+        out, err = peer.communicate(timeout=60)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        if group is not None:
+            torch.distributed.destroy_process_group(group)
+    assert peer.returncode == 0, err[-2000:]
+    assert out.strip().startswith("[4.0, 5.0, 6.0]")
