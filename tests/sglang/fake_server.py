@@ -28,6 +28,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -76,6 +77,8 @@ class FakeState:
         self.collective = threading.Lock()
         self.receive_delay_s = 0.0  # a slow receive (a bucket taking time to load), --receive-delay
         self.die_at_group_init = False  # the process exits when /init_weights_update_group arrives: --die-at-group-init
+        self.group_timeout_s = 30.0  # how long a member waits in a weight-update group's rendezvous
+        self.on_death: Callable[[], None] | None = None  # serve(): how this threaded server dies (kill, threaded)
         # a hung server: /update_weights_from_distributed never enters the broadcast and /health answers 503 (SGLang's
         # /health when its scheduler does not answer), until kill()
         self.stuck_receive = False
@@ -184,7 +187,7 @@ def _init_group(state: FakeState, body: dict) -> tuple[int, dict]:
 
     with state.lock:
         state.group_inits.append(dict(body))
-    name, world, timeout = body["group_name"], body["world_size"], timedelta(seconds=30)
+    name, world, timeout = body["group_name"], body["world_size"], timedelta(seconds=state.group_timeout_s)
     url = f"tcp://{body['master_address']}:{body['master_port']}"
 
     def join(tp_rank):  # what torch's _new_process_group_helper builds for a gloo group named `name`
@@ -264,8 +267,11 @@ def _handle(state: FakeState, path: str, body: dict) -> tuple[int, dict]:
     if path == "/server_info":
         return 200, {"tp_size": state.tp_size, "dp_size": state.dp_size}
     if path == "/init_weights_update_group":
-        if state.die_at_group_init:  # --die-at-group-init: the process dies as the call arrives (SIGKILL-like)
-            os._exit(1)
+        if state.die_at_group_init:  # the server dies as the call arrives (SIGKILL-like)
+            if state.on_death is None:  # run as a script (--die-at-group-init): the process
+                os._exit(1)
+            state.on_death()  # in a thread (serve()): kill() from another thread, this connection dropped
+            raise ServerKilled(path)
         return _init_group(state, body)
     if path == "/update_weights_from_distributed":
         return _receive(state, body)
@@ -378,6 +384,7 @@ def serve(port: int = 0, token_delay_s: float = 0.0, api_key: str | None = None,
     """Starts a fake server on a thread; port 0 picks a free one (server.server_address[1])."""
     state = FakeState(token_delay_s, api_key, tp_size, dp_size)
     server = make_server(port, state)
+    state.on_death = lambda: threading.Thread(target=kill, args=(server, state), daemon=True).start()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, state
 

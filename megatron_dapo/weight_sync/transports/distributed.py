@@ -199,7 +199,7 @@ class DistributedPush(ServerPush):
     def _ensure_group(self, targets: list[int]) -> str:
         """The broadcast group of exactly `targets` (rank 0 = this process, then each server's TP ranks), rebuilt
         when the targets changed or one of them was lost since it was built."""
-        from megatron_dapo.weight_sync.sync_group import init_weight_sync_group
+        from megatron_dapo.weight_sync.sync_group import died, join_weight_sync_group
 
         engine, client = self.engine, self.engine.client
         losses = [engine.losses[i] for i in targets]
@@ -216,9 +216,20 @@ class DistributedPush(ServerPush):
             "master_address": client.sync_master_address, "master_port": port,
             "rank_offset": offsets[k], "world_size": world, "group_name": name,
             "backend": client.sync_backend}) for k, i in enumerate(targets)]
-        self._group = init_weight_sync_group(
-            master_address=client.sync_master_address, master_port=port, world_size=world,
-            group_name=name, backend=client.sync_backend, timeout_s=client.control_timeout_s)
+        # Given up at once when a target's call fails: a server lost before the group formed never joins, and the
+        # rendezvous would otherwise wait out control_timeout_s (600 s) before failing the update.
+        group = join_weight_sync_group(
+            master_address=client.sync_master_address, master_port=port, world_size=world, group_name=name,
+            backend=client.sync_backend, timeout_s=client.control_timeout_s,
+            gone=lambda: any(died(f) for f in futures))
+        if group is None:
+            for f in futures:
+                if died(f):
+                    f.result()  # its ServerDied, naming the server: send() counts it lost and goes on without it
+            raise RuntimeError(f"weight sync group {name} did not form within {client.control_timeout_s:g} s "
+                               f"(ClientConfig.control_timeout_s): a server answered /init_weights_update_group but "
+                               f"never joined")
+        self._group = group
         self._members, self._member_losses, self._name = list(targets), losses, name
         for f in futures:
             check_success(f.result(client.control_timeout_s + CALL_MARGIN_S), "init_weights_update_group")

@@ -232,3 +232,24 @@ def test_a_restart_found_by_two_checks_at_once_is_recovered_once(mixed):
         engine.shutdown()
         if back is not None:
             kill(*back)
+
+
+def test_a_server_lost_as_the_group_forms_is_left_out_and_the_update_completes(mixed):
+    """Server 0 dies as its /init_weights_update_group arrives (after the update's checks found it serving): the
+    group can never form. The update goes on at once without it (its call failed: ServerDied), over a group of
+    server 1, instead of waiting out the rendezvous for control_timeout_s and failing the update."""
+    for _, state in mixed:
+        state.group_timeout_s = 3.0  # server 1's side of the failed rendezvous gives up before the trainer's 45 s
+    mixed[0][1].die_at_group_init = True
+    urls = [f"http://127.0.0.1:{s.server_address[1]}" for s, _ in mixed]
+    engine = SGLangEngine(server_urls=urls, client=ClientConfig(
+        bucket_bytes=1024, sync_backend="gloo", sync_master_port=free_port(), control_timeout_s=45, server_wait_s=2))
+    try:
+        named = _named()
+        full_push(engine, "distributed").update(iter(named), version=1)
+        assert mixed[0][1].dead and mixed[1][1].version == "1"
+        for name, t in named:
+            torch.testing.assert_close(torch.tensor(mixed[1][1].weights[name]), t)
+        assert engine.take_metrics()["rollout/servers_lost"] >= 1
+    finally:
+        engine.shutdown()
