@@ -15,12 +15,13 @@ tools/sim_async.py names where each default comes from.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
+from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig, group_is_informative
 from megatron_dapo.reward import RewardResult
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
@@ -207,13 +208,6 @@ def _collect_config(w: Workload) -> CollectConfig:
                          over_sample_factor=w.over_sample_factor)
 
 
-def _prompts() -> Iterator[int]:
-    i = 0
-    while True:
-        yield i
-        i += 1
-
-
 @dataclass(frozen=True)
 class SyncBatch:
     gen_s: float
@@ -228,7 +222,7 @@ def sync_batches(w: Workload, hw: Hardware, servers: int, steps: int) -> list[Sy
     """`steps` synchronous batches through collect_batch on `servers` servers."""
     pool = ServerPool(hw.server, servers)
     engine = SimEngine(pool, w)
-    counter = _prompts()
+    counter = itertools.count()
 
     def next_prompts(k: int) -> list[Prompt]:
         return [Prompt(prompt_ids=[i], ground_truth="1", index=i) for i in (next(counter) for _ in range(k))]
@@ -273,7 +267,7 @@ def verl_recipe(w: Workload, hw: Hardware, *, gpus: int, steps: int, warmup: int
     generated until B informative groups are kept, the first B trained, the rest discarded."""
     pool = ServerPool(hw.server, gpus // hw.server_gpus)
     engine = SimEngine(pool, w)
-    counter = _prompts()
+    counter = itertools.count()
     per_step, gen_total = [], 0.0
     for step in range(1, steps + 1):
         t0, kept, tokens, rounds = pool.now, 0, 0, 0
@@ -284,7 +278,7 @@ def verl_recipe(w: Workload, hw: Hardware, *, gpus: int, steps: int, warmup: int
                     for i in (next(counter) for _ in range(gen_factor * w.batch_groups))]
             for group in engine.generate(reqs):
                 accs = [_decode(s.response_ids) == "1" for s in group]
-                if kept < w.batch_groups and any(accs) and not all(accs):
+                if kept < w.batch_groups and group_is_informative(accs):
                     kept += 1
                     tokens += sum(len(s.response_ids) + w.prompt_tokens for s in group)
         pool.version = step
@@ -330,7 +324,7 @@ def fully_async(w: Workload, hw: Hardware, *, gen_gpus: int, train_gpus: int, ma
     sched = StreamScheduler(StreamConfig(batch_groups=w.batch_groups, max_staleness=max_staleness,
                                          n_samples=w.n_samples, over_sample_factor=w.over_sample_factor,
                                          stale_policy=stale_policy, max_in_flight=cap))
-    counter = _prompts()
+    counter = itertools.count()
     flights: dict[int, _Flight] = {}
     tokens_of: dict[int, int] = {}  # prompt index -> prompt + response tokens of its finished group
     attempts: dict[int, int] = {}

@@ -86,7 +86,7 @@ class _Server:
         self.model = model
         self.progress = 0.0
         self.running: dict[int, SimRequest] = {}
-        self.ends: list[tuple[float, int]] = []  # (progress at end, rid): a heap, lazily cleaned
+        self.ends: list[tuple[float, int]] = []  # (progress at end, rid) of each running request: a heap
         self.queue: deque[SimRequest] = deque()
         self.held_until = 0.0  # paused (re-prefill, push) until this time
         self.busy_s = 0.0  # seconds spent decoding or re-prefilling
@@ -101,8 +101,6 @@ class _Server:
 
     def next_end(self, now: float) -> float:
         """Time of this server's next completion (inf when idle)."""
-        while self.ends and self.ends[0][1] not in self.running:
-            heapq.heappop(self.ends)
         if not self.ends:
             return float("inf")
         start = max(now, self.held_until)
@@ -162,7 +160,7 @@ class ServerPool:
                 s.advance(self.now, t)
             self.now = t
             for s in self.servers:
-                while s.ends and s.ends[0][1] in s.running and s.ends[0][0] <= s.progress + 1e-6:
+                while s.ends and s.ends[0][0] <= s.progress + 1e-6:
                     _, rid = heapq.heappop(s.ends)
                     req = s.running.pop(rid)
                     req.done_at, req.generated = self.now, req.length
