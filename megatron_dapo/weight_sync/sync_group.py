@@ -234,22 +234,21 @@ def init_weight_sync_group(
     return group
 
 
-def join_weight_sync_group(*, gone: Callable[[], bool], **kwargs) -> dist.ProcessGroup | None:
-    """init_weight_sync_group(**kwargs) on a helper thread, given up at once when `gone()` (a server's
-    /init_weights_update_group call failed: it will never join). None when given up, or when the group did not form
-    within its timeout (kwargs' timeout_s). The rendezvous itself has no way out: rank 0's TCPStore waits for every
+def join_weight_sync_group(*, gone: Callable[[], bool], timeout_s: float, **kwargs) -> dist.ProcessGroup | None:
+    """init_weight_sync_group(timeout_s=timeout_s, **kwargs) on a helper thread, given up at once when `gone()` (a
+    server's /init_weights_update_group call failed: it will never join). None when given up, or when the group did
+    not form within `timeout_s`. The rendezvous itself has no way out: rank 0's TCPStore waits for every
     member up to the group's timeout (300 s; a dead server held a per-stage push that long), and the abandoned
     thread ends there with its error; the next group uses another port."""
     box: list = []
 
     def create() -> None:
         try:
-            box.append(init_weight_sync_group(**kwargs))
+            box.append(init_weight_sync_group(timeout_s=timeout_s, **kwargs))
         except BaseException as e:  # noqa: BLE001 - the caller sees None
             box.append(e)
 
     threading.Thread(target=create, name="weight-sync-group", daemon=True).start()
-    timeout_s = kwargs.get("timeout_s", 300.0)
     if not wait_until(lambda: bool(box), deadline_s=timeout_s + 5.0, gone=gone):
         return None
     return None if isinstance(box[0], BaseException) else box[0]
