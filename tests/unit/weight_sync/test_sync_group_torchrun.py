@@ -46,24 +46,34 @@ PEER = textwrap.dedent("""
 """)
 
 
-def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets in every rank
-    port, name = free_port(), "megatron_dapo_weight_sync_test_agent_store"
-    env = {k: v for k, v in subprocess_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+def _broadcast_to_peer(form_group, name: str, values: list[float], env: dict) -> tuple[int, str, str]:
+    """Starts PEER (the SGLang-side member), forms the group here with `form_group(port, name)`, broadcasts `values`
+    and ends the group; returns the peer's (exit code, stdout, stderr)."""
+    port = free_port()
     peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     group = None
     try:
-        group = init_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2,
-                                       group_name=name, backend="gloo", timeout_s=60)
-        broadcast_tensors(group, [torch.tensor([1.0, 2.0, 3.0])])
+        group = form_group(port, name)
+        assert group is not None
+        broadcast_tensors(group, [torch.tensor(values)])
         out, err = peer.communicate(timeout=60)
     finally:
         if peer.poll() is None:
             peer.kill()
         if group is not None:
             torch.distributed.destroy_process_group(group)
-    assert peer.returncode == 0, err[-2000:]
+    return peer.returncode, out, err
+
+
+def test_sync_group_forms_under_torchrun_agent_store_env(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # what torchrun sets in every rank
+    env = {k: v for k, v in subprocess_env().items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    code, out, err = _broadcast_to_peer(
+        lambda port, name: init_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2,
+                                                  group_name=name, backend="gloo", timeout_s=60),
+        "megatron_dapo_weight_sync_test_agent_store", [1.0, 2.0, 3.0], env)
+    assert code == 0, err[-2000:]
     assert out.strip() == "[1.0, 2.0, 3.0] 0"  # the tensors arrived; no gloo thread left running at exit
 
 
@@ -87,20 +97,9 @@ def test_joining_gives_up_when_a_member_is_gone_and_forms_the_group_otherwise():
     assert group is None and len(calls) == 3  # given up at the first True
     assert any(t.name == "weight-sync-group" and t.is_alive() for t in threading.enumerate())  # still waiting
 
-    port, name = free_port(), "megatron_dapo_weight_sync_test_join"
-    peer = subprocess.Popen([sys.executable, "-c", PEER, str(port), name], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    group = None
-    try:
-        group = join_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
-                                       backend="gloo", timeout_s=60, gone=lambda: False)
-        assert group is not None
-        broadcast_tensors(group, [torch.tensor([4.0, 5.0, 6.0])])
-        out, err = peer.communicate(timeout=60)
-    finally:
-        if peer.poll() is None:
-            peer.kill()
-        if group is not None:
-            torch.distributed.destroy_process_group(group)
-    assert peer.returncode == 0, err[-2000:]
+    code, out, err = _broadcast_to_peer(
+        lambda port, name: join_weight_sync_group(master_address="127.0.0.1", master_port=port, world_size=2,
+                                                  group_name=name, backend="gloo", timeout_s=60, gone=lambda: False),
+        "megatron_dapo_weight_sync_test_join", [4.0, 5.0, 6.0], subprocess_env())
+    assert code == 0, err[-2000:]
     assert out.strip().startswith("[4.0, 5.0, 6.0]")
