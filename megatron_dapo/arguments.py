@@ -22,6 +22,7 @@ from megatron_dapo.flag_field import argparse_spec, flag_fields
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 from megatron_dapo.rollout import ENGINE_KINDS
 from megatron_dapo.rollout.async_rollout import ASYNC_ROLLOUT_DEPTHS
+from megatron_dapo.rollout.stream import STALE_POLICIES
 from megatron_dapo.weight_sync.transports import transport_names
 
 
@@ -212,6 +213,18 @@ def _sampling_flags(g: argparse._ArgumentGroup) -> None:
                         "before step k) while every rank trains step k; the weight push after step k waits for "
                         "that batch. Turns --use-tis on unless --no-use-tis is given. On CPU the embedded engine "
                         "runs in its own process. 0 = synchronous (megatron_dapo/rollout/async_rollout.py)")
+    g.add_argument("--max-staleness", type=int, default=0, metavar="K",
+                   help="fully asynchronous rollout: global rank 0 generates continuously, hands each step's batch "
+                        "over the moment its groups exist, and every trained token is at most K weight versions "
+                        "behind the actor (K >= 1; groups over the bound: --stale-policy). The push lands at a cut "
+                        "(requests in flight continue after it on the new weights). Excludes --async-rollout, "
+                        "--partial-rollout and --colocate; K >= 2 needs an off-policy correction (--use-tis, "
+                        "--mis-mode or --policy-loss decoupled) unless --allow-uncorrected-staleness. 0 = off "
+                        "(megatron_dapo/rollout/streaming.py)")
+    g.add_argument("--stale-policy", choices=STALE_POLICIES, default="drop",
+                   help="with --max-staleness: a group with a token more than K versions old when it is decided is "
+                        "dropped (rollout/stale_dropped_groups), or its stale samples are generated again on the "
+                        "current weights (rollout/regenerated_tokens)")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout); a failure of "
@@ -341,12 +354,16 @@ def _off_policy_flags(p: argparse.ArgumentParser) -> None:
                              "see megatron_dapo/algorithm/mismatch.py")
     g.add_argument("--use-tis", action=argparse.BooleanOptionalAction, default=None,
                    help="truncated importance sampling: multiply each token's loss by min(r, --tis-cap); "
-                        "default: on with --async-rollout 1, off otherwise")
+                        "default: on with --async-rollout 1 or --max-staleness, off otherwise")
     g.add_argument("--tis-cap", type=float, default=2.0, help="C of TIS, >= 1")
     g.add_argument("--mis-mode", choices=MIS_MODES, default=None,
                    help="masked importance sampling: drop tokens (token) or whole responses (sequence: geometric "
                         "mean of r) whose ratio is outside [1/--mis-threshold, --mis-threshold]; unset = off")
     g.add_argument("--mis-threshold", type=float, default=2.0, help="T of MIS, > 1")
+    g.add_argument("--allow-uncorrected-staleness", action="store_true",
+                   help="train with --max-staleness K >= 2 and no off-policy correction (--no-use-tis, no "
+                        "--mis-mode, a loss that does not weight by pi_old / pi_rollout): the tokens K versions old "
+                        "are then trained as if on-policy")
     g.add_argument("--behav-weight-cap", type=float, default=None,
                    help="with --policy-loss decoupled (AReaL's decoupled PPO, weight r per token): tokens whose r "
                         "exceeds this cap (> 1) get weight 0; unset = uncapped, the paper's objective. Excludes "

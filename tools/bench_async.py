@@ -1,4 +1,5 @@
-"""Synchronous vs one-step-off-policy (--async-rollout 1) training on the `make demo` task, side by side.
+"""Synchronous, one-step-off-policy (--async-rollout 1) and fully async (--max-staleness K) training on the
+`make demo` task, side by side.
 
 Both runs use the demo's flags (examples/run_embedded_demo.sh: tiny Qwen2 on two-digit sums, embedded engine,
 DAPO, held-out avg@4 every --eval-interval steps) and the same seed; they run one after the other, so each
@@ -28,7 +29,13 @@ was 0.64 / 0.72 / 0.66 / 0.55 / 0.52 / 0.89 with --async-rollout 1, against 0.70
 0.98 synchronous; at 2.5e-4 the async run climbs steadily (0.59 / 0.87 / 0.96 / 0.97 / 0.97 / 0.98). One step
 off-policy suits small per-step policy changes, as in DAPO's own setting (lr 1e-6).
 
-usage: python tools/bench_async.py [--steps 60] [--base-dir runs/tiny-base] [--out runs/bench_async]
+Fully async arms (--max-staleness K, rollout/streaming.py): the demo's flags without --max-num-gen-batches and
+--on-gen-exhausted (no rounds to count); the embedded engine runs in its own process as with --async-rollout 1.
+Extra rows: response tokens generated, the share of trained tokens at staleness 0 / 1 / >= 2 (mean over steps)
+and the stale groups dropped.
+
+usage: python tools/bench_async.py [--steps 60] [--arms sync,async,k1,k2,k4] [--base-dir runs/tiny-base]
+                                   [--out runs/bench_async]
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ def summarise(run: Path, wall_s: float, cpu_s: float, target: float) -> dict[str
     def total(key: str) -> float:
         return sum(records[s].get(key, 0.0) for s in steps)
 
+    stale = [sum(v for k, v in records[s].items()
+                 if k.startswith("rollout/staleness/") and int(k.rsplit("/", 1)[1]) >= d)
+             for s in steps for d in (1, 2)]
     overlapped = sum(records[s].get("time/step_s", 0.0) - min(records[s].get("time/rollout_s", 0.0),
                                                               records[s].get("time/train_s", 0.0)) for s in steps)
     return {"wall_s": wall_s, "cpu_s": cpu_s, "overlapped_loop_s": overlapped,
@@ -90,7 +100,11 @@ def summarise(run: Path, wall_s: float, cpu_s: float, target: float) -> dict[str
             "loop_s_to_target": reached_s if reached_s is not None else float("nan"), "loop_s": loop_s,
             "rollout_s": total("time/rollout_s"), "train_s": total("time/train_s"),
             "rollout_wait_s": total("time/rollout_wait_s"), "overlap_s": total("time/overlap_s"),
-            "push_wait_s": total("time/push_wait_s"), "eval_s": total("time/eval_s")}
+            "push_wait_s": total("time/push_wait_s"), "eval_s": total("time/eval_s"),
+            "generated_tokens": total("rollout/generated_tokens") + total("stream/generated_tokens"),
+            "stale_1_share": sum(stale[0::2]) / len(steps) if steps else float("nan"),
+            "stale_2_share": sum(stale[1::2]) / len(steps) if steps else float("nan"),
+            "stale_dropped_groups": total("rollout/stale_dropped_groups")}
 
 
 def _children_cpu_s() -> float:
@@ -107,20 +121,30 @@ def main() -> None:
     p.add_argument("--lr", default="2.5e-4", help="learning rate of both runs (the demo: 5e-4; see the docstring)")
     p.add_argument("--base-dir", default="runs/tiny-base", help="tiny base policy (built when missing)")
     p.add_argument("--out", default="runs/bench_async", help="run directories and summary.json")
+    p.add_argument("--arms", default="sync,async,k1,k2,k4",
+                   help="comma-separated runs: sync, async (--async-rollout 1), kN (--max-staleness N)")
     args = p.parse_args()
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    for arm in arms:
+        if arm not in ("sync", "async") and not (arm.startswith("k") and arm[1:].isdigit() and int(arm[1:]) >= 1):
+            p.error(f"--arms: {arm!r} is not sync, async or kN with N >= 1")
     base, out = Path(args.base_dir), Path(args.out)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     if not (base / "model" / "config.json").is_file():
         print(f"== building the tiny base policy in {base}", flush=True)
         subprocess.run([sys.executable, "tools/make_tiny_base.py", "--out", str(base)], cwd=REPO, env=env, check=True)
     results = {}
-    for name, extra in (("sync", ["--async-rollout", "0"]), ("async", ["--async-rollout", "1"])):
+    for name in arms:
         run = out / name
+        flags = demo_flags(base, run, args.steps, args.eval_interval, args.lr)
+        if name.startswith("k"):
+            flags = without(flags, "--max-num-gen-batches", "--on-gen-exhausted") + ["--max-staleness", name[1:]]
+        else:
+            flags += ["--async-rollout", "1" if name == "async" else "0"]
         print(f"== {name}: {args.steps} steps -> {run}", flush=True)
         t0, used = time.perf_counter(), _children_cpu_s()
-        subprocess.run([sys.executable, "-m", "megatron_dapo.train", *demo_flags(base, run, args.steps,
-                                                                               args.eval_interval, args.lr), *extra],
-                       cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "megatron_dapo.train", *flags], cwd=REPO, env=env, check=True,
+                       stdout=subprocess.DEVNULL)
         results[name] = summarise(run, time.perf_counter() - t0, _children_cpu_s() - used, args.target)
     (out / "summary.json").write_text(json.dumps(results, indent=2))
     rows = [("wall time (s)", "wall_s", "{:.0f}"), ("CPU time, all processes (s)", "cpu_s", "{:.0f}"),
@@ -132,13 +156,35 @@ def main() -> None:
             ("  training waited for its batch (s)", "rollout_wait_s", "{:.0f}"),
             ("  generation overlapped with training (s)", "overlap_s", "{:.0f}"),
             ("  push waited for generation (s)", "push_wait_s", "{:.0f}"), ("  evaluation (s)", "eval_s", "{:.0f}"),
-            ("loop time with gen || train, from own steps (s)", "overlapped_loop_s", "{:.0f}")]
-    print(f"\n{'':44}{'sync':>10}{'async':>10}")
+            ("loop time with gen || train, from own steps (s)", "overlapped_loop_s", "{:.0f}"),
+            ("response tokens generated", "generated_tokens", "{:.0f}"),
+            ("trained tokens at staleness >= 1 (share)", "stale_1_share", "{:.3f}"),
+            ("trained tokens at staleness >= 2 (share)", "stale_2_share", "{:.3f}"),
+            ("stale groups dropped", "stale_dropped_groups", "{:.0f}")]
+    print(f"\n{'':44}" + "".join(f"{name:>10}" for name in arms))
     for label, key, fmt in rows:
-        print(f"{label:44}{fmt.format(results['sync'][key]):>10}{fmt.format(results['async'][key]):>10}")
-    ratio = results["sync"]["wall_s"] / results["async"]["wall_s"]
-    print(f"\nsync / async wall time: {ratio:.2f}x at --lr {args.lr} (cores: {os.cpu_count()}, "
-          f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, load average at the end {os.getloadavg()[0]:.1f})")
+        print(f"{label:44}" + "".join(f"{fmt.format(results[name][key]):>10}" for name in arms))
+    if "sync" in results:
+        for name in arms[1:] if arms[0] == "sync" else arms:
+            if name != "sync":
+                print(f"{name} / sync wall time: {results[name]['wall_s'] / results['sync']['wall_s']:.2f}x, loop "
+                      f"time to avg@4 >= {args.target}: "
+                      f"{results[name]['loop_s_to_target'] / results['sync']['loop_s_to_target']:.2f}x")
+    print(f"at --lr {args.lr} (cores: {os.cpu_count()}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, load average at "
+          f"the end {os.getloadavg()[0]:.1f})")
+
+
+def without(flags: list[str], *names: str) -> list[str]:
+    """`flags` without each `name` and the value after it."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in names:
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
 
 if __name__ == "__main__":

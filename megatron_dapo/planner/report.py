@@ -9,6 +9,7 @@ import contextlib
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TextIO
 
@@ -243,10 +244,37 @@ def host_copy_line(arch: ModelArch, *, mode: str, colocate: bool, bytes_per_elem
             f"(one version, --weight-sync-mode {mode}; the previous one is dropped as the new one arrives)")
 
 
-def print_plan(plan: Plan, *, weight_sync_mode: str, out: TextIO | None = None, err: TextIO | None = None) -> int:
+PY_TOKEN_BYTES = 79
+"""Rank 0's host bytes per response token held as Sample lists: a token id (an int object above the 256 cached
+ones, 28 B, plus its 8 B list slot), its log-prob (a float object, 24 + 8 B) and its version slot (8 B): 76 B, plus
+up to 1/8 of the three slots for a list built by appending (CPython's over-allocation)."""
+STATE_TOKEN_BYTES = 16
+"""The same token in a checkpoint's packed state: int32 id, fp32 log-prob, int32 version, ~4 B of the rest."""
+STREAM_KEEP_RATE = 0.5
+"""The keep rate the fully async line assumes (DAPO's dynamic sampling keeps fewer groups as training goes on)."""
+
+
+def stream_state_line(*, max_staleness: int, batch_groups: int, n_samples: int, max_response_length: int,
+                      over_sample_factor: float = 1.0, keep_rate: float = STREAM_KEEP_RATE) -> str:
+    """The plan's rank-0 host-memory line for --max-staleness K (rollout/streaming.py): at most
+    ceil(factor x K x B / keep rate) groups in flight plus the lead's D = max(1, K - 1) batches ahead and the one
+    being built, each of G responses, all at --max-response-length (the worst case: a cut brings every prefix back
+    to rank 0). Qwen2.5-32B DAPO (B 512, G 16, 20480 tokens, K 2): 3072 groups, 1.0e9 tokens, 74 GiB as lists."""
+    lead = max(1, max_staleness - 1)
+    groups = math.ceil(over_sample_factor * max_staleness * batch_groups / keep_rate) + (lead + 1) * batch_groups
+    tokens = groups * n_samples * max_response_length
+    return (f"rank 0 host memory: fully async state (--max-staleness {max_staleness}) at most {groups:,} groups "
+            f"({groups * n_samples:,} responses, {tokens:,} tokens at --max-response-length, keep rate "
+            f"{keep_rate:g} assumed): {tokens * PY_TOKEN_BYTES / GIB:.1f} GiB as lists, "
+            f"{tokens * STATE_TOKEN_BYTES / GIB:.1f} GiB in a checkpoint")
+
+
+def print_plan(plan: Plan, *, weight_sync_mode: str, out: TextIO | None = None, err: TextIO | None = None,
+               host_lines: Sequence[str] = ()) -> int:
     """Print the per-GPU plan to `out` (stdout); 0 when the peak fits --gpu-memory-gib, else 1. A layout the model
     does not split over: one line `plan: error: ...` on `err` (stderr), 2. `weight_sync_mode`: rank 0's transport,
-    resolved by the caller (weight_sync/transports/; the planner sits below weight_sync/ and imports none of it)."""
+    resolved by the caller (weight_sync/transports/; the planner sits below weight_sync/ and imports none of it).
+    `host_lines`: more rank-0 host-memory lines, printed under the host copy's (`stream_state_line`)."""
     out = out or sys.stdout
     arch, layout, inputs, spec = plan.arch, plan.layout, plan.inputs, plan.spec
     try:
@@ -264,6 +292,8 @@ def print_plan(plan: Plan, *, weight_sync_mode: str, out: TextIO | None = None, 
         print(line, file=out)
     print(host_copy_line(arch, mode=weight_sync_mode, colocate=inputs.colocate,
                          bytes_per_element=spec.bytes_per_element), file=out)
+    for line in host_lines:
+        print(line, file=out)
     fits = peak <= inputs.gpu_memory_gib
     if inputs.colocate:
         print("phases: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in phases.items()), file=out)

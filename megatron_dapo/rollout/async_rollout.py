@@ -222,16 +222,13 @@ def _has_default(cls: type, name: str) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
-def batch_state(batch: AheadBatch) -> dict[str, Any]:
-    """A finished batch as plain types and tensors, for extra["async_batch"] (torch.save / weights_only load).
-
-    Bytes: ~4 B per token id (int32), 4 B per log-prob (fp32 when every value is an fp32 number, the engines'
-    precision; else fp64), 8 B per reward, plus the prompts: 8192 x 20480-token responses = 0.7 GB at most."""
-    groups, metrics = batch.result()
+def groups_state(groups: Sequence[ScoredGroup]) -> dict[str, Any]:
+    """Scored groups as plain types and tensors (a few flat tensors per field): ~4 B per token id (int32), 4 B per
+    log-prob (fp32 when every value is an fp32 number, the engines' precision; else fp64), 8 B per reward, plus
+    the prompts."""
     samples = [s for g in groups for s in g.samples]
     other = [f for f in dataclasses.fields(ScoredGroup) if f.name not in ("prompt", "samples")]
     return {
-        "version": STATE_VERSION, "step": batch.step, "weight_version": batch.version, "metrics": dict(metrics),
         "groups": len(groups), "group_sizes": [len(g.samples) for g in groups],
         "prompts": _pack_table([g.prompt for g in groups], Prompt),
         "samples": _pack_table(samples, Sample),
@@ -239,11 +236,8 @@ def batch_state(batch: AheadBatch) -> dict[str, Any]:
     }
 
 
-def batch_from_state(data: dict[str, Any]) -> AheadBatch:
-    """Inverse of `batch_state`: a finished AheadBatch."""
-    if data.get("version") != STATE_VERSION:
-        raise ValueError(f"checkpoint's async batch has layout version {data.get('version')!r}, this code reads "
-                         f"{STATE_VERSION}")
+def groups_from_state(data: dict[str, Any]) -> list[ScoredGroup]:
+    """Inverse of `groups_state`."""
     sizes = list(data["group_sizes"])
     prompts = _unpack_table(data["prompts"], Prompt, data["groups"])
     samples = _unpack_table(data["samples"], Sample, sum(sizes))
@@ -252,7 +246,24 @@ def batch_from_state(data: dict[str, Any]) -> AheadBatch:
     for g, (prompt, n) in enumerate(zip(prompts, sizes, strict=True)):
         groups.append(ScoredGroup(prompt=prompt, samples=samples[i:i + n], **{k: v[g] for k, v in other.items()}))
         i += n
-    return AheadBatch.from_checkpoint(int(data["step"]), int(data["weight_version"]), groups, dict(data["metrics"]))
+    return groups
+
+
+def batch_state(batch: AheadBatch) -> dict[str, Any]:
+    """A finished batch as plain types and tensors, for extra["async_batch"] (torch.save / weights_only load):
+    `groups_state` of its groups, 8192 x 20480-token responses = 0.7 GB at most."""
+    groups, metrics = batch.result()
+    return {"version": STATE_VERSION, "step": batch.step, "weight_version": batch.version,
+            "metrics": dict(metrics)} | groups_state(groups)
+
+
+def batch_from_state(data: dict[str, Any]) -> AheadBatch:
+    """Inverse of `batch_state`: a finished AheadBatch."""
+    if data.get("version") != STATE_VERSION:
+        raise ValueError(f"checkpoint's async batch has layout version {data.get('version')!r}, this code reads "
+                         f"{STATE_VERSION}")
+    return AheadBatch.from_checkpoint(int(data["step"]), int(data["weight_version"]), groups_from_state(data),
+                                      dict(data["metrics"]))
 
 
 class BatchAhead:

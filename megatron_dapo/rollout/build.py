@@ -47,6 +47,8 @@ class RolloutEngineConfig:
     """--rollout-batch-size x --n-samples-per-prompt: the embedded engine's batch."""
     async_rollout: int
     """--async-rollout."""
+    max_staleness: int = 0
+    """--max-staleness (the fully async rollout, K >= 1; 0: off)."""
     colocate: bool
     """--colocate."""
     log_dir: str
@@ -159,6 +161,10 @@ class RolloutEngineConfig:
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.colocate:
+            if self.max_staleness:
+                raise ValueError(f"--colocate and --max-staleness {self.max_staleness} exclude each other: colocated "
+                                 "engines release their GPU memory while the actor trains, so nothing can generate "
+                                 "meanwhile; run the servers on their own GPUs (--sglang-gpus) to train fully async")
             if self.async_rollout:
                 raise ValueError("--colocate and --async-rollout 1 exclude each other: a colocated engine releases "
                                  "its GPU memory while the actor trains, so it cannot generate the next batch "
@@ -254,7 +260,7 @@ def make_rollout_engine(cfg: RolloutEngineConfig, tokenizer):
     if cfg.kind == "embedded":  # it loads --hf-checkpoint as the family of the architecture parsed at start-up
         kwargs = dict(arch=require_arch(cfg.arch, cfg.hf_checkpoint), tokenizer=tokenizer, seed=cfg.seed,
                       max_batch_size=cfg.max_batch_size, record_routing=routing is not None)
-        if cfg.async_rollout:  # generation must run beside training: its own process (and interpreter lock)
+        if cfg.async_rollout or cfg.max_staleness:  # generation beside training: its own process (and GIL)
             from megatron_dapo.rollout.process_engine import ProcessEngine
 
             return ProcessEngine(cfg.hf_checkpoint, **(kwargs | {"tokenizer": cfg.tokenizer or cfg.hf_checkpoint}))

@@ -312,7 +312,7 @@ class _Step:
         statistics, where every response token went; with --partial-rollout the kept samples' staleness and the
         carried / resumed / stale-dropped group counts."""
         metrics = self.filler.stats.as_metrics()
-        metrics.update(_rollout_metrics(self.decided, self.config.sampling.max_new_tokens))
+        metrics.update(rollout_stats(self.decided, self.config.sampling.max_new_tokens))
         metrics["rollout/aborted_groups"] = float(self.aborted)
         metrics.update(self.tally.as_metrics())
         batch = self.filler.batch()
@@ -380,7 +380,7 @@ def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> 
     return dataclasses.replace(sampling, seed=request_seed(base_seed, request_id))
 
 
-def _rollout_metrics(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:
+def rollout_stats(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:
     """Reward, accuracy and length statistics over the responses of the decided groups (kept or not)."""
     lengths = [len(s.response_ids) for g in groups for s in g.samples]
     rewards = [r for g in groups for r in g.rewards]

@@ -191,6 +191,11 @@ class StreamScheduler:
         return self._in_flight
 
     @property
+    def handed(self) -> int:
+        """Batches handed over so far (taken or not) by this scheduler, or the run it resumed."""
+        return self._handed
+
+    @property
     def ready(self) -> int:
         """Kept groups ahead of the trainer: handed over and not taken, plus the batch being built."""
         return len(self._batches) * self.config.batch_groups + len(self._building)
@@ -312,7 +317,7 @@ class StreamScheduler:
     # ---- checkpoint -------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain types only (keys must be ints or strings): restores the same decisions and batches."""
+        """Plain types only (keys must be ints or strings): restores the same decisions, batches and counters."""
         def group_state(seq: int, g: _Group) -> dict[str, Any]:
             return {"seq": seq, "key": g.key, "submit_version": g.submit_version,
                     "samples": None if g.samples is None else [list(map(list, s)) for s in g.samples],
@@ -328,6 +333,7 @@ class StreamScheduler:
                         for b in self._batches],
             "regenerate": [{"seq": r.seq, "key": r.key, "samples": list(r.samples)} for r in self._regenerate],
             "decisions": [[key, outcome] for key, outcome in self._decisions],
+            "counts": dict(self.counts),
         }
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
@@ -351,6 +357,7 @@ class StreamScheduler:
                             for r in data["regenerate"]]
         self._in_flight = sum(1 for g in self._groups.values() if g.samples is None)
         self._decisions = [(key, str(outcome)) for key, outcome in data["decisions"]]
+        self.counts = dict.fromkeys(_COUNTS, 0.0) | {k: float(v) for k, v in data.get("counts", {}).items()}
 
 
 _COUNTS = ("stream/submitted_groups", "stream/generated_tokens", "rollout/kept_tokens", "rollout/filtered_tokens",

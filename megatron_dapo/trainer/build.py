@@ -185,7 +185,7 @@ def prepare_rank0(run: RunConfig):
                                       log_dir=run.log.log_dir)
     if run.engine.kind == "sglang":  # rank 0 holds the HTTP connections to the servers
         ensure_fd_limit(run.engine.sglang_max_concurrency, int(os.environ.get("WORLD_SIZE", "1")))
-    if run.engine.async_rollout and run.engine.kind == "embedded":
+    if (run.engine.async_rollout or run.engine.max_staleness) and run.engine.kind == "embedded":
         # its process boots (~25 s of imports on a busy 2-core machine) while this one reads the data and
         # builds the actor; it loads the tokenizer itself
         engine = rollout_build.make_rollout_engine(run.engine, None)

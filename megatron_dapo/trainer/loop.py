@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import cached_property, partial
@@ -55,6 +55,8 @@ from megatron_dapo.rollout.collect import CollectConfig, Prompt, RewardFn, Score
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.evaluation import evaluate
 from megatron_dapo.rollout.partial_rollout import CarriedGroups
+from megatron_dapo.rollout.stream import STALE_POLICIES
+from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
@@ -98,6 +100,11 @@ class TrainerConfig:
     """1: generate step k+1's batch while step k trains (--async-rollout; megatron_dapo/rollout/async_rollout.py)."""
     advantage_estimator: AdvantageFn = grpo_advantages
     """Per-response advantages from rewards and group ids (--advantage-estimator; algorithm/registry.py)."""
+    max_staleness: int = 0
+    """K >= 1: fully async rollout, every trained token at most K weight versions behind the actor (--max-staleness;
+    megatron_dapo/rollout/streaming.py); 0: off."""
+    stale_policy: str = "drop"
+    """--stale-policy: a group with a token staler than K is dropped or its stale samples regenerated."""
     exit_save_timeout_s: float = 25.0
     """On SIGTERM / a first SIGINT: the save of the last finished step and the exit happen within this many seconds
     of the signal (--exit-save-timeout-s; trainer/stop.py)."""
@@ -114,6 +121,14 @@ class TrainerConfig:
         if self.eval_interval and self.eval_sampling is None:
             raise ValueError("eval_interval > 0 needs eval_sampling")
         check_depth(self.async_rollout)
+        if self.max_staleness < 0:
+            raise ValueError(f"--max-staleness must be >= 0 (0: off), got {self.max_staleness}")
+        if self.max_staleness and self.async_rollout:
+            raise ValueError(f"--max-staleness {self.max_staleness} and --async-rollout {self.async_rollout} exclude "
+                             "each other: the fully async rollout already generates ahead of training (K = 1 is "
+                             "one step ahead); pass one of them")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
 
 
 @dataclass
@@ -183,6 +198,16 @@ class Trainer:
         """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint)."""
         return BatchAhead(depth=self.config.async_rollout, num_steps=self.config.num_steps)
 
+    @cached_property
+    def stream(self) -> StreamingRollout:
+        """--max-staleness K: the fully async rollout (rank 0 runs it; every rank holds the component, which refuses a
+        fully async checkpoint in a run that is not)."""
+        cfg = self.config
+        config = StreamingConfig(max_staleness=cfg.max_staleness, num_steps=cfg.num_steps,
+                                 stale_policy=cfg.stale_policy) if cfg.max_staleness else None
+        return StreamingRollout(config, self.collect, engine=self.engine, next_prompts=self.next_prompts,
+                                decode=self.decode, reward_fn=self.reward_fn)
+
     def state_dict(self) -> dict[str, Any]:
         """The trainer's progress: the last completed step (every rank holds the same)."""
         return {"step": self.step}
@@ -203,6 +228,13 @@ class Trainer:
 
     # ---- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self.config.max_staleness and self._is_rank0:
+                self.stream.close()  # the rollout thread aborts what is in flight and ends
+
+    def _run(self) -> None:
         cfg = self.config
         job = self.ahead.job
         if job is not None and job.step != self.step + 1:  # restored with the step by the checkpointer
@@ -216,7 +248,8 @@ class Trainer:
         for step in range(self.step + 1, cfg.num_steps + 1):
             self._stop_if_requested()                              # a signal on any rank: save step - 1, exit
             t0 = time.perf_counter()
-            if self.checkpointer is not None and self.stop is not None and not cfg.async_rollout:
+            if self.checkpointer is not None and self.stop is not None and not (cfg.async_rollout or
+                                                                                cfg.max_staleness):
                 self.checkpointer.mark()                           # rank 0: what an abandoned rollout rewinds
             try:
                 metrics, shares = self.rank0_batch(step)           # rank 0: rollout, advantages, DP split
@@ -228,15 +261,17 @@ class Trainer:
             metrics |= self.train(samples, step)                   # old log-probs -> mini-batch updates
             metrics |= self.finish_ahead()                         # async: the push waits for batch step+1
             self._stop_if_requested(updated=step, metrics=metrics)  # a signal: save this step, skip push and eval
-            if self.phases is not None:                            # colocated: save while SGLang is released,
-                self._finish_step(step)                            # then offload, resume SGLang, push
-                metrics |= self.phases.to_generation(lambda v=step: self.sync_weights(v))
-            else:
-                metrics |= self.sync_weights(step)                 # actor -> rollout engine
-            if cfg.eval_interval and step % cfg.eval_interval == 0:
-                metrics |= self.evaluate()                         # avg@k on held-out prompts
-            if self.phases is None:
-                self._finish_step(step)                            # step done; checkpoint when due
+            with self.push_window(step) as waited:                 # fully async: the rollout parks for it
+                if self.phases is not None:                        # colocated: save while SGLang is released,
+                    self._finish_step(step)                        # then offload, resume SGLang, push
+                    metrics |= self.phases.to_generation(lambda v=step: self.sync_weights(v))
+                else:
+                    metrics |= self.sync_weights(step)             # actor -> rollout engine
+                if cfg.eval_interval and step % cfg.eval_interval == 0:
+                    metrics |= self.evaluate()                     # avg@k on held-out prompts
+                if self.phases is None:
+                    self._finish_step(step)                        # step done; checkpoint when due
+            metrics |= waited
             metrics["time/step_s"] = time.perf_counter() - t0
             self._log_step(step, metrics)
         self._stop_if_requested()                                  # a signal in the last step: exit as stopped
@@ -391,8 +426,16 @@ class Trainer:
 
         Synchronous: generated now. --async-rollout 1: the batch generated during the previous step (at step 1 or
         after a resume without one: generated now), and batch step+1 starts on a background thread, on the
-        weights the engine holds now, before this returns."""
+        weights the engine holds now, before this returns. --max-staleness K: the batch the fully async rollout
+        handed over for this step (rollout/streaming.py)."""
         depth, job = self.config.async_rollout, self.ahead.job
+        if self.config.max_staleness:  # a stop signal abandons the wait; the rollout thread goes on to its cut
+            with self.stop.abandonable() if self.stop is not None else nullcontext():
+                groups, metrics, requested = self.stream.take(step)
+            if self.logger is not None:
+                self.logger.log_record("prompts", {"step": step, "requested": requested,
+                                                   "kept": [g.prompt.index for g in groups]})
+            return groups, metrics
         if job is None and depth == 0:
             t0 = time.perf_counter()
             groups, metrics = self.rollout(step, abandonable=True)  # a stop signal abandons it
@@ -409,6 +452,17 @@ class Trainer:
         if depth and step < self.config.num_steps:
             self.ahead.job = AheadBatch.start(step + 1, self.rollout, lambda: self.engine.weight_version)
         return groups, metrics | {"time/rollout_wait_s": waited, "async/staleness": float(staleness)}
+
+    @contextmanager
+    def push_window(self, step: int) -> Iterator[dict[str, float]]:
+        """Rank 0 with --max-staleness: around step `step`'s push, evaluation and save, the fully async rollout is
+        parked at the cut where version `step` is due (StreamingRollout.window: time/push_wait_s); elsewhere a
+        no-op yielding {}."""
+        if not (self.config.max_staleness and self._is_rank0):
+            yield {}
+            return
+        with self.stream.window(step) as metrics:
+            yield metrics
 
     def finish_ahead(self) -> dict[str, float]:
         """Rank 0, --async-rollout 1: wait until the batch generated during this step's training is complete, so

@@ -140,13 +140,14 @@ def test_flags_that_contradict_it_are_refused():
 def test_tis_default_is_off_with_the_decoupled_loss(async_rollout, given, expected):
     from megatron_dapo.startup import use_tis
 
-    args = argparse.Namespace(use_tis=given, async_rollout=async_rollout, policy_loss="decoupled")
+    args = argparse.Namespace(use_tis=given, async_rollout=async_rollout, max_staleness=0, policy_loss="decoupled")
     assert use_tis(args, decoupled_loss) is expected
-    assert use_tis(argparse.Namespace(use_tis=None, async_rollout=1, policy_loss="dapo"),
-                   POLICY_LOSSES.resolve("dapo")) is True
+    for depth, k in ((1, 0), (0, 2)):  # one step off, or fully async: TIS on by default with the dapo loss
+        assert use_tis(argparse.Namespace(use_tis=None, async_rollout=depth, max_staleness=k, policy_loss="dapo"),
+                       POLICY_LOSSES.resolve("dapo")) is True
     with pytest.raises(UserError, match="drop --use-tis"):
-        use_tis(argparse.Namespace(use_tis=True, async_rollout=async_rollout, policy_loss="decoupled"),
-                decoupled_loss)
+        use_tis(argparse.Namespace(use_tis=True, async_rollout=async_rollout, max_staleness=0,
+                                   policy_loss="decoupled"), decoupled_loss)
 
 
 def test_without_weights_it_is_ppo_against_pi_old():

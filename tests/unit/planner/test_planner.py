@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 import weakref
 from collections import Counter
@@ -758,3 +759,35 @@ def test_a3b_plan_is_the_one_the_docs_quote(tmp_path):
 if __name__ == "__main__":  # the worker of test_planner_matches_saved_tensors_at_ep2 (under torchrun)
     _ep2_saved_bytes_worker()
 
+
+
+def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
+    """--max-staleness K: the plan's rank-0 line is the formula written out (groups in flight at keep rate 0.5 plus
+    the lead's batches ahead and the one being built, all at L_max), and its bytes per token are what a Sample's
+    lists take in CPython (ids above the cached small ints, float log-probs, mixed versions)."""
+    from megatron_dapo.rollout.types import Sample
+
+    n = 1000
+    ids, logprobs, versions = [], [], []
+    for i in range(n):  # as the embedded engine builds them, a token at a time (lists over-allocate by <= 1/8)
+        ids.append(1000 + i)
+        logprobs.append(-1.0 - i / n)
+        versions.append(3 if i < n // 2 else 4)
+    sample = Sample(request_id="r", index=0, prompt_ids=[1], response_ids=ids, logprobs=logprobs,
+                    finish_reason="stop", weight_version=3, token_versions=versions)
+    lists = (sample.response_ids, sample.logprobs, sample.token_versions)
+    held = sum(sys.getsizeof(x) for x in lists) - 3 * sys.getsizeof([])
+    held += sum(sys.getsizeof(t) for t in sample.response_ids) + sum(sys.getsizeof(x) for x in sample.logprobs)
+    # 28 + 24 B objects and three 8 B slots = 76 B; the versions are small ints (CPython's cached objects)
+    assert 76 <= held / n <= report.PY_TOKEN_BYTES
+
+    k, b, g, length = 2, 512, 16, 20480
+    groups = math.ceil(k * b / 0.5) + (max(1, k - 1) + 1) * b
+    line = report.stream_state_line(max_staleness=k, batch_groups=b, n_samples=g, max_response_length=length)
+    tokens = groups * g * length
+    assert f"at most {groups:,} groups" in line and f"{tokens:,} tokens" in line
+    assert f"{tokens * report.PY_TOKEN_BYTES / 2**30:.1f} GiB as lists" in line
+    assert f"{tokens * 16 / 2**30:.1f} GiB in a checkpoint" in line
+    rc, lines = _dry_run(_launcher_train_args(tmp_path, *LAUNCHERS[1].values) + ["--max-staleness", "2"])
+    host = [line for line in lines if line.startswith("rank 0 host memory: fully async")]
+    assert len(host) == 1 and "--max-staleness 2" in host[0], lines

@@ -57,6 +57,8 @@ BAD = [
                  "--mem-fraction-static is given in --sglang-extra-args", id="colocate-mem-fraction-in-extra-args"),
     pytest.param(dict(colocate=True, async_rollout=1), "--colocate and --async-rollout 1 exclude each other",
                  id="colocate-async"),
+    pytest.param(dict(colocate=True, max_staleness=2), "--colocate and --max-staleness 2 exclude each other",
+                 id="colocate-fully-async"),
     pytest.param(dict(colocate=True, sglang_gpus="4,5"), "--colocate and --sglang-gpus exclude each other",
                  id="colocate-sglang-gpus"),
     pytest.param(dict(colocate=True, weight_sync_mode="distributed"), "--weight-sync-mode must be tensor",
