@@ -2,10 +2,17 @@
 DAPO_ARGS=(
     --clip-ratio-low 0.2 --clip-ratio-high 0.28     # Clip-Higher
     --loss-agg-mode token-mean                      # token-level policy gradient loss
-    --dynamic-sampling --max-num-gen-batches 10     # drop all-correct / all-wrong groups, refill (<= 10 rounds)
+    --dynamic-sampling                              # drop all-correct / all-wrong groups, refill
     --overlong-buffer-length 4096 --overlong-penalty-factor 1.0   # soft overlong punishment (Eq. 13), tokens
     --reward-fn math_dapo                           # rule-based verifier, +1 / -1
 )
+# MAX_STALENESS=K (unset: synchronous): the fully async rollout, every trained token at most K weight versions old
+# (docs/ASYNC.md; not with --colocate). It has no generation rounds to bound.
+if [[ -n "${MAX_STALENESS:-}" ]]; then
+    DAPO_ARGS+=(--max-staleness "$MAX_STALENESS")
+else
+    DAPO_ARGS+=(--max-num-gen-batches 10)           # refill at most 10 rounds a step
+fi
 # --lr-warmup-steps counts ROLLOUT steps: rollout step k (1..20) trains all its updates at 1e-6 * k / 20, then
 # constant (DAPO Sec. 4.1: 20 rollout steps of 16 optimizer updates each at 512 of 8192 responses).
 OPTIM_ARGS=(--lr 1e-6 --lr-warmup-steps 20 --lr-decay-style constant --weight-decay 0.1 --clip-grad 1.0

@@ -8,7 +8,8 @@
 # The tiny model answers no sum right (every group all wrong, nothing for dynamic sampling to keep): the rehearsal
 # rewards the response length's parity instead (tests/rewards.py), which also holds a step's scoring while a killed
 # server comes back ($REHEARSAL_HOLD_DIR). PROMPT_DATA: the tiny base's train.jsonl (default: next to HF_CKPT).
-# NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), ACTOR_NODES (2), RANKS_PER_NODE (2) from the environment.
+# NUM_STEPS (3), ACTOR_TP (2), ACTOR_PP (2), ACTOR_NODES (2), RANKS_PER_NODE (2), MAX_STALENESS (unset: synchronous;
+# examples/common_dapo_args.sh) from the environment.
 MODE=split
 MODEL=qwen2.5-0.5B  # the family's model file; HF_CKPT (required) is the tiny model
 : "${HF_CKPT:?set HF_CKPT to the tiny model (tools/make_tiny_base.py --out DIR: DIR/model)}"

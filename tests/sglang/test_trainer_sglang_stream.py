@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.checkpoint.dist_ckpt import load_common
+from megatron_dapo.checkpoint.training import step_dir
 from megatron_dapo.rollout.async_rollout import groups_from_state
 from tests.conftest import REPO, train_env
 from tests.e2e.test_trainer_e2e import latest_step, read_jsonl
@@ -47,7 +48,7 @@ def test_fully_async_with_an_sglang_server_bounds_staleness_and_resumes_what_it_
     proc.wait()
     assert 2 <= saved < STEPS, f"the run was not killed mid-way (checkpoint {saved})"
 
-    state = load_common(run / "ckpt" / f"step_{saved}")["extra"]["stream"]
+    state = load_common(step_dir(run / "ckpt", saved))["extra"]["stream"]
     prompt_of = {int(gid): g.prompt.index for gid, g in zip(state["scored_gids"], groups_from_state(state["scored"]),
                                                              strict=True)}
     held = {int(b["train_version"]) + 1: [prompt_of[int(k)] for k in b["keys"]] for b in state["scheduler"]["batches"]}

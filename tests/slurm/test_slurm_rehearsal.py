@@ -10,6 +10,8 @@ after a job is what the launchers failed to stop).
   next update and re-syncs it; after step 3 both servers score one sequence alike (the restarted one holds the
   current weights). The job ends by itself after 4 steps; nothing it started is left on any node, and the API key
   was on no command line.
+- The fully async job: the dense job's nodes with MAX_STALENESS=2 (--max-staleness 2, rollout/streaming.py); server
+  0 is killed while the rollout generates ahead of training, the run trains every step through it.
 - The colocated job (examples/recipes/cpu-rehearsal-colocated.sh with examples/slurm/colocated.sbatch, 2 nodes), with
   REHEARSAL_ALL=1 only (~2.5 min).
 - The MoE job (examples/recipes/cpu-rehearsal-moe.sh, `sbatch -N 2`): a tiny Qwen3-MoE, the actor at EP 2 on one
@@ -244,6 +246,38 @@ def test_split_job_trains_across_nodes_and_recovers_a_killed_server(cluster, tin
     assert len(server_logs) == 2 and all("'api_key': '<redacted>'" in p.read_text() for p in server_logs), server_logs
     assert _wait(lambda: not cluster.leftover_pids(), 30, "no process left on any node", poll_s=1) is True
     print(f"dense rehearsal: {wall:.0f} s from sbatch to the job leaving the queue")
+
+
+def test_fully_async_job_trains_through_a_server_killed_mid_stream(cluster, tiny_base, tmp_path):
+    """The dense job's nodes with MAX_STALENESS=2 (--max-staleness 2): the rollout node's servers generate ahead
+    of training while both actor nodes push their stages at each cut. Once step 2 is logged, server 0's process
+    group gets SIGKILL while the rollout is generating the next batches: its requests are retried on server 1, every
+    step is trained, every trained token stays within 2 versions, and nothing is left on any node."""
+    run_dir = tmp_path / "async"
+    run_dir.mkdir()
+    t0 = time.monotonic()
+    job, out = _submit(cluster, 3, "cpu-rehearsal", tiny_base / "model", run_dir,
+                       {"NUM_STEPS": "6", "MAX_STALENESS": "2"})
+    _wait(lambda: len(_records(run_dir)) >= 2 or not _queued(cluster, job), 600,
+          f"step 2 logged (the job's output: {out})")
+    pgid = _wait(lambda: _server_pgid(cluster, cluster.info()["nodes"][2], 30000), 30, "server 0's process")
+    os.killpg(pgid, signal.SIGKILL)
+    killed_after = len(_records(run_dir))
+    _wait(lambda: not _queued(cluster, job), 900, f"job {job} finished")
+    wall = time.monotonic() - t0
+    batch = out.read_text()
+    assert "== training finished" in batch, batch[-3000:]
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert killed_after < 6, "the run ended before the kill"
+    assert sum(r["rollout/servers_lost"] for r in records) >= 1
+    for r in records:
+        shares = {int(k.rsplit("/", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness/")}
+        assert sum(shares.values()) == pytest.approx(1.0) and max(d for d, v in shares.items() if v > 0) <= 2, r
+        assert r["sync/stage0_s"] > 0 and r["sync/stage1_s"] > 0, r  # both actor nodes pushed their stage
+    assert max(r["async/staleness"] for r in records) >= 1  # generated ahead of training
+    assert _wait(lambda: not cluster.leftover_pids(), 30, "no process left on any node", poll_s=1) is True
+    print(f"fully async rehearsal: {wall:.0f} s from sbatch to the job leaving the queue")
 
 
 OPT_IN = "the colocated job (~2.5 min) runs with REHEARSAL_ALL=1: make test stays within its budget"
