@@ -176,10 +176,6 @@ class StreamingRollout:
         """Dataset indices of the prompts submitted since the last batch was taken, for the prompts record."""
         self._thread: threading.Thread | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.config is not None
-
     # ---- the trainer's side ------------------------------------------------------------------------------------
 
     def start(self, step: int) -> None:
@@ -347,12 +343,15 @@ class StreamingRollout:
         """Cut groups whose every sample had finished: decided now, in submission order, without a request.
         True when there were any (the caller settles again: a batch may have been handed over)."""
         finished = [gid for gid in self._carry if not self._slots[gid].unfinished()]
-        if not finished:
-            return False
-        self._carry = [gid for gid in self._carry if gid not in set(finished)]
-        for gid in sorted(finished, key=self._seq.__getitem__):
+        self._complete_carried(finished)
+        return bool(finished)
+
+    def _complete_carried(self, gids: list[int]) -> None:
+        """Take `gids` out of the carried groups and hand each to the scheduler as it is, in submission order."""
+        taken = set(gids)
+        self._carry = [gid for gid in self._carry if gid not in taken]
+        for gid in sorted(gids, key=self._seq.__getitem__):
             self._complete(self._slots[gid])
-        return True
 
     def _next_wave(self) -> list[RolloutRequest]:
         """The cut groups' continuations (in submission order), then want() new groups."""
@@ -369,8 +368,6 @@ class StreamingRollout:
         self._carry = []
         with self._cv:
             want = self._sched.want()
-        if self.config.max_in_flight is not None:
-            want = min(want, max(0, self.config.max_in_flight - self._sched.in_flight))
         fresh = self.next_prompts(want) if want else []
         g = self.collect.n_samples_per_prompt
         for prompt in fresh:
@@ -445,9 +442,7 @@ class StreamingRollout:
         hopeless = [gid for gid in self._carry
                     if min((v for s in self._slots[gid].samples if s is not None for v in s.versions()),
                            default=bound) < bound]
-        self._carry = [gid for gid in self._carry if gid not in set(hopeless)]
-        for gid in sorted(hopeless, key=self._seq.__getitem__):
-            self._complete(self._slots[gid])
+        self._complete_carried(hopeless)
 
     # ---- checkpoint ---------------------------------------------------------------------------------------------
 
@@ -525,4 +520,4 @@ class StreamingRollout:
                             max_staleness=cfg.max_staleness, n_samples=collect.n_samples_per_prompt,
                             dynamic_sampling=collect.dynamic_sampling.enabled,
                             over_sample_factor=collect.over_sample_factor, stale_policy=cfg.stale_policy,
-                            first_train_version=first_train_version)
+                            first_train_version=first_train_version, max_in_flight=cfg.max_in_flight)

@@ -765,6 +765,7 @@ def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
     """--max-staleness K: the plan's rank-0 line is the formula written out (groups in flight at keep rate 0.5 plus
     the lead's batches ahead and the one being built, all at L_max), and its bytes per token are what a Sample's
     lists take in CPython (ids above the cached small ints, float log-probs, mixed versions)."""
+    from megatron_dapo.rollout.streaming import lead
     from megatron_dapo.rollout.types import Sample
 
     n = 1000
@@ -782,7 +783,7 @@ def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
     assert 76 <= held / n <= report.PY_TOKEN_BYTES
 
     k, b, g, length = 2, 512, 16, 20480
-    groups = math.ceil(k * b / 0.5) + (max(1, k - 1) + 1) * b
+    groups = math.ceil(k * b / 0.5) + (lead(k) + 1) * b  # the rollout's own lead: the planner must follow it
     line = report.stream_state_line(max_staleness=k, batch_groups=b, n_samples=g, max_response_length=length)
     tokens = groups * g * length
     assert f"at most {groups:,} groups" in line and f"{tokens:,} tokens" in line

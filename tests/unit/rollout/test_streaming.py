@@ -225,13 +225,6 @@ def test_no_thread_is_left_behind():
     assert "stream-rollout" not in {t.name for t in threading.enumerate()} - before
 
 
-def _flags(*extra: str):
-    from megatron_dapo.arguments import build_parser
-
-    return build_parser().parse_args(["--hf-checkpoint", "x", "--prompt-data", "x", "--num-steps", "3",
-                                      "--max-response-length", "16", "--overlong-buffer-length", "4", *extra])
-
-
 @pytest.mark.parametrize("extra, says", [
     (("--max-staleness", "2", "--no-use-tis"), "--max-staleness 2 trains tokens up to 2 weight versions old with no "
                                               "off-policy correction"),
@@ -243,6 +236,7 @@ def _flags(*extra: str):
 ])
 def test_modes_that_cannot_mix_are_refused_by_name(extra, says):
     from megatron_dapo.startup import build_configs
+    from tests.unit.rollout.test_async_rollout import _flags
 
     with pytest.raises(ValueError, match=says):
         build_configs(_flags(*extra))
@@ -257,6 +251,7 @@ def test_modes_that_cannot_mix_are_refused_by_name(extra, says):
 ])
 def test_the_flags_build_the_fully_async_trainer(extra, tis):
     from megatron_dapo.startup import build_configs
+    from tests.unit.rollout.test_async_rollout import _flags
 
     _, _, trainer = build_configs(_flags(*extra))
     assert trainer.max_staleness == int(extra[1]) and trainer.off_policy.use_tis is tis
