@@ -51,7 +51,7 @@ def test_generate_logprobs_match_hf(served):
         assert (s.finish_reason, len(s.response_ids)) == ("length", 8) or \
             (s.finish_reason == "stop" and s.response_ids[-1] == 1)
     assert max_logprob_error(model, samples) < 1e-4
-    every_token = tuple(range(2, 128))
+    every_token = tuple(range(128))  # bos (0) too: an unseeded first token of 0 went on past it (a clean run's flake)
     (stopped,) = engine.generate(_reqs(1, n=1, max_new=8, stop_token_ids=every_token))[0]
     assert stopped.finish_reason == "stop" and len(stopped.response_ids) == 1
 
