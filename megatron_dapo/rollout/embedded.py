@@ -18,8 +18,8 @@ to, what SGLang's return_routed_experts gives: Sample.routed_experts, rows for p
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +27,12 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from megatron_dapo.models.family import ModelFamily
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import family
-from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.engine import OpenStream, RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.sampling import row_seed, sample_tokens, skip_draws
 from megatron_dapo.rollout.types import FinishReason, RolloutRequest, RoutingShape, Sample
 from megatron_dapo.rollout.weights_load import load_named_tensors
@@ -54,6 +55,97 @@ class _Row:
     after a weight update, one for prompt + response re-prefilled, replacing the earlier ones)."""
     versions: list[int] = field(default_factory=list)
     """Per response token, the weight version of the forward pass that produced its logits."""
+
+
+REFILL_MIN_ROWS = 8
+"""open_stream: waiting rows join a running batch once this many slots are free (or all they need, or a quarter of
+max_batch_size when that is fewer). Each join is a prefill of the new rows and a copy of the batch's KV cache;
+joins of up to 8 rows (one demo group) at a time keep that cost below the decode steps they save."""
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` with zeros prepended along `dim` up to `width` (left padding: masked out of attention)."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _merge_caches(a: DynamicCache, b: DynamicCache, width: int) -> None:
+    """Rows of `b` appended to `a` (in place), both left-padded to `width` positions. Full-attention layers only:
+    a sliding-window layer's cache is not positional, so it cannot be aligned by padding."""
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        if type(la) is not DynamicLayer or type(lb) is not DynamicLayer:
+            raise NotImplementedError(f"EmbeddedEngine.open_stream: continuous batching merges full-attention KV "
+                                      f"caches only, this model has {type(la).__name__} layers; use stream()")
+        la.keys = torch.cat([_left_pad(la.keys, width, -2), _left_pad(lb.keys, width, -2)], dim=0)
+        la.values = torch.cat([_left_pad(la.values, width, -2), _left_pad(lb.values, width, -2)], dim=0)
+
+
+@dataclass
+class _Batch:
+    """The rows decoding together and their state: the logits of each row's next token [b, V] (fp32), the KV cache,
+    the attention mask [b, width] (left padding 0), each row's last position [b], its sampling parameters [b], the
+    tokens sampled last [b] and the weight version of the forward pass that produced `logits`."""
+
+    rows: list[_Row]
+    logits: torch.Tensor | None = None
+    cache: DynamicCache | None = None
+    mask: torch.Tensor | None = None
+    last_pos: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    version: int = -1
+
+    @classmethod
+    def empty(cls) -> _Batch:
+        return cls(rows=[])
+
+    def join(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor,
+             last_pos: torch.Tensor, version: int) -> None:
+        """Add freshly prefilled rows (their logits, cache, mask and positions) to the batch."""
+        device = logits.device
+        params = [r.req.sampling for r in rows]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if not self.rows:
+            self.rows, self.logits, self.cache, self.mask, self.last_pos = list(rows), logits, cache, mask, last_pos
+            self.temperature, self.top_k, self.top_p, self.version = temperature, top_k, top_p, version
+            return
+        if version != self.version:
+            raise AssertionError(f"rows prefilled at weight version {version} join a batch at {self.version}")
+        width = max(self.mask.shape[1], mask.shape[1])
+        _merge_caches(self.cache, cache, width)
+        self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(mask, width, 1)])
+        self.rows = self.rows + list(rows)
+        self.logits = torch.cat([self.logits, logits])
+        self.last_pos = torch.cat([self.last_pos, last_pos])
+        self.temperature = torch.cat([self.temperature, temperature])
+        self.top_k = torch.cat([self.top_k, top_k])
+        self.top_p = torch.cat([self.top_p, top_p])
+
+    def select(self, keep: list[int], tokens: torch.Tensor) -> None:
+        """Keep rows `keep` (indices into `rows`), with `tokens` [b] the ones just sampled for every row."""
+        if not keep:
+            self.rows, self.cache = [], None
+            return
+        if len(keep) < len(self.rows):
+            index = torch.tensor(keep, device=tokens.device)
+            self.cache.batch_select_indices(index)
+            self.rows = [self.rows[i] for i in keep]
+            tokens, self.mask, self.last_pos = tokens[index], self.mask[index], self.last_pos[index]
+            self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
+        self.tokens = tokens
+
+    def restart(self, logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor, last_pos: torch.Tensor,
+                version: int) -> None:
+        """The same rows re-prefilled (after a weight update)."""
+        self.logits, self.cache, self.mask, self.last_pos, self.version = logits, cache, mask, last_pos, version
 
 
 def _family(model_type: Any, where: str) -> ModelFamily:
@@ -212,15 +304,37 @@ class EmbeddedEngine(RolloutEngine):
         self._version = version
 
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
+        return self._start(requests, refill=False)
+
+    def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
+        """Continuous batching: a row that finishes frees its slot, and rows waiting (those of `add`ed requests
+        included) join the running batch once REFILL_MIN_ROWS slots are free (prefilled on their own, their KV
+        cache merged into the batch's). `stream` instead runs its rows in chunks of max_batch_size, each to its
+        end (the numerics the golden curve pins)."""
+        return self._start(requests, refill=True)
+
+    def _start(self, requests: Sequence[RolloutRequest], *, refill: bool) -> OpenStream:
         self._check_open()
         if self._paused:
             raise RuntimeError("EmbeddedEngine is paused: call resume() before generating")
         check_unique_ids(requests)
-        clash = {r.request_id for r in requests} & self._live
-        if clash:
-            raise ValueError(f"request ids already in flight in another stream: {sorted(clash)[:5]}")
-        self._live |= {r.request_id for r in requests}
-        return self._run(list(requests))
+        pending: collections.deque[_Row] = collections.deque()
+        remaining: dict[str, int] = {}
+        owned: list[str] = []
+
+        def add(more: Sequence[RolloutRequest]) -> None:
+            ids = {r.request_id for r in more}
+            clash = ids & (self._live | set(remaining))
+            if clash:
+                raise ValueError(f"request ids already in flight: {sorted(clash)[:5]}")
+            self._live |= ids
+            owned.extend(ids)
+            for r in more:
+                remaining[r.request_id] = r.n
+                pending.extend(self._rows(r))
+
+        add(requests)
+        return OpenStream(self._run(pending, remaining, owned, refill), add)
 
     # ---- decode loop ---------------------------------------------------------------------------
 
@@ -238,29 +352,23 @@ class EmbeddedEngine(RolloutEngine):
             rows.append(_Row(req, i, gen, self.eos_ids | frozenset(req.sampling.stop_token_ids)))
         return rows
 
-    def _run(self, requests: list[RolloutRequest]) -> Iterator[list[Sample]]:
+    def _run(self, pending: collections.deque[_Row], remaining: dict[str, int], owned: list[str],
+             refill: bool) -> Iterator[list[Sample]]:
         try:
-            remaining = {r.request_id: r.n for r in requests}
             rows_of: dict[str, list[_Row]] = {}
-            pending = iter(itertools.chain.from_iterable(self._rows(r) for r in requests))
-            while True:
-                batch = list(itertools.islice(pending, self.max_batch_size))
-                if not batch:
-                    return
-                for row in batch:
-                    rows_of.setdefault(row.req.request_id, []).append(row)
-                for row in self._decode(batch):
-                    rid = row.req.request_id
-                    remaining[rid] -= 1
-                    if remaining[rid] == 0:
-                        self._live.discard(rid)
-                        self._aborted.discard(rid)
-                        yield [self._to_sample(r) for r in rows_of.pop(rid)]
+            for row in self._decode(pending, refill):
+                rid = row.req.request_id
+                rows_of.setdefault(rid, []).append(row)
+                remaining[rid] -= 1
+                if remaining[rid] == 0:
+                    self._live.discard(rid)
+                    self._aborted.discard(rid)
+                    yield [self._to_sample(r) for r in sorted(rows_of.pop(rid), key=lambda r: r.index)]
         finally:
             # The consumer stopped iterating (or an error): forget these ids so they can be reused.
-            for r in requests:
-                self._live.discard(r.request_id)
-                self._aborted.discard(r.request_id)
+            for rid in owned:
+                self._live.discard(rid)
+                self._aborted.discard(rid)
 
     def _to_sample(self, row: _Row) -> Sample:
         return Sample(
@@ -277,36 +385,51 @@ class EmbeddedEngine(RolloutEngine):
             if row.routes else None,
         )
 
-    @torch.inference_mode()
-    def _decode(self, batch: list[_Row]) -> Iterator[_Row]:
-        """Runs the rows of one batch to completion, yielding each row the moment it finishes."""
-        live = []
-        for row in batch:
+    def _admit(self, pending: collections.deque[_Row], room: int) -> tuple[list[_Row], list[_Row]]:
+        """Up to `room` rows off `pending`: (those to generate, those whose request was aborted meanwhile)."""
+        admitted: list[_Row] = []
+        aborted: list[_Row] = []
+        while pending and len(admitted) < room:
+            row = pending.popleft()
             if row.req.request_id in self._aborted:
                 row.finish = "abort"
-                yield row
+                aborted.append(row)
             else:
-                live.append(row)
-        if not live:
-            return
-        params = [r.req.sampling for r in live]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-        out, cache, mask, last_pos = self._prefill(live, [list(r.req.prompt_ids) for r in live])
-        forward_version = self._version
-        for row in live:
-            row.weight_version = self._version
+                admitted.append(row)
+        return admitted, aborted
+
+    @torch.inference_mode()
+    def _decode(self, pending: collections.deque[_Row], refill: bool) -> Iterator[_Row]:
+        """Runs the rows of `pending` (which may grow between yields) to completion, at most max_batch_size at a
+        time, yielding each row the moment it finishes. Without `refill` a batch is taken only when the previous
+        one is done; with it, waiting rows join once REFILL_MIN_ROWS slots are free (fewer: see REFILL_MIN_ROWS)."""
+        batch = _Batch.empty()
         while True:
-            logits = out.logits[:, -1, :].float()  # [b, V]
-            tokens = sample_tokens(logits, temperature, top_k, top_p, [r.generator for r in live])
+            room = self.max_batch_size - len(batch.rows)
+            want = min(len(pending), REFILL_MIN_ROWS, max(1, self.max_batch_size // 4))
+            if pending and (not batch.rows or (refill and room >= want)):
+                admitted, aborted = self._admit(pending, room)
+                yield from aborted
+                if admitted:
+                    out, cache, mask, last_pos = self._prefill(admitted, [list(r.req.prompt_ids) for r in admitted])
+                    for row in admitted:
+                        row.weight_version = self._version
+                    batch.join(admitted, out.logits[:, -1, :].float(), cache, mask, last_pos, self._version)
+                    continue  # admit more while rows are waiting and aborted ones free room
+            if not batch.rows:
+                if pending:
+                    continue
+                return
+            live = batch.rows
+            tokens = sample_tokens(batch.logits, batch.temperature, batch.top_k, batch.top_p,
+                                   [r.generator for r in live])
             # Raw (temperature-1, unfiltered) log-prob of the chosen token: see Sample.logprobs.
-            chosen_lp = logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+            chosen_lp = batch.logits.log_softmax(dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
             for i, row in enumerate(live):
                 tok = int(tokens[i])
                 row.response.append(tok)
                 row.logprobs.append(float(chosen_lp[i]))
-                row.versions.append(forward_version)
+                row.versions.append(batch.version)
                 if tok in row.stop_ids:
                     row.finish = "stop"
                 elif len(row.response) >= row.req.sampling.max_new_tokens:
@@ -321,29 +444,25 @@ class EmbeddedEngine(RolloutEngine):
                     row.finish = "abort"
                     yield row
             keep = [i for i, row in enumerate(live) if row.finish is None]
-            if not keep:
-                return
-            if len(keep) < len(live):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                live = [live[i] for i in keep]
-                tokens, mask, last_pos = tokens[index], mask[index], last_pos[index]
-                temperature, top_k, top_p = temperature[index], top_k[index], top_p[index]
-            if self._version != forward_version:  # weights updated during the yields: retract, re-prefill
-                out, cache, mask, last_pos = self._prefill(live, [list(r.req.prompt_ids) + r.response for r in live],
-                                                           replace_routes=True)
-                forward_version = self._version
+            batch.select(keep, tokens)
+            if not batch.rows:
                 continue
-            mask = torch.cat([mask, mask.new_ones((len(live), 1))], dim=1)
-            last_pos = last_pos + 1
+            if self._version != batch.version:  # weights updated during the yields: retract, re-prefill
+                out, cache, mask, last_pos = self._prefill(
+                    batch.rows, [list(r.req.prompt_ids) + r.response for r in batch.rows], replace_routes=True)
+                batch.restart(out.logits[:, -1, :].float(), cache, mask, last_pos, self._version)
+                continue
+            mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+            last_pos = batch.last_pos + 1
             with self._recording() as picked:
                 out = self.model(
-                    input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=last_pos.unsqueeze(1),
-                    past_key_values=cache, use_cache=True,
+                    input_ids=batch.tokens.unsqueeze(1), attention_mask=mask, position_ids=last_pos.unsqueeze(1),
+                    past_key_values=batch.cache, use_cache=True,
                 )
             if picked:
-                for i, row in enumerate(live):
+                for i, row in enumerate(batch.rows):
                     row.routes.append(picked[0][i : i + 1])
+            batch.mask, batch.last_pos, batch.logits = mask, last_pos, out.logits[:, -1, :].float()
 
     def _prefill(self, live: list[_Row], sequences: list[list[int]], replace_routes: bool = False):
         """One forward pass over `sequences` (a row's prompt, or prompt + response after a weight update), left

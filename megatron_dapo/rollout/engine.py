@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 
@@ -15,6 +15,32 @@ def check_unique_ids(requests: Sequence[RolloutRequest]) -> None:
         if req.request_id in seen:
             raise ValueError(f"duplicate request_id {req.request_id!r}: request ids must be unique in a call")
         seen.add(req.request_id)
+
+
+class OpenStream(Iterator[list[Sample]]):
+    """A stream that may take more requests while it runs (`RolloutEngine.open_stream`): iterate it for each
+    request's group as it completes, call `add` between two groups. It ends once every request, the added ones
+    included, came out. `add` None: the engine cannot admit requests into a running stream."""
+
+    def __init__(self, groups: Iterator[list[Sample]],
+                 add: Callable[[Sequence[RolloutRequest]], None] | None = None) -> None:
+        self._groups, self._add = groups, add
+
+    def __next__(self) -> list[Sample]:
+        return next(self._groups)
+
+    @property
+    def accepts_additions(self) -> bool:
+        return self._add is not None
+
+    def add(self, requests: Sequence[RolloutRequest]) -> None:
+        """Submit `requests` to the running stream (their ids unique among all the stream's requests)."""
+        if self._add is None:
+            raise RuntimeError("this engine admits no request into a running stream (OpenStream.accepts_additions "
+                               "is False): submit them in the next stream")
+        check_unique_ids(requests)
+        if requests:
+            self._add(requests)
 
 
 class RolloutEngine(abc.ABC):
@@ -33,6 +59,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
         """Yields each request's group of n samples as it completes (completion order, not input order)."""
+
+    def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
+        """`stream(requests)`, taking more requests while it runs where the engine can (`OpenStream.add`: the
+        embedded, process and SGLang engines start them in the slots that finished requests freed). This default
+        cannot: its `accepts_additions` is False."""
+        return OpenStream(iter(self.stream(requests)))
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[list[Sample]]:
         """Blocking: one list of n samples per request, in the order of `requests`."""

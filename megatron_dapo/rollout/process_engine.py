@@ -5,7 +5,9 @@ process would take turns on the interpreter lock and torch's intra-op pool, so t
 a `spawn`ed process instead (its own interpreter, its own torch threads: OMP_NUM_THREADS is inherited).
 
 Protocol over one duplex multiprocessing pipe (pickled messages):
-- parent -> child: ("stream", requests), ("abort", ids | None), ("pause",), ("resume",),
+- parent -> child: ("stream", requests), ("open", requests) (open_stream), ("add", requests) (OpenStream.add:
+  the requests join the stream when the main thread next resumes it, after the pull), ("abort", ids | None),
+  ("pause",), ("resume",),
   ("weights", (buffer or None, [(name, offset, dtype, shape)])), ("version", int), ("shutdown",).
 - child -> parent: ("group", samples) per finished request, ("end",) when a stream is exhausted,
   ("stream_error", text); ("reply", value) / ("reply_error", text) for every other message, in order.
@@ -47,7 +49,7 @@ from typing import Any
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions with ForkingPickler
 
-from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.engine import OpenStream, RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import RolloutRequest, Sample
 
 PR_SET_PDEATHSIG = 1
@@ -155,17 +157,36 @@ class ProcessEngine(RolloutEngine):
         return not self._closed and self._proc.is_alive()
 
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
+        return self._start("stream", requests)
+
+    def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
+        """EmbeddedEngine.open_stream in the child. An `add` reaches the child at once and joins its stream at the
+        next pull, as it would between two groups in-process: the same samples whenever the parent adds."""
+        return self._start("open", requests)
+
+    def _start(self, op: str, requests: Sequence[RolloutRequest]) -> OpenStream:
         self._check_open()
         check_unique_ids(requests)
         if self._streaming:
             raise RuntimeError("ProcessEngine runs one stream at a time: finish (or close) the previous one first")
         self._streaming = True
         try:
-            self._call("stream", list(requests))  # accepted (or the child's ValueError, e.g. paused)
+            self._call(op, list(requests))  # accepted (or the child's ValueError, e.g. paused)
         except BaseException:
             self._streaming = False
             raise
-        return self._drain([r.request_id for r in requests])
+        ids = [r.request_id for r in requests]
+
+        def add(more: Sequence[RolloutRequest]) -> None:
+            if op != "open":
+                raise RuntimeError("ProcessEngine.stream takes no requests once started: use open_stream")
+            clash = {r.request_id for r in more} & set(ids)
+            if clash:
+                raise ValueError(f"request ids already in this stream: {sorted(clash)[:5]}")
+            self._call("add", list(more))
+            ids.extend(r.request_id for r in more)
+
+        return OpenStream(self._drain(ids), add)
 
     def _drain(self, ids: list[str]) -> Iterator[list[Sample]]:
         ended, pull = False, False  # the child produces its first group unasked, each later one on a pull
@@ -310,6 +331,8 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
         send("reply_error", traceback.format_exc())
         return
     work: queue.Queue = queue.Queue()
+    adds: list[list] = []  # [requests, aborted]: open_stream additions waiting for the next pull
+    adds_lock = threading.Lock()
     pulls = threading.Semaphore(0)  # ("next",) from the parent: the stream may go past its last group
 
     def reader() -> None:
@@ -322,7 +345,14 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
                 if op == "next":
                     pulls.release()
                     continue
-                if op == "abort":
+                if op == "add":  # joins the stream at the next pull, on the main thread (below)
+                    with adds_lock:
+                        adds.append([payload, False])
+                    send("reply", None)
+                elif op == "abort":
+                    with adds_lock:  # an abort of everything also stops what was added and has not joined yet
+                        for entry in adds:
+                            entry[1] = entry[1] or payload is None
                     send("reply", engine.abort(payload))
                 elif op == "pause":
                     send("reply", engine.pause())
@@ -345,9 +375,9 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
         if op == "shutdown":
             engine.shutdown()
             return
-        if op == "stream":
+        if op in ("stream", "open"):
             try:
-                groups = engine.stream(payload)
+                groups = engine.stream(payload) if op == "stream" else engine.open_stream(payload)
             except BaseException:
                 send("reply_error", traceback.format_exc())
                 continue
@@ -356,6 +386,12 @@ def _serve(conn, parent_pid: int, args: tuple, kwargs: dict) -> None:
                 for group in groups:
                     send("group", group)
                     pulls.acquire()  # as a generator in the parent's process: no decoding ahead of the consumer
+                    with adds_lock:
+                        joining, adds[:] = list(adds), []
+                    for more, aborted in joining:
+                        groups.add(more)
+                        if aborted:
+                            engine.abort([r.request_id for r in more])
                 send("end")
             except BaseException:
                 send("stream_error", traceback.format_exc())

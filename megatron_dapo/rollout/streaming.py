@@ -3,11 +3,13 @@
 `StreamingRollout` drives the pure rules of `rollout/stream.py: StreamScheduler` with a real engine (embedded, its
 process, or SGLang servers: the RolloutEngine interface) on one daemon thread of global rank 0:
 
-- **Submission in waves.** Each wave is one `engine.stream` call: first the groups cut at the last push (each
-  unfinished sample continued from its prefix, `partial_rollout.continuation_request`; a sample the regenerate
-  policy sent back is continued from an empty prefix on its own seed), then `StreamScheduler.want()` new prompts
-  (over-sampling is that submission rate: no rounds). Groups are scored the moment their last response is back and
-  decided in submission order; a batch of B kept groups is handed over as soon as it exists, not at a wave's end.
+- **Continuous submission.** Each wave is one `engine.open_stream` call, from one cut to the next: it opens with
+  the groups cut at the last push (each unfinished sample continued from its prefix,
+  `partial_rollout.continuation_request`; a sample the regenerate policy sent back is continued from an empty
+  prefix on its own seed) and `StreamScheduler.want()` new prompts, and every time a group comes back it is topped
+  up with want() new ones (`OpenStream.add`), which the engine starts in the slots that group freed (over-sampling
+  is that submission rate: no rounds). Groups are scored the moment their last response is back and decided in
+  submission order; a batch of B kept groups is handed over as soon as it exists.
 - **The push lands at a cut, at a point fixed by the schedule, not by timing.** Batches are numbered by the step
   that trains them: step s trains at actor version s - 1 and its push sets version s. When the batch of step s is
   handed over and s - K > the version the engine serves, the rollout needs version s - K before it may generate
@@ -30,7 +32,8 @@ process, or SGLang servers: the RolloutEngine interface) on one daemon thread of
   (`rollout/staleness/<d>`, the share of the batch's tokens at staleness d).
 
 Determinism and exact resume: decisions are in submission order, the embedded engine's samples depend only on
-seeds, weights and what each wave holds, and both the cut points and the batches the rollout counts as taken are
+seeds, weights and which rows share its batch (a function of the requests and of where they were added: after
+which group, never when), and both the cut points and the batches the rollout counts as taken are
 functions of the schedule (`_release`, `_pop_due`), never of the trainer's timing. A checkpoint is written while
 the rollout is parked (the periodic save of step s happens in the window of version s); it holds the scheduler,
 every group not yet trained (cut groups with their prefixes, finished groups with their rewards, batches handed
@@ -266,12 +269,14 @@ class StreamingRollout:
                 if not requests:
                     raise RuntimeError("the fully async rollout has nothing to submit and nothing in flight before "
                                        "the batch it needs (scheduler: want() is 0)")
-                stream = iter(self.engine.stream(requests))
+                stream = self.engine.open_stream(requests)
                 for samples in stream:
                     self._receive(samples, cutting=False)
                     if self._interrupt():
                         self._cut(stream)
                         break
+                    if stream.accepts_additions and (fresh := self._fresh()):  # refill the freed slots now
+                        stream.add(fresh)
         except BaseException as err:  # delivered to the trainer's thread by take / window
             with self._cv:
                 self._sync.error = err
@@ -366,10 +371,15 @@ class StreamingRollout:
                                                      f"g{gid}-s{i}-w{self._wave}"))
                 slot.waiting += 1
         self._carry = []
+        return requests + self._fresh()
+
+    def _fresh(self) -> list[RolloutRequest]:
+        """want() new groups (none when the scheduler's target or cap is reached), submitted at the engine's
+        version."""
         with self._cv:
             want = self._sched.want()
         fresh = self.next_prompts(want) if want else []
-        g = self.collect.n_samples_per_prompt
+        sampling, g, requests = self.collect.sampling, self.collect.n_samples_per_prompt, []
         for prompt in fresh:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
             group_sampling = seeded(sampling, self.collect.seed, f"g{gid}")

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
+from megatron_dapo.rollout.engine import OpenStream, RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.sglang.fd_limit import HTTP_POOL_EXTRA
 from megatron_dapo.rollout.sglang.protocol import (  # ServerDied: re-exported, raised here
     CALL_MARGIN_S,
@@ -404,20 +404,38 @@ class SGLangEngine(RolloutEngine):
         out.put(result)
 
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
+        return self.open_stream(requests)
+
+    def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
+        """Every request goes to the servers at once (the router or the least-loaded server places each sample);
+        `add` sends more while the others run, so a server's freed slot is refilled by SGLang's own scheduler."""
         self._check_open()
         check_unique_ids(requests)
         results: queue.Queue = queue.Queue()
-        with self._lock:
-            for r in requests:
-                self._aborted.discard(r.request_id)
-                self._inflight.setdefault(r.request_id, set())
-        for r in requests:
-            asyncio.run_coroutine_threadsafe(self._group(r, results), self._loop)
-        return self._drain(results, len(requests))
+        count = [0]
 
-    def _drain(self, results: queue.Queue, count: int) -> Iterator[list[Sample]]:
-        for _ in range(count):
+        def add(more: Sequence[RolloutRequest], first: bool = False) -> None:
+            self._check_open()
+            with self._lock:
+                clash = {r.request_id for r in more} & set(self._inflight)
+                if clash and not first:  # the first call keeps stream()'s contract: an id may be reused
+                    raise ValueError(f"request ids already in flight: {sorted(clash)[:5]}")
+                for r in more:
+                    self._aborted.discard(r.request_id)
+                    self._inflight.setdefault(r.request_id, set())
+            for r in more:
+                asyncio.run_coroutine_threadsafe(self._group(r, results), self._loop)
+            count[0] += len(more)
+
+        add(requests, first=True)
+        return OpenStream(self._drain(results, count), add)
+
+    def _drain(self, results: queue.Queue, count: list[int]) -> Iterator[list[Sample]]:
+        """Each submitted request's group as it completes; `count` [1] grows with every `add`."""
+        done = 0
+        while done < count[0]:
             item = results.get()
+            done += 1
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -9,6 +9,7 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.hf_params import hf_state_dict
 from megatron_dapo.rollout import make_engine
 from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests.dist.actor_common import FAMILIES, tiny_config
 
@@ -318,3 +319,79 @@ def test_an_update_mid_stream_recomputes_the_live_rows_cache_under_the_new_weigh
             argmax = logits[len(s.prompt_ids) - 1:-1].argmax(-1).tolist()
             assert s.response_ids[3:] == argmax[3:]
     assert groups["short"][0].token_versions == []  # one version: the field stays empty
+
+
+def _admission_case(engine, temperature: float = 1.0):
+    """open_stream with a long request (4 rows, 20 tokens) and a short one (1 row, 2 tokens); added once the short one
+    is back, a third (2 rows, 3 tokens), and once that one is back a fourth (1 row, 3 tokens). Returns the groups in
+    the order they came out."""
+    sampling = SamplingParams(max_new_tokens=20, temperature=temperature, seed=21, stop_token_ids=[])
+    long = RolloutRequest(prompt_ids=[5, 6, 7, 8, 9, 10, 11], n=4, request_id="long", sampling=sampling)
+    short = RolloutRequest(prompt_ids=[12, 13], n=1, request_id="short",
+                           sampling=SamplingParams(max_new_tokens=2, temperature=temperature, seed=22))
+    added = RolloutRequest(prompt_ids=[14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], n=2, request_id="added",
+                           sampling=SamplingParams(max_new_tokens=3, temperature=temperature, seed=23))
+    late = RolloutRequest(prompt_ids=[25, 26], n=1, request_id="late",
+                          sampling=SamplingParams(max_new_tokens=3, temperature=temperature, seed=24))
+    stream = engine.open_stream([long, short])
+    out = []
+    for group in stream:
+        out.append(group)
+        if group[0].request_id == "short":  # a prompt wider than the batch's cache so far
+            stream.add([added])
+        if group[0].request_id == "added":  # one narrower
+            stream.add([late])
+    return out
+
+
+NO_EOS = dict(CFG, eos_token_id=None)
+"""CFG without an end-of-sequence token: every row runs to its max_new_tokens."""
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["t1", "greedy"])
+def test_open_stream_starts_an_added_request_in_the_slots_freed_mid_batch(model0, temperature):
+    """Continuous batching (the fully async rollout's refill): the request added after 'short' finished joins the
+    batch 'long' is still decoding in (its KV cache prefilled on its own, left-padded to a wider prompt and merged),
+    so it is back before 'long'; every token's log-prob is still the teacher-forced one of the same weights, and
+    with greedy decoding every token is the reference model's argmax after the tokens before it."""
+    state = _state(model0)
+    engine = EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6)
+    groups = _admission_case(engine, temperature)
+    assert [g[0].request_id for g in groups] == ["short", "added", "late", "long"]
+    assert [len(s.response_ids) for g in groups for s in g] == [2, 3, 3, 3, 20, 20, 20, 20]
+    for s in (s for g in groups for s in g):
+        torch.testing.assert_close(torch.tensor(s.logprobs),
+                                   _teacher_forced_logprobs(model0, s.prompt_ids, s.response_ids),
+                                   rtol=0, atol=2e-5)  # fp32: padding and batch shape change summation order only
+        if temperature == 0.0:
+            with torch.no_grad():
+                logits = model0(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
+            assert s.response_ids == logits[len(s.prompt_ids) - 1:-1].argmax(-1).tolist()
+    # stream() runs a batch to its end before taking more rows: the same requests come out in that order
+    plain = EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6)
+    order = [g[0].request_id for g in plain.stream([RolloutRequest(prompt_ids=[1, 2], n=6, request_id="fill",
+                                                                   sampling=SamplingParams(max_new_tokens=4)),
+                                                    RolloutRequest(prompt_ids=[3], n=1, request_id="next",
+                                                                   sampling=SamplingParams(max_new_tokens=1))])]
+    assert order == ["fill", "next"]
+    # the interface's default (an engine that cannot admit requests into a running stream) says so
+    default = RolloutEngine.open_stream(plain, [])
+    assert not default.accepts_additions and list(default) == []
+    with pytest.raises(RuntimeError, match="accepts_additions"):
+        default.add(_requests([[4]], 1, SamplingParams(max_new_tokens=1)))
+
+
+def test_open_stream_rejects_an_id_in_flight_and_an_abort_stops_added_rows(model0):
+    engine = EmbeddedEngine(NO_EOS, state_dict=_state(model0), max_batch_size=6)
+    sampling = SamplingParams(max_new_tokens=15, seed=3)
+    stream = engine.open_stream(_requests([[5, 6], [7]], 2, sampling, prefix="a"))
+    with pytest.raises(ValueError, match="already in flight"):
+        stream.add(_requests([[8]], 1, sampling, prefix="a"))
+    stream.add(_requests([[8, 9, 10]], 3, sampling, prefix="b"))  # 6 slots: b0's third row waits for one
+    first = next(stream)  # a0: every row reaches 15 tokens at the same step, a0 comes out first
+    assert first[0].request_id == "a0"
+    assert engine.abort() == ["a1", "b0"]  # a1 finished but is not out yet
+    groups = {g[0].request_id: g for g in stream}
+    assert sorted(groups) == ["a1", "b0"]
+    assert [s.finish_reason for s in groups["a1"]] == ["length"] * 2
+    assert [(s.finish_reason, len(s.response_ids)) for s in groups["b0"]] == [("length", 15)] * 2 + [("abort", 0)]

@@ -67,6 +67,31 @@ def test_same_samples_as_the_in_process_engine_before_and_after_a_weight_push(en
     assert {x[5] for x in after} == {3}
 
 
+def _open_with_additions(engine) -> list[list]:
+    """open_stream over 'o' requests, adding one more request after each of the first three groups back."""
+    extra = iter(_requests("x")[:3])
+    stream = engine.open_stream(_requests("o"))
+    groups = []
+    for group in stream:
+        groups.append(group)
+        if (more := next(extra, None)) is not None:
+            stream.add([more])
+    return groups
+
+
+def test_an_open_stream_admits_additions_at_the_same_decode_step_as_in_process(engines):
+    """An add reaches the child while its decode loop waits for the next pull and joins the batch at the same step
+    it would in-process: the same samples, in the same order, whenever the parent sends it."""
+    local, remote = engines
+    ours = _open_with_additions(remote)
+    assert _flat(ours) == _flat(_open_with_additions(local))
+    assert sorted(g[0].request_id for g in ours) == [f"o{i}" for i in range(5)] + ["x0", "x1", "x2"]
+    plain = remote.stream(_requests("p"))
+    with pytest.raises(RuntimeError, match="use open_stream"):
+        plain.add(_requests("q")[:1])
+    assert len(list(plain)) == 5
+
+
 def test_abort_inside_the_stream_and_a_bad_push_are_reported(engines):
     _, remote = engines
     out = []

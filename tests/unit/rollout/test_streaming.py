@@ -195,7 +195,7 @@ def test_a_save_outside_a_window_holds_the_rollout_at_a_cut():
 
 def test_an_engine_failure_reaches_the_trainer():
     class Failing(LengthLatencyEngine):
-        def stream(self, requests):
+        def open_stream(self, requests):
             raise OSError("server gone")
 
     manager, _ = make(2, 3, engine=Failing(keep_rate=0.5, truncate_prob=0.0, group_size=G))
