@@ -68,6 +68,41 @@ def test_abort_loses_nothing(served):
     assert all(len(g) == 2 for g in seen)
 
 
+def test_an_open_stream_takes_requests_while_others_generate(served):
+    """The fully async rollout's refill on a real server: a request added after the first group is back runs
+    beside the long ones still generating and comes back before them, with the weights' log-probs; an id still in
+    flight is refused; an abort of everything stops the added requests too."""
+    engine, model = served
+    long = [RolloutRequest(prompt_ids=[5, 6, 7 + i], n=2, request_id=f"long{i}",
+                           sampling=SamplingParams(max_new_tokens=120, seed=3)) for i in range(4)]
+    short = RolloutRequest(prompt_ids=[9, 10], n=1, request_id="short",
+                           sampling=SamplingParams(max_new_tokens=2, seed=4))
+    added = RolloutRequest(prompt_ids=[11, 12, 13], n=2, request_id="added",
+                           sampling=SamplingParams(max_new_tokens=3, seed=5))
+    stream = engine.open_stream([*long, short])
+    order, groups = [], {}
+    for group in stream:
+        rid = group[0].request_id
+        order.append(rid)
+        groups[rid] = group
+        if rid == "short":
+            with pytest.raises(ValueError, match="already in flight"):
+                stream.add([dataclasses.replace(long[0])])
+            stream.add([added])
+    # a random model samples eos (id 1) now and then: a group of 2 still runs after 20 tokens with p ~0.98
+    running = [rid for rid in order if rid.startswith("long") and max(len(s.response_ids) for s in groups[rid]) >= 20]
+    assert running and all(order.index("added") < order.index(rid) for rid in running), (order, running)
+    samples = [s for g in groups.values() for s in g]
+    assert max_logprob_error(model, [s for s in samples if s.finish_reason != "abort"]) < 1e-4
+    stream = engine.open_stream(_reqs(2, n=2, max_new=200))
+    seen = [next(stream)]
+    stream.add([dataclasses.replace(added, request_id="late")])
+    engine.abort()
+    seen += list(stream)
+    assert sorted(g[0].request_id for g in seen) == ["late", "q0", "q1"]
+    assert all(len(s.response_ids) < 200 for g in seen for s in g if g[0].request_id != seen[0][0].request_id)
+
+
 def test_aborted_prefix_is_continued(served):
     """Partial rollout on a real server: /abort_request returns each running sample's partial output_ids with
     their log-probs (finish 'abort'); prompt + prefix resubmitted (partial_rollout.continuation_request)
