@@ -34,8 +34,13 @@ Fully async arms (--max-staleness K, rollout/streaming.py): the demo's flags wit
 Extra rows: response tokens generated, the share of trained tokens at staleness 0 / 1 / >= 2 (mean over steps)
 and the stale groups dropped.
 
-usage: python tools/bench_async.py [--steps 60] [--arms sync,async,k1,k2,k4] [--base-dir runs/tiny-base]
-                                   [--out runs/bench_async]
+usage: python tools/bench_async.py [--steps 60] [--arms sync,async,k1,k2,k4] [--task demo|remainder]
+                                   [--engine embedded|sglang] [--base-dir DIR] [--out runs/bench_async]
+
+--task remainder runs tools/ablation.py's DAPO arm instead (data/remainder-base, responses of up to 160 tokens whose
+lengths spread from ~20 to the cap: the long tail a synchronous step waits for); --engine sglang has the trainer
+launch a CPU SGLang server (.venv-sglang) for the rollouts. The last row, the engine's idle share of the loop time,
+is read from each run's metrics: synchronous, the time not generating; fully async, time/rollout_parked_s.
 """
 
 from __future__ import annotations
@@ -68,6 +73,41 @@ def demo_flags(base: Path, run: Path, steps: int, eval_interval: int, lr: str = 
         "--global-batch-size", "64", "--seed", "1234",
         "--num-steps", str(steps), "--log-dir", str(run), "--no-wandb", "--no-progress",
     ]
+
+
+def remainder_flags(base: Path, run: Path, steps: int, eval_interval: int, lr: str) -> list[str]:
+    """The remainder task (docs/ABLATION.md): tools/ablation.py's DAPO arm (responses of up to 160 tokens with a long
+    tail, 16 prompts x 8, 8 optimizer steps a rollout step), plus the held-out avg@4 every `eval_interval` steps."""
+    return [
+        "--hf-checkpoint", str(base / "model"),
+        "--prompt-data", str(base / "train.jsonl"), "--eval-prompt-data", str(base / "eval.jsonl"),
+        "--eval-interval", str(eval_interval), "--n-samples-per-eval-prompt", "4", "--eval-max-prompts", "200",
+        "--rollout-engine", "embedded", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--over-sample-factor", "1.5", "--rollout-temperature", "1.0", "--max-response-length", "160",
+        "--max-num-gen-batches", "8", "--on-gen-exhausted", "partial", "--max-prompt-length", "24",
+        "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28", "--loss-agg-mode", "token-mean", "--dynamic-sampling",
+        "--overlong-buffer-length", "32", "--overlong-penalty-factor", "1.0", "--reward-fn", "math_dapo",
+        "--lr", lr, "--lr-warmup-steps", "3", "--weight-decay", "0.0", "--clip-grad", "1.0",
+        "--global-batch-size", "16", "--seed", "1234",
+        "--num-steps", str(steps), "--log-dir", str(run), "--no-wandb", "--no-progress",
+    ]
+
+
+TASKS = {"demo": (demo_flags, "runs/tiny-base", "2.5e-4"),
+         "remainder": (remainder_flags, "data/remainder-base", "3e-4")}
+"""--task: its flags, its base policy and its default --lr."""
+
+
+def sglang_flags(flags: list[str], port: int) -> list[str]:
+    """`flags` with the rollouts from a CPU SGLang server the trainer launches (.venv-sglang, fp32, base port
+    `port`), weights pushed as tensors."""
+    python = REPO / ".venv-sglang" / "bin" / "python"
+    if not python.is_file():
+        raise SystemExit(f"--engine sglang needs {python}: run `make sglang-env` first")
+    i = flags.index("--rollout-engine")
+    return flags[:i] + ["--rollout-engine", "sglang"] + flags[i + 2:] + [
+        "--sglang-python", str(python), "--sglang-extra-args", "--dtype float32", "--sglang-base-port", str(port),
+        "--weight-sync-mode", "tensor"]
 
 
 def read_records(path: Path) -> list[dict]:
@@ -104,7 +144,18 @@ def summarise(run: Path, wall_s: float, cpu_s: float, target: float) -> dict[str
             "generated_tokens": total("rollout/generated_tokens") + total("stream/generated_tokens"),
             "stale_1_share": sum(stale[0::2]) / len(steps) if steps else float("nan"),
             "stale_2_share": sum(stale[1::2]) / len(steps) if steps else float("nan"),
-            "stale_dropped_groups": total("rollout/stale_dropped_groups")}
+            "stale_dropped_groups": total("rollout/stale_dropped_groups"),
+            "engine_idle_share": engine_idle(records, steps, loop_s)}
+
+
+def engine_idle(records: dict[int, dict], steps: list[int], loop_s: float) -> float:
+    """Share of the loop time the rollout engine had no request: synchronous, every second not generating; one step
+    off, the steps' time minus their generation; fully async, the time it waited parked for a push."""
+    if not loop_s:
+        return float("nan")
+    if any("time/rollout_parked_s" in records[s] for s in steps):
+        return sum(records[s].get("time/rollout_parked_s", 0.0) for s in steps) / loop_s
+    return max(0.0, 1.0 - sum(records[s].get("time/rollout_s", 0.0) for s in steps) / loop_s)
 
 
 def _children_cpu_s() -> float:
@@ -118,8 +169,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="training steps per run (the demo: 60)")
     p.add_argument("--eval-interval", type=int, default=10, help="held-out avg@4 every N steps")
     p.add_argument("--target", type=float, default=0.9, help="held-out avg@4 to reach")
-    p.add_argument("--lr", default="2.5e-4", help="learning rate of both runs (the demo: 5e-4; see the docstring)")
-    p.add_argument("--base-dir", default="runs/tiny-base", help="tiny base policy (built when missing)")
+    p.add_argument("--task", choices=sorted(TASKS), default="demo",
+                   help="demo: two-digit sums, 40-token responses; remainder: tools/ablation.py's DAPO arm, "
+                        "160-token responses with a long tail")
+    p.add_argument("--engine", choices=("embedded", "sglang"), default="embedded",
+                   help="the rollout engine: embedded (its own process when async), or a CPU SGLang server the "
+                        "trainer launches (make sglang-env)")
+    p.add_argument("--sglang-base-port", type=int, default=31000, help="--engine sglang: the server's base port")
+    p.add_argument("--lr", default=None, help="learning rate of every run (default: demo 2.5e-4, half the demo's "
+                                              "5e-4, see the docstring; remainder 3e-4, the ablation's)")
+    p.add_argument("--base-dir", default=None, help="base policy (default: demo runs/tiny-base, built when missing; "
+                                                    "remainder data/remainder-base)")
     p.add_argument("--out", default="runs/bench_async", help="run directories and summary.json")
     p.add_argument("--arms", default="sync,async,k1,k2,k4",
                    help="comma-separated runs: sync, async (--async-rollout 1), kN (--max-staleness N)")
@@ -128,15 +188,21 @@ def main() -> None:
     for arm in arms:
         if arm not in ("sync", "async") and not (arm.startswith("k") and arm[1:].isdigit() and int(arm[1:]) >= 1):
             p.error(f"--arms: {arm!r} is not sync, async or kN with N >= 1")
-    base, out = Path(args.base_dir), Path(args.out)
+    make_flags, default_base, default_lr = TASKS[args.task]
+    base, out, lr = Path(args.base_dir or default_base), Path(args.out), args.lr or default_lr
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     if not (base / "model" / "config.json").is_file():
+        if args.task != "demo":
+            raise SystemExit(f"--base-dir {base}: no model/config.json (build it with tools/make_tiny_base.py "
+                             f"--task {args.task} --out {base})")
         print(f"== building the tiny base policy in {base}", flush=True)
         subprocess.run([sys.executable, "tools/make_tiny_base.py", "--out", str(base)], cwd=REPO, env=env, check=True)
     results = {}
     for name in arms:
         run = out / name
-        flags = demo_flags(base, run, args.steps, args.eval_interval, args.lr)
+        flags = make_flags(base, run, args.steps, args.eval_interval, lr)
+        if args.engine == "sglang":
+            flags = sglang_flags(flags, args.sglang_base_port)
         if name.startswith("k"):
             flags = without(flags, "--max-num-gen-batches", "--on-gen-exhausted") + ["--max-staleness", name[1:]]
         else:
@@ -160,7 +226,8 @@ def main() -> None:
             ("response tokens generated", "generated_tokens", "{:.0f}"),
             ("trained tokens at staleness >= 1 (share)", "stale_1_share", "{:.3f}"),
             ("trained tokens at staleness >= 2 (share)", "stale_2_share", "{:.3f}"),
-            ("stale groups dropped", "stale_dropped_groups", "{:.0f}")]
+            ("stale groups dropped", "stale_dropped_groups", "{:.0f}"),
+            ("engine idle, share of loop time", "engine_idle_share", "{:.2f}")]
     print(f"\n{'':44}" + "".join(f"{name:>10}" for name in arms))
     for label, key, fmt in rows:
         print(f"{label:44}" + "".join(f"{fmt.format(results[name][key]):>10}" for name in arms))
@@ -170,8 +237,8 @@ def main() -> None:
                 print(f"{name} / sync wall time: {results[name]['wall_s'] / results['sync']['wall_s']:.2f}x, loop "
                       f"time to avg@4 >= {args.target}: "
                       f"{results[name]['loop_s_to_target'] / results['sync']['loop_s_to_target']:.2f}x")
-    print(f"at --lr {args.lr} (cores: {os.cpu_count()}, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, load average at "
-          f"the end {os.getloadavg()[0]:.1f})")
+    print(f"task {args.task}, engine {args.engine}, --lr {lr} (cores: {os.cpu_count()}, OMP_NUM_THREADS="
+          f"{env['OMP_NUM_THREADS']}, load average at the end {os.getloadavg()[0]:.1f})")
 
 
 def without(flags: list[str], *names: str) -> list[str]:

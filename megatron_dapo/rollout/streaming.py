@@ -178,6 +178,8 @@ class StreamingRollout:
         self._requested: list[int] = []
         """Dataset indices of the prompts submitted since the last batch was taken, for the prompts record."""
         self._thread: threading.Thread | None = None
+        self._parked_s = 0.0
+        """Seconds the rollout waited parked for a push since the last batch counted as taken (the engine idle)."""
 
     # ---- the trainer's side ------------------------------------------------------------------------------------
 
@@ -308,7 +310,9 @@ class StreamingRollout:
             while (version := self._due()) is not None and not self._sync.closing:
                 self._sync.parked_for = version
                 self._cv.notify_all()
+                t0 = time.perf_counter()
                 self._cv.wait_for(lambda v=version: self._sync.released >= v or self._sync.closing)
+                self._parked_s += time.perf_counter() - t0
                 if self._sync.closing:
                     return
                 if self.engine.weight_version != version:
@@ -338,7 +342,9 @@ class StreamingRollout:
                                                                                .max_new_tokens)
             metrics |= {"async/staleness": metrics["rollout/max_staleness"],
                         "async/train_version": float(handed.train_version),
-                        "stream/in_flight_groups": float(sched.in_flight), "stream/keep_rate": sched.keep_rate}
+                        "stream/in_flight_groups": float(sched.in_flight), "stream/keep_rate": sched.keep_rate,
+                        "time/rollout_parked_s": self._parked_s}
+            self._parked_s = 0.0
             self._sync.ready.append(_Batch(step=handed.train_version + 1, groups=groups, metrics=metrics,
                                            requested=self._requested))
             self._requested = []
