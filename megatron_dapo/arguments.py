@@ -225,6 +225,11 @@ def _sampling_flags(g: argparse._ArgumentGroup) -> None:
                    help="with --max-staleness: a group with a token more than K versions old when it is decided is "
                         "dropped (rollout/stale_dropped_groups), or its stale samples are generated again on the "
                         "current weights (rollout/regenerated_tokens)")
+    g.add_argument("--max-in-flight-groups", type=int, default=0, metavar="N",
+                   help="with --max-staleness: at most N groups submitted and not yet decided. 0 (default) = 1.25x "
+                        "what the engine generates at once, in groups (embedded: --rollout-batch-size; SGLang: "
+                        "--sglang-max-concurrency / --n-samples-per-prompt): groups queued beyond it would start "
+                        "late and cross more pushes (docs/BENCHMARKS.md)")
     g.add_argument("--rollout-timeout", type=float, default=12.0,
                    help="HOURS the other ranks wait for global rank 0's rollout or evaluation (a gloo group "
                         "made at start; Megatron's NCCL groups keep their own 30-minute timeout); a failure of "

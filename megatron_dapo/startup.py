@@ -162,6 +162,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
         eval_sampling=eval_sampling, rollout_timeout_h=args.rollout_timeout,
         async_rollout=args.async_rollout, exit_save_timeout_s=args.exit_save_timeout_s,
         max_staleness=args.max_staleness, stale_policy=args.stale_policy,
+        max_in_flight_groups=args.max_in_flight_groups,
         off_policy=OffPolicyConfig(use_tis=use_tis(args, actor.loss.fn), tis_cap=args.tis_cap,
                                    mis_mode=args.mis_mode, mis_threshold=args.mis_threshold,
                                    behaviour_weights=takes_behaviour_weights(actor.loss.fn)),

@@ -57,10 +57,15 @@ class _Row:
     """Per response token, the weight version of the forward pass that produced its logits."""
 
 
-REFILL_MIN_ROWS = 8
-"""open_stream: waiting rows join a running batch once this many slots are free (or all they need, or a quarter of
-max_batch_size when that is fewer). Each join is a prefill of the new rows and a copy of the batch's KV cache;
-joins of up to 8 rows (one demo group) at a time keep that cost below the decode steps they save."""
+DEFAULT_MAX_BATCH_SIZE = 64
+"""Rows per forward pass when the caller does not say (the trainer passes --rollout-batch-size x
+--n-samples-per-prompt)."""
+REFILL_SHARE = 4
+"""open_stream: waiting rows join a running batch once a 1/REFILL_SHARE of its max_batch_size slots are free (or
+all they need). Each join is a prefill of the new rows and a copy of the batch's whole KV cache, which for a small
+model costs about a decode step: joining a quarter at a time keeps the batch at least 3/4 full at one copy per
+quarter turned over (joining every 8 rows ran the remainder task's fully async arm 1.8x slower than waves,
+tools/bench_async.py, docs/BENCHMARKS.md)."""
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -141,6 +146,18 @@ class _Batch:
             tokens, self.mask, self.last_pos = tokens[index], self.mask[index], self.last_pos[index]
             self.temperature, self.top_k, self.top_p = self.temperature[index], self.top_k[index], self.top_p[index]
         self.tokens = tokens
+
+    def trim(self) -> None:
+        """Drop the leading cache columns that are padding for every row. A continuously refilled batch never
+        empties, so without this its width (and each step's attention) would grow by one column a step for as long
+        as it runs; trimmed, it stays the longest row's prompt + response."""
+        used = self.mask.any(dim=0).nonzero()
+        start = int(used[0]) if len(used) else self.mask.shape[1]
+        if start == 0:
+            return
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[..., start:, :], layer.values[..., start:, :]
+        self.mask = self.mask[:, start:]
 
     def restart(self, logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor, last_pos: torch.Tensor,
                 version: int) -> None:
@@ -224,7 +241,7 @@ class EmbeddedEngine(RolloutEngine):
         state_dict: dict[str, torch.Tensor] | None = None,
         tokenizer: Any = None,
         dtype: torch.dtype = torch.float32,
-        max_batch_size: int = 64,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         seed: int = 0,
         device: str | torch.device = "cpu",
         num_threads: int | None = None,
@@ -275,6 +292,10 @@ class EmbeddedEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def capacity(self) -> int:
+        return self.max_batch_size
+
     def health(self) -> bool:
         return not self._closed
 
@@ -308,9 +329,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
         """Continuous batching: a row that finishes frees its slot, and rows waiting (those of `add`ed requests
-        included) join the running batch once REFILL_MIN_ROWS slots are free (prefilled on their own, their KV
-        cache merged into the batch's). `stream` instead runs its rows in chunks of max_batch_size, each to its
-        end (the numerics the golden curve pins)."""
+        included) join the running batch once a quarter of its slots are free (REFILL_SHARE), prefilled on their
+        own, their KV cache merged into the batch's. `stream` instead runs its rows in chunks of max_batch_size,
+        each to its end (the numerics the golden curve pins)."""
         return self._start(requests, refill=True)
 
     def _start(self, requests: Sequence[RolloutRequest], *, refill: bool) -> OpenStream:
@@ -402,11 +423,11 @@ class EmbeddedEngine(RolloutEngine):
     def _decode(self, pending: collections.deque[_Row], refill: bool) -> Iterator[_Row]:
         """Runs the rows of `pending` (which may grow between yields) to completion, at most max_batch_size at a
         time, yielding each row the moment it finishes. Without `refill` a batch is taken only when the previous
-        one is done; with it, waiting rows join once REFILL_MIN_ROWS slots are free (fewer: see REFILL_MIN_ROWS)."""
+        one is done; with it, waiting rows join once a quarter of the slots are free (REFILL_SHARE)."""
         batch = _Batch.empty()
         while True:
             room = self.max_batch_size - len(batch.rows)
-            want = min(len(pending), REFILL_MIN_ROWS, max(1, self.max_batch_size // 4))
+            want = min(len(pending), max(1, self.max_batch_size // REFILL_SHARE))
             if pending and (not batch.rows or (refill and room >= want)):
                 admitted, aborted = self._admit(pending, room)
                 yield from aborted
@@ -445,6 +466,8 @@ class EmbeddedEngine(RolloutEngine):
                     yield row
             keep = [i for i, row in enumerate(live) if row.finish is None]
             batch.select(keep, tokens)
+            if refill and batch.rows:  # stream() keeps its width: the numerics the golden curve pins
+                batch.trim()
             if not batch.rows:
                 continue
             if self._version != batch.version:  # weights updated during the yields: retract, re-prefill

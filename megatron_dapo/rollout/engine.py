@@ -103,6 +103,12 @@ class RolloutEngine(abc.ABC):
         return {}
 
     @property
+    def capacity(self) -> int | None:
+        """Samples the engine generates at once (more wait in its queue); None when it does not say. The fully async
+        rollout caps its groups in flight near it (--max-in-flight-groups)."""
+        return None
+
+    @property
     @abc.abstractmethod
     def weight_version(self) -> int:
         """Version of the last successful weight update (0 for the initial weights)."""

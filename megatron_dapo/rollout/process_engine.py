@@ -90,6 +90,7 @@ class ProcessEngine(RolloutEngine):
         self._bucket_bytes = bucket_bytes
         self._stop_timeout_s = stop_timeout_s
         self._start_timeout_s = start_timeout_s
+        self._kwargs = {k: v for k, v in kwargs.items() if k == "max_batch_size"}
         self._ready = False  # the child boots (imports torch, builds the model) while the caller goes on
 
     def _wait_ready(self) -> None:
@@ -152,6 +153,12 @@ class ProcessEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self._version
+
+    @property
+    def capacity(self) -> int:
+        from megatron_dapo.rollout.embedded import DEFAULT_MAX_BATCH_SIZE
+
+        return int(self._kwargs.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE))
 
     def health(self) -> bool:
         return not self._closed and self._proc.is_alive()

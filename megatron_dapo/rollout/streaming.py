@@ -48,6 +48,7 @@ setting the planner's row (planner: fully async in-flight state) gives the bytes
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -69,6 +70,19 @@ STATE_VERSION = 1
 """Layout version of `StreamingRollout.state_dict()`."""
 CLOSE_TIMEOUT_S = 60.0
 """How long `close` waits for the rollout thread to finish its cut (an abort and the drain of what comes back)."""
+
+
+IN_FLIGHT_SLACK = 1.25
+"""--max-in-flight-groups 0: groups in flight capped at this x the engine's capacity in groups. The production
+simulation (tools/sim_async.py, docs/BENCHMARKS.md) found 1.25 as fast as no cap with no stale group dropped."""
+
+
+def in_flight_cap(capacity: int | None, n_samples: int) -> int | None:
+    """ceil(IN_FLIGHT_SLACK x capacity / n_samples) groups for an engine generating `capacity` samples at once; None
+    (no cap) when the engine does not say."""
+    if capacity is None:
+        return None
+    return max(1, math.ceil(IN_FLIGHT_SLACK * capacity / n_samples))
 
 
 def lead(max_staleness: int) -> int:

@@ -26,6 +26,7 @@ from megatron_dapo.reward import RewardResult
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.stream import StreamConfig, StreamScheduler
+from megatron_dapo.rollout.streaming import IN_FLIGHT_SLACK
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 from megatron_dapo.simulate.servers import ServerModel, ServerPool, SimRequest
 
@@ -311,7 +312,7 @@ class _Flight:
 
 
 def fully_async(w: Workload, hw: Hardware, *, gen_gpus: int, train_gpus: int, max_staleness: int, steps: int,
-                warmup: int, stale_policy: str = "drop", in_flight_slack: float | None = 1.25) -> Result:
+                warmup: int, stale_policy: str = "drop", in_flight_slack: float | None = IN_FLIGHT_SLACK) -> Result:
     """The StreamScheduler with `gen_gpus / server_gpus` servers and a trainer on `train_gpus`: the trainer takes
     each batch the moment it is handed over (when free), trains, then pushes while the servers generate.
     `in_flight_slack`: groups in flight capped at slack x the servers' capacity (servers x max_running / G);

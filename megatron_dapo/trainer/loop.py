@@ -56,7 +56,7 @@ from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.evaluation import evaluate
 from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.stream import STALE_POLICIES
-from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout
+from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, in_flight_cap
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger
@@ -105,6 +105,9 @@ class TrainerConfig:
     megatron_dapo/rollout/streaming.py); 0: off."""
     stale_policy: str = "drop"
     """--stale-policy: a group with a token staler than K is dropped or its stale samples regenerated."""
+    max_in_flight_groups: int = 0
+    """--max-in-flight-groups: the fully async rollout's cap on groups in flight; 0: IN_FLIGHT_SLACK x the engine's
+    capacity in groups (`in_flight_cap`)."""
     exit_save_timeout_s: float = 25.0
     """On SIGTERM / a first SIGINT: the save of the last finished step and the exit happen within this many seconds
     of the signal (--exit-save-timeout-s; trainer/stop.py)."""
@@ -129,6 +132,12 @@ class TrainerConfig:
                              "one step ahead); pass one of them")
         if self.stale_policy not in STALE_POLICIES:
             raise ValueError(f"--stale-policy must be one of {STALE_POLICIES}, got {self.stale_policy!r}")
+        if self.max_in_flight_groups < 0:
+            raise ValueError(f"--max-in-flight-groups must be >= 0 (0: from the engine's capacity), got "
+                             f"{self.max_in_flight_groups}")
+        if self.max_in_flight_groups and not self.max_staleness:
+            raise ValueError(f"--max-in-flight-groups {self.max_in_flight_groups} caps the fully async rollout: it "
+                             "needs --max-staleness K >= 1")
 
 
 @dataclass
@@ -204,7 +213,10 @@ class Trainer:
         fully async checkpoint in a run that is not)."""
         cfg = self.config
         config = StreamingConfig(max_staleness=cfg.max_staleness, num_steps=cfg.num_steps,
-                                 stale_policy=cfg.stale_policy) if cfg.max_staleness else None
+                                 stale_policy=cfg.stale_policy,
+                                 max_in_flight=cfg.max_in_flight_groups or in_flight_cap(
+                                     self.engine.capacity if self.engine is not None else None,
+                                     self.collect.n_samples_per_prompt)) if cfg.max_staleness else None
         return StreamingRollout(config, self.collect, engine=self.engine, next_prompts=self.next_prompts,
                                 decode=self.decode, reward_fn=self.reward_fn)
 

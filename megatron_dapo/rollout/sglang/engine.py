@@ -547,6 +547,11 @@ class SGLangEngine(RolloutEngine):
         return not self._closed and self._call(all_ok())
 
     @property
+    def capacity(self) -> int:
+        """--sglang-max-concurrency: the samples this client keeps in flight across the servers."""
+        return self.client.max_concurrency
+
+    @property
     def weight_version(self) -> int:
         return self._version
 

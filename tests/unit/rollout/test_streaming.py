@@ -12,7 +12,8 @@ import pytest
 from megatron_dapo.algorithm import DynamicSamplingConfig, OverlongConfig
 from megatron_dapo.algorithm.dynamic_sampling import group_is_informative
 from megatron_dapo.rollout.collect import CollectConfig, ScoredGroup, request_seed
-from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, lead
+from megatron_dapo.rollout.stream import StreamScheduler
+from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, in_flight_cap, lead
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from tests import sim_engine as sim
 from tests.sim_engine import LengthLatencyEngine
@@ -218,6 +219,31 @@ def test_config_is_validated():
         StreamingConfig(max_staleness=1, num_steps=3, stale_policy="keep")
 
 
+def test_groups_in_flight_are_capped_near_what_the_engine_runs_at_once(monkeypatch):
+    """--max-in-flight-groups 0: ceil(1.25 x capacity / G) groups; an engine that does not say is not capped, and the
+    cap holds in the stream: never more groups submitted and undecided than it."""
+    assert in_flight_cap(128, 8) == 20 and in_flight_cap(256, 16) == 20 and in_flight_cap(3, 8) == 1
+    assert in_flight_cap(None, 8) is None
+
+    peak = []
+    real_submit = StreamScheduler.submit
+
+    def submit(self, key, version):
+        seq = real_submit(self, key, version)
+        peak.append(self.in_flight)
+        return seq
+
+    monkeypatch.setattr(StreamScheduler, "submit", submit)
+    for cap, most in ((5, 5), (None, 40)):  # uncapped: ceil(1.5 x K x B / keep rate) at the floor's rate
+        peak.clear()
+        engine = LengthLatencyEngine(keep_rate=0.6, truncate_prob=0.15, seed=3, partial_progress=True, group_size=G)
+        manager = StreamingRollout(StreamingConfig(max_staleness=2, num_steps=4, max_in_flight=cap),
+                                   collect_config(over_sample_factor=1.5), engine=engine, next_prompts=Sampler(),
+                                   decode=sim.decode, reward_fn=sim.reward)
+        drive(manager, engine, 1, 4)
+        assert max(peak) <= most and max(peak) == cap if cap else max(peak) > 5, (cap, max(peak))
+
+
 def test_no_thread_is_left_behind():
     before = {t.name for t in threading.enumerate()}
     manager, engine = make(2, 3)
@@ -233,6 +259,8 @@ def test_no_thread_is_left_behind():
     (("--max-staleness", "2", "--max-num-gen-batches", "3"), "the fully async rollout .* has no rounds"),
     (("--allow-uncorrected-staleness",), "--allow-uncorrected-staleness is given without --max-staleness"),
     (("--max-staleness", "-1"), "--max-staleness must be >= 0"),
+    (("--max-in-flight-groups", "4"), "--max-in-flight-groups 4 caps the fully async rollout: it needs --max-staleness"),
+    (("--max-staleness", "2", "--max-in-flight-groups", "-1"), "--max-in-flight-groups must be >= 0"),
 ])
 def test_modes_that_cannot_mix_are_refused_by_name(extra, says):
     from megatron_dapo.startup import build_configs
