@@ -328,8 +328,22 @@ def dry_run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | N
     mode = weight_sync_mode(requested=args.weight_sync_mode, attach=True, cuda=True, colocate=args.colocate)
     host = [stream_state_line(max_staleness=args.max_staleness, batch_groups=args.rollout_batch_size,
                               n_samples=args.n_samples_per_prompt, max_response_length=args.max_response_length,
-                              over_sample_factor=args.over_sample_factor)] if args.max_staleness else []
+                              over_sample_factor=args.over_sample_factor,
+                              max_in_flight=stream_in_flight_cap(args))] if args.max_staleness else []
     return print_plan(plan, weight_sync_mode=mode, out=out, err=err, host_lines=host)
+
+
+def stream_in_flight_cap(args: argparse.Namespace) -> int:
+    """The fully async rollout's cap on groups in flight: --max-in-flight-groups, or 1.25x the engine's capacity in
+    groups (SGLang: --sglang-max-concurrency samples; embedded: --rollout-batch-size x --n-samples-per-prompt rows),
+    as trainer/loop.py derives it from the engine."""
+    from megatron_dapo.rollout.streaming import in_flight_cap
+
+    if args.max_in_flight_groups:
+        return args.max_in_flight_groups
+    capacity = args.sglang_max_concurrency if args.rollout_engine == "sglang" else \
+        args.rollout_batch_size * args.n_samples_per_prompt
+    return in_flight_cap(capacity, args.n_samples_per_prompt)
 
 
 def dry_run_main(argv: list[str] | None = None) -> int:

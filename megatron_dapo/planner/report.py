@@ -255,16 +255,23 @@ STREAM_KEEP_RATE = 0.5
 
 
 def stream_state_line(*, max_staleness: int, batch_groups: int, n_samples: int, max_response_length: int,
-                      over_sample_factor: float = 1.0, keep_rate: float = STREAM_KEEP_RATE) -> str:
-    """The plan's rank-0 host-memory line for --max-staleness K (rollout/streaming.py): at most
-    ceil(factor x K x B / keep rate) groups in flight plus the lead's D = max(1, K - 1) batches ahead and the one
-    being built, each of G responses, all at --max-response-length (the worst case: a cut brings every prefix back
-    to rank 0). Qwen2.5-32B DAPO (B 512, G 16, 20480 tokens, K 2): 3072 groups, 1.0e9 tokens, 74 GiB as lists."""
+                      over_sample_factor: float = 1.0, keep_rate: float = STREAM_KEEP_RATE,
+                      max_in_flight: int | None = None) -> str:
+    """The plan's rank-0 host-memory line for --max-staleness K (rollout/streaming.py): the groups in flight, at most
+    ceil(factor x K x B / keep rate) and at most `max_in_flight` (--max-in-flight-groups, or the rollout's default
+    from the engine's capacity), plus the lead's D = max(1, K - 1) batches ahead and the one being built, each of G
+    responses, all at --max-response-length (the worst case: a cut brings every prefix back to rank 0). Qwen2.5-32B
+    DAPO (B 512, G 16, 20480 tokens, K 2), uncapped: 3072 groups, 1.0e9 tokens, 74 GiB as lists."""
     lead = max(1, max_staleness - 1)
-    groups = math.ceil(over_sample_factor * max_staleness * batch_groups / keep_rate) + (lead + 1) * batch_groups
+    in_flight = math.ceil(over_sample_factor * max_staleness * batch_groups / keep_rate)
+    capped = max_in_flight is not None and max_in_flight < in_flight
+    if capped:
+        in_flight = max_in_flight
+    groups = in_flight + (lead + 1) * batch_groups
     tokens = groups * n_samples * max_response_length
+    cap = f"{in_flight:,} of them in flight, --max-in-flight-groups; " if capped else ""
     return (f"rank 0 host memory: fully async state (--max-staleness {max_staleness}) at most {groups:,} groups "
-            f"({groups * n_samples:,} responses, {tokens:,} tokens at --max-response-length, keep rate "
+            f"({cap}{groups * n_samples:,} responses, {tokens:,} tokens at --max-response-length, keep rate "
             f"{keep_rate:g} assumed): {tokens * PY_TOKEN_BYTES / GIB:.1f} GiB as lists, "
             f"{tokens * STATE_TOKEN_BYTES / GIB:.1f} GiB in a checkpoint")
 

@@ -61,11 +61,10 @@ DEFAULT_MAX_BATCH_SIZE = 64
 """Rows per forward pass when the caller does not say (the trainer passes --rollout-batch-size x
 --n-samples-per-prompt)."""
 REFILL_SHARE = 4
-"""open_stream: waiting rows join a running batch once a 1/REFILL_SHARE of its max_batch_size slots are free (or
-all they need). Each join is a prefill of the new rows and a copy of the batch's whole KV cache, which for a small
-model costs about a decode step: joining a quarter at a time keeps the batch at least 3/4 full at one copy per
-quarter turned over (joining every 8 rows ran the remainder task's fully async arm 1.8x slower than waves,
-tools/bench_async.py, docs/BENCHMARKS.md)."""
+"""continuous_batching: waiting rows join a running batch once 1/REFILL_SHARE of its max_batch_size slots are free
+(or all they need). Each join is a prefill of the new rows and a copy of the batch's whole KV cache, which for a
+small model costs about a decode step: joining a quarter at a time keeps the batch at least 3/4 full at one copy
+per quarter turned over."""
 
 
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
@@ -231,6 +230,9 @@ class EmbeddedEngine(RolloutEngine):
     `max_batch_size` bounds rows (samples) per forward pass.
     `seed` drives samples whose request has no seed, and the random init when no weights are given.
     `record_routing`: MoE models, keep each sample's routed experts (Sample.routed_experts; --moe-routing-replay).
+    `continuous_batching`: `open_stream` refills a running batch (`_decode`); off, rows added to an open stream wait
+    for the batch in progress to end, as `stream`'s chunks do (the default: on CPU with HF attention a refilled
+    batch decodes ~2.5x slower a token, measured below).
     """
 
     def __init__(
@@ -246,6 +248,7 @@ class EmbeddedEngine(RolloutEngine):
         device: str | torch.device = "cpu",
         num_threads: int | None = None,
         record_routing: bool = False,
+        continuous_batching: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(
@@ -258,6 +261,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model = _build_model(model_dir_or_config, arch, state_dict, dtype, seed).to(self.device).eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.continuous_batching = continuous_batching
         self.eos_ids = _eos_ids(self.model, tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         # Pad positions are masked out of attention, so any valid id works as filler.
@@ -328,11 +332,19 @@ class EmbeddedEngine(RolloutEngine):
         return self._start(requests, refill=False)
 
     def open_stream(self, requests: Sequence[RolloutRequest]) -> OpenStream:
-        """Continuous batching: a row that finishes frees its slot, and rows waiting (those of `add`ed requests
-        included) join the running batch once a quarter of its slots are free (REFILL_SHARE), prefilled on their
-        own, their KV cache merged into the batch's. `stream` instead runs its rows in chunks of max_batch_size,
-        each to its end (the numerics the golden curve pins)."""
-        return self._start(requests, refill=True)
+        """`stream` that takes requests while it runs (`OpenStream.add`). Their rows queue behind the others and, as
+        `stream`'s, start in chunks of max_batch_size once the batch in progress has ended; with
+        `continuous_batching` they join the running batch once a quarter of its slots are free (REFILL_SHARE),
+        prefilled on their own, their KV cache merged into the batch's.
+
+        Why chunks by default: rows that joined a batch at other times sit at other positions, so every forward
+        pass has padding and HF's SDPA path takes an explicit mask (and repeats the KV heads for GQA) where equal-
+        length chunks need none. Measured (AMD EPYC, 1 thread, the remainder task's base policy, 320 rows of up to
+        160 tokens, max_batch_size 128): 31,213 tokens in 1.9 s chunked, 3.8 s refilled (362 forward passes of
+        8.5 ms against 477 of 3.0 ms); the fully async remainder arm ran 82 s with waves, 125 s refilled
+        (tools/bench_async.py, docs/BENCHMARKS.md). SGLang's paged attention has no such cost: its servers refill
+        every slot at once."""
+        return self._start(requests, refill=self.continuous_batching)
 
     def _start(self, requests: Sequence[RolloutRequest], *, refill: bool) -> OpenStream:
         self._check_open()

@@ -789,6 +789,14 @@ def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
     assert f"at most {groups:,} groups" in line and f"{tokens:,} tokens" in line
     assert f"{tokens * report.PY_TOKEN_BYTES / 2**30:.1f} GiB as lists" in line
     assert f"{tokens * 16 / 2**30:.1f} GiB in a checkpoint" in line
-    rc, lines = _dry_run(_launcher_train_args(tmp_path, *LAUNCHERS[1].values) + ["--max-staleness", "2"])
+    args = _launcher_train_args(tmp_path, *LAUNCHERS[1].values)
+    rc, lines = _dry_run(args + ["--max-staleness", "2"])
     host = [line for line in lines if line.startswith("rank 0 host memory: fully async")]
-    assert len(host) == 1 and "--max-staleness 2" in host[0], lines
+    # the 32B launcher's --sglang-max-concurrency 2048: 1.25 x 2048 / 16 = 160 groups in flight, not 2048
+    capped = math.ceil(1.25 * 2048 / g)
+    assert host == [report.stream_state_line(max_staleness=k, batch_groups=b, n_samples=g, max_response_length=length,
+                                             max_in_flight=capped)], lines
+    assert f"at most {capped + (lead(k) + 1) * b:,} groups ({capped:,} of them in flight" in host[0]
+    rc, lines = _dry_run(args + ["--max-staleness", "2", "--max-in-flight-groups", "4096"])  # above the target
+    (uncapped,) = [line for line in lines if line.startswith("rank 0 host memory: fully async")]
+    assert "in flight" not in uncapped and "GiB as lists" in uncapped

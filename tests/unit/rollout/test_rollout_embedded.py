@@ -349,13 +349,13 @@ NO_EOS = dict(CFG, eos_token_id=None)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0], ids=["t1", "greedy"])
-def test_open_stream_starts_an_added_request_in_the_slots_freed_mid_batch(model0, temperature):
+def test_continuous_batching_starts_an_added_request_in_the_slots_freed_mid_batch(model0, temperature):
     """Continuous batching (the fully async rollout's refill): the request added after 'short' finished joins the
     batch 'long' is still decoding in (its KV cache prefilled on its own, left-padded to a wider prompt and merged),
     so it is back before 'long'; every token's log-prob is still the teacher-forced one of the same weights, and
     with greedy decoding every token is the reference model's argmax after the tokens before it."""
     state = _state(model0)
-    engine = EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6)
+    engine = EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6, continuous_batching=True)
     groups = _admission_case(engine, temperature)
     assert [g[0].request_id for g in groups] == ["short", "added", "late", "long"]
     assert [len(s.response_ids) for g in groups for s in g] == [2, 3, 3, 3, 20, 20, 20, 20]
@@ -367,6 +367,9 @@ def test_open_stream_starts_an_added_request_in_the_slots_freed_mid_batch(model0
             with torch.no_grad():
                 logits = model0(torch.tensor([s.prompt_ids + s.response_ids])).logits[0]
             assert s.response_ids == logits[len(s.prompt_ids) - 1:-1].argmax(-1).tolist()
+    # without continuous_batching (the default) the added rows wait for the batch in progress to end
+    chunked = _admission_case(EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6), temperature)
+    assert [g[0].request_id for g in chunked] == ["short", "long", "added", "late"]
     # stream() runs a batch to its end before taking more rows: the same requests come out in that order
     plain = EmbeddedEngine(NO_EOS, state_dict=state, max_batch_size=6)
     order = [g[0].request_id for g in plain.stream([RolloutRequest(prompt_ids=[1, 2], n=6, request_id="fill",

@@ -4,6 +4,7 @@ and after a weight push through shared memory; abort from inside the stream; the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -68,9 +69,14 @@ def test_same_samples_as_the_in_process_engine_before_and_after_a_weight_push(en
 
 
 def _open_with_additions(engine) -> list[list]:
-    """open_stream over 'o' requests, adding one more request after each of the first three groups back."""
-    extra = iter(_requests("x")[:3])
-    stream = engine.open_stream(_requests("o"))
+    """open_stream over 'o' requests of 4 to 12 tokens (rows end at different steps), adding one more request after
+    each of the first three groups back."""
+    def varied(tag: str) -> list[RolloutRequest]:
+        return [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=4 + 2 * i))
+                for i, r in enumerate(_requests(tag))]
+
+    extra = iter(varied("x")[:3])
+    stream = engine.open_stream(varied("o"))
     groups = []
     for group in stream:
         groups.append(group)
@@ -86,6 +92,13 @@ def test_an_open_stream_admits_additions_at_the_same_decode_step_as_in_process(e
     ours = _open_with_additions(remote)
     assert _flat(ours) == _flat(_open_with_additions(local))
     assert sorted(g[0].request_id for g in ours) == [f"o{i}" for i in range(5)] + ["x0", "x1", "x2"]
+    init = _state(1)  # and with a running batch refilled (continuous_batching), where the step an add joins at shows
+    refilled = ProcessEngine(CONFIG, state_dict=init, max_batch_size=4, continuous_batching=True)
+    try:
+        assert _flat(_open_with_additions(refilled)) == _flat(_open_with_additions(
+            EmbeddedEngine(CONFIG, state_dict=init, max_batch_size=4, continuous_batching=True)))
+    finally:
+        refilled.shutdown()
     plain = remote.stream(_requests("p"))
     with pytest.raises(RuntimeError, match="use open_stream"):
         plain.add(_requests("q")[:1])
