@@ -75,3 +75,44 @@ def test_fully_async_run_bounds_staleness_and_resumes_exactly_after_two_sigkills
     ref_model, resumed = Qwen2ForCausalLM.from_pretrained(ref / "hf"), Qwen2ForCausalLM.from_pretrained(run / "hf")
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after two resumes")
+
+
+def test_sigterm_in_a_fully_async_run_saves_what_is_in_flight_and_the_resume_trains_it(tiny_base, tmp_path):
+    """Slurm's SIGTERM reaches a fully async run from inside its rollout thread (the 60th reward call, a few steps
+    in): the trainer saves outside a push window (the rollout cuts at the next group back and holds), exits 143
+    within the bound, and the resumed run trains the batches that checkpoint holds exactly as saved, every later
+    token still within K versions. Where the rollout cut depends on timing here (docs/FAULT_TOLERANCE.md), so the
+    resumed run is checked against its checkpoint, not against an uninterrupted run."""
+    from megatron_dapo.checkpoint.dist_ckpt import load_common
+    from megatron_dapo.checkpoint.training import step_dir
+    from megatron_dapo.rollout.async_rollout import groups_from_state
+    from tests.rewards import SIGNALLED_REWARD
+
+    run = tmp_path / "stopped"
+    stopped = subprocess.run(_cmd(tiny_base, run, *SIGNALLED_REWARD, "--save-interval", "100"), cwd=REPO,
+                             env=train_env() | {"DAPO_TEST_SIGNAL": "SIGTERM:60"}, capture_output=True, text=True,
+                             timeout=900, start_new_session=True)
+    assert stopped.returncode == 143, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    saved = latest_step(run / "ckpt")
+    assert 1 <= saved < STEPS and f"[megatron-dapo] SIGTERM: saved step {saved} to {run / 'ckpt'} in " in \
+        stopped.stdout, stopped.stdout[-3000:]
+    assert not list((run / "ckpt").glob("*.tmp"))
+
+    state = load_common(step_dir(run / "ckpt", saved))["extra"]["stream"]
+    prompt_of = {int(gid): g.prompt.index for gid, g in zip(state["scored_gids"], groups_from_state(state["scored"]),
+                                                             strict=True)}
+    held = {int(b["train_version"]) + 1: [prompt_of[int(k)] for k in b["keys"]] for b in state["scheduler"]["batches"]}
+    held |= {int(b["step"]): [g.prompt.index for g in groups_from_state(b["groups"])] for b in state["ready"]}
+    assert saved + 1 in held, f"the checkpoint of step {saved} holds no batch for step {saved + 1}: {sorted(held)}"
+
+    resumed = subprocess.run(_cmd(tiny_base, run, *SIGNALLED_REWARD, "--load", str(run / "ckpt")), cwd=REPO,
+                             env=train_env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {run / 'ckpt'} at step {saved}" in resumed.stdout
+    metrics, prompts = read_jsonl(run / "log" / "metrics.jsonl"), read_jsonl(run / "log" / "prompts.jsonl")
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    for step, kept in held.items():
+        assert prompts[step]["kept"] == kept, step
+    for step in range(saved + 1, STEPS + 1):
+        assert metrics[step]["async/staleness"] <= K and metrics[step]["async/train_version"] == step - 1
