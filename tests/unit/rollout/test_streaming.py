@@ -244,6 +244,31 @@ def test_groups_in_flight_are_capped_near_what_the_engine_runs_at_once(monkeypat
         assert max(peak) <= most and max(peak) == cap if cap else max(peak) > 5, (cap, max(peak))
 
 
+def test_each_group_back_tops_the_stream_up_to_the_cap():
+    """Continuous submission: between two cuts, a group that comes back is followed by an `add` of new groups that
+    brings the groups in flight back to what the scheduler wants (the cap, or less once batches wait), in the same
+    stream (no wave ends first)."""
+    after_add = []
+
+    class Recording(LengthLatencyEngine):
+        def open_stream(self, requests):
+            stream = super().open_stream(requests)
+            add = stream._add
+
+            def recorded(more):
+                add(more)
+                after_add.append((manager._sched.in_flight, manager._sched.want()))
+            stream._add = recorded
+            return stream
+
+    engine = Recording(keep_rate=0.6, truncate_prob=0.15, seed=3, partial_progress=True, group_size=G)
+    manager = StreamingRollout(StreamingConfig(max_staleness=2, num_steps=6, max_in_flight=5), collect_config(),
+                               engine=engine, next_prompts=Sampler(), decode=sim.decode, reward_fn=sim.reward)
+    drive(manager, engine, 1, 6)
+    assert len(after_add) >= 6 and {want for _, want in after_add} == {0}, after_add
+    assert max(in_flight for in_flight, _ in after_add) == 5
+
+
 def test_no_thread_is_left_behind():
     before = {t.name for t in threading.enumerate()}
     manager, engine = make(2, 3)
