@@ -52,50 +52,58 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def demo_flags(base: Path, run: Path, steps: int, eval_interval: int, lr: str = "5e-4") -> list[str]:
-    """examples/run_embedded_demo.sh's training flags (no checkpoints, no export: only the loop is timed); `lr`
-    replaces the demo's 5e-4."""
+@dataclass(frozen=True)
+class Task:
+    """What a --task sets apart from the flags every arm shares (`task_flags`)."""
+
+    base: str
+    """The base policy directory (model/, train.jsonl, eval.jsonl)."""
+    lr: str
+    """The default --lr."""
+    max_response_length: int
+    max_prompt_length: int
+    overlong_buffer_length: int
+    max_num_gen_batches: int
+    global_batch_size: int
+
+
+TASKS = {
+    # examples/run_embedded_demo.sh's training flags, at half its --lr 5e-4 (see the docstring)
+    "demo": Task(base="runs/tiny-base", lr="2.5e-4", max_response_length=40, max_prompt_length=16,
+                 overlong_buffer_length=8, max_num_gen_batches=16, global_batch_size=64),
+    # tools/ablation.py's DAPO arm (docs/ABLATION.md): responses of up to 160 tokens with a long tail, 16 prompts x 8,
+    # 8 optimizer steps a rollout step
+    "remainder": Task(base="data/remainder-base", lr="3e-4", max_response_length=160, max_prompt_length=24,
+                      overlong_buffer_length=32, max_num_gen_batches=8, global_batch_size=16),
+}
+"""--task: its base policy, default --lr and the flags that differ."""
+
+
+def task_flags(task: Task, base: Path, run: Path, steps: int, eval_interval: int, lr: str) -> list[str]:
+    """The trainer flags of one arm of `task` (no checkpoints, no export: only the loop is timed), with the held-out
+    avg@4 every `eval_interval` steps."""
     return [
         "--hf-checkpoint", str(base / "model"),
         "--prompt-data", str(base / "train.jsonl"), "--eval-prompt-data", str(base / "eval.jsonl"),
         "--eval-interval", str(eval_interval), "--n-samples-per-eval-prompt", "4", "--eval-max-prompts", "200",
         "--rollout-engine", "embedded", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-        "--over-sample-factor", "1.5", "--rollout-temperature", "1.0", "--max-response-length", "40",
-        "--max-num-gen-batches", "16", "--on-gen-exhausted", "partial", "--max-prompt-length", "16",
+        "--over-sample-factor", "1.5", "--rollout-temperature", "1.0",
+        "--max-response-length", str(task.max_response_length),
+        "--max-num-gen-batches", str(task.max_num_gen_batches), "--on-gen-exhausted", "partial",
+        "--max-prompt-length", str(task.max_prompt_length),
         "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28", "--loss-agg-mode", "token-mean", "--dynamic-sampling",
-        "--overlong-buffer-length", "8", "--overlong-penalty-factor", "1.0", "--reward-fn", "math_dapo",
+        "--overlong-buffer-length", str(task.overlong_buffer_length), "--overlong-penalty-factor", "1.0",
+        "--reward-fn", "math_dapo",
         "--lr", lr, "--lr-warmup-steps", "3", "--weight-decay", "0.0", "--clip-grad", "1.0",
-        "--global-batch-size", "64", "--seed", "1234",
+        "--global-batch-size", str(task.global_batch_size), "--seed", "1234",
         "--num-steps", str(steps), "--log-dir", str(run), "--no-wandb", "--no-progress",
     ]
-
-
-def remainder_flags(base: Path, run: Path, steps: int, eval_interval: int, lr: str) -> list[str]:
-    """The remainder task (docs/ABLATION.md): tools/ablation.py's DAPO arm (responses of up to 160 tokens with a long
-    tail, 16 prompts x 8, 8 optimizer steps a rollout step), plus the held-out avg@4 every `eval_interval` steps."""
-    return [
-        "--hf-checkpoint", str(base / "model"),
-        "--prompt-data", str(base / "train.jsonl"), "--eval-prompt-data", str(base / "eval.jsonl"),
-        "--eval-interval", str(eval_interval), "--n-samples-per-eval-prompt", "4", "--eval-max-prompts", "200",
-        "--rollout-engine", "embedded", "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
-        "--over-sample-factor", "1.5", "--rollout-temperature", "1.0", "--max-response-length", "160",
-        "--max-num-gen-batches", "8", "--on-gen-exhausted", "partial", "--max-prompt-length", "24",
-        "--clip-ratio-low", "0.2", "--clip-ratio-high", "0.28", "--loss-agg-mode", "token-mean", "--dynamic-sampling",
-        "--overlong-buffer-length", "32", "--overlong-penalty-factor", "1.0", "--reward-fn", "math_dapo",
-        "--lr", lr, "--lr-warmup-steps", "3", "--weight-decay", "0.0", "--clip-grad", "1.0",
-        "--global-batch-size", "16", "--seed", "1234",
-        "--num-steps", str(steps), "--log-dir", str(run), "--no-wandb", "--no-progress",
-    ]
-
-
-TASKS = {"demo": (demo_flags, "runs/tiny-base", "2.5e-4"),
-         "remainder": (remainder_flags, "data/remainder-base", "3e-4")}
-"""--task: its flags, its base policy and its default --lr."""
 
 
 def sglang_flags(flags: list[str], port: int) -> list[str]:
@@ -188,8 +196,8 @@ def main() -> None:
     for arm in arms:
         if arm not in ("sync", "async") and not (arm.startswith("k") and arm[1:].isdigit() and int(arm[1:]) >= 1):
             p.error(f"--arms: {arm!r} is not sync, async or kN with N >= 1")
-    make_flags, default_base, default_lr = TASKS[args.task]
-    base, out, lr = Path(args.base_dir or default_base), Path(args.out), args.lr or default_lr
+    task = TASKS[args.task]
+    base, out, lr = Path(args.base_dir or task.base), Path(args.out), args.lr or task.lr
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), TOKENIZERS_PARALLELISM="false")
     if not (base / "model" / "config.json").is_file():
         if args.task != "demo":
@@ -200,7 +208,7 @@ def main() -> None:
     results = {}
     for name in arms:
         run = out / name
-        flags = make_flags(base, run, args.steps, args.eval_interval, lr)
+        flags = task_flags(task, base, run, args.steps, args.eval_interval, lr)
         if args.engine == "sglang":
             flags = sglang_flags(flags, args.sglang_base_port)
         if name.startswith("k"):

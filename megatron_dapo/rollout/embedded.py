@@ -94,7 +94,7 @@ class _Batch:
     the attention mask [b, width] (left padding 0), each row's last position [b], its sampling parameters [b], the
     tokens sampled last [b] and the weight version of the forward pass that produced `logits`."""
 
-    rows: list[_Row]
+    rows: list[_Row] = field(default_factory=list)
     logits: torch.Tensor | None = None
     cache: DynamicCache | None = None
     mask: torch.Tensor | None = None
@@ -104,10 +104,6 @@ class _Batch:
     top_p: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
     version: int = -1
-
-    @classmethod
-    def empty(cls) -> _Batch:
-        return cls(rows=[])
 
     def join(self, rows: list[_Row], logits: torch.Tensor, cache: DynamicCache, mask: torch.Tensor,
              last_pos: torch.Tensor, version: int) -> None:
@@ -436,7 +432,7 @@ class EmbeddedEngine(RolloutEngine):
         """Runs the rows of `pending` (which may grow between yields) to completion, at most max_batch_size at a
         time, yielding each row the moment it finishes. Without `refill` a batch is taken only when the previous
         one is done; with it, waiting rows join once a quarter of the slots are free (REFILL_SHARE)."""
-        batch = _Batch.empty()
+        batch = _Batch()
         while True:
             room = self.max_batch_size - len(batch.rows)
             want = min(len(pending), max(1, self.max_batch_size // REFILL_SHARE))

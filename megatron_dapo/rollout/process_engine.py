@@ -90,7 +90,7 @@ class ProcessEngine(RolloutEngine):
         self._bucket_bytes = bucket_bytes
         self._stop_timeout_s = stop_timeout_s
         self._start_timeout_s = start_timeout_s
-        self._kwargs = {k: v for k, v in kwargs.items() if k == "max_batch_size"}
+        self._max_batch_size: int | None = kwargs.get("max_batch_size")  # None: the EmbeddedEngine default
         self._ready = False  # the child boots (imports torch, builds the model) while the caller goes on
 
     def _wait_ready(self) -> None:
@@ -158,7 +158,7 @@ class ProcessEngine(RolloutEngine):
     def capacity(self) -> int:
         from megatron_dapo.rollout.embedded import DEFAULT_MAX_BATCH_SIZE
 
-        return int(self._kwargs.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE))
+        return DEFAULT_MAX_BATCH_SIZE if self._max_batch_size is None else int(self._max_batch_size)
 
     def health(self) -> bool:
         return not self._closed and self._proc.is_alive()

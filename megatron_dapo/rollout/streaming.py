@@ -77,12 +77,12 @@ IN_FLIGHT_SLACK = 1.25
 simulation (tools/sim_async.py, docs/BENCHMARKS.md) found 1.25 as fast as no cap with no stale group dropped."""
 
 
-def in_flight_cap(capacity: int | None, n_samples: int) -> int | None:
-    """ceil(IN_FLIGHT_SLACK x capacity / n_samples) groups for an engine generating `capacity` samples at once; None
-    (no cap) when the engine does not say."""
+def in_flight_cap(capacity: int | None, n_samples: int, slack: float = IN_FLIGHT_SLACK) -> int | None:
+    """ceil(slack x capacity / n_samples) groups for an engine generating `capacity` samples at once; None (no cap)
+    when the engine does not say."""
     if capacity is None:
         return None
-    return max(1, math.ceil(IN_FLIGHT_SLACK * capacity / n_samples))
+    return max(1, math.ceil(slack * capacity / n_samples))
 
 
 def lead(max_staleness: int) -> int:

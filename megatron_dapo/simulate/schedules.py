@@ -26,7 +26,7 @@ from megatron_dapo.reward import RewardResult
 from megatron_dapo.rollout.collect import CollectConfig, Prompt, collect_batch
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.stream import StreamConfig, StreamScheduler
-from megatron_dapo.rollout.streaming import IN_FLIGHT_SLACK
+from megatron_dapo.rollout.streaming import IN_FLIGHT_SLACK, in_flight_cap
 from megatron_dapo.rollout.types import RolloutRequest, Sample, SamplingParams
 from megatron_dapo.simulate.servers import ServerModel, ServerPool, SimRequest
 
@@ -321,7 +321,7 @@ def fully_async(w: Workload, hw: Hardware, *, gen_gpus: int, train_gpus: int, ma
         raise ValueError(f"need 0 <= warmup < steps, got warmup={warmup}, steps={steps}")
     pool = ServerPool(hw.server, gen_gpus // hw.server_gpus)
     cap = None if in_flight_slack is None else \
-        max(1, math.ceil(in_flight_slack * len(pool.servers) * hw.server.max_running / w.n_samples))
+        in_flight_cap(len(pool.servers) * hw.server.max_running, w.n_samples, in_flight_slack)
     sched = StreamScheduler(StreamConfig(batch_groups=w.batch_groups, max_staleness=max_staleness,
                                          n_samples=w.n_samples, over_sample_factor=w.over_sample_factor,
                                          stale_policy=stale_policy, max_in_flight=cap))
