@@ -113,7 +113,7 @@ def _train(args: argparse.Namespace) -> None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(
         {"actor": actor, "trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead,
-         "stream": trainer.stream},
+         "stream": trainer.stream, "record": trainer.record},
         save_dir=ckpt.save, load_dir=None if init_ckpt else ckpt.load, fully_parallel=ckpt.fully_parallel_save,
         async_save=ckpt.async_save, section=trainer.section, group=trainer.wait_group)
     try:

@@ -13,15 +13,16 @@ dict, at the key it declares. The keys are those every checkpoint written so far
              "sampler": {...},              # "sampler"   (ResumableSampler; a few hundred bytes)
              "carried": {...},              # "carried"   (CarriedGroups, --partial-rollout; 12 B per carried token)
              "async_batch": {...},          # "ahead"     (BatchAhead, --async-rollout 1; up to ~0.7 GB at 32B)
-             "stream": {...}}               # "stream"    (StreamingRollout, --max-staleness; rollout/streaming.py)
+             "stream": {...},               # "stream"    (StreamingRollout, --max-staleness; rollout/streaming.py)
+             "metrics": {...}}              # "record"    (SavedRecord: the saved step's metrics record so far)
 
 A component with nothing to save returns {} and nothing is written for it. Who holds what (`Holder`): only global
-rank 0 draws prompts and generates, so "sampler", "carried", "ahead" and "stream" are rank 0's; the other ranks hold
-placeholders. On a save rank 0 builds them inside the trainer's `section` (a failure there reaches every rank),
-then the small shared ones ("sampler", "carried": RANK0_SHARED) are broadcast on the wait group (gloo,
---rollout-timeout) so every rank writes the identical common state megatron checks across ranks; "ahead" and
-"stream" (RANK0_ONLY) stay on rank 0 (its size; the saver keeps it out of that check). On a load every rank reads the
-checkpoint, then the rank-0 components are restored on rank 0 alone, again inside a `section`.
+rank 0 draws prompts, generates and logs, so "sampler", "carried", "ahead", "stream" and "record" are rank 0's; the
+other ranks hold placeholders. On a save rank 0 builds them inside the trainer's `section` (a failure there reaches
+every rank), then the small shared ones ("sampler", "carried": RANK0_SHARED) are broadcast on the wait group (gloo,
+--rollout-timeout) so every rank writes the identical common state megatron checks across ranks; "ahead", "stream"
+and "record" (RANK0_ONLY) stay on rank 0 (its size; the saver keeps it out of that check). On a load every rank
+reads the checkpoint, then the rank-0 components are restored on rank 0 alone, again inside a `section`.
 
 A stop signal can abandon a step's rollout on rank 0 (trainer/stop.py); the save that follows must be the one the
 last finished step would have written. A rollout changes no actor state, and the carried groups and the batch ahead

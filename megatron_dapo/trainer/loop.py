@@ -59,7 +59,7 @@ from megatron_dapo.rollout.stream import STALE_POLICIES
 from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, in_flight_cap
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
 from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
-from megatron_dapo.trainer.metrics_log import MetricsLogger
+from megatron_dapo.trainer.metrics_log import MetricsLogger, SavedRecord
 from megatron_dapo.trainer.stop import StopRequested, StopSignal, remove_unfinished
 from megatron_dapo.weight_sync.base import WeightSync
 from megatron_dapo.weight_sync.build import build_weight_sync
@@ -203,6 +203,11 @@ class Trainer:
         return CarriedGroups(enabled=self.collect.partial_rollout)
 
     @cached_property
+    def record(self) -> SavedRecord:
+        """Rank 0: the metrics record of the step the newest save holds, logged by a resumed run that lacks it."""
+        return SavedRecord()
+
+    @cached_property
     def ahead(self) -> BatchAhead:
         """Rank 0, --async-rollout 1: the next step's batch (generating, finished, or restored from a checkpoint)."""
         return BatchAhead(depth=self.config.async_rollout, num_steps=self.config.num_steps)
@@ -255,6 +260,9 @@ class Trainer:
         if self.phases is not None and self.phases.phase == "training":  # colocated, engines released at start-up:
             self.phases.to_generation(lambda: self.sync_weights(self.step))  # they resume, get the actor's weights
         self._saved_step = self.step                               # resumed from it, or nothing trained yet
+        if self.step and self.logger is not None and self.record.recover(self.logger, self.step):
+            print(f"[megatron-dapo] the metrics record of step {self.step} was not logged before the run ended: "
+                  f"logged it from the checkpoint (without time/step_s and what followed the save)", flush=True)
         if cfg.eval_interval and self.step == 0:
             self._log_step(0, self.evaluate())
         for step in range(self.step + 1, cfg.num_steps + 1):
@@ -275,14 +283,14 @@ class Trainer:
             self._stop_if_requested(updated=step, metrics=metrics)  # a signal: save this step, skip push and eval
             with self.push_window(step) as waited:                 # fully async: the rollout parks for it
                 if self.phases is not None:                        # colocated: save while SGLang is released,
-                    self._finish_step(step)                        # then offload, resume SGLang, push
+                    self._finish_step(step, metrics)               # then offload, resume SGLang, push
                     metrics |= self.phases.to_generation(lambda v=step: self.sync_weights(v))
                 else:
                     metrics |= self.sync_weights(step)             # actor -> rollout engine
                 if cfg.eval_interval and step % cfg.eval_interval == 0:
                     metrics |= self.evaluate()                     # avg@k on held-out prompts
                 if self.phases is None:
-                    self._finish_step(step)                        # step done; checkpoint when due
+                    self._finish_step(step, metrics | waited)      # step done; checkpoint when due
             metrics |= waited
             metrics["time/step_s"] = time.perf_counter() - t0
             self._log_step(step, metrics)
@@ -297,11 +305,12 @@ class Trainer:
                 self._plane.abort(f"while logging the metrics of step {step}")
             raise
 
-    def _finish_step(self, step: int) -> None:
-        """Step `step` is done (its update applied): record it, and checkpoint it when --save-interval says so."""
+    def _finish_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Step `step` is done (its update applied): record it, and checkpoint it when --save-interval says so, with
+        its metrics record so far (`metrics`, SavedRecord)."""
         self.step = step
         if self._save_due(step):
-            self.save(step)
+            self.save(step, record=metrics)
 
     # ---- stopping on a signal (trainer/stop.py) -----------------------------------------------------------
     def _first_stop(self) -> float | None:
@@ -368,7 +377,7 @@ class Trainer:
                 if self.phases is not None and self.phases.phase == "generation":
                     self.phases.to_training()
                 t0 = time.perf_counter()
-                self.save(self.step)
+                self.save(self.step, record=metrics)
                 self.checkpointer.close()  # an --async-save is written and renamed here
             except Exception as err:  # e.g. colocated engines stopping with the job: the previous checkpoint stays
                 if stop.save_dir is not None:  # rank 0, the --save lock holder
@@ -590,8 +599,9 @@ class Trainer:
                 metrics["time/eval_s"] = time.perf_counter() - t0
         return metrics
 
-    def save(self, step: int) -> None:
-        """Checkpoint step `step` through the checkpointer (every rank).
+    def save(self, step: int, *, record: dict[str, float] | None = None) -> None:
+        """Checkpoint step `step` through the checkpointer (every rank), with rank 0's metrics record of the step so
+        far (`record`; None: logged already) for a resumed run to log if this one dies before it does (SavedRecord).
 
         --colocate: only in the training phase, after the step's update and before to_generation (`run`), where
         SGLang has released its weights, KV cache and CUDA graphs and the actor holds what the save reads (bf16
@@ -602,14 +612,16 @@ class Trainer:
         between this point and the end of the step changes model, optimizer, scheduler, sampler or carried
         groups, and nothing in this process draws from the RNGs (the push hands buffers, the evaluation's
         sampling is seeded per request inside the SGLang servers). A run that dies after this save
-        but before the step's push, evaluation or metrics log resumes at step + 1 without that step's evaluation
-        and metrics record."""
+        but before the step's push, evaluation or metrics log resumes at step + 1 without that step's evaluation;
+        its metrics record is logged from the checkpoint (`record`), without what was measured after the save."""
         if self.checkpointer is None:
             return
         if self.phases is not None and self.phases.phase != "training":
             raise RuntimeError(f"Trainer.save of step {step} in the colocated {self.phases.phase!r} phase: a save "
                                f"runs in the training phase, SGLang's memory released (see Trainer.save)")
         t0 = time.perf_counter()
+        if self._is_rank0:
+            self.record.hold(step, record)
         self.checkpointer.save(step)
         self._saved_step, self._save_s = step, max(self._save_s, time.perf_counter() - t0)
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from megatron_dapo.checkpoint.state import CommonState, Holder
 
 
 class MetricsLogger:
@@ -47,6 +50,10 @@ class MetricsLogger:
             self._bar.n = step
             self._bar.refresh()
 
+    def logged(self, step: int) -> bool:
+        """Whether metrics.jsonl holds a record of step `step` (reads the file: one line per step so far)."""
+        return any(int(r["step"]) == step for r in read_metrics(self.path))
+
     def log_record(self, name: str, record: dict[str, Any]) -> None:
         """Append a free-form json record to `<log_dir>/<name>.jsonl` (not sent to wandb)."""
         with open(self.log_dir / f"{name}.jsonl", "a") as f:
@@ -58,6 +65,42 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+@dataclass
+class SavedRecord:
+    """Rank 0: the metrics record of the step a checkpoint holds, as far as it was known when the checkpoint was
+    written, so a run killed between a save and that step's log line does not lose the line.
+
+    A step's record is logged at the end of the step, after its save (and, --colocate, after the push and evaluation
+    that follow the save); a SIGKILL in between left the resumed run's metrics.jsonl without that step, forever (the
+    resume starts after it). The save now carries the record (`hold`, Trainer.save), and the resumed run writes it
+    when metrics.jsonl lacks it (`recover`). It holds every rollout and training metric; what is measured after
+    the save is absent (time/step_s, and --colocate the push and evaluation metrics). A few hundred floats, rank 0's
+    copy alone (RANK0_ONLY); a checkpoint written before this existed has none (optional)."""
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="metrics", holder=Holder.RANK0_ONLY, optional=True)
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def hold(self, step: int, metrics: dict[str, float] | None) -> None:
+        """The record of step `step` so far, for the save of that step; None: the step's record is logged already
+        (a stop at a step boundary), so the checkpoint carries none."""
+        self.step, self.metrics = (step, {k: float(v) for k, v in metrics.items()}) if metrics else (None, {})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "metrics": dict(self.metrics)} if self.step is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.metrics = int(state["step"]), {k: float(v) for k, v in state["metrics"].items()}
+
+    def recover(self, logger: MetricsLogger, resumed_at: int) -> bool:
+        """Log the held record of step `resumed_at` when metrics.jsonl lacks it (the run was killed after the save,
+        before the log); whether it did."""
+        if self.step != resumed_at or logger.logged(resumed_at):
+            return False
+        logger.log(resumed_at, self.metrics)
+        return True
 
 
 def _start_wandb(log_dir: Path, project: str | None, run_name: str | None, config: dict[str, Any] | None,

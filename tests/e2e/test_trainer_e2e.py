@@ -93,10 +93,11 @@ def test_sigkill_mid_run_resumes_with_the_same_prompts_and_updates(tiny_base, tm
         assert record["mismatch/logprob_abs_diff_mean"] < 1e-5, (step, record["mismatch/logprob_abs_diff_mean"])
         assert record["train/grad_norm"] > 0
 
-    run = tmp_path / "killed"
-    resumed_from = _kill_after_save(train_cmd(tiny_base, run, "--no-wandb"), run, 2)
-    assert 2 <= resumed_from < NUM_STEPS, f"the run was not killed mid-way (checkpoint {resumed_from})"
-    assert_resume_matches(tiny_base, run, resumed_from, ref, "--no-wandb")
+    run = tmp_path / "killed"  # killed between step 2's save and its metrics log line
+    assert die_at_log(train_cmd(tiny_base, run, "--no-wandb"), run, 2) == 2
+    assert not (run / "log" / "metrics.jsonl").read_text().count('"step": 2,')
+    assert_resume_matches(tiny_base, run, 2, ref, "--no-wandb")
+    assert_record_recovered(run, ref, 2, COMPARED)
 
     # the exported HF checkpoints of both runs hold the same trained weights, and transformers loads them
     ref_model = Qwen2ForCausalLM.from_pretrained(ref / "hf")
@@ -116,6 +117,28 @@ PARTIAL_FLAGS = ("--partial-rollout", "--use-tis", "--over-sample-factor", "4", 
 parity), and 4x over-sampling submits 4 decode batches of the embedded engine (rollout batch x G rows each):
 the batch fills while later groups are still generating, so the cut carries real prefixes (steps 3-5 of this
 seeded run carry 24-66 tokens; step 2 carries only unstarted groups, hence the kill after step 3's save)."""
+
+
+def die_at_log(cmd: list[str], run: Path, step: int) -> int:
+    """Runs train_cmd's `cmd` until it SIGKILLs itself about to log step `step`'s metrics, after that step's save
+    (tests/die_at_log.py); returns the newest checkpoint's step."""
+    assert cmd[1:3] == ["-m", "megatron_dapo.train"], cmd[:3]
+    out = subprocess.run([cmd[0], "-m", "tests.die_at_log", str(step), *cmd[3:]], cwd=REPO, env=train_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-4000:]
+    return latest_step(run / "ckpt")
+
+
+def assert_record_recovered(run: Path, ref: Path, step: int, keys: tuple[str, ...] = (), *,
+                            steps: int = NUM_STEPS) -> None:
+    """The resumed `run` logged every step, step `step`'s record (lost with the killed run, logged from its
+    checkpoint) included: its training and rollout metrics `keys` are those of the uninterrupted `ref`."""
+    metrics, ref_metrics = read_jsonl(run / "log" / "metrics.jsonl"), read_jsonl(ref / "log" / "metrics.jsonl")
+    assert sorted(metrics) == list(range(1, steps + 1))
+    assert set(ref_metrics[step]) - set(metrics[step]) <= {"time/step_s"}, "the recovered record lacks metrics"
+    for key in keys:  # a metric absent in a step (a staleness share never seen) is 0 there
+        expected = pytest.approx(ref_metrics[step].get(key, 0.0), rel=1e-5, abs=1e-7)
+        assert metrics[step].get(key, 0.0) == expected, (step, key)
 
 
 def _kill_after_save(cmd: list[str], run: Path, step: int) -> int:

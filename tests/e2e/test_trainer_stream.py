@@ -18,7 +18,15 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from tests.conftest import REPO, train_env
-from tests.e2e.test_trainer_e2e import COMPARED, _kill_after_save, latest_step, read_jsonl, train_cmd
+from tests.e2e.test_trainer_e2e import (
+    COMPARED,
+    _kill_after_save,
+    assert_record_recovered,
+    die_at_log,
+    latest_step,
+    read_jsonl,
+    train_cmd,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 6
@@ -53,8 +61,8 @@ def test_fully_async_run_bounds_staleness_and_resumes_exactly_after_two_sigkills
             assert ref_metrics[step]["mismatch/logprob_abs_diff_mean"] > 1e-4, step
             assert ref_metrics[step]["mismatch/tis_weight_mean"] != pytest.approx(1.0, abs=1e-6)
 
-    first = _kill_after_save(_cmd(tiny_base, run), run, 2)
-    assert 2 <= first < STEPS - 1, f"the run was not killed mid-way (checkpoint {first})"
+    first = die_at_log(_cmd(tiny_base, run), run, 2)  # between step 2's save (in its push window) and its log
+    assert first == 2, f"the run died at the log of step 2 with checkpoint {first}"
     second = _kill_after_save(_cmd(tiny_base, run, "--load", str(run / "ckpt")), run, first + 2)
     assert first < second < STEPS, f"the resumed run was not killed mid-way (checkpoint {second})"
     out = subprocess.run(_cmd(tiny_base, run, "--load", str(run / "ckpt"), "--export-hf", str(run / "hf")),
@@ -72,6 +80,7 @@ def test_fully_async_run_bounds_staleness_and_resumes_exactly_after_two_sigkills
         for key in keys:
             expected = pytest.approx(ref_metrics[step].get(key, 0.0), rel=1e-5, abs=1e-7)
             assert metrics[step].get(key, 0.0) == expected, (step, key)
+    assert_record_recovered(run, ref, first, keys, steps=STEPS)
     ref_model, resumed = Qwen2ForCausalLM.from_pretrained(ref / "hf"), Qwen2ForCausalLM.from_pretrained(run / "hf")
     for (name, a), (_, b) in zip(ref_model.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs after two resumes")
