@@ -19,6 +19,7 @@ from megatron_dapo.algorithm.dynamic_sampling import (
     GenerationBudgetExhausted,
     group_is_informative,
 )
+from megatron_dapo.algorithm.cispo import cispo_loss
 from megatron_dapo.algorithm.grpo_loss import dr_grpo_loss, grpo_loss
 from megatron_dapo.algorithm.gspo import gspo_loss
 from megatron_dapo.algorithm.loss import (
@@ -59,6 +60,7 @@ __all__ = [
     "PolicyLossOutput",
     "aggregate",
     "broadcast_to_tokens",
+    "cispo_loss",
     "dr_grpo_advantages",
     "dr_grpo_loss",
     "group_advantages",

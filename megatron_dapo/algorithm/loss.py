@@ -54,7 +54,7 @@ LOG_RATIO_CLAMP = 20.0
 @dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
     eps_low: float = 0.2
-    """Lower clip range: ratio is clipped at 1 - eps_low (--clip-ratio-low)."""
+    """Lower clip range: ratio is clipped at 1 - eps_low (--clip-ratio-low); 1 = no lower clip (CISPO's paper)."""
     eps_high: float = 0.28
     """Upper clip range: ratio is clipped at 1 + eps_high (--clip-ratio-high). DAPO's Clip-Higher."""
     dual_clip_c: float | None = None
@@ -75,8 +75,9 @@ class PolicyLossConfig:
     None = DAPO's `policy_loss` (name must then be 'dapo'). The actor calls `config.fn(..., config)`."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.eps_low < 1.0:
-            raise ValueError(f"eps_low (--clip-ratio-low) must be in [0, 1), got {self.eps_low}")
+        if not 0.0 <= self.eps_low <= 1.0:
+            raise ValueError(f"eps_low (--clip-ratio-low) must be in [0, 1] (1: no lower clip, the ratio is >= 0), "
+                             f"got {self.eps_low}")
         if self.eps_high < 0.0:
             raise ValueError(f"eps_high (--clip-ratio-high) must be >= 0, got {self.eps_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:

@@ -222,8 +222,10 @@ def test_old_log_probs_and_advantages_get_no_gradient():
     assert old.grad is None and adv.grad is None and logp.grad is not None
 
 
-@pytest.mark.parametrize("eps_low", [1.0, -0.01])
+@pytest.mark.parametrize("eps_low", [1.01, -0.01])
 def test_eps_low_outside_0_1_is_refused(eps_low):
-    """A lower clip 1 - eps_low must stay above 0 (--clip-ratio-low in [0, 1))."""
-    with pytest.raises(ValueError, match=r"--clip-ratio-low\) must be in \[0, 1\)"):
+    """A lower clip 1 - eps_low must not go below 0 (--clip-ratio-low in [0, 1]; 1 is no lower clip, CISPO's
+    paper)."""
+    with pytest.raises(ValueError, match=r"--clip-ratio-low\) must be in \[0, 1\]"):
         PolicyLossConfig(eps_low=eps_low)
+    assert PolicyLossConfig(eps_low=1.0).eps_low == 1.0

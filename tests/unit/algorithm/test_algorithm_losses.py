@@ -103,7 +103,7 @@ def run(name: str, logp, old, adv, mask, **fields):
 
 def test_the_registry_maps_names_to_the_functions():
     assert [config(n).fn for n in LOSSES] == [policy_loss, grpo_loss, dr_grpo_loss, gspo_loss]
-    assert REGISTERED[:len(LOSSES)] == LOSSES  # registered where they are defined, in this order (--help's)
+    assert [n for n in REGISTERED if n in LOSSES] == LOSSES  # registered where they are defined, in this order
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -149,8 +149,10 @@ def test_gradient_matches_the_formulas_derivative(name, token_adv):
 # ---- the contract of every registered loss -------------------------------------------------------------------
 @pytest.mark.parametrize("name", REGISTERED)
 def test_gradient_matches_finite_differences(name):
+    """(CISPO keeps the gradient of a token whose weight it clipped, where its value is flat: by design not the
+    value's derivative there, so it is checked here with a range nothing leaves, and clipped in test_cispo_loss.)"""
     logp, old, adv, mask = random_batch(4, b=3, s=4)
-    cfg = config(name)
+    cfg = config(name, **({"eps_low": 1.0, "eps_high": 100.0} if name == "cispo" else {}))
 
     def f(x):
         out = cfg.fn(x, old, adv, mask, cfg)

@@ -223,19 +223,24 @@ def test_flags_build_the_chosen_functions_into_the_configs():
         build_configs(build_parser().parse_args(BASE + ["--policy-loss", "grpo", "--loss-agg-mode", "token-mean"]))
 
 
+def _flat(text: str) -> str:
+    """`text` on one line, single spaces, no space after a hyphen."""
+    return re.sub(r"-\s+", "-", " ".join(text.split()))
+
+
 def test_help_gives_the_signatures():
     out = subprocess.run([sys.executable, "-m", "megatron_dapo.train", "--help"], cwd=REPO, capture_output=True,
                          text=True, check=True, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"}).stdout
-    flat = " ".join(out.split())
+    flat = _flat(out)  # argparse wraps at hyphens too: "--max-response-length" may come back as "...- length"
     assert "--policy-loss NAME|pkg.mod:fn" in flat and "--advantage-estimator NAME|pkg.mod:fn" in flat
     assert ("fn(log_probs, old_log_probs, advantages, mask, config: PolicyLossConfig, *, entropy=None, "
             "is_weights=None) -> PolicyLossOutput(loss_sum, denominator, metrics)") in flat
     assert "fn(rewards: Tensor[N], group_ids: Sequence[Hashable]) -> Tensor[N]" in flat
     # generated from the registries: every registered name with its own description, and a dotted path's metrics
-    assert f"--policy-loss NAME|pkg.mod:fn policy loss: {POLICY_LOSSES.describe()}, or a dotted path" in flat
-    assert (f"--advantage-estimator NAME|pkg.mod:fn advantage per response: {ADVANTAGE_ESTIMATORS.describe()}, or a "
-            "dotted path") in flat
-    assert "dapo (token-mean over the mini-batch, aggregation --loss-agg-mode), grpo (" in flat
+    assert _flat(f"--policy-loss NAME|pkg.mod:fn policy loss: {POLICY_LOSSES.describe()}, or a dotted path") in flat
+    assert _flat(f"--advantage-estimator NAME|pkg.mod:fn advantage per response: {ADVANTAGE_ESTIMATORS.describe()}, "
+                 "or a dotted path") in flat
+    assert "dapo (token-mean over the mini-batch, aggregation --loss-agg-mode), cispo (" in flat
     assert f"named in the function's `metrics` attribute (a tuple; default: {', '.join(TOKEN_METRICS)})" in flat
 
 
