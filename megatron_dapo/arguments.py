@@ -365,10 +365,16 @@ def _off_policy_flags(p: argparse.ArgumentParser) -> None:
                    help="masked importance sampling: drop tokens (token) or whole responses (sequence: geometric "
                         "mean of r) whose ratio is outside [1/--mis-threshold, --mis-threshold]; unset = off")
     g.add_argument("--mis-threshold", type=float, default=2.0, help="T of MIS, > 1")
+    g.add_argument("--use-icepop", action="store_true",
+                   help="IcePop (Ring-1T, arXiv 2510.18855): weight each token's loss by r inside [--icepop-low, "
+                        "--icepop-high] and by 0 outside (both sides; the denominator keeps the token). Excludes "
+                        "--use-tis, which it turns off by default")
+    g.add_argument("--icepop-low", type=float, default=0.5, help="alpha of IcePop, in (0, 1)")
+    g.add_argument("--icepop-high", type=float, default=5.0, help="beta of IcePop, > 1")
     g.add_argument("--allow-uncorrected-staleness", action="store_true",
                    help="train with --max-staleness K >= 2 and no off-policy correction (--no-use-tis, no "
-                        "--mis-mode, a loss that does not weight by pi_old / pi_rollout): the tokens K versions old "
-                        "are then trained as if on-policy")
+                        "--use-icepop, no --mis-mode, a loss that does not weight by pi_old / pi_rollout): the "
+                        "tokens K versions old are then trained as if on-policy")
     g.add_argument("--behav-weight-cap", type=float, default=None,
                    help="with --policy-loss decoupled (AReaL's decoupled PPO, weight r per token): tokens whose r "
                         "exceeds this cap (> 1) get weight 0; unset = uncapped, the paper's objective. Excludes "

@@ -11,6 +11,7 @@ from megatron_dapo.algorithm.advantages import (
     group_advantages,
     grpo_advantages,
 )
+from megatron_dapo.algorithm.cispo import cispo_loss
 from megatron_dapo.algorithm.dynamic_sampling import (
     KEEP_RATE_FLOOR,
     ON_EXHAUSTED,
@@ -19,7 +20,6 @@ from megatron_dapo.algorithm.dynamic_sampling import (
     GenerationBudgetExhausted,
     group_is_informative,
 )
-from megatron_dapo.algorithm.cispo import cispo_loss
 from megatron_dapo.algorithm.grpo_loss import dr_grpo_loss, grpo_loss
 from megatron_dapo.algorithm.gspo import gspo_loss
 from megatron_dapo.algorithm.loss import (

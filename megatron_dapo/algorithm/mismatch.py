@@ -27,6 +27,16 @@ mask becomes 0, so it also leaves the token-mean denominator) when
 
 TIS and MIS compose: a kept token is still weighted by min(r_t, C).
 
+IcePop (Ring-1T, arXiv 2510.18855, Sec. 3 "IcePop": double-sided masking calibration; flags --use-icepop
+--icepop-low alpha --icepop-high beta): each token's term is weighted by
+
+    M(r_t) = r_t   if alpha <= r_t <= beta,   0 otherwise                (weight detached)
+
+so a token inside the band is importance-weighted exactly (no cap) and one outside it leaves the gradient, on both
+sides. The denominator is unchanged: the paper's 1/|y_i| counts every token, so a zeroed token still counts (MIS
+removes its tokens from the denominator). It is a per-token weight like TIS and excludes it (and behaviour weights);
+it composes with MIS.
+
 Behaviour weights (--policy-loss decoupled, algorithm/decoupled.py, AReaL's decoupled PPO): the loss gets r_t
 itself, uncapped, as its per-token weight (pi_old is the proximal policy, pi_rollout the behaviour policy) and
 caps it its own way (--behav-weight-cap); it excludes TIS and composes with MIS like TIS.
@@ -40,6 +50,7 @@ them before enabling it):
     tis_clipfrac                   fraction of tokens with r_t > C
     mis_maskfrac                   fraction of tokens outside [1/T, T] (per token or per sequence by --mis-mode;
                                    token mode when --mis-mode is unset)
+    icepop_maskfrac                fraction of tokens outside IcePop's [alpha, beta]
     kl_k3                          Schulman's k3 estimator of KL(pi_rollout || pi_old) on tokens sampled from
                                    pi_rollout: (r_t - 1) - log r_t  (>= 0)
     ppl_ratio                      PPL_old / PPL_rollout over all tokens of the step,
@@ -50,7 +61,7 @@ k3 = 0, ppl_ratio = 1.
 Cost at the production setting (Qwen2.5-32B, 8192 responses x up to 20480 tokens, DP 8): the weights are
 one fp32 per response token: 8192 x 20480 x 4 B = 0.625 GiB for the whole step at most, 80 MiB of host
 memory per DP rank (its 1024 responses), and 4 B x micro-batch tokens (96 KiB at a 24576-token budget) on
-the device per micro-batch. The metrics are 9 fp64 sums + 2 maxima all-reduced over DP (88 B).
+the device per micro-batch. The metrics are 10 fp64 sums + 2 maxima all-reduced over DP (96 B).
 """
 
 from __future__ import annotations
@@ -65,8 +76,8 @@ from torch import Tensor
 MisMode = Literal["token", "sequence"]
 MIS_MODES: tuple[str, ...] = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0
-SUM_KEYS = ("abs_diff", "ratio", "tis_weight", "tis_clipped", "mis_masked", "kl_k3", "log_ratio", "tokens",
-            "sequences")
+SUM_KEYS = ("abs_diff", "ratio", "tis_weight", "tis_clipped", "mis_masked", "icepop_masked", "kl_k3", "log_ratio",
+            "tokens", "sequences")
 """Keys of `mismatch_sums` reduced by summing (over samples and DP ranks)."""
 MAX_KEYS = ("abs_diff_max", "ratio_max")
 """Keys of `mismatch_sums` reduced by max."""
@@ -83,6 +94,12 @@ class OffPolicyConfig:
     [1/mis_threshold, mis_threshold] (--mis-mode); None = no masking."""
     mis_threshold: float = 2.0
     """T of MIS (--mis-threshold), > 1."""
+    use_icepop: bool = False
+    """Weight each token's loss by r_t inside [icepop_low, icepop_high] and by 0 outside (--use-icepop)."""
+    icepop_low: float = 0.5
+    """alpha of IcePop (--icepop-low), in (0, 1)."""
+    icepop_high: float = 5.0
+    """beta of IcePop (--icepop-high), > 1."""
     behaviour_weights: bool = False
     """Pass each token's raw r_t = pi_old / pi_rollout (uncapped) as the loss's is_weights: set when the
     --policy-loss takes behaviour weights (`loss.takes_behaviour_weights`: --policy-loss decoupled, which caps
@@ -98,6 +115,16 @@ class OffPolicyConfig:
             raise ValueError(f"mis_threshold (--mis-threshold) must be a finite number > 1, got "
                              f"{self.mis_threshold}")
 
+        if not (0.0 < self.icepop_low < 1.0):
+            raise ValueError(f"icepop_low (--icepop-low) must be in (0, 1): the band [alpha, beta] must hold r = 1, "
+                             f"got {self.icepop_low}")
+        if not (math.isfinite(self.icepop_high) and self.icepop_high > 1.0):
+            raise ValueError(f"icepop_high (--icepop-high) must be a finite number > 1, got {self.icepop_high}")
+        if self.use_icepop and (self.use_tis or self.behaviour_weights):
+            other = "--use-tis" if self.use_tis else "a --policy-loss that takes behaviour weights (decoupled)"
+            raise ValueError(f"--use-icepop weights each token by pi_old / pi_rollout inside [--icepop-low, "
+                             f"--icepop-high] and {other} weights it by that ratio too: choose one (the ratio would "
+                             f"weight each token twice)")
         if self.use_tis and self.behaviour_weights:
             raise ValueError("--use-tis weights the loss by min(pi_old / pi_rollout, --tis-cap), and a --policy-loss "
                              "that takes behaviour weights (decoupled) weights it by pi_old / pi_rollout itself: "
@@ -105,7 +132,7 @@ class OffPolicyConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.use_tis or self.behaviour_weights or self.mis_mode is not None
+        return self.use_tis or self.use_icepop or self.behaviour_weights or self.mis_mode is not None
 
 
 def _log_ratio(old_log_probs: Tensor, rollout_log_probs: Tensor) -> Tensor:
@@ -120,6 +147,13 @@ def _log_ratio(old_log_probs: Tensor, rollout_log_probs: Tensor) -> Tensor:
 def tis_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, cap: float) -> Tensor:
     """min(pi_old / pi_rollout, cap) per token, detached; any shape, fp32 (or wider)."""
     return torch.exp(_log_ratio(old_log_probs, rollout_log_probs)).clamp(max=cap)
+
+
+def icepop_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, low: float, high: float) -> Tensor:
+    """IcePop's M(r_t): r_t = pi_old / pi_rollout where low <= r_t <= high, else 0; per token, detached, fp32 (or
+    wider)."""
+    ratio = torch.exp(_log_ratio(old_log_probs, rollout_log_probs))
+    return torch.where((ratio >= low) & (ratio <= high), ratio, torch.zeros_like(ratio))
 
 
 def mis_keep_mask(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, mode: MisMode,
@@ -161,6 +195,7 @@ def mismatch_sums(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor
         "tis_weight": (ratio.clamp(max=config.tis_cap) * maskf).sum(),
         "tis_clipped": ((ratio > config.tis_cap) & on).to(log_r.dtype).sum(),
         "mis_masked": (on & ~mis).to(log_r.dtype).sum(),
+        "icepop_masked": (on & ((ratio < config.icepop_low) | (ratio > config.icepop_high))).to(log_r.dtype).sum(),
         "kl_k3": ((ratio - 1.0 - log_r) * maskf).sum(),
         "log_ratio": (log_r * maskf).sum(),
         "tokens": maskf.sum(),
@@ -182,6 +217,7 @@ def reduce_mismatch(sums: dict[str, float]) -> dict[str, float]:
         "mismatch/tis_weight_mean": mean("tis_weight") if n > 0 else 1.0,
         "mismatch/tis_clipfrac": mean("tis_clipped"),
         "mismatch/mis_maskfrac": mean("mis_masked"),
+        "mismatch/icepop_maskfrac": mean("icepop_masked"),
         "mismatch/kl_k3": mean("kl_k3"),
         "mismatch/ppl_ratio": math.exp(-mean("log_ratio")),
         "mismatch/tokens": n,
@@ -193,16 +229,16 @@ class Correction:
     """What the loss needs for one [B, S] batch of responses."""
 
     is_weights: Tensor | None
-    """[B, S] detached min(r_t, C) under TIS, r_t under behaviour_weights (0 outside mask); None when both are
-    off."""
+    """[B, S] detached min(r_t, C) under TIS, IcePop's M(r_t) under --use-icepop, r_t under behaviour_weights (0
+    outside mask); None when all are off."""
     loss_mask: Tensor
     """[B, S] the input mask with MIS-rejected tokens set to 0 (the input mask when MIS is off)."""
 
 
 def off_policy_correction(old_log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor,
                           config: OffPolicyConfig) -> Correction:
-    """Apply the configured TIS weights (or the raw behaviour weights r_t) and MIS mask to [B, S] responses
-    (module docstring)."""
+    """Apply the configured TIS or IcePop weights (or the raw behaviour weights r_t) and MIS mask to [B, S]
+    responses (module docstring)."""
     loss_mask = mask
     if config.mis_mode is not None:
         keep = mis_keep_mask(old_log_probs, rollout_log_probs, mask, config.mis_mode, config.mis_threshold)
@@ -210,6 +246,8 @@ def off_policy_correction(old_log_probs: Tensor, rollout_log_probs: Tensor, mask
     weights = None
     if config.use_tis:
         weights = tis_weights(old_log_probs, rollout_log_probs, config.tis_cap) * (mask != 0)
+    elif config.use_icepop:
+        weights = icepop_weights(old_log_probs, rollout_log_probs, config.icepop_low, config.icepop_high) * (mask != 0)
     elif config.behaviour_weights:
         weights = torch.exp(_log_ratio(old_log_probs, rollout_log_probs)) * (mask != 0)
     return Correction(is_weights=weights, loss_mask=loss_mask)

@@ -636,7 +636,7 @@ class Trainer:
         --mis-mode, sets each sample's is_weights / loss_mask.
 
         Host cost, per DP rank: about 30 vector ops per response on one CPU thread (their time at the 32B worst
-        case: docs/BENCHMARKS.md, "Off-policy metrics"); one all-reduce of 88 B."""
+        case: docs/BENCHMARKS.md, "Off-policy metrics"); one all-reduce of 96 B."""
         cfg = self.config.off_policy
         stats = torch.zeros(len(SUM_KEYS), dtype=torch.float64)
         peak = torch.zeros(len(MAX_KEYS), dtype=torch.float64)

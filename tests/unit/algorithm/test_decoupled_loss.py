@@ -140,14 +140,15 @@ def test_flags_that_contradict_it_are_refused():
 def test_tis_default_is_off_with_the_decoupled_loss(async_rollout, given, expected):
     from megatron_dapo.startup import use_tis
 
-    args = argparse.Namespace(use_tis=given, async_rollout=async_rollout, max_staleness=0, policy_loss="decoupled")
+    args = argparse.Namespace(use_tis=given, async_rollout=async_rollout, max_staleness=0, policy_loss="decoupled",
+                              use_icepop=False)
     assert use_tis(args, decoupled_loss) is expected
     for depth, k in ((1, 0), (0, 2)):  # one step off, or fully async: TIS on by default with the dapo loss
-        assert use_tis(argparse.Namespace(use_tis=None, async_rollout=depth, max_staleness=k, policy_loss="dapo"),
-                       POLICY_LOSSES.resolve("dapo")) is True
+        assert use_tis(argparse.Namespace(use_tis=None, async_rollout=depth, max_staleness=k, policy_loss="dapo",
+                                          use_icepop=False), POLICY_LOSSES.resolve("dapo")) is True
     with pytest.raises(UserError, match="drop --use-tis"):
         use_tis(argparse.Namespace(use_tis=True, async_rollout=async_rollout, max_staleness=0,
-                                   policy_loss="decoupled"), decoupled_loss)
+                                   policy_loss="decoupled", use_icepop=False), decoupled_loss)
 
 
 def test_without_weights_it_is_ppo_against_pi_old():
