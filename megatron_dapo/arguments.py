@@ -13,6 +13,7 @@ import argparse
 
 from megatron_dapo.actor.config import LR_DECAY_STYLES, PARAMS_DTYPES
 from megatron_dapo.algorithm import AGG_MODES, ON_EXHAUSTED
+from megatron_dapo.algorithm.kl import KL_ESTIMATORS
 from megatron_dapo.algorithm.mismatch import MIS_MODES
 from megatron_dapo.algorithm.registry import advantage_estimator_help, policy_loss_help
 from megatron_dapo.data.length import CHARS_PER_TOKEN_BOUND, ON_LONG_PROMPT
@@ -381,6 +382,26 @@ def _off_policy_flags(p: argparse.ArgumentParser) -> None:
                         "--use-tis")
 
 
+def _reference_flags(p: argparse.ArgumentParser) -> None:
+    """The "reference model" group: the frozen reference (CheckpointConfig.ref_load, actor/reference.py) and the
+    ActorConfig's KLConfig (algorithm/kl.py)."""
+    g = p.add_argument_group("reference model (KL)",
+                             "a frozen copy of a policy on the actor's layout, and the KL term to it; see "
+                             "megatron_dapo/algorithm/kl.py")
+    g.add_argument("--ref-load", default=None, metavar="initial|DIR",
+                   help="the frozen reference model: 'initial' (the weights this run started from: converter "
+                        "output under --load, else --hf-checkpoint), an HF checkpoint directory or a torch_dist "
+                        "checkpoint of the actor's architecture; its log-probs of every trained sample feed the KL "
+                        "term and train/kl. Unset: no reference model")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="beta of the KL(pi_theta || pi_ref) loss term, >= 0 (GRPO's; 0 with --ref-load logs "
+                        "train/kl only); aggregated like the policy loss (token-mean for dapo, per response for "
+                        "grpo)")
+    g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default=None,
+                   help="the per-token estimator: k1 = log ratio, k2 = half its square, k3 = GRPO's "
+                        "exp(-d) + d - 1 (default k3)")
+
+
 def _data_flags(p: argparse.ArgumentParser) -> None:
     """The "data" group: InputsConfig's prompt files and their limits."""
     g = p.add_argument_group("data")
@@ -426,7 +447,7 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_GROUPS = (_checkpoint_flags, _parallel_flags, _moe_flags, _optimizer_flags, _batching_flags, _rollout_flags,
-               _dapo_flags, _off_policy_flags, _data_flags, _eval_flags, _logging_flags)
+               _dapo_flags, _off_policy_flags, _reference_flags, _data_flags, _eval_flags, _logging_flags)
 """The --help groups, in their order; each adds one group of flags, named after the config it fills."""
 
 

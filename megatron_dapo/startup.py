@@ -134,6 +134,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
                                 dual_clip_c=args.clip_ratio_c, agg_mode=args.loss_agg_mode,
                                 max_response_length=args.max_response_length,
                                 behav_weight_cap=args.behav_weight_cap),
+        kl=kl_config(args),
     )
     sampling = _sampling("--max-response-length, --rollout-temperature, --rollout-top-p, --rollout-top-k",
                          max_new_tokens=args.max_response_length, temperature=args.rollout_temperature,
@@ -193,6 +194,25 @@ def check_staleness_flags(args: argparse.Namespace, off_policy: Any) -> None:
         raise UserError(f"--max-staleness {k} trains tokens up to {k} weight versions old with no off-policy "
                         "correction: pass --use-tis, --use-icepop, --mis-mode or --policy-loss decoupled, or "
                         "--allow-uncorrected-staleness to train them as if on-policy")
+
+
+def kl_config(args: argparse.Namespace) -> Any:
+    """--kl-coef / --kl-estimator -> the actor's KLConfig with --ref-load, None without; UserError for a KL flag given
+    without a reference model, or a reference model in a colocated run (the phases do not offload it yet)."""
+    from megatron_dapo.algorithm.kl import KLConfig
+
+    if args.ref_load is None:
+        given = [flag for flag, on in (("--kl-coef", args.kl_coef != 0.0),
+                                       ("--kl-estimator", args.kl_estimator is not None)) if on]
+        if given:
+            raise UserError(f"{' and '.join(given)} need a reference model: --ref-load initial (the weights this run "
+                            f"started from) or a checkpoint directory")
+        return None
+    if args.colocate:
+        raise UserError("--ref-load with --colocate: the colocated phases offload the actor but not a reference model "
+                        "yet, so its weights would stay next to SGLang's; run the reference on separate rollout GPUs "
+                        "(drop --colocate)")
+    return KLConfig(coef=args.kl_coef, estimator=args.kl_estimator or "k3")
 
 
 def use_tis(args: argparse.Namespace, loss_fn: Callable | None = None) -> bool:
@@ -284,7 +304,7 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 
     return CheckpointConfig(load=args.load, save=args.save, overwrite_save=args.overwrite_save,
                             mcore_checkpoint=args.mcore_checkpoint, fully_parallel_save=args.ckpt_fully_parallel_save,
-                            async_save=args.async_save, export_hf=args.export_hf)
+                            async_save=args.async_save, export_hf=args.export_hf, ref_load=args.ref_load)
 
 
 def log_config(args: argparse.Namespace, *, private_argv: bool) -> LogConfig:
@@ -312,7 +332,7 @@ def plan_from_flags(args: argparse.Namespace, arch: ModelArch) -> Plan:
                         colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
                         mem_fraction_static=args.mem_fraction_static,
                         sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0,
-                        moe_capacity_factor=args.moe_expert_capacity_factor)
+                        moe_capacity_factor=args.moe_expert_capacity_factor, reference=args.ref_load is not None)
     spec = ActivationSpec.for_arch(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
                                    "bfloat16" else 4)
     return Plan(arch=arch, layout=layout, inputs=inputs, spec=spec)

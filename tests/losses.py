@@ -1,5 +1,6 @@
 """Policy losses a user would add by dotted path (--policy-loss tests.losses:<name>), for the tests of a loss's own
-metrics: one that declares an extra metric, one that reports a metric it does not declare."""
+metrics: one that declares an extra metric, one that reports a metric it does not declare, one whose metric takes the
+KL term's name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ neg_adv_loss.metrics = (*TOKEN_METRICS, "neg_adv_tokens")
 def undeclared_metric_loss(log_probs, old_log_probs, advantages, mask, config, *, entropy=None, is_weights=None):
     """neg_adv_loss without declaring 'neg_adv_tokens' (it has no `metrics` attribute: TOKEN_METRICS)."""
     return neg_adv_loss(log_probs, old_log_probs, advantages, mask, config, entropy=entropy, is_weights=is_weights)
+
+
+def kl_named_loss(log_probs, old_log_probs, advantages, mask, config, *, entropy=None, is_weights=None):
+    """DAPO's loss declaring a metric 'kl', the name the KL term's own metric takes (refused)."""
+    out = policy_loss(log_probs, old_log_probs, advantages, mask, config, entropy=entropy, is_weights=is_weights)
+    out.metrics["kl"] = out.metrics["approx_kl"]
+    return out
+
+
+kl_named_loss.metrics = (*TOKEN_METRICS, "kl")
 
 
 POLICY_LOSS = ("--policy-loss", "tests.losses:neg_adv_loss")

@@ -42,6 +42,7 @@ from megatron_dapo.actor.config import STEP_METRICS, ActorConfig, TrainSample
 from megatron_dapo.actor.logprob import linear_token_log_probs, token_log_probs
 from megatron_dapo.actor.moe_replay import ReplayState, routing_inputs
 from megatron_dapo.actor.moe_stats import install_router_hooks
+from megatron_dapo.algorithm.kl import kl_loss_term
 from megatron_dapo.checkpoint.state import ShardedState
 from megatron_dapo.distributed import comm
 from megatron_dapo.distributed.parallel import (
@@ -82,7 +83,11 @@ class MegatronActor:
     """Checkpointed as the checkpoint's sharded part (dist_checkpointing, checkpoint/training.py): the model chunks,
     the optimizer, the LR scheduler and each rank's RNG, each rank its shard."""
 
-    def __init__(self, arch: ModelArch, config: ActorConfig, layout: ParallelLayout) -> None:
+    def __init__(self, arch: ModelArch, config: ActorConfig, layout: ParallelLayout, *, frozen: bool = False
+                 ) -> None:
+        """`frozen`: a model that only computes log-probs (the reference model, --ref-load): the same layout and
+        modules, no gradients, no DDP buffers, no optimizer or LR schedule: its bf16 / fp32 weights alone in
+        memory (a trainable actor adds grads and fp32 main params and Adam moments); `train_step` refuses."""
         validate_layout(arch, layout)
         config.check_model(arch)  # MoE-only flags on a dense model are refused, not ignored
         if not parallel_state.model_parallel_is_initialized():
@@ -126,6 +131,13 @@ class MegatronActor:
             overlap_param_gather=layout.overlap_param_gather,
             use_distributed_optimizer=config.use_distributed_optimizer,
         )
+        self.frozen = frozen
+        if frozen:
+            for m in modules:  # train mode kept: the same forward as the actor's compute_log_probs
+                m.requires_grad_(False)
+            self.chunks, self.optimizer, self.scheduler, self.steps = modules, None, None, 0
+            self._install_routing(modules)
+            return
         # Megatron-LM buckets only the first chunk's grads separately (its overlap trigger).
         self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
                                                disable_bucketing=c > 0) for c, m in enumerate(modules)]
@@ -151,10 +163,15 @@ class MegatronActor:
             wd_incr_steps=1, wd_incr_style="constant",
         )
         self.steps = 0
-        # MoE: rollout routing replay, routing agreement and router statistics (actor/moe_replay.py, moe_stats.py)
+        self._install_routing(modules)
+
+    def _install_routing(self, modules: list[torch.nn.Module]) -> None:
+        """MoE: rollout routing replay, routing agreement and router statistics (actor/moe_replay.py,
+        moe_stats.py); None for a dense model."""
         self._routing = self._router_stats = None
+        arch, layout = self.arch, self.layout
         if arch.is_moe:
-            self._routing = ReplayState(replay=config.moe_routing_replay,
+            self._routing = ReplayState(replay=self.config.moe_routing_replay,
                                         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                                         tp_size=layout.tp, sequence_parallel=layout.sp)
             self._router_stats = install_router_hooks(modules, self._routing, num_layers=arch.num_layers,
@@ -171,12 +188,12 @@ class MegatronActor:
     @property
     def module(self) -> torch.nn.Module:
         """The unwrapped GPTModel stage (stage-local layer numbers, this TP rank's shards); one chunk only."""
-        return self.model.module
+        return unwrap(self.model)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
         """The unwrapped GPTModel chunks of this rank, virtual stage order (one without VPP)."""
-        return [chunk.module for chunk in self.chunks]
+        return [unwrap(chunk) for chunk in self.chunks]  # frozen: the modules themselves
 
     # ---- data plumbing -------------------------------------------------------------------------
     def _micro_batches(self, samples: list[TrainSample]) -> list[list[int]]:
@@ -360,7 +377,18 @@ class MegatronActor:
                             "attribute")
         # megatron sums this int count over micro-batches and DP ranks and scales grads by 1 / total.
         metrics = {k: v.detach() for k, v in out.metrics.items()}
-        return out.loss_sum, out.denominator.round().to(torch.int), metrics
+        loss_sum = out.loss_sum
+        if self.config.kl is not None:  # beta x KL(pi_theta || pi_ref), on the loss's own denominator
+            if mb.ref_log_probs is None:
+                raise ValueError("the KL term (--kl-coef) needs each sample's ref_log_probs (the reference model's, "
+                                 "--ref-load); this micro-batch has none")
+            kl_sum, kl_den, metrics["kl"] = kl_loss_term(logp, mb.ref_log_probs, mb.loss_mask, self.config.kl,
+                                                         self.config.kl_agg_mode)
+            if float(kl_den) != float(out.denominator):
+                raise RuntimeError(f"the KL term's denominator ({float(kl_den):g}, {self.config.kl_agg_mode}) differs "
+                                   f"from --policy-loss {loss.name!r}'s ({float(out.denominator):g})")
+            loss_sum = loss_sum + kl_sum
+        return loss_sum, out.denominator.round().to(torch.int), metrics
 
     def train_step(self, samples: list[TrainSample], *, rollout_step: int | None = None) -> dict[str, float]:
         """One optimizer step on this DP rank's share of a mini-batch; token-exact metrics over DP.
@@ -374,6 +402,9 @@ class MegatronActor:
         router statistics of actor/moe_stats.py (moe/aux_loss, moe/tokens_per_expert_*, moe/dropped_tokens,
         and moe/routing_agreement of the compute_log_probs calls since the last train_step).
         """
+        if self.frozen:
+            raise RuntimeError("MegatronActor.train_step on a frozen model (the reference model): it has no "
+                               "optimizer")
         groups = self._micro_batches(samples)
         if self._routing is not None:
             self._router_stats.reset()
@@ -386,7 +417,7 @@ class MegatronActor:
         update_successful, grad_norm, _ = self.optimizer.step()
         self.steps += 1
         # the configured loss's token sums: the same names, in the same order, on every rank (one all-reduce each)
-        keys = self.config.loss.metrics
+        keys = self.config.metric_keys
         sums = torch.zeros(len(keys), dtype=torch.float64, device=_device())
         if parallel_state.is_pipeline_last_stage():
             for out in outputs:
@@ -454,4 +485,10 @@ class MegatronActor:
                                  f"expects {tuple(p.shape)}")
             p.copy_(shards[name])
         if reload:
+            self.reload_main_params()
+
+    def reload_main_params(self) -> None:
+        """The weights changed outside the optimizer: refresh its fp32 main params from them (a frozen model has
+        none)."""
+        if self.optimizer is not None:
             self.optimizer.reload_model_params()

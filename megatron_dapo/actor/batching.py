@@ -184,7 +184,7 @@ class MicroBatch:
     """Tensors of one micro-batch; position t predicts token t + 1.
 
     Model side (tokens, position_ids, attention_mask, targets): [b, s] right-padded rows, or [1, T]
-    packed rows. Loss side (response_mask, loss_mask, old_log_probs): always [n, L] rows, L = longest
+    packed rows. Loss side (response_mask, loss_mask, old_log_probs, ref_log_probs): always [n, L] rows, L = longest
     row (padded: L = s); `unpack` maps model-side [b, s] values to them.
     """
 
@@ -220,6 +220,8 @@ class MicroBatch:
     """Packed only: longest segment of cu_seqlens."""
     is_weights: Tensor | None = None
     """[b, s] fp32 rollout-correction weights (1 in rows without any); None when no row has them."""
+    ref_log_probs: Tensor | None = None
+    """[n, L] fp32 log pi_ref (0 outside the response); None when no row has them, an error when only some do."""
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
@@ -276,8 +278,17 @@ def _row_tensors(rows: Sequence[TrainSample], s: int) -> dict[str, Tensor]:
         for r, row in enumerate(rows):
             if row.is_weights is not None:
                 is_weights[r, row.prompt_len - 1:len(row.tokens) - 1] = row.is_weights.float()
+    ref = None
+    with_ref = [row.ref_log_probs is not None for row in rows]
+    if any(with_ref):
+        if not all(with_ref):
+            raise ValueError(f"{with_ref.count(False)} of {b} samples of a micro-batch lack ref_log_probs: the KL "
+                             f"term needs the reference model's log-probs of every sample")
+        ref = torch.zeros(b, s, dtype=torch.float32)
+        for r, row in enumerate(rows):
+            ref[r, row.prompt_len - 1:len(row.tokens) - 1] = row.ref_log_probs.float()
     return dict(tokens=tokens, targets=targets, response_mask=response_mask, loss_mask=loss_mask,
-                old_log_probs=old, is_weights=is_weights)
+                old_log_probs=old, is_weights=is_weights, ref_log_probs=ref)
 
 
 def _row_fields(rows: Sequence[TrainSample]) -> dict:
@@ -340,8 +351,9 @@ def build_packed_micro_batch(samples: Sequence[TrainSample], indices: list[int],
         indices=list(indices), tokens=tokens, position_ids=position_ids,
         attention_mask=block_causal_mask(cu) if causal_mask else None, targets=targets,
         response_mask=padded["response_mask"], loss_mask=padded["loss_mask"],
-        old_log_probs=padded["old_log_probs"], is_weights=padded["is_weights"], **_row_fields(rows),
-        unpack_index=starts[:, None] + offsets, cu_seqlens=cu, max_seqlen=max(segments),
+        old_log_probs=padded["old_log_probs"], is_weights=padded["is_weights"],
+        ref_log_probs=padded["ref_log_probs"], **_row_fields(rows), unpack_index=starts[:, None] + offsets,
+        cu_seqlens=cu, max_seqlen=max(segments),
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dapo.algorithm.kl import KLConfig, kl_agg_mode
 from megatron_dapo.algorithm.loss import PolicyLossConfig
 
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,6 +47,9 @@ class ActorConfig:
     micro_batch_size: int = 1
     """Rows per micro-batch when no token budget is set (no flag: the trainer always sets a token budget)."""
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl: KLConfig | None = None
+    """The KL term to the reference model (--kl-coef, --kl-estimator; algorithm/kl.py): every sample then carries
+    its ref_log_probs, and train/kl is logged; None: no reference model."""
     use_fused_logprob: bool = True
     """Use megatron_dapo.ops' fused vocab-parallel log-prob/entropy when importable (--use-fused-logprob)."""
     pack_sequences: bool = False
@@ -110,9 +114,25 @@ class ActorConfig:
                              f"got {self.params_dtype!r}")
         if not isinstance(self.loss, PolicyLossConfig):
             raise TypeError(f"loss must be a PolicyLossConfig, got {type(self.loss).__name__}")
+        if self.kl is not None:
+            if self.loss.counts_tokens is None:
+                raise ValueError(f"--kl-coef: the KL term must share the denominator of --policy-loss "
+                                 f"{self.loss.name!r}, whose trial denominator counts neither tokens nor responses")
+            if "kl" in self.loss.metrics:
+                raise ValueError(f"--policy-loss {self.loss.name!r} declares a metric 'kl', the KL term's own")
         if clash := sorted(set(self.loss.metrics) & set(STEP_METRICS)):
             raise ValueError(f"--policy-loss {self.loss.name!r} declares metrics {clash}, which the train step "
                              f"reports itself ({', '.join(STEP_METRICS)}); give them other names")
+
+    @property
+    def metric_keys(self) -> tuple[str, ...]:
+        """The token sums a train step reduces: the loss's declared metrics, and 'kl' with a KL term."""
+        return self.loss.metrics + (("kl",) if self.kl is not None else ())
+
+    @property
+    def kl_agg_mode(self) -> str:
+        """How the KL term aggregates: to the loss's own denominator (algorithm/kl.py: kl_agg_mode)."""
+        return kl_agg_mode(bool(self.loss.counts_tokens), self.loss.agg_mode)
 
     @property
     def torch_params_dtype(self) -> torch.dtype:
@@ -142,6 +162,8 @@ class TrainSample:
     advantage: float = 0.0
     old_log_probs: torch.Tensor | None = None
     """[response_len] log pi_old; None = on-policy (the current log-probs, detached)."""
+    ref_log_probs: torch.Tensor | None = None
+    """[response_len] log pi_ref of the frozen reference model (--ref-load), for the KL term; None: none."""
     loss_mask: torch.Tensor | None = None
     """[response_len] 1 = token enters the loss; None = all ones."""
     is_weights: torch.Tensor | None = None
@@ -157,7 +179,7 @@ class TrainSample:
         if not 1 <= self.prompt_len < len(self.tokens):
             raise ValueError(f"TrainSample: need 1 <= prompt_len ({self.prompt_len}) < len(tokens) "
                              f"({len(self.tokens)}): at least one prompt and one response token")
-        for name in ("old_log_probs", "loss_mask", "is_weights"):
+        for name in ("old_log_probs", "ref_log_probs", "loss_mask", "is_weights"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (self.response_len,):
                 raise ValueError(f"TrainSample.{name} has shape {tuple(value.shape)}, expected "

@@ -70,6 +70,10 @@ class PolicyLossConfig:
     a loss registered with behaviour_weights=True (--policy-loss decoupled) reads it."""
     name: str = "dapo"
     """The --policy-loss value (a registered name or a dotted path): what `fn` is, for messages."""
+    counts_tokens: bool | None = None
+    """What the loss's denominator counts: True tokens, False responses, None unknown (a dotted-path loss whose
+    trial denominator is neither). Found by algorithm.registry.policy_loss_config's trial batch (DAPO's own loss:
+    from agg_mode); the KL term aggregates to the same denominator (algorithm/kl.py: kl_agg_mode)."""
     fn: PolicyLossFn | None = field(default=None, repr=False, compare=False)
     """The loss function, chosen once when the run is built (algorithm.registry.policy_loss_config);
     None = DAPO's `policy_loss` (name must then be 'dapo'). The actor calls `config.fn(..., config)`."""
@@ -96,6 +100,8 @@ class PolicyLossConfig:
                 raise ValueError(f"PolicyLossConfig(name={self.name!r}) needs its fn: build it with "
                                  "megatron_dapo.algorithm.registry.policy_loss_config (--policy-loss)")
             object.__setattr__(self, "fn", policy_loss)  # frozen: set once, here
+        if self.counts_tokens is None and self.fn is policy_loss:
+            object.__setattr__(self, "counts_tokens", self.agg_mode in (None, "token-mean"))
 
     @property
     def metrics(self) -> tuple[str, ...]:

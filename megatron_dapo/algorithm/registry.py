@@ -14,6 +14,7 @@ start-up with a UserError naming the flag, not at the first train step.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 
@@ -75,7 +76,8 @@ def policy_loss_config(name: str = "dapo", **fields) -> PolicyLossConfig:
     on a 2 x 3 CPU trial batch, --behav-weight-cap for a loss that does not take behaviour weights
     (`loss.takes_behaviour_weights`), or whose metrics are not declared (`loss.declared_metrics`: a tuple naming
     'tokens', and every metric the trial returns); the loss's own objection to another flag (a ValueError naming
-    it, e.g. --loss-agg-mode with grpo) comes back as a UserError with its message."""
+    it, e.g. --loss-agg-mode with grpo) comes back as a UserError with its message. The config's `counts_tokens`
+    says what the trial's denominator counted (5 tokens or 2 responses; None: neither)."""
     fn = POLICY_LOSSES.resolve(name)
     config = PolicyLossConfig(**fields, name=name.strip(), fn=fn)
     if config.behav_weight_cap is not None and not takes_behaviour_weights(fn):
@@ -108,11 +110,17 @@ def policy_loss_config(name: str = "dapo", **fields) -> PolicyLossConfig:
         problem = f"returned metrics of type {type(out.metrics).__name__}, not a dict of token sums"
     if problem:
         raise UserError(f"--policy-loss {config.name!r} {problem}; it must be {POLICY_LOSS_SIGNATURE}")
+    if "kl" in declared:
+        raise UserError(f"--policy-loss {config.name!r} declares a metric 'kl', the name of the KL term's own metric "
+                        "(train/kl, --kl-coef); give it another name")
     if undeclared := sorted(set(out.metrics) - set(declared)):
         raise UserError(f"--policy-loss {config.name!r} returned metrics {undeclared} that it does not declare "
                         f"(it declares {declared}); name every metric it reports in register_policy_loss(metrics=...) "
                         "or, for a dotted path, in the function's `metrics` attribute")
-    return config
+    tokens, responses = float(mask.sum()), float((mask.sum(dim=-1) > 0).sum())  # 5 and 2: told apart
+    counted = float(out.denominator)
+    return dataclasses.replace(config, counts_tokens=True if counted == tokens else
+                               False if counted == responses else None)
 
 
 def get_advantage_estimator(name: str = "grpo") -> AdvantageFn:

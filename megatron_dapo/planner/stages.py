@@ -126,6 +126,9 @@ class PlanInputs:
     """--moe-expert-capacity-factor: a hard cap on each expert's tokens (None: dropless)."""
     moe_imbalance: float = MOE_DROPLESS_IMBALANCE
     """Dropless MoE at EP > 1: the busiest EP rank's routed tokens over the mean (assumed)."""
+    reference: bool = False
+    """--ref-load: a frozen reference model on the actor's layout, its weights in params_dtype beside the actor's
+    (actor/reference.py); its forward-only pass runs before training, so it adds no activations at the peak."""
 
     @property
     def moe_factor(self) -> float:
@@ -217,6 +220,8 @@ def _static_lines(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, s
             "expert grads (fp32 DDP buffer)": experts * 4.0,
             f"expert optimizer (/{expert_shards} expert-DP)": experts * opt_per_param / expert_shards,
         }
+    if inputs.reference:  # weights only: no grads, no optimizer state
+        lines[f"reference model weights (frozen, {inputs.params_dtype})"] = (params + experts) * pbytes
     return lines
 
 

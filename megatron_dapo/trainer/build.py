@@ -65,8 +65,8 @@ def load_inputs(cfg: InputsConfig, arch: ModelArch | None, layout: ParallelLayou
     return inputs
 
 
-def load_hf_into_actor(actor, hf_dir: str) -> None:
-    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table.
+def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> None:
+    """Copy HF safetensors weights into this rank's Megatron shards through the mapping table (errors name `flag`).
 
     The shards carry local-spec names; `MegatronActor.load_shards` matches them to the model's own
     parameter names (local or Transformer Engine spec) through `weights.mapping.canonical_mcore_name`.
@@ -90,20 +90,20 @@ def load_hf_into_actor(actor, hf_dir: str) -> None:
     try:
         reader = HFCheckpointReader(hf_dir)
     except CheckpointError as err:  # a damaged file: every rank parses the same headers, rank 0 prints
-        raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+        raise UserError(f"{flag}: {err}", echo=os.environ.get("RANK", "0") == "0") from err
     with reader:
         try:  # the same verdict on every rank (the same headers), rank 0 prints it
             reader.check_expected(hf_tensor_specs(arch, dtype), model=f"model_type {arch.model_type!r}")
         except CheckpointError as err:
-            raise UserError(f"--hf-checkpoint: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+            raise UserError(f"{flag}: {err}", echo=os.environ.get("RANK", "0") == "0") from err
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             try:
                 shards = {name: shard.to(dtype) for name, shard in
                           iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
-                raise UserError(f"--hf-checkpoint: {err}") from err
+                raise UserError(f"{flag}: {err}") from err
             actor.load_shards(shards, chunk, reload=False)
-    actor.optimizer.reload_model_params()
+    actor.reload_main_params()
 
 
 def build_actor(hf_checkpoint: str, arch: ModelArch, actor_cfg, layout, init_ckpt: str | None):
@@ -117,10 +117,36 @@ def build_actor(hf_checkpoint: str, arch: ModelArch, actor_cfg, layout, init_ckp
     if init_ckpt is not None:
         for module in actor.modules:  # one chunk, or several under --num-layers-per-virtual-pipeline-stage
             load_model_weights(module, init_ckpt, arch)
-        actor.optimizer.reload_model_params()  # the weights changed outside the optimizer
+        actor.reload_main_params()  # the weights changed outside the optimizer
     else:
         load_hf_into_actor(actor, hf_checkpoint)
     return actor
+
+
+def build_reference(source, arch: ModelArch, actor_cfg, layout):
+    """The frozen reference model (--ref-load, actor/reference.py) on the actor's layout, loaded from `source` (a
+    resolved ReferenceSource): an HF checkpoint of the actor's architecture through the mapping table, or a
+    torch_dist checkpoint (converter output) at any TP/PP. UserError naming --ref-load for another architecture."""
+    from megatron_dapo.actor import MegatronActor
+    from megatron_dapo.checkpoint.ckpt_config import check_same_arch
+    from megatron_dapo.checkpoint.dist_load import check_checkpoint_config, load_model_weights
+    from megatron_dapo.weights.safetensors_io import CheckpointError
+
+    try:  # the reference is built with the actor's architecture: a checkpoint of another is refused, naming both
+        if source.kind == "hf":
+            check_same_arch(ModelArch.from_hf(source.path), arch, stored_from=f"--ref-load {source.flag}",
+                            requested_from="--hf-checkpoint config.json")
+        else:
+            check_checkpoint_config(source.path, arch, flag="--ref-load")
+    except (CheckpointError, ValueError) as err:
+        raise UserError(f"--ref-load {source.flag}: {err}") from err
+    model = MegatronActor(arch, actor_cfg, layout, frozen=True)
+    if source.kind == "hf":
+        load_hf_into_actor(model, source.path, flag="--ref-load")
+    else:
+        for module in model.modules:
+            load_model_weights(module, source.path, arch, flag="--ref-load")
+    return model
 
 
 def make_logger(run: RunConfig):

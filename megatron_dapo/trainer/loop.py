@@ -169,6 +169,9 @@ class Trainer:
     weight_sync_mode: str | None = None
     """Rank 0 with an SGLang engine: the transport its weights go by (rollout/build.py weight_sync_mode, the
     resolved --weight-sync-mode), for build_weight_sync; None elsewhere (the other ranks get rank 0's)."""
+    ref: MegatronActor | None = None
+    """The frozen reference model (--ref-load; actor/reference.py) on this rank's layout: its log-probs of every
+    trained sample feed the KL term (ActorConfig.kl); None: none."""
     stop: StopSignal | None = None
     """This process's SIGTERM / SIGINT handler (train.py installs it): `run` stops at its next safe point once it
     fired on any rank. None: no stop handling (every rank alike)."""
@@ -554,12 +557,17 @@ class Trainer:
         return partition_for_dp([len(r.sample.tokens) for r in minibatch], dp, attn_coef=coef)
 
     def train(self, minibatches: list[list[Rollout]], step: int) -> dict[str, float]:
-        """Old log-probs on the pre-update policy (+ rollout mismatch), then one step per mini-batch, all
-        at the LR of rollout step `step`."""
+        """Old log-probs on the pre-update policy (+ rollout mismatch; with --ref-load the reference model's), then
+        one step per mini-batch, all at the LR of rollout step `step`."""
         t0 = time.perf_counter()
         local = [r for mb in minibatches for r in mb]
         old = self.actor.compute_log_probs([r.sample for r in local])
         metrics = self._mismatch(local, old)
+        if self.ref is not None:  # the frozen reference's log-probs of the same tokens: the KL term's pi_ref
+            t_ref = time.perf_counter()
+            for r, lp in zip(local, self.ref.compute_log_probs([r.sample for r in local]), strict=True):
+                r.sample.ref_log_probs = lp
+            metrics["time/ref_logprob_s"] = time.perf_counter() - t_ref
         if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
             for r, lp in zip(local, old, strict=True):
                 r.sample.old_log_probs = lp

@@ -79,6 +79,8 @@ class CheckpointConfig:
     """--async-save"""
     export_hf: str | None
     """--export-hf"""
+    ref_load: str | None = None
+    """--ref-load: the frozen reference model's weights ('initial', an HF or a torch_dist directory), None: none"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,8 @@ world; save the results.
 
 argv: <input .pt from tests/multiprocess/test_actor_parallel.py> <output dir>. The input holds, per model key, the arch,
 the HF state dict and the layouts to run. For each (model, layout) every rank saves its log-probs, entropies,
-the metrics of two train steps, its ranks (TP, PP, DP, EP, expert-TP, expert-DP) and its weight shards to
+the log-probs of a frozen copy (the reference model, MegatronActor(frozen=True)), the metrics of two train steps,
+its ranks (TP, PP, DP, EP, expert-TP, expert-DP) and its weight shards to
 <out>/<model>_<layout>_rank<r>.pt; under an uneven split also the weight plan's shards for its rank (what
 --hf-checkpoint loads: weights.plan.iter_rank_shards) and the HF export after the steps (weights.export.iter_hf_weights,
 what weight sync and --export-hf send).
@@ -60,10 +61,13 @@ def run_layout(model_key: str, name: str, data: dict, family: dict, out_dir: str
              "etp_rank": parallel_state.get_expert_tensor_parallel_rank(),
              "edp_rank": parallel_state.get_expert_data_parallel_rank()}
     full = hf_to_full_mcore(family["hf_state_dict"], arch)
-    actor.load_shards(mcore_shards_for_rank(
+    shards = mcore_shards_for_rank(
         full, arch, tp=layout.tp, tp_rank=ranks["tp_rank"], pp=layout.pp, pp_rank=ranks["pp_rank"],
         padded_vocab=padded_vocab_size(arch.vocab_size, layout.tp), ep=layout.ep, ep_rank=ranks["ep_rank"],
-        etp=layout.expert_tp, etp_rank=ranks["etp_rank"], stage_layers=STAGE_LAYERS.get(name)))
+        etp=layout.expert_tp, etp_rank=ranks["etp_rank"], stage_layers=STAGE_LAYERS.get(name))
+    actor.load_shards(shards)
+    frozen = MegatronActor(arch, config, layout, frozen=True)  # the reference model (--ref-load) on this layout
+    frozen.load_shards(shards)
     uneven = {}
     if name in STAGE_LAYERS:  # the weight plan's load of this rank, compared with the independent copy by the test
         uneven["plan_shards"] = dict(iter_rank_shards(
@@ -72,10 +76,13 @@ def run_layout(model_key: str, name: str, data: dict, family: dict, out_dir: str
     indices = list(range(ranks["dp_rank"], len(data["samples"]), layout.dp))
     samples = [data["samples"][i] for i in indices]
     logps, ents = actor.compute_log_probs(samples, with_entropy=True)
+    frozen_logps = frozen.compute_log_probs(samples)
+    del frozen
     metrics = [actor.train_step(samples) for _ in range(data["steps"])]
     if name in STAGE_LAYERS:  # a collective: every rank yields the whole HF model
         uneven["hf_export"] = {n: t.clone() for n, t in iter_hf_weights(actor.chunks, arch)}
-    torch.save({"indices": indices, "logps": logps, "entropies": ents, "metrics": metrics, **ranks, **uneven,
+    torch.save({"indices": indices, "logps": logps, "frozen_logps": frozen_logps, "entropies": ents, "metrics": metrics,
+                **ranks, **uneven,
                 "weights": {k: v.clone() for k, v in actor.state_dict_for_export().items()}},
                f"{out_dir}/{model_key}_{name}_rank{dist.get_rank()}.pt")
     destroy_parallel(keep_process_group=True)

@@ -1,5 +1,6 @@
 """TP=2, PP=2, TP=2 x PP=2 and DP (torchrun, 4 gloo ranks) give the single-process log-probs, entropies,
-metrics and updated weights, for every registered model family; a mixture-of-experts family runs its
+metrics and updated weights, for every registered model family (and a frozen copy, the reference model of
+--ref-load, the actor's log-probs bit for bit); a mixture-of-experts family runs its
 expert-parallel layouts instead: one launch runs every family and layout.
 
 Uneven pipelines (UNEVEN_LAYOUTS, --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers): a
@@ -132,6 +133,9 @@ def test_log_probs_match_single_process(runs, model_type, layout):
         for i, logp, ent in zip(rank["indices"], rank["logps"], rank["entropies"], strict=True):
             torch.testing.assert_close(logp, reference["logps"][i], atol=2e-5, rtol=0)
             torch.testing.assert_close(ent, reference["entropies"][i], atol=2e-5, rtol=0)
+        # the frozen reference model on the same layout and weights runs the very same forward: bit for bit
+        for logp, frozen in zip(rank["logps"], rank["frozen_logps"], strict=True):
+            assert torch.equal(logp, frozen)
 
 
 @pytest.mark.slow
@@ -148,6 +152,8 @@ def test_moe_log_probs_match_hf(runs, model_type, layout):
             torch.testing.assert_close(ent, reference["hf_entropies"][i], atol=2e-5, rtol=0)
             worst["logp"] = max(worst["logp"], (logp - reference["hf_logps"][i]).abs().max().item())
             worst["entropy"] = max(worst["entropy"], (ent - reference["hf_entropies"][i]).abs().max().item())
+        for logp, frozen in zip(rank["logps"], rank["frozen_logps"], strict=True):  # the reference model's
+            assert torch.equal(logp, frozen)
     print(f"{model_type} {layout}: max |logp - HF| {worst['logp']:.2e}, max |entropy - HF| {worst['entropy']:.2e}")
 
 

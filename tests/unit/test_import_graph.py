@@ -308,6 +308,8 @@ HF_CONFIG_READERS = {
     "megatron_dapo.checkpoint.hf_export": "copies --hf-checkpoint's config.json into the export as it is (all its "
                                           "fields, the dtype rewritten), not an architecture",
     "megatron_dapo.checkpoint.dist_load": "a checkpoint's stored HF config: a dict already read, no file",
+    "megatron_dapo.trainer.build": "--ref-load's own config.json (another model's file), parsed once where the "
+                                   "reference is built, to refuse an architecture other than the actor's",
 }
 """The library modules that call read_config_json or ModelArch.from_hf, each with why."""
 

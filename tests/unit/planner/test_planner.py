@@ -22,7 +22,7 @@ from megatron_dapo.distributed.parallel import ParallelLayout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.registry import family, model_types
 from megatron_dapo.planner import activations, colocated, report, stages
-from megatron_dapo.startup import dry_run
+from megatron_dapo.startup import dry_run, plan_from_flags
 from tests.unit.launch.test_examples import REPO, launcher_args
 
 # ---- Korthikanti et al. 2022, Sec. 4 (fp16 activations, 1-byte dropout masks), written out ------------
@@ -800,3 +800,23 @@ def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
     rc, lines = _dry_run(args + ["--max-staleness", "2", "--max-in-flight-groups", "4096"])  # above the target
     (uncapped,) = [line for line in lines if line.startswith("rank 0 host memory: fully async")]
     assert "in flight" not in uncapped and "GiB as lists" in uncapped
+
+
+def test_a_reference_model_adds_its_weights_and_nothing_else(tmp_path):
+    """--ref-load: the 32B launcher's plan gains one row per stage, the frozen reference's bf16 weights on the actor's
+    layout (TP8 x PP2: 32.8e9 params x 2 B / 16 = 3.8 GiB), and every other row is unchanged (no grads, no optimizer,
+    no activations at the training peak)."""
+    script, env, model = LAUNCHERS[1].values
+    args = _launcher_train_args(tmp_path, script, env, model)
+    plain = plan_from_flags(build_parser().parse_args(args), ModelArch.from_hf(REPO / "examples/models" / model))
+    with_ref = plan_from_flags(build_parser().parse_args(args + ["--ref-load", "initial", "--kl-coef", "0.001"]),
+                               ModelArch.from_hf(REPO / "examples/models" / model))
+    a, b = (stages.plan_stages(p.arch, p.layout, p.inputs, p.spec) for p in (plain, with_ref))
+    row = "reference model weights (frozen, bfloat16)"
+    for stage, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert {k: v for k, v in y.lines.items() if k != row} == x.lines
+        assert y.lines[row] == stages.stage_parameters(plain.arch, plain.layout, stage) * 2
+        assert y.lines[row] == stages.static_bytes(x, "weights")
+        assert 3.7 < y.lines[row] / 2**30 < 4.0, y.lines[row] / 2**30
+    rc, lines = _dry_run(args + ["--ref-load", "initial"])
+    assert rc == 0 and any(line.startswith(row) for line in lines), "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Where the frozen reference model's weights come from (--ref-load), and the check that a resumed run uses the same.
+
+The reference model is a `MegatronActor(..., frozen=True)` on the actor's own layout (TP/PP/EP shards of the same
+architecture): its weights alone, no grads, no optimizer (trainer/build.py `build_reference`). It has no state to
+checkpoint, but a resume must rebuild it from the same weights, or every later KL term changes. `initial` is
+resolved once, at the run's start, to the weights that start was made from; the checkpoint records the resolved
+source (`ReferenceSource`, extra["reference"]) and a resumed run whose --ref-load resolves elsewhere is refused
+(the launchers' `--load DIR --save DIR` resumes would otherwise turn `initial` from converter output into
+--hf-checkpoint).
+
+Memory: the reference's weights in the actor's dtype, per GPU the actor's weights line of the plan (bf16 at
+Qwen2.5-32B, TP8 x PP2: 32.8e9 x 2 B / 16 = 3.8 GiB per GPU); compute: one forward-only pass over every trained
+sample per step, as the actor's old-log-prob pass (`compute_log_probs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from megatron_dapo.checkpoint.state import CommonState
+from megatron_dapo.errors import UserError
+
+INITIAL = "initial"
+SOURCE_KINDS: tuple[str, ...] = ("hf", "torch_dist")
+
+
+@dataclass
+class ReferenceSource:
+    """The reference model's resolved weights: `kind` ('hf' or 'torch_dist') and `path`. Checkpointed (every rank
+    holds the same, from the same flags) so a resume can refuse another source."""
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="reference", optional=True)
+    kind: str | None = None
+    path: str | None = None
+    flag: str | None = None
+    """The --ref-load value it was resolved from, for messages."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "flag": self.flag} if self.kind is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: `check_state` compared the sources before any component was restored."""
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """UserError when the checkpoint's reference differs from this run's (or one of the two has none)."""
+        saved = (state.get("kind"), state.get("path"))
+        if saved != (self.kind, self.path):
+            was = f"{saved[0]} {saved[1]} (--ref-load {state.get('flag')})" if saved[0] else "no reference model"
+            now = f"{self.kind} {self.path} (--ref-load {self.flag})" if self.kind else "no reference model"
+            raise UserError(f"--ref-load: the checkpoint was trained against {was}, this run would use {now}; give "
+                            f"the checkpoint's --ref-load (its path, where 'initial' resolved elsewhere)")
+
+
+def resolve_reference(ref_load: str | None, *, hf_checkpoint: str, initial_checkpoint: str | None
+                      ) -> ReferenceSource:
+    """--ref-load -> its ReferenceSource: 'initial' is `initial_checkpoint` (converter output passed as --load) when
+    given, else --hf-checkpoint; a directory with a config.json is an HF checkpoint, any other directory a
+    torch_dist one. UserError for a path that is not a directory. None: no reference model."""
+    if ref_load is None:
+        return ReferenceSource()
+    if ref_load == INITIAL:
+        if initial_checkpoint is not None:
+            return ReferenceSource(kind="torch_dist", path=str(Path(initial_checkpoint).resolve()), flag=ref_load)
+        return ReferenceSource(kind="hf", path=str(Path(hf_checkpoint).resolve()), flag=ref_load)
+    path = Path(ref_load)
+    if not path.is_dir():
+        raise UserError(f"--ref-load {ref_load}: not a directory ('{INITIAL}', an HF checkpoint directory or a "
+                        f"torch_dist checkpoint directory)")
+    kind = "hf" if (path / "config.json").is_file() else "torch_dist"
+    return ReferenceSource(kind=kind, path=str(path.resolve()), flag=ref_load)
+
+
+__all__ = ["INITIAL", "ReferenceSource", "resolve_reference"]
