@@ -383,11 +383,12 @@ def _off_policy_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _reference_flags(p: argparse.ArgumentParser) -> None:
-    """The "reference model" group: the frozen reference (CheckpointConfig.ref_load, actor/reference.py) and the
-    ActorConfig's KLConfig (algorithm/kl.py)."""
-    g = p.add_argument_group("reference model (KL)",
-                             "a frozen copy of a policy on the actor's layout, and the KL term to it; see "
-                             "megatron_dapo/algorithm/kl.py")
+    """The "reference and teacher models" group: the frozen reference and teacher (CheckpointConfig.ref_load,
+    teacher_load; actor/reference.py), the ActorConfig's KLConfig (algorithm/kl.py) and the TrainerConfig's
+    DistillConfig (algorithm/distill.py)."""
+    g = p.add_argument_group("reference and teacher models (KL, distillation)",
+                             "frozen models on the actor's layout: the KL term to a reference, on-policy distillation "
+                             "from a teacher; see megatron_dapo/algorithm/kl.py and distill.py")
     g.add_argument("--ref-load", default=None, metavar="initial|DIR",
                    help="the frozen reference model: 'initial' (the weights this run started from: converter "
                         "output under --load, else --hf-checkpoint), an HF checkpoint directory or a torch_dist "
@@ -400,6 +401,16 @@ def _reference_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default=None,
                    help="the per-token estimator: k1 = log ratio, k2 = half its square, k3 = GRPO's "
                         "exp(-d) + d - 1 (default k3)")
+    g.add_argument("--teacher-load", default=None, metavar="initial|DIR",
+                   help="on-policy distillation: a frozen teacher with the student's tokenizer (an HF directory of "
+                        "any architecture that divides into the actor's layout, or as --ref-load) scores every "
+                        "trained sample; each token's advantage gains --distill-coef x (log pi_teacher - log "
+                        "pi_old). Unset: none")
+    g.add_argument("--distill-coef", type=float, default=0.0,
+                   help="the weight of the teacher's per-token advantage (> 0 with --teacher-load)")
+    g.add_argument("--distill-only", action="store_true",
+                   help="train on the teacher's advantage alone (the verifier's is set to 0; needs "
+                        "--no-dynamic-sampling, whose filter reads the verifier's rewards)")
 
 
 def _data_flags(p: argparse.ArgumentParser) -> None:

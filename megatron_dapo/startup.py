@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from megatron_dapo.distributed.parallel import ParallelLayout
@@ -164,6 +165,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
         async_rollout=args.async_rollout, exit_save_timeout_s=args.exit_save_timeout_s,
         max_staleness=args.max_staleness, stale_policy=args.stale_policy,
         max_in_flight_groups=args.max_in_flight_groups,
+        distill=distill_config(args),
         off_policy=OffPolicyConfig(use_tis=use_tis(args, actor.loss.fn), tis_cap=args.tis_cap,
                                    mis_mode=args.mis_mode, mis_threshold=args.mis_threshold,
                                    use_icepop=args.use_icepop, icepop_low=args.icepop_low,
@@ -213,6 +215,29 @@ def kl_config(args: argparse.Namespace) -> Any:
                         "yet, so its weights would stay next to SGLang's; run the reference on separate rollout GPUs "
                         "(drop --colocate)")
     return KLConfig(coef=args.kl_coef, estimator=args.kl_estimator or "k3")
+
+
+def distill_config(args: argparse.Namespace) -> Any:
+    """--teacher-load / --distill-coef / --distill-only -> the trainer's DistillConfig, None without a teacher;
+    UserError for a distillation flag without a teacher, --distill-only beside --dynamic-sampling (its filter reads
+    the verifier's rewards, which --distill-only does not train on), or a teacher in a colocated run."""
+    from megatron_dapo.algorithm.distill import DistillConfig
+
+    if args.teacher_load is None:
+        given = [flag for flag, on in (("--distill-coef", args.distill_coef != 0.0),
+                                       ("--distill-only", args.distill_only)) if on]
+        if given:
+            raise UserError(f"{' and '.join(given)} need a teacher: --teacher-load DIR (an HF checkpoint with the "
+                            f"student's tokenizer)")
+        return None
+    if args.colocate:
+        raise UserError("--teacher-load with --colocate: the colocated phases offload the actor but not a teacher "
+                        "yet, so its weights would stay next to SGLang's; drop --colocate")
+    if args.distill_only and args.dynamic_sampling:
+        raise UserError("--distill-only trains on the teacher's advantage alone, and --dynamic-sampling (on by "
+                        "default) drops the groups whose verifier rewards are all equal, which carry the teacher's "
+                        "signal as much as any: pass --no-dynamic-sampling")
+    return DistillConfig(coef=args.distill_coef, only=args.distill_only)
 
 
 def use_tis(args: argparse.Namespace, loss_fn: Callable | None = None) -> bool:
@@ -304,7 +329,8 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 
     return CheckpointConfig(load=args.load, save=args.save, overwrite_save=args.overwrite_save,
                             mcore_checkpoint=args.mcore_checkpoint, fully_parallel_save=args.ckpt_fully_parallel_save,
-                            async_save=args.async_save, export_hf=args.export_hf, ref_load=args.ref_load)
+                            async_save=args.async_save, export_hf=args.export_hf, ref_load=args.ref_load,
+                            teacher_load=args.teacher_load)
 
 
 def log_config(args: argparse.Namespace, *, private_argv: bool) -> LogConfig:
@@ -332,10 +358,20 @@ def plan_from_flags(args: argparse.Namespace, arch: ModelArch) -> Plan:
                         colocate=args.colocate, rollout_gpus_per_engine=args.sglang_tp_size,
                         mem_fraction_static=args.mem_fraction_static,
                         sglang_gib=SGLANG_RELEASED_GIB if args.colocate else 0.0,
-                        moe_capacity_factor=args.moe_expert_capacity_factor, reference=args.ref_load is not None)
+                        moe_capacity_factor=args.moe_expert_capacity_factor, reference=args.ref_load is not None,
+                        teacher=planned_teacher(args.teacher_load, arch))
     spec = ActivationSpec.for_arch(arch, transformer_impl=impl, bytes_per_element=2 if params_dtype ==
                                    "bfloat16" else 4)
     return Plan(arch=arch, layout=layout, inputs=inputs, spec=spec)
+
+
+def planned_teacher(teacher_load: str | None, arch: ModelArch) -> ModelArch | None:
+    """The teacher's architecture for the plan: an HF directory's own config.json, else (initial, a torch_dist
+    checkpoint) the actor's `arch`; None without --teacher-load."""
+    if teacher_load is None:
+        return None
+    config = Path(teacher_load) / "config.json"
+    return ModelArch.from_hf(teacher_load) if teacher_load != "initial" and config.is_file() else arch
 
 
 def dry_run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -63,7 +63,6 @@ def train(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from megatron_dapo.actor import init_parallel
-    from megatron_dapo.actor.reference import resolve_reference
     from megatron_dapo.checkpoint.checkpointer import Checkpointer
     from megatron_dapo.checkpoint.dist_load import initial_checkpoint
     from megatron_dapo.data import ResumableSampler
@@ -99,8 +98,7 @@ def _train(args: argparse.Namespace) -> None:
     if run.engine.colocate:  # the engines free their GPU memory before the actor allocates any (colocate.py)
         engine = colocate.start_colocated_engines(run.engine, tokenizer, rank0)
     actor = build.build_actor(run.inputs.hf_checkpoint, inputs.arch, run.actor, layout, init_ckpt)
-    reference = resolve_reference(ckpt.ref_load, hf_checkpoint=run.inputs.hf_checkpoint, initial_checkpoint=init_ckpt)
-    ref = build.build_reference(reference, inputs.arch, run.actor, layout) if reference.kind else None
+    (reference, ref), (teacher_source, teacher) = build.frozen_models(ckpt, run, inputs, layout, init_ckpt)
     sampler = ResumableSampler(max(len(prompts), 1), seed=run.seed)  # rank 0 draws; a placeholder elsewhere
     if rank0 and engine is None:
         engine = rollout_build.make_rollout_engine(run.engine, tokenizer)
@@ -110,13 +108,14 @@ def _train(args: argparse.Namespace) -> None:
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      phases=phases, weight_sync=weight_sync, stop=stop, ref=ref,  # weight_sync None: from the engine
+                      phases=phases, weight_sync=weight_sync, stop=stop, ref=ref, teacher=teacher,  # sync None: built
                       weight_sync_mode=rollout_build.weight_sync_mode(run.engine) if rank0 else None)  # its transport
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
     trainer.checkpointer = Checkpointer(
         {"actor": actor, "trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead,
-         "stream": trainer.stream, "record": trainer.record, "reference": reference},
+         "stream": trainer.stream, "record": trainer.record, "reference": reference,
+         "teacher": teacher_source},
         save_dir=ckpt.save, load_dir=None if init_ckpt else ckpt.load, fully_parallel=ckpt.fully_parallel_save,
         async_save=ckpt.async_save, section=trainer.section, group=trainer.wait_group)
     try:

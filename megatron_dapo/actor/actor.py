@@ -369,7 +369,7 @@ class MegatronActor:
         old = torch.where(mb.has_old.unsqueeze(-1), mb.old_log_probs, logp.detach())
         # --policy-loss (algorithm/registry.py), chosen when the config was built
         loss = self.config.loss
-        out = loss.fn(logp, old, mb.advantages, mb.loss_mask, loss, entropy=entropy, is_weights=mb.is_weights)
+        out = loss.fn(logp, old, mb.loss_advantages, mb.loss_mask, loss, entropy=entropy, is_weights=mb.is_weights)
         if undeclared := sorted(out.metrics.keys() - set(loss.metrics)):  # train_step reduces the declared ones only
             raise UserError(f"--policy-loss {loss.name!r} returned metrics {undeclared} that it does not declare "
                             f"(it declares {loss.metrics}): they would not be logged; name every metric it reports "

@@ -222,6 +222,16 @@ class MicroBatch:
     """[b, s] fp32 rollout-correction weights (1 in rows without any); None when no row has them."""
     ref_log_probs: Tensor | None = None
     """[n, L] fp32 log pi_ref (0 outside the response); None when no row has them, an error when only some do."""
+    token_advantages: Tensor | None = None
+    """[n, L] fp32 per-token advantages added to each row's `advantages` (0 outside the response and in rows without
+    any); None when no row has them. `loss_advantages` is what the loss gets."""
+
+    @property
+    def loss_advantages(self) -> Tensor:
+        """The advantages the loss takes: [b] per row, or [n, L] per token when any row has token advantages."""
+        if self.token_advantages is None:
+            return self.advantages
+        return self.advantages.unsqueeze(-1) + self.token_advantages
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
@@ -272,23 +282,27 @@ def _row_tensors(rows: Sequence[TrainSample], s: int) -> dict[str, Tensor]:
         loss_mask[r, p - 1:n - 1] = 1.0 if row.loss_mask is None else row.loss_mask.float()
         if row.old_log_probs is not None:
             old[r, p - 1:n - 1] = row.old_log_probs.float()
-    is_weights = None
-    if any(row.is_weights is not None for row in rows):
-        is_weights = torch.ones(b, s, dtype=torch.float32)
-        for r, row in enumerate(rows):
-            if row.is_weights is not None:
-                is_weights[r, row.prompt_len - 1:len(row.tokens) - 1] = row.is_weights.float()
-    ref = None
     with_ref = [row.ref_log_probs is not None for row in rows]
-    if any(with_ref):
-        if not all(with_ref):
-            raise ValueError(f"{with_ref.count(False)} of {b} samples of a micro-batch lack ref_log_probs: the KL "
-                             f"term needs the reference model's log-probs of every sample")
-        ref = torch.zeros(b, s, dtype=torch.float32)
-        for r, row in enumerate(rows):
-            ref[r, row.prompt_len - 1:len(row.tokens) - 1] = row.ref_log_probs.float()
+    if any(with_ref) and not all(with_ref):
+        raise ValueError(f"{with_ref.count(False)} of {b} samples of a micro-batch lack ref_log_probs: the KL term "
+                         f"needs the reference model's log-probs of every sample")
+    is_weights = _response_values(rows, s, "is_weights", fill=1.0)
+    ref = _response_values(rows, s, "ref_log_probs", fill=0.0)
+    token_adv = _response_values(rows, s, "token_advantages", fill=0.0)
     return dict(tokens=tokens, targets=targets, response_mask=response_mask, loss_mask=loss_mask,
-                old_log_probs=old, is_weights=is_weights, ref_log_probs=ref)
+                old_log_probs=old, is_weights=is_weights, ref_log_probs=ref, token_advantages=token_adv)
+
+
+def _response_values(rows: Sequence[TrainSample], s: int, name: str, *, fill: float) -> Tensor | None:
+    """[n, s] fp32: each row's per-response-token `name` ([response_len]) at the positions that predict its response
+    tokens, `fill` elsewhere (and in rows without any); None when no row has them."""
+    if all(getattr(row, name) is None for row in rows):
+        return None
+    out = torch.full((len(rows), s), fill, dtype=torch.float32)
+    for r, row in enumerate(rows):
+        if (values := getattr(row, name)) is not None:
+            out[r, row.prompt_len - 1:len(row.tokens) - 1] = values.float()
+    return out
 
 
 def _row_fields(rows: Sequence[TrainSample]) -> dict:
@@ -352,7 +366,8 @@ def build_packed_micro_batch(samples: Sequence[TrainSample], indices: list[int],
         attention_mask=block_causal_mask(cu) if causal_mask else None, targets=targets,
         response_mask=padded["response_mask"], loss_mask=padded["loss_mask"],
         old_log_probs=padded["old_log_probs"], is_weights=padded["is_weights"],
-        ref_log_probs=padded["ref_log_probs"], **_row_fields(rows), unpack_index=starts[:, None] + offsets,
+        ref_log_probs=padded["ref_log_probs"], token_advantages=padded["token_advantages"], **_row_fields(rows),
+        unpack_index=starts[:, None] + offsets,
         cu_seqlens=cu, max_seqlen=max(segments),
     )
 

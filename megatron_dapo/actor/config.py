@@ -164,6 +164,9 @@ class TrainSample:
     """[response_len] log pi_old; None = on-policy (the current log-probs, detached)."""
     ref_log_probs: torch.Tensor | None = None
     """[response_len] log pi_ref of the frozen reference model (--ref-load), for the KL term; None: none."""
+    token_advantages: torch.Tensor | None = None
+    """[response_len] a per-token advantage added to `advantage` (the distillation teacher's, algorithm/distill.py);
+    None: the response's advantage alone."""
     loss_mask: torch.Tensor | None = None
     """[response_len] 1 = token enters the loss; None = all ones."""
     is_weights: torch.Tensor | None = None
@@ -179,7 +182,7 @@ class TrainSample:
         if not 1 <= self.prompt_len < len(self.tokens):
             raise ValueError(f"TrainSample: need 1 <= prompt_len ({self.prompt_len}) < len(tokens) "
                              f"({len(self.tokens)}): at least one prompt and one response token")
-        for name in ("old_log_probs", "ref_log_probs", "loss_mask", "is_weights"):
+        for name in ("old_log_probs", "ref_log_probs", "token_advantages", "loss_mask", "is_weights"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (self.response_len,):
                 raise ValueError(f"TrainSample.{name} has shape {tuple(value.shape)}, expected "

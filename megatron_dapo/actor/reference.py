@@ -1,4 +1,5 @@
-"""Where the frozen reference model's weights come from (--ref-load), and the check that a resumed run uses the same.
+"""Where a frozen model's weights come from (the reference, --ref-load; the teacher, --teacher-load), and the check
+that a resumed run uses the same.
 
 The reference model is a `MegatronActor(..., frozen=True)` on the actor's own layout (TP/PP/EP shards of the same
 architecture): its weights alone, no grads, no optimizer (trainer/build.py `build_reference`). It has no state to
@@ -32,10 +33,12 @@ class ReferenceSource:
     holds the same, from the same flags) so a resume can refuse another source."""
 
     checkpoint_state: ClassVar[CommonState] = CommonState(key="reference", optional=True)
+    FLAG: ClassVar[str] = "--ref-load"
+    WHAT: ClassVar[str] = "reference model"
     kind: str | None = None
     path: str | None = None
     flag: str | None = None
-    """The --ref-load value it was resolved from, for messages."""
+    """The flag's value it was resolved from, for messages."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": self.path, "flag": self.flag} if self.kind is not None else {}
@@ -44,32 +47,42 @@ class ReferenceSource:
         """Nothing to restore: `check_state` compared the sources before any component was restored."""
 
     def check_state(self, state: dict[str, Any]) -> None:
-        """UserError when the checkpoint's reference differs from this run's (or one of the two has none)."""
+        """UserError when the checkpoint's model differs from this run's (or this run has none)."""
         saved = (state.get("kind"), state.get("path"))
         if saved != (self.kind, self.path):
-            was = f"{saved[0]} {saved[1]} (--ref-load {state.get('flag')})" if saved[0] else "no reference model"
-            now = f"{self.kind} {self.path} (--ref-load {self.flag})" if self.kind else "no reference model"
-            raise UserError(f"--ref-load: the checkpoint was trained against {was}, this run would use {now}; give "
-                            f"the checkpoint's --ref-load (its path, where 'initial' resolved elsewhere)")
+            was = f"{saved[0]} {saved[1]} ({self.FLAG} {state.get('flag')})" if saved[0] else f"no {self.WHAT}"
+            now = f"{self.kind} {self.path} ({self.FLAG} {self.flag})" if self.kind else f"no {self.WHAT}"
+            raise UserError(f"{self.FLAG}: the checkpoint was trained against {was}, this run would use {now}; give "
+                            f"the checkpoint's {self.FLAG} (its path, where 'initial' resolved elsewhere)")
 
 
-def resolve_reference(ref_load: str | None, *, hf_checkpoint: str, initial_checkpoint: str | None
-                      ) -> ReferenceSource:
-    """--ref-load -> its ReferenceSource: 'initial' is `initial_checkpoint` (converter output passed as --load) when
-    given, else --hf-checkpoint; a directory with a config.json is an HF checkpoint, any other directory a
-    torch_dist one. UserError for a path that is not a directory. None: no reference model."""
+@dataclass
+class TeacherSource(ReferenceSource):
+    """The distillation teacher's resolved weights (--teacher-load; algorithm/distill.py), checkpointed alike."""
+
+    checkpoint_state: ClassVar[CommonState] = CommonState(key="teacher", optional=True)
+    FLAG: ClassVar[str] = "--teacher-load"
+    WHAT: ClassVar[str] = "teacher"
+
+
+def resolve_reference(ref_load: str | None, *, hf_checkpoint: str, initial_checkpoint: str | None,
+                      source: type[ReferenceSource] = ReferenceSource) -> ReferenceSource:
+    """The flag's value (--ref-load, or --teacher-load with `source` TeacherSource) -> its resolved source: 'initial'
+    is `initial_checkpoint` (converter output passed as --load) when given, else --hf-checkpoint; a directory with a
+    config.json is an HF checkpoint, any other directory a torch_dist one. UserError for a path that is not a
+    directory. None: no such model."""
     if ref_load is None:
-        return ReferenceSource()
+        return source()
     if ref_load == INITIAL:
         if initial_checkpoint is not None:
-            return ReferenceSource(kind="torch_dist", path=str(Path(initial_checkpoint).resolve()), flag=ref_load)
-        return ReferenceSource(kind="hf", path=str(Path(hf_checkpoint).resolve()), flag=ref_load)
+            return source(kind="torch_dist", path=str(Path(initial_checkpoint).resolve()), flag=ref_load)
+        return source(kind="hf", path=str(Path(hf_checkpoint).resolve()), flag=ref_load)
     path = Path(ref_load)
     if not path.is_dir():
-        raise UserError(f"--ref-load {ref_load}: not a directory ('{INITIAL}', an HF checkpoint directory or a "
+        raise UserError(f"{source.FLAG} {ref_load}: not a directory ('{INITIAL}', an HF checkpoint directory or a "
                         f"torch_dist checkpoint directory)")
     kind = "hf" if (path / "config.json").is_file() else "torch_dist"
-    return ReferenceSource(kind=kind, path=str(path.resolve()), flag=ref_load)
+    return source(kind=kind, path=str(path.resolve()), flag=ref_load)
 
 
-__all__ = ["INITIAL", "ReferenceSource", "resolve_reference"]
+__all__ = ["INITIAL", "ReferenceSource", "TeacherSource", "resolve_reference"]

@@ -129,6 +129,9 @@ class PlanInputs:
     reference: bool = False
     """--ref-load: a frozen reference model on the actor's layout, its weights in params_dtype beside the actor's
     (actor/reference.py); its forward-only pass runs before training, so it adds no activations at the peak."""
+    teacher: ModelArch | None = None
+    """--teacher-load: the distillation teacher's architecture (its own; frozen on the actor's layout, weights only,
+    as the reference); None: none."""
 
     @property
     def moe_factor(self) -> float:
@@ -222,6 +225,13 @@ def _static_lines(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, s
         }
     if inputs.reference:  # weights only: no grads, no optimizer state
         lines[f"reference model weights (frozen, {inputs.params_dtype})"] = (params + experts) * pbytes
+    if inputs.teacher is not None:
+        try:
+            validate_layout(inputs.teacher, layout)
+        except ValueError as err:
+            raise ValueError(f"--teacher-load: its {inputs.teacher.model_type} on the actor's layout: {err}") from err
+        lines[f"teacher model weights (frozen, {inputs.params_dtype}, {inputs.teacher.model_type} "
+              f"{inputs.teacher.num_layers} layers)"] = stage_parameters(inputs.teacher, layout, stage) * pbytes
     return lines
 
 

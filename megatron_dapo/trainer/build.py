@@ -123,30 +123,87 @@ def build_actor(hf_checkpoint: str, arch: ModelArch, actor_cfg, layout, init_ckp
     return actor
 
 
-def build_reference(source, arch: ModelArch, actor_cfg, layout):
-    """The frozen reference model (--ref-load, actor/reference.py) on the actor's layout, loaded from `source` (a
-    resolved ReferenceSource): an HF checkpoint of the actor's architecture through the mapping table, or a
-    torch_dist checkpoint (converter output) at any TP/PP. UserError naming --ref-load for another architecture."""
+def build_frozen(source, arch: ModelArch, actor_cfg, layout, *, against: str = "--hf-checkpoint config.json"):
+    """A frozen model of `arch` on the actor's layout (MegatronActor(frozen=True): weights only), loaded from
+    `source` (a resolved ReferenceSource or TeacherSource, actor/reference.py): an HF checkpoint through the mapping
+    table, or a torch_dist checkpoint (converter output) at any TP/PP. UserError naming the source's flag for a
+    checkpoint of another architecture than `arch` (`against` says where `arch` came from), or a layout the
+    architecture does not divide into."""
     from megatron_dapo.actor import MegatronActor
     from megatron_dapo.checkpoint.ckpt_config import check_same_arch
     from megatron_dapo.checkpoint.dist_load import check_checkpoint_config, load_model_weights
     from megatron_dapo.weights.safetensors_io import CheckpointError
 
-    try:  # the reference is built with the actor's architecture: a checkpoint of another is refused, naming both
+    flag = type(source).FLAG
+    try:  # a checkpoint of another architecture is refused, naming both
         if source.kind == "hf":
-            check_same_arch(ModelArch.from_hf(source.path), arch, stored_from=f"--ref-load {source.flag}",
-                            requested_from="--hf-checkpoint config.json")
+            check_same_arch(ModelArch.from_hf(source.path), arch, stored_from=f"{flag} {source.flag}",
+                            requested_from=against)
         else:
-            check_checkpoint_config(source.path, arch, flag="--ref-load")
+            check_checkpoint_config(source.path, arch, flag=flag)
     except (CheckpointError, ValueError) as err:
-        raise UserError(f"--ref-load {source.flag}: {err}") from err
-    model = MegatronActor(arch, actor_cfg, layout, frozen=True)
+        raise UserError(f"{flag} {source.flag}: {err}") from err
+    try:
+        model = MegatronActor(arch, actor_cfg, layout, frozen=True)
+    except ValueError as err:  # the layout check (heads, layers, experts divisible by the parallel sizes)
+        raise UserError(f"{flag} {source.flag}: its {arch.model_type} on the actor's layout: {err}") from err
     if source.kind == "hf":
-        load_hf_into_actor(model, source.path, flag="--ref-load")
+        load_hf_into_actor(model, source.path, flag=flag)
     else:
         for module in model.modules:
-            load_model_weights(module, source.path, arch, flag="--ref-load")
+            load_model_weights(module, source.path, arch, flag=flag)
     return model
+
+
+def frozen_models(ckpt, run: RunConfig, inputs: Inputs, layout: ParallelLayout, init_ckpt: str | None):
+    """((reference source, reference model), (teacher source, teacher model)) from --ref-load and --teacher-load
+    (`ckpt`, a CheckpointConfig; models None where the flag is unset): each resolved once (actor/reference.py; the
+    sources go into the checkpoint) and built frozen on the actor's layout. The reference has the actor's
+    architecture; the teacher its own (`teacher_arch`), with the student's tokenizer."""
+    from megatron_dapo.actor.reference import TeacherSource, resolve_reference
+
+    hf = run.inputs.hf_checkpoint
+    reference = resolve_reference(ckpt.ref_load, hf_checkpoint=hf, initial_checkpoint=init_ckpt)
+    teacher = resolve_reference(ckpt.teacher_load, hf_checkpoint=hf, initial_checkpoint=init_ckpt,
+                                source=TeacherSource)
+    ref_model = build_frozen(reference, inputs.arch, run.actor, layout) if reference.kind else None
+    teacher_model = build_frozen(teacher, teacher_arch(teacher, inputs.arch, inputs.tokenizer), run.actor, layout,
+                                 against="its own config.json") if teacher.kind else None
+    return (reference, ref_model), (teacher, teacher_model)
+
+
+def teacher_arch(source, actor_arch: ModelArch, tokenizer) -> ModelArch:
+    """The distillation teacher's architecture (--teacher-load): its own config.json for an HF directory (it may be
+    larger than the student), the actor's for a torch_dist checkpoint; UserError naming both directories unless its
+    tokenizer is the student's (the same vocabulary, token for token, and the same end-of-sequence id): the teacher
+    scores the student's token ids, which must mean the same text to both."""
+    if source.kind != "hf":
+        return actor_arch
+    try:
+        arch = ModelArch.from_hf(source.path)
+    except ValueError as err:
+        raise UserError(f"--teacher-load {source.flag}: {err}") from err
+    check_same_tokenizer(tokenizer, source.path, flag=f"--teacher-load {source.flag}")
+    return arch
+
+
+def check_same_tokenizer(tokenizer, other_dir: str, *, flag: str) -> None:
+    """UserError naming `flag` and the student's tokenizer unless `other_dir`'s tokenizer (local files only) has the
+    same vocabulary and end-of-sequence id as `tokenizer`. One dict comparison: ~150k entries at Qwen2.5, ~0.1 s."""
+    from transformers import AutoTokenizer
+
+    mine = getattr(tokenizer, "name_or_path", "the student's tokenizer")
+    try:
+        other = AutoTokenizer.from_pretrained(other_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{flag}: no tokenizer could be read from {other_dir} ({type(err).__name__}); the teacher must "
+                        f"share the student's tokenizer ({mine}), and its files are how that is checked") from err
+    a, b = tokenizer.get_vocab(), other.get_vocab()
+    if a != b or tokenizer.eos_token_id != other.eos_token_id:
+        differ = sum(1 for t in a.keys() | b.keys() if a.get(t) != b.get(t))
+        raise UserError(f"{flag}: its tokenizer ({other_dir}: {len(b)} tokens, eos id {other.eos_token_id}) is not "
+                        f"the student's ({mine}: {len(a)} tokens, eos id {tokenizer.eos_token_id}; {differ} tokens "
+                        f"differ): the teacher would score other text than the student sampled")
 
 
 def make_logger(run: RunConfig):

@@ -40,6 +40,7 @@ from megatron_dapo.actor import MegatronActor, TrainSample
 from megatron_dapo.actor.batching import attention_cost_coefficient, partition_for_dp
 from megatron_dapo.algorithm import grpo_advantages, overlong_keep_mask
 from megatron_dapo.algorithm.advantages import AdvantageFn
+from megatron_dapo.algorithm.distill import DISTILL_SUM_KEYS, DistillConfig, distill_advantages, distill_sums
 from megatron_dapo.algorithm.mismatch import (
     MAX_KEYS,
     SUM_KEYS,
@@ -94,6 +95,8 @@ class TrainerConfig:
     """Checkpoint every N steps (--save-interval); the last step is always saved when save_dir is set."""
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     """Rollout-vs-actor correction (--use-tis, --tis-cap, --mis-mode, --mis-threshold)."""
+    distill: DistillConfig | None = None
+    """On-policy distillation (--teacher-load, --distill-coef, --distill-only; algorithm/distill.py); None: none."""
     rollout_timeout_h: float = 12.0
     """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
     async_rollout: int = 0
@@ -172,6 +175,9 @@ class Trainer:
     ref: MegatronActor | None = None
     """The frozen reference model (--ref-load; actor/reference.py) on this rank's layout: its log-probs of every
     trained sample feed the KL term (ActorConfig.kl); None: none."""
+    teacher: MegatronActor | None = None
+    """The frozen distillation teacher (--teacher-load) on this rank's layout, its own architecture: its log-probs of
+    every trained sample give the per-token advantages of algorithm/distill.py; None: none."""
     stop: StopSignal | None = None
     """This process's SIGTERM / SIGINT handler (train.py installs it): `run` stops at its next safe point once it
     fired on any rank. None: no stop handling (every rank alike)."""
@@ -568,6 +574,8 @@ class Trainer:
             for r, lp in zip(local, self.ref.compute_log_probs([r.sample for r in local]), strict=True):
                 r.sample.ref_log_probs = lp
             metrics["time/ref_logprob_s"] = time.perf_counter() - t_ref
+        if self.teacher is not None:
+            metrics |= self._distill(local, old)
         if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
             for r, lp in zip(local, old, strict=True):
                 r.sample.old_log_probs = lp
@@ -636,6 +644,29 @@ class Trainer:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+
+    def _distill(self, local: list[Rollout], old: list[torch.Tensor]) -> dict[str, float]:
+        """On-policy distillation (algorithm/distill.py): the teacher's log-probs of every local sample in one
+        forward-only pass, each sample's per-token advantages coef * (log pi_T - log pi_old) (--distill-only: its
+        verifier advantage set to 0), and the distill/* token means over every DP rank (one all-reduce of 32 B)."""
+        cfg = self.config.distill
+        t0 = time.perf_counter()
+        teacher = self.teacher.compute_log_probs([r.sample for r in local])
+        sums = torch.zeros(len(DISTILL_SUM_KEYS), dtype=torch.float64)
+        for r, old_lp, teacher_lp in zip(local, old, teacher, strict=True):
+            sample, old_lp = r.sample, old_lp.detach().float().cpu()
+            sample.token_advantages = distill_advantages(old_lp, teacher_lp, cfg.coef)
+            if cfg.only:
+                sample.advantage = 0.0
+            mask = torch.ones_like(old_lp) if sample.loss_mask is None else sample.loss_mask.float()
+            part = distill_sums(old_lp, teacher_lp, mask, cfg.coef)
+            sums += torch.tensor([part[k] for k in DISTILL_SUM_KEYS], dtype=torch.float64)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        totals = dict(zip(DISTILL_SUM_KEYS, sums.tolist(), strict=True))
+        tokens = totals.pop("tokens")
+        return {f"distill/{k}": (v / tokens if tokens else 0.0) for k, v in totals.items()} | {
+            "time/teacher_logprob_s": time.perf_counter() - t0}
 
     # ---- metrics -----------------------------------------------------------------------------------
     def _mismatch(self, local: list[Rollout], actor_logp: list[torch.Tensor]) -> dict[str, float]:

@@ -81,6 +81,8 @@ class CheckpointConfig:
     """--export-hf"""
     ref_load: str | None = None
     """--ref-load: the frozen reference model's weights ('initial', an HF or a torch_dist directory), None: none"""
+    teacher_load: str | None = None
+    """--teacher-load: the distillation teacher's weights (as --ref-load; its own architecture), None: none"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -335,7 +335,7 @@ def test_config_json_is_parsed_only_at_start_up():
     assert sorted(found.keys() - HF_CONFIG_READERS.keys()) == [], \
         f"config.json parsed outside start-up: { {m: found[m] for m in found.keys() - HF_CONFIG_READERS.keys()} }"
     assert sorted(HF_CONFIG_READERS.keys() - found.keys()) == [], "HF_CONFIG_READERS lists modules that parse none"
-    assert len(found["megatron_dapo.startup"]) == 2  # model_arch and dry_run
+    assert len(found["megatron_dapo.startup"]) == 3  # model_arch, dry_run and the planned teacher's (planned_teacher)
 
 
 @pytest.mark.parametrize("source, caught", [

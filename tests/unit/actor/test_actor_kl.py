@@ -117,3 +117,38 @@ def test_a_sample_without_reference_log_probs_stops_the_step(world):
     samples[0].ref_log_probs = torch.zeros(samples[0].response_len)
     with pytest.raises(ValueError, match="3 of 4 samples of a micro-batch lack ref_log_probs"):
         actor.train_step(samples)
+
+
+@pytest.mark.parametrize("loss", ["dapo", "grpo", "gspo"])
+def test_per_token_advantages_reach_the_loss_as_on_hf(world, loss):
+    """A sample's token_advantages (the distillation teacher's) are added to its advantage token by token, in padded
+    and packed micro-batches: the train step's gradient equals HF's with the [1, L] advantages of each response."""
+    layout, hf, arch = world
+    samples = make_samples(8, seed=7, max_len=MAX_RESPONSE)
+    gen = torch.Generator().manual_seed(3)
+    for s in samples[::2]:  # half the rows carry token advantages, the others their advantage alone
+        s.token_advantages = torch.randn(s.response_len, generator=gen)
+    config = policy_loss_config(loss, max_response_length=MAX_RESPONSE)
+    hf.zero_grad()
+    num, den = 0.0, 0.0
+    for s in samples:
+        logp, old, mask = response_terms(hf, s)
+        adv = torch.full((s.response_len,), s.advantage)
+        if s.token_advantages is not None:
+            adv = adv + s.token_advantages
+        out = config.fn(logp[None], old[None], adv[None], mask[None], config)
+        num, den = num + out.loss_sum, den + float(out.denominator)
+    (num / den).backward()
+    want = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters() if p.grad is not None)))
+    hf.zero_grad()
+    for packed in (False, True):
+        actor = MegatronActor(arch, ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=40, loss=config,
+                                                pack_sequences=packed), layout)
+        load_hf_weights(actor, hf)
+        assert actor.train_step(samples)["grad_norm"] == pytest.approx(want, rel=1e-4), packed
+    for s in samples:
+        s.token_advantages = None
+    plain = MegatronActor(arch, ActorConfig(lr=1e-3, clip_grad=0.0, max_tokens_per_micro_batch=40, loss=config),
+                          layout)
+    load_hf_weights(plain, hf)
+    assert plain.train_step(samples)["grad_norm"] != pytest.approx(want, rel=1e-3)  # they changed the gradient
