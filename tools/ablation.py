@@ -60,16 +60,19 @@ the process is gone: milliseconds, seconds for one SIGKILLed in the middle of a 
 
 @dataclass(frozen=True, kw_only=True)
 class Arm:
-    """One row of DAPO's Table 1: the techniques on, and the paper's AIME 2024 avg@32 for that row."""
+    """One row of DAPO's Table 1: the techniques on, and the paper's AIME 2024 avg@32 for that row (None: an arm
+    outside the table, EXTRA_ARMS)."""
 
     key: str
     label: str
-    paper_aime: int
+    paper_aime: int | None
     clip_high: float = 0.2
     token_level_loss: bool = False
     overlong_filter: bool = False
     soft_punishment: bool = False
     dynamic_sampling: bool = False
+    kl_coef: float = 0.0
+    """beta of the KL term to the base policy (--ref-load initial --kl-coef, k3): GRPO's, which DAPO removed."""
 
 
 ARMS: tuple[Arm, ...] = (
@@ -83,7 +86,13 @@ ARMS: tuple[Arm, ...] = (
     Arm(key="dapo", label="+ dynamic sampling (DAPO)", paper_aime=50, overlong_filter=True, clip_high=0.28,
         soft_punishment=True, token_level_loss=True, dynamic_sampling=True),
 )
-ARM_BY_KEY = {a.key: a for a in ARMS}
+EXTRA_ARMS: tuple[Arm, ...] = (
+    Arm(key="grpo_kl", label="naive GRPO + KL to the base (beta 0.001, k3)", paper_aime=None, kl_coef=0.001),
+)
+"""Arms outside Table 1, run only when named in --arms: GRPO's KL term (DeepSeekMath Eq. 3, its beta 0.04 is for a
+reward model; 0.001 is verl's GRPO default), which DAPO removes (its Sec. 2.3), on top of the naive arm."""
+ALL_ARMS = ARMS + EXTRA_ARMS
+ARM_BY_KEY = {a.key: a for a in ALL_ARMS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,6 +126,8 @@ def arm_flags(arm: Arm, schedule: Schedule) -> list[str]:
                   "--on-gen-exhausted", "partial"]
     else:
         flags += ["--no-dynamic-sampling"]
+    if arm.kl_coef:
+        flags += ["--ref-load", "initial", "--kl-coef", str(arm.kl_coef), "--kl-estimator", "k3"]
     return flags
 
 
@@ -579,6 +590,9 @@ READINGS = (
     Reading("dynamic sampling", "token_loss", "dapo", "steps_to_fixed", "down",
             "steps to a 0.5 rollout accuracy (3-step running mean; never reached counts as steps + 1)"),
     Reading("dynamic sampling", "token_loss", "dapo", "heldout_avg", "up", "AIME 42 -> 50"),
+    Reading("KL to the base (GRPO's)", "naive", "grpo_kl", "heldout_avg", "down",
+            "the policy must move far from the base on long CoT, so DAPO removes the term that holds it back "
+            "(Sec. 2.3)"),
 )
 
 
@@ -634,7 +648,7 @@ def table_markdown(summary: dict, schedule: Schedule) -> str:
     k = schedule.eval_k
     lines = [f"| arm | paper AIME avg@32 | held-out avg@{k} | entropy (held-out) | length p90 | truncated | "
              "sound but truncated | repeats | wall s / run |", "|---|---|---|---|---|---|---|---|---|"]
-    for arm in ARMS:
+    for arm in ALL_ARMS:
         if arm.key not in summary["arms"]:
             continue
         m = summary["arms"][arm.key]["metrics"]
@@ -642,7 +656,8 @@ def table_markdown(summary: dict, schedule: Schedule) -> str:
         def cell(name: str, fmt: str = ".3f", metrics: dict = m) -> str:
             mean, std = metrics[name]
             return f"{mean:{fmt}} +- {std:{fmt}}"
-        lines.append(f"| {arm.label} | {arm.paper_aime} | {cell(f'heldout_avg@{k}')} | {cell('heldout_entropy')} | "
+        paper = arm.paper_aime if arm.paper_aime is not None else "-"
+        lines.append(f"| {arm.label} | {paper} | {cell(f'heldout_avg@{k}')} | {cell('heldout_entropy')} | "
                      f"{cell('heldout_len_p90', '.1f')} | {cell('heldout_truncated')} | "
                      f"{cell('heldout_sound_truncated')} | {cell('heldout_repeat')} | {cell('wall_s', '.0f')} |")
     lines += ["", "| technique | metric (arm before -> with it) | before | with it | delta | seed spread | "
@@ -668,7 +683,7 @@ def plot(runs: dict[str, list[dict]], out: Path, title: str) -> None:
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     for ax, (name, keys, cumulative) in zip(axes.flat, CURVES, strict=True):
-        for arm in ARMS:
+        for arm in ALL_ARMS:
             if arm.key not in runs:
                 continue
             series = [curve(r["steps"], keys) for r in runs[arm.key]]
@@ -698,7 +713,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="one seed and 20 steps (unless --seeds / --steps say "
                                                          "otherwise): the whole table in ~5 min")
     ap.add_argument("--arms", default=",".join(a.key for a in ARMS),
-                    help=f"comma-separated, from {', '.join(a.key for a in ARMS)}")
+                    help=f"comma-separated, from {', '.join(a.key for a in ALL_ARMS)} (default: Table 1's; "
+                         f"{', '.join(a.key for a in EXTRA_ARMS)} when named)")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 1 2 3 (--quick: 1)")
     ap.add_argument("--steps", type=int, default=None, help="rollout steps per run (default 40, --quick 20)")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, one core each")

@@ -188,6 +188,21 @@ def test_every_arm_parses_and_each_adds_exactly_its_technique():
     assert [a.paper_aime for a in ablation.ARMS] == [30, 36, 38, 41, 42, 50]
 
 
+def test_the_kl_arm_is_the_naive_arm_with_grpos_kl_term():
+    """Outside Table 1 (run when named): the naive arm's flags plus the KL term to the base policy, which the trainer
+    accepts (a reference model of the starting weights, k3, beta 0.001)."""
+    from megatron_dapo.startup import build_configs
+
+    naive, kl = _parsed(ablation.ARM_BY_KEY["naive"]), _parsed(ablation.ARM_BY_KEY["grpo_kl"])
+    differ = {k for k in vars(naive) if getattr(naive, k) != getattr(kl, k)}
+    assert differ == {"ref_load", "kl_coef", "kl_estimator"}
+    assert (kl.ref_load, kl.kl_coef, kl.kl_estimator) == ("initial", 0.001, "k3")
+    actor, _, _ = build_configs(kl)
+    assert actor.kl.coef == 0.001 and actor.kl_agg_mode == "seq-mean-token-mean"  # GRPO's per-response mean
+    assert "grpo_kl" not in ablation.parse_args([]).arms.split(",")
+    assert ablation.parse_args(["--arms", "naive,grpo_kl"]).arms == "naive,grpo_kl"
+
+
 def test_runs_resume_from_their_own_checkpoints():
     args = _parsed(ablation.ARMS[0])
     assert args.load == args.save and args.save_interval > 0 and args.export_hf
