@@ -200,7 +200,7 @@ def check_staleness_flags(args: argparse.Namespace, off_policy: Any) -> None:
 
 def kl_config(args: argparse.Namespace) -> Any:
     """--kl-coef / --kl-estimator -> the actor's KLConfig with --ref-load, None without; UserError for a KL flag given
-    without a reference model, or a reference model in a colocated run (the phases do not offload it yet)."""
+    without a reference model."""
     from megatron_dapo.algorithm.kl import KLConfig
 
     if args.ref_load is None:
@@ -210,17 +210,13 @@ def kl_config(args: argparse.Namespace) -> Any:
             raise UserError(f"{' and '.join(given)} need a reference model: --ref-load initial (the weights this run "
                             f"started from) or a checkpoint directory")
         return None
-    if args.colocate:
-        raise UserError("--ref-load with --colocate: the colocated phases offload the actor but not a reference model "
-                        "yet, so its weights would stay next to SGLang's; run the reference on separate rollout GPUs "
-                        "(drop --colocate)")
     return KLConfig(coef=args.kl_coef, estimator=args.kl_estimator or "k3")
 
 
 def distill_config(args: argparse.Namespace) -> Any:
     """--teacher-load / --distill-coef / --distill-only -> the trainer's DistillConfig, None without a teacher;
-    UserError for a distillation flag without a teacher, --distill-only beside --dynamic-sampling (its filter reads
-    the verifier's rewards, which --distill-only does not train on), or a teacher in a colocated run."""
+    UserError for a distillation flag without a teacher, or --distill-only beside --dynamic-sampling (its filter
+    reads the verifier's rewards, which --distill-only does not train on)."""
     from megatron_dapo.algorithm.distill import DistillConfig
 
     if args.teacher_load is None:
@@ -230,9 +226,6 @@ def distill_config(args: argparse.Namespace) -> Any:
             raise UserError(f"{' and '.join(given)} need a teacher: --teacher-load DIR (an HF checkpoint with the "
                             f"student's tokenizer)")
         return None
-    if args.colocate:
-        raise UserError("--teacher-load with --colocate: the colocated phases offload the actor but not a teacher "
-                        "yet, so its weights would stay next to SGLang's; drop --colocate")
     if args.distill_only and args.dynamic_sampling:
         raise UserError("--distill-only trains on the teacher's advantage alone, and --dynamic-sampling (on by "
                         "default) drops the groups whose verifier rewards are all equal, which carry the teacher's "

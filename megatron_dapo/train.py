@@ -103,7 +103,9 @@ def _train(args: argparse.Namespace) -> None:
     if rank0 and engine is None:
         engine = rollout_build.make_rollout_engine(run.engine, tokenizer)
     logger = build.make_logger(run) if rank0 else None
-    phases, weight_sync = colocate.make_colocated(run.engine, actor, engine) if run.engine.colocate else (None, None)
+    frozen = [m for m in (ref, teacher) if m is not None]  # offloaded with the actor's state while generating
+    phases, weight_sync = (colocate.make_colocated(run.engine, actor, engine, frozen) if run.engine.colocate
+                           else (None, None))
     trainer = Trainer(config=run.trainer, collect=run.collect, actor=actor, engine=engine,
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,

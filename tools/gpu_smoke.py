@@ -200,16 +200,17 @@ class _Recorder:
 
 
 def demo_args(base: Path, dry: bool, log_dir: Path) -> list[str]:
-    """The embedded demo's flags (examples/run_embedded_demo.sh) for 3 steps, fp32 on every device. The base
-    is barely warmed up, so the reward is the response length's parity (tests/rewards.py): every step has
-    groups with non-zero advantages, as the math verifier would not give them yet."""
+    """The embedded demo's flags (examples/run_embedded_demo.sh) for 3 steps, fp32 on every device, with a frozen
+    reference of the base and a KL term (--ref-load initial --kl-coef 0.01: the second model's forward on the device
+    too). The base is barely warmed up, so the reward is the response length's parity (tests/rewards.py): every step
+    has groups with non-zero advantages, as the math verifier would not give them yet."""
     return ["--hf-checkpoint", str(base / "model"), "--prompt-data", str(base / "train.jsonl"),
             "--rollout-engine", "embedded", "--over-sample-factor", "1.5", "--rollout-temperature", "1.0",
             "--max-num-gen-batches", "16", "--on-gen-exhausted", "partial", "--clip-ratio-low", "0.2",
             "--clip-ratio-high", "0.28", "--loss-agg-mode", "token-mean", "--dynamic-sampling",
             "--overlong-buffer-length", "8", "--reward-fn", "tests.rewards:length_parity", "--lr", "5e-4",
             "--lr-warmup-steps", "5", "--weight-decay", "0.0", "--clip-grad", "1.0", "--seed", "1234",
-            "--num-steps", "3",
+            "--num-steps", "3", "--ref-load", "initial", "--kl-coef", "0.01",
             "--params-dtype", "float32", "--use-fused-logprob", "--log-dir", str(log_dir), "--no-wandb",
             "--no-progress", *_impl_flags(), *SIZES[dry]["demo"]]
 
@@ -238,6 +239,8 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     actor_cfg, collect_cfg, trainer_cfg = build_configs(args, eos)
     actor = MegatronActor(arch, actor_cfg, layout)
     load_hf_into_actor(actor, args.hf_checkpoint)
+    ref = MegatronActor(arch, actor_cfg, layout, frozen=True)  # --ref-load initial
+    load_hf_into_actor(ref, args.hf_checkpoint, flag="--ref-load")
     prompts = load_prompt_set(args.prompt_data, tokenizer, prompt_format=args.prompt_format,
                               max_prompt_length=args.max_prompt_length)
     response = tokenizer.encode("\n7+5=12\n3+4+1=8\nAnswer: 82", add_special_tokens=False)
@@ -249,7 +252,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
     trainer = Trainer(config=trainer_cfg, collect=collect_cfg, actor=actor, engine=engine,
                       next_prompts=lambda k: [prompts[i] for i in sampler.next_batch(k)], eval_prompts=[],
                       decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                      reward_fn=get_reward_fn(args.reward_fn), logger=recorder)
+                      reward_fn=get_reward_fn(args.reward_fn), logger=recorder, ref=ref)
     t0 = time.perf_counter()
     trainer.run()
     engine.shutdown()
@@ -259,7 +262,7 @@ def part_trainer_run(base: Path, dry: bool, out: Path, label: str) -> dict:
             "steps": recorder.steps}
 
 
-STEP_KEYS = ("rollout/accuracy", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac_high",
+STEP_KEYS = ("rollout/accuracy", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clipfrac_high", "train/kl",
              "mismatch/logprob_abs_diff_mean", "mismatch/logprob_abs_diff_max", "time/step_s")
 
 

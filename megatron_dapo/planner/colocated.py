@@ -37,6 +37,7 @@ from megatron_dapo.planner.stages import (
     HEADROOM,
     PlanInputs,
     StagePlan,
+    frozen_bytes,
     peak_gib,
     plan_stages,
     stage_parameters,
@@ -87,7 +88,8 @@ class SGLangShare:
 
 def actor_generation_lines(plan: StagePlan) -> dict[str, float]:
     """The actor's resident bytes during generation: its weights (the source of the next weight push) and
-    CUDA context; grads and optimizer state are offloaded to host and activations freed."""
+    CUDA context; grads, optimizer state and the frozen models' weights are offloaded to host and activations
+    freed."""
     weights = static_bytes(plan, "weights")
     return {"actor weights (resident)": weights,
             "actor CUDA context, NCCL (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
@@ -131,6 +133,16 @@ def generation_lines(share: SGLangShare) -> dict[str, float]:
             "SGLang runtime: CUDA graphs, activations (assumed)": SGLANG_RUNTIME_GIB * GIB}
 
 
+def _frozen_row(plan: StagePlan, columns: int) -> dict:
+    """The frozen models' weights (--ref-load, --teacher-load: built after the actor, resident in the training phase,
+    offloaded while generating) as one row of `columns` values, or no row without them."""
+    held = frozen_bytes(plan)
+    if not held:
+        return {}
+    value = (held,) * columns if columns > 1 else held
+    return {"frozen models' weights (reference, teacher)": value}
+
+
 def startup_lines(plan: StagePlan, inputs: PlanInputs, use_distributed_optimizer: bool | None = None
                   ) -> dict[str, tuple[float, float]]:
     """Component -> (bytes at the actor's build, bytes at a resume) on one GPU during a colocated start-up, the
@@ -150,7 +162,7 @@ def startup_lines(plan: StagePlan, inputs: PlanInputs, use_distributed_optimizer
             "grads (fp32 DDP buffer)": (grads, grads),
             "optimizer (main params; + Adam on resume)": (build_opt, optimizer),
             "checkpoint load buffers (assumed)": (0.0, weights + optimizer),
-            "CUDA context, NCCL, workspaces (assumed)": (FRAMEWORK_OVERHEAD_GIB * GIB,) * 2}
+            "CUDA context, NCCL, workspaces (assumed)": (FRAMEWORK_OVERHEAD_GIB * GIB,) * 2} | _frozen_row(plan, 2)
 
 
 def startup_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2
@@ -173,7 +185,7 @@ def save_lines(plan: StagePlan, inputs: PlanInputs) -> dict[str, float]:
             f"weights ({inputs.params_dtype})": static_bytes(plan, "weights"),
             "grads (fp32 DDP buffer)": static_bytes(plan, "grads"),
             "optimizer (main params + Adam, read by the save)": static_bytes(plan, "optimizer"),
-            "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB}
+            "CUDA context, NCCL, workspaces (assumed)": FRAMEWORK_OVERHEAD_GIB * GIB} | _frozen_row(plan, 1)
 
 
 def save_peaks(arch: ModelArch, plans: list[StagePlan], inputs: PlanInputs, bytes_per_element: int = 2

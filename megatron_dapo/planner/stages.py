@@ -291,6 +291,16 @@ def plan_stages(arch: ModelArch, layout: ParallelLayout, inputs: PlanInputs, spe
     return plans
 
 
+FROZEN_PREFIXES = ("reference model weights", "teacher model weights")
+"""The plan's lines of the frozen models (--ref-load, --teacher-load): resident in training, offloaded while a
+colocated run generates."""
+
+
+def frozen_bytes(plan: StagePlan) -> float:
+    """A stage's frozen models' weights (the reference's and the teacher's), 0 without them."""
+    return sum(v for k, v in plan.lines.items() if k.startswith(FROZEN_PREFIXES))
+
+
 def static_bytes(plan: StagePlan, kind: str) -> float:
     """A stage's 'weights', 'grads' or 'optimizer' bytes, dense and expert lines together."""
     return sum(v for k, v in plan.lines.items() if k.startswith((kind, "expert " + kind)))

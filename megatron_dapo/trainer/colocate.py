@@ -127,16 +127,20 @@ class _Held:
 
 @dataclass
 class ActorOffloader:
-    """Offloads a megatron-core actor's DDP grad buffers and optimizer state between the training phases.
+    """Offloads a megatron-core actor's DDP grad buffers and optimizer state between the training phases, and the
+    weights of the frozen models beside it (the reference and the teacher: not needed while generating).
 
-    `chunks`: the DDP-wrapped model chunks; `optimizer`: megatron's (chained) optimizer. Model parameters
-    (and the DDP param buffers they view) never move: they are the source of the weight push."""
+    `chunks`: the DDP-wrapped model chunks; `optimizer`: megatron's (chained) optimizer; `frozen`: the frozen
+    models' modules (MegatronActor(frozen=True).modules). The actor's parameters (and the DDP param buffers they
+    view) never move: they are the source of the weight push."""
 
     chunks: Sequence[torch.nn.Module]
     optimizer: object
+    frozen: Sequence[torch.nn.Module] = ()
     offloaded: bool = field(default=False, init=False)
     _grads: list[_Held] = field(default_factory=list, init=False)
     _state: list[_Held] = field(default_factory=list, init=False)
+    _frozen: list[_Held] = field(default_factory=list, init=False)
 
     def _collect(self) -> None:
         model = {_storage_key(p) for c in self.chunks for p in c.parameters()}
@@ -165,6 +169,14 @@ class ActorOffloader:
                     continue
                 seen.add(key)
                 self._state.append(_Held(t, t.untyped_storage().nbytes()))
+        self._frozen = []
+        for module in self.frozen:
+            for t in module.parameters():
+                key = _storage_key(t)
+                if key in model or key in seen or t.untyped_storage().nbytes() == 0:
+                    continue
+                seen.add(key)
+                self._frozen.append(_Held(t, t.untyped_storage().nbytes()))
 
     def offload(self) -> dict[str, float]:
         """Frees the grad buffers and moves optimizer state to (pinned, on CUDA) host memory; empties the CUDA
@@ -175,7 +187,7 @@ class ActorOffloader:
         self._collect()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        for h in self._state:
+        for h in self._state + self._frozen:
             storage = h.tensor.untyped_storage()
             whole = torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(storage)
             pin = whole.is_cuda
@@ -190,7 +202,8 @@ class ActorOffloader:
             torch.cuda.empty_cache()
         self.offloaded = True
         return {"colocate/offload_s": time.perf_counter() - t0,
-                "colocate/actor_offloaded_gib": (self.state_bytes + self.grad_bytes) / 2**30}
+                "colocate/actor_offloaded_gib": (self.state_bytes + self.grad_bytes) / 2**30} | (
+            {"colocate/frozen_offloaded_gib": self.frozen_bytes / 2**30} if self._frozen else {})
 
     def onload(self) -> dict[str, float]:
         """Re-allocates the grad buffers (zeroed) and copies optimizer state back to where it was."""
@@ -200,7 +213,7 @@ class ActorOffloader:
         for h in self._grads:
             h.tensor.untyped_storage().resize_(h.nbytes)
             torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(h.tensor.untyped_storage()).zero_()
-        for h in self._state:
+        for h in self._state + self._frozen:
             storage = h.tensor.untyped_storage()
             storage.resize_(h.nbytes)
             torch.empty(0, dtype=torch.uint8, device=h.tensor.device).set_(storage).copy_(h.host)
@@ -217,6 +230,11 @@ class ActorOffloader:
     @property
     def grad_bytes(self) -> int:
         return sum(h.nbytes for h in self._grads)
+
+    @property
+    def frozen_bytes(self) -> int:
+        """The frozen models' weights moved to host memory."""
+        return sum(h.nbytes for h in self._frozen)
 
 
 # ---- the phases ------------------------------------------------------------------------------------------
@@ -347,8 +365,9 @@ def start_colocated_engines(cfg: RolloutEngineConfig, tokenizer, rank0: bool):
     return engine
 
 
-def make_colocated(cfg: RolloutEngineConfig, actor, engine):
-    """--colocate: this rank's PhaseSwitcher (its `section` is set once the Trainer exists) and its weight sync,
+def make_colocated(cfg: RolloutEngineConfig, actor, engine, frozen: Sequence = ()):
+    """--colocate: this rank's PhaseSwitcher (its `section` is set once the Trainer exists; its offloader also moves
+    the `frozen` models' weights, the reference and the teacher, to host while generating) and its weight sync,
     ColocatedSync (build_weight_sync with this rank's ColocatedPusher; a collective: every rank makes every
     engine's group). Engine URLs: --sglang-server-urls, else the launched servers' (--sglang-host,
     --sglang-base-port)."""
@@ -360,5 +379,6 @@ def make_colocated(cfg: RolloutEngineConfig, actor, engine):
     groups = make_engine_groups(urls, cfg.sglang_tp_size)
     pusher = ColocatedPusher(groups, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
                              api_key=cfg.sglang_api_key, http_timeout_s=cfg.sglang_http_timeout)
-    return (PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer), engine=engine),
+    modules = [m for model in frozen for m in model.modules]
+    return (PhaseSwitcher(offloader=ActorOffloader(actor.chunks, actor.optimizer, modules), engine=engine),
             build_weight_sync(engine, wait_group=None, colocated=pusher))

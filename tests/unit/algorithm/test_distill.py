@@ -54,8 +54,6 @@ def test_flags_build_the_config_and_refuse_what_cannot_run():
         _configs("--teacher-load", "t")
     with pytest.raises(UserError, match="pass --no-dynamic-sampling"):
         _configs("--teacher-load", "t", "--distill-coef", "1", "--distill-only")
-    with pytest.raises(UserError, match="--teacher-load with --colocate"):
-        _configs("--teacher-load", "t", "--distill-coef", "1", "--colocate")
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both(tmp_path):

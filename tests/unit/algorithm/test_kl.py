@@ -89,8 +89,6 @@ def test_flags_build_the_config_and_refuse_what_has_no_reference():
         _configs("--kl-coef", "0.1")
     with pytest.raises(UserError, match="--kl-estimator need a reference model"):
         _configs("--kl-estimator", "k1")
-    with pytest.raises(UserError, match="--ref-load with --colocate"):
-        _configs("--ref-load", "initial", "--colocate")
     with pytest.raises((UserError, ValueError), match="--kl-coef"):
         _configs("--ref-load", "initial", "--kl-coef", "-1")
     with pytest.raises(UserError, match="metric 'kl'"):

@@ -820,3 +820,24 @@ def test_a_reference_model_adds_its_weights_and_nothing_else(tmp_path):
         assert 3.7 < y.lines[row] / 2**30 < 4.0, y.lines[row] / 2**30
     rc, lines = _dry_run(args + ["--ref-load", "initial"])
     assert rc == 0 and any(line.startswith(row) for line in lines), "\n".join(lines)
+
+
+def test_colocated_frozen_models_count_in_training_start_up_and_save_not_in_generation(tmp_path):
+    """--colocate --ref-load on the 32B colocated launcher: the reference's 3.8 GiB per GPU joins the training table,
+    the start-up moments and the save (resident in the training phase), and the generation phase is unchanged (the
+    offloader moves it to host with the actor's state, trainer/colocate.py ActorOffloader.frozen)."""
+    args = _launcher_train_args(tmp_path, *COLOCATED)
+    plain, with_ref = _dry_run(args), _dry_run(args + ["--ref-load", "initial", "--kl-coef", "0.001"])
+    assert plain[0] == with_ref[0] == 0
+
+    def totals(lines: list[str]) -> list[list[float]]:
+        return [[float(x) for x in line.split()[1:]] for line in lines if line.startswith("total ")]
+
+    ref_gib = next(float(line.split()[-1]) for line in with_ref[1] if line.startswith("reference model weights"))
+    assert 3.7 < ref_gib < 4.0
+    (train0, train1), (gen,), startup, (save,) = totals(plain[1])
+    (rtrain0, rtrain1), (rgen,), rstartup, (rsave,) = totals(with_ref[1])
+    near = lambda x: pytest.approx(x + ref_gib, abs=0.011)  # noqa: E731 (each printed value rounds to 0.01 GiB)
+    assert [rtrain0, rtrain1] == [near(train0), near(train1)]
+    assert rgen == gen  # offloaded while generating
+    assert rstartup == [near(x) for x in startup] and rsave == near(save)

@@ -60,6 +60,8 @@ def test_dry_run_reports_every_part_with_numbers(dry_run):
     for row in trainer["rows"]:
         assert row["train/pg_loss device"] == row["train/pg_loss cpu"] and _number(row["train/grad_norm device"])
         assert row["mismatch/logprob_abs_diff_mean device"] < 1e-4
+        assert row["train/kl device"] == row["train/kl cpu"] >= 0  # the frozen reference ran on both
+    assert trainer["rows"][0]["train/kl device"] == 0.0  # step 1 trains at the reference's weights
     assert trainer["runs"]["device"]["backend"] == "gloo"
 
     kernels = parts["kernels"]["rows"]

@@ -59,6 +59,32 @@ def test_offload_then_onload_continues_training_bit_exactly(world):
         assert torch.equal(got[k], want[k]), k
 
 
+def test_the_frozen_models_weights_leave_while_generating_and_come_back_bit_exactly(world):
+    """--ref-load / --teacher-load under --colocate: the offloader moves the frozen models' weights to host with the
+    actor's state (their storages hold nothing while SGLang generates) and puts them back as they were: the frozen
+    model's log-probs after the round trip equal those before, bit for bit; the actor's weights never move."""
+    from megatron_dapo.actor import ActorConfig
+
+    layout, hf, arch = world
+    actor = world_actor(world, max_tokens_per_micro_batch=64)
+    frozen = MegatronActor(arch, ActorConfig(lr=1e-3, max_tokens_per_micro_batch=64), layout, frozen=True)
+    for p, q in zip(frozen.modules[0].parameters(), actor.modules[0].parameters(), strict=True):
+        p.copy_(q.detach() + 0.01)  # weights of its own
+    samples = make_samples(6, seed=13)
+    before = frozen.compute_log_probs(samples)
+    off = ActorOffloader(actor.chunks, actor.optimizer, frozen.modules)
+    metrics = off.offload()
+    params = [p for m in frozen.modules for p in m.parameters()]
+    assert off.frozen_bytes == sum(p.numel() * p.element_size() for p in params)
+    assert metrics["colocate/frozen_offloaded_gib"] == pytest.approx(off.frozen_bytes / 2**30)
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)
+    assert all(p.untyped_storage().nbytes() > 0 for c in actor.chunks for p in c.parameters())
+    off.onload()
+    after = frozen.compute_log_probs(samples)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert "colocate/frozen_offloaded_gib" not in ActorOffloader(actor.chunks, actor.optimizer).offload()
+
+
 class _Recorder:
     def __init__(self, log):
         self.log = log
@@ -340,6 +366,27 @@ def test_engines_are_released_before_the_actor_allocates(world, tmp_path, monkey
     assert log == ["engine up", released, "build actor", *(["load checkpoint"] if resume else []), "offload",
                    ("resume", ("weights",)), ("push", step), ("resume", ("kv_cache", "cuda_graph")),
                    ("step", step + 1), "shutdown"]
+
+
+def test_a_colocated_run_hands_its_frozen_models_to_the_offloader(world, tmp_path, monkeypatch):
+    """train.py wiring: with --ref-load and --teacher-load under --colocate, the PhaseSwitcher's offloader holds both
+    frozen models' modules (moved to host with the actor's state while generating)."""
+    from megatron_dapo.actor.reference import ReferenceSource, TeacherSource
+    from megatron_dapo.trainer import build
+
+    ref, teacher = (type("Frozen", (), {"modules": [torch.nn.Linear(2, 2)]})() for _ in range(2))
+    monkeypatch.setattr(build, "frozen_models", lambda *a, **kw: ((ReferenceSource(kind="hf", path="r"), ref),
+                                                                 (TeacherSource(kind="hf", path="t"), teacher)))
+    seen = []
+
+    def run(trainer):
+        seen.append(list(trainer.phases.offloader.frozen))
+        assert trainer.ref is ref and trainer.teacher is teacher
+
+    _run_startup(world, tmp_path, monkeypatch, resume=False, run=run,
+                 extra=("--ref-load", "initial", "--kl-coef", "0.1", "--teacher-load", "initial", "--distill-coef",
+                        "1"))
+    assert seen == [ref.modules + teacher.modules]
 
 
 def test_the_engines_release_their_memory_before_the_hf_export(world, tmp_path, monkeypatch):
