@@ -56,6 +56,35 @@ def test_generate_logprobs_match_hf(served):
     assert stopped.finish_reason == "stop" and len(stopped.response_ids) == 1
 
 
+def test_scoring_a_sequence_returns_the_teachers_log_probs_of_its_response(served):
+    """The SGLang teacher's path (rollout/sglang/scoring.py): /generate with the whole sequence, no new token, log-probs
+    from prompt_len - 1; every response token's log-prob equals HF's teacher-forced one (fp32 server), for prompts
+    and responses of several lengths, the API key sent; a sequence with no response is refused before any call."""
+    import torch
+
+    from megatron_dapo.actor import TrainSample
+    from megatron_dapo.rollout.sglang.scoring import SGLangScorer, score_payload
+
+    engine, model = served
+    samples = [TrainSample(tokens=[5 + i] * p + list(range(20, 20 + r)), prompt_len=p)
+               for i, (p, r) in enumerate([(1, 1), (3, 7), (6, 12), (2, 30)])]
+    scorer = SGLangScorer(engine.urls, api_key=API_KEY, max_concurrency=4)
+    try:
+        got = scorer.compute_log_probs(samples)
+    finally:
+        scorer.close()
+    worst = 0.0
+    for s, lp in zip(samples, got, strict=True):
+        with torch.no_grad():
+            ref = model(torch.tensor([s.tokens])).logits[0].log_softmax(-1)
+        want = ref[s.prompt_len - 1:-1].gather(1, torch.tensor(s.tokens[s.prompt_len:]).unsqueeze(1)).squeeze(1)
+        assert lp.shape == (s.response_len,)
+        worst = max(worst, (lp - want).abs().max().item())
+    assert worst < 1e-4, worst
+    with pytest.raises(ValueError, match="prompt_len"):
+        score_payload([5, 6], 2)
+
+
 def test_abort_loses_nothing(served):
     engine, _ = served
     reqs = _reqs(12, n=2, max_new=200)
