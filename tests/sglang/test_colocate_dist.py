@@ -101,7 +101,9 @@ def test_train_colocate_follows_the_actor(tiny_base, tmp_path):
     out = subprocess.run(cmd + ["--load", str(tmp_path / "ckpt")], cwd=REPO, env=train_env(), capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
-    (resumed,) = [json.loads(line) for line in (tmp_path / "log2" / "metrics.jsonl").read_text().splitlines()]
+    # the new log directory gets step 3's record from the checkpoint it resumed (SavedRecord), then step 4's
+    recovered, resumed = [json.loads(line) for line in (tmp_path / "log2" / "metrics.jsonl").read_text().splitlines()]
+    assert recovered["step"] == 3 and recovered["train/pg_loss"] == records[2]["train/pg_loss"], recovered
     assert resumed["step"] == 4 and resumed["mismatch/logprob_abs_diff_mean"] < 1e-4, resumed
     for r in records:
         assert r["mismatch/logprob_abs_diff_mean"] < 1e-4, r
