@@ -406,8 +406,17 @@ def _reference_flags(p: argparse.ArgumentParser) -> None:
                         "any architecture that divides into the actor's layout, or as --ref-load) scores every "
                         "trained sample; each token's advantage gains --distill-coef x (log pi_teacher - log "
                         "pi_old). Unset: none")
+    g.add_argument("--teacher-url", nargs="+", default=None, metavar="URL",
+                   help="on-policy distillation with the teacher served apart: SGLang servers (or a router) serving a "
+                        "model with the student's tokenizer (checked at start-up: every id and a probe text) score "
+                        "every trained sample with a prefill-only /generate, once per data-parallel replica. "
+                        "Excludes --teacher-load")
+    g.add_argument("--teacher-api-key-file", default=None, metavar="FILE",
+                   help="file holding the --teacher-url servers' API key (mode 0600, on every node); unset: none")
+    g.add_argument("--teacher-max-concurrency", type=int, default=64, metavar="N",
+                   help="scoring requests in flight from each data-parallel replica to the --teacher-url servers")
     g.add_argument("--distill-coef", type=float, default=0.0,
-                   help="the weight of the teacher's per-token advantage (> 0 with --teacher-load)")
+                   help="the weight of the teacher's per-token advantage (> 0 with --teacher-load or --teacher-url)")
     g.add_argument("--distill-only", action="store_true",
                    help="train on the teacher's advantage alone (the verifier's is set to 0; needs "
                         "--no-dynamic-sampling, whose filter reads the verifier's rewards)")

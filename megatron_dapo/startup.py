@@ -22,7 +22,14 @@ from megatron_dapo.flag_field import flag_dest, flag_fields
 from megatron_dapo.models.hf_config import ModelArch, hf_config_path
 from megatron_dapo.planner.activations import ActivationSpec
 from megatron_dapo.planner.colocated import SGLANG_RELEASED_GIB
-from megatron_dapo.planner.report import Plan, check_plan_flags, plan_world_size, print_plan, stream_state_line
+from megatron_dapo.planner.report import (
+    Plan,
+    check_plan_flags,
+    plan_world_size,
+    print_plan,
+    served_teacher_line,
+    stream_state_line,
+)
 from megatron_dapo.planner.stages import PlanInputs
 from megatron_dapo.rollout.build import RolloutEngineConfig, rollout_engine_kind
 from megatron_dapo.rollout.types import SamplingParams
@@ -219,18 +226,38 @@ def distill_config(args: argparse.Namespace) -> Any:
     reads the verifier's rewards, which --distill-only does not train on)."""
     from megatron_dapo.algorithm.distill import DistillConfig
 
-    if args.teacher_load is None:
+    if args.teacher_load is not None and args.teacher_url is not None:
+        raise UserError("--teacher-load and --teacher-url are two places for one teacher: give one (--teacher-load: "
+                        "a frozen model on the actor's GPUs; --teacher-url: SGLang servers of their own)")
+    if args.teacher_load is None and args.teacher_url is None:
         given = [flag for flag, on in (("--distill-coef", args.distill_coef != 0.0),
-                                       ("--distill-only", args.distill_only)) if on]
+                                       ("--distill-only", args.distill_only),
+                                       ("--teacher-api-key-file", args.teacher_api_key_file is not None)) if on]
         if given:
             raise UserError(f"{' and '.join(given)} need a teacher: --teacher-load DIR (an HF checkpoint with the "
-                            f"student's tokenizer)")
+                            f"student's tokenizer) or --teacher-url URL (SGLang servers serving one)")
         return None
     if args.distill_only and args.dynamic_sampling:
         raise UserError("--distill-only trains on the teacher's advantage alone, and --dynamic-sampling (on by "
                         "default) drops the groups whose verifier rewards are all equal, which carry the teacher's "
                         "signal as much as any: pass --no-dynamic-sampling")
     return DistillConfig(coef=args.distill_coef, only=args.distill_only)
+
+
+def teacher_server_config(args: argparse.Namespace) -> Any:
+    """--teacher-url and its flags -> TeacherServerConfig (rollout/sglang/teacher.py), None without --teacher-url;
+    UserError for a bad URL or count, or --teacher-api-key-file without --teacher-url."""
+    from megatron_dapo.rollout.sglang.teacher import TeacherServerConfig
+
+    if args.teacher_url is None:
+        if args.teacher_api_key_file is not None and args.teacher_load is not None:
+            raise UserError("--teacher-api-key-file is the key of --teacher-url's servers; --teacher-load needs none")
+        return None
+    try:
+        return TeacherServerConfig(urls=tuple(args.teacher_url), api_key_file=args.teacher_api_key_file,
+                                   max_concurrency=args.teacher_max_concurrency)
+    except ValueError as err:
+        raise UserError(str(err)) from err
 
 
 def use_tis(args: argparse.Namespace, loss_fn: Callable | None = None) -> bool:
@@ -323,7 +350,7 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     return CheckpointConfig(load=args.load, save=args.save, overwrite_save=args.overwrite_save,
                             mcore_checkpoint=args.mcore_checkpoint, fully_parallel_save=args.ckpt_fully_parallel_save,
                             async_save=args.async_save, export_hf=args.export_hf, ref_load=args.ref_load,
-                            teacher_load=args.teacher_load)
+                            teacher_load=args.teacher_load, teacher_server=teacher_server_config(args))
 
 
 def log_config(args: argparse.Namespace, *, private_argv: bool) -> LogConfig:
@@ -385,6 +412,11 @@ def dry_run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | N
                               n_samples=args.n_samples_per_prompt, max_response_length=args.max_response_length,
                               over_sample_factor=args.over_sample_factor,
                               max_in_flight=stream_in_flight_cap(args))] if args.max_staleness else []
+    if args.teacher_url:
+        host.append(served_teacher_line(batch_groups=args.rollout_batch_size, n_samples=args.n_samples_per_prompt,
+                                        max_prompt_length=args.max_prompt_length,
+                                        max_response_length=args.max_response_length, dp=plan.layout.dp,
+                                        max_concurrency=args.teacher_max_concurrency))
     return print_plan(plan, weight_sync_mode=mode, out=out, err=err, host_lines=host)
 
 

@@ -66,6 +66,7 @@ def _train(args: argparse.Namespace) -> None:
     from megatron_dapo.checkpoint.checkpointer import Checkpointer
     from megatron_dapo.checkpoint.dist_load import initial_checkpoint
     from megatron_dapo.data import ResumableSampler
+    from megatron_dapo.rollout.sglang.teacher import SGLangTeacher
     from megatron_dapo.trainer.loop import Trainer
 
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -103,7 +104,8 @@ def _train(args: argparse.Namespace) -> None:
     if rank0 and engine is None:
         engine = rollout_build.make_rollout_engine(run.engine, tokenizer)
     logger = build.make_logger(run) if rank0 else None
-    frozen = [m for m in (ref, teacher) if m is not None]  # offloaded with the actor's state while generating
+    served = isinstance(teacher, SGLangTeacher)  # --teacher-url: on its own servers, nothing here
+    frozen = [m for m in (ref, None if served else teacher) if m is not None]  # offloaded while generating
     phases, weight_sync = (colocate.make_colocated(run.engine, actor, engine, frozen) if run.engine.colocate
                            else (None, None))
     trainer = Trainer(config=run.trainer, collect=run.collect, actor=actor, engine=engine,
@@ -114,6 +116,8 @@ def _train(args: argparse.Namespace) -> None:
                       weight_sync_mode=rollout_build.weight_sync_mode(run.engine) if rank0 else None)  # its transport
     if phases is not None:
         phases.section = trainer.section  # the phase switches' status barrier: the trainer's wait group
+    if served:  # the replica's other ranks wait for its scorer on the wait group
+        teacher.section = trainer.section
     trainer.checkpointer = Checkpointer(
         {"actor": actor, "trainer": trainer, "sampler": sampler, "carried": trainer.carried, "ahead": trainer.ahead,
          "stream": trainer.stream, "record": trainer.record, "reference": reference,
@@ -136,6 +140,8 @@ def _train(args: argparse.Namespace) -> None:
             build.write_report(run.log.log_dir)
         if engine is not None:
             engine.shutdown()
+        if served:
+            teacher.close()
         if dist.is_initialized():
             from megatron_dapo.distributed import comm
 

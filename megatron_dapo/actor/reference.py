@@ -24,7 +24,8 @@ from megatron_dapo.checkpoint.state import CommonState
 from megatron_dapo.errors import UserError
 
 INITIAL = "initial"
-SOURCE_KINDS: tuple[str, ...] = ("hf", "torch_dist")
+SOURCE_KINDS: tuple[str, ...] = ("hf", "torch_dist", "sglang")
+"""sglang: a --teacher-url teacher, its path the model its servers report (rollout/sglang/teacher.py)."""
 
 
 @dataclass

@@ -276,6 +276,32 @@ def stream_state_line(*, max_staleness: int, batch_groups: int, n_samples: int, 
             f"{tokens * STATE_TOKEN_BYTES / GIB:.1f} GiB in a checkpoint")
 
 
+ID_JSON_BYTES = 7.3
+"""A token id in a JSON request body: ~7.3 B with its separator (Qwen's 151,665 ids, uniform; measured)."""
+LOGPROB_JSON_BYTES = 36.4
+"""One [log-prob, id, null] entry of SGLang's input_token_logprobs in a JSON reply (measured likewise)."""
+
+
+def served_teacher_line(*, batch_groups: int, n_samples: int, max_prompt_length: int, max_response_length: int,
+                        dp: int, max_concurrency: int) -> str:
+    """The plan's line for --teacher-url (rollout/sglang/teacher.py): per step, one scoring request per response (B x
+    G), from each of the `dp` replicas' scorer at most --teacher-max-concurrency in flight; at the maximum lengths
+    the JSON up (every id of prompt + response) and down (one entry per response token), the tokens the teacher
+    prefills, and the replica's broadcast of fp32 log-probs. The teacher's GPUs are its own: they are not in this
+    plan. Qwen3-8B student (DP 32), B 512, G 16, 2,048 + 20,480 tokens: 8,192 requests, 185 M tokens, 1.3 GB up,
+    6.1 GB down."""
+    requests = batch_groups * n_samples
+    tokens = requests * (max_prompt_length + max_response_length)
+    response_tokens = requests * max_response_length
+    per_replica = math.ceil(requests / dp)
+    return (f"served teacher (--teacher-url), per step at the maximum lengths: {requests:,} scoring requests "
+            f"({per_replica:,} from each of {dp} data-parallel replicas, <= {max_concurrency} in flight each), "
+            f"{tokens / 1e6:,.1f} M tokens prefilled by the teacher, {tokens * ID_JSON_BYTES / 1e9:.2f} GB of JSON up "
+            f"and {response_tokens * LOGPROB_JSON_BYTES / 1e9:.2f} GB down; each replica broadcasts "
+            f"{per_replica * max_response_length * 4 / 2**20:,.0f} MiB of fp32 log-probs to its ranks. The "
+            f"teacher's GPUs are its own, not in this plan")
+
+
 def print_plan(plan: Plan, *, weight_sync_mode: str, out: TextIO | None = None, err: TextIO | None = None,
                host_lines: Sequence[str] = ()) -> int:
     """Print the per-GPU plan to `out` (stdout); 0 when the peak fits --gpu-memory-gib, else 1. A layout the model

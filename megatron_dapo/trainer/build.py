@@ -28,6 +28,8 @@ class Inputs:
     tokenizer: Any
     train_prompts: list[Prompt] = field(default_factory=list)
     eval_prompts: list[Prompt] = field(default_factory=list)
+    teacher_model: str | None = None
+    """--teacher-url: the model its servers serve, as they report it (rank 0, once the tokenizer check passed)."""
 
 
 def load_inputs(cfg: InputsConfig, arch: ModelArch | None, layout: ParallelLayout, *, with_data: bool,
@@ -156,17 +158,26 @@ def build_frozen(source, arch: ModelArch, actor_cfg, layout, *, against: str = "
 
 
 def frozen_models(ckpt, run: RunConfig, inputs: Inputs, layout: ParallelLayout, init_ckpt: str | None):
-    """((reference source, reference model), (teacher source, teacher model)) from --ref-load and --teacher-load
-    (`ckpt`, a CheckpointConfig; models None where the flag is unset): each resolved once (actor/reference.py; the
-    sources go into the checkpoint) and built frozen on the actor's layout. The reference has the actor's
-    architecture; the teacher its own (`teacher_arch`), with the student's tokenizer."""
+    """((reference source, reference model), (teacher source, teacher model)) from --ref-load and --teacher-load or
+    --teacher-url (`ckpt`, a CheckpointConfig; models None where the flag is unset): each resolved once
+    (actor/reference.py; the sources go into the checkpoint) and built frozen on the actor's layout. The reference
+    has the actor's architecture; the teacher its own (`teacher_arch`), with the student's tokenizer. A --teacher-url
+    teacher is an SGLangTeacher (rollout/sglang/teacher.py), its source the model rank 0 found served (collective:
+    rank 0 tells the others)."""
     from megatron_dapo.actor.reference import TeacherSource, resolve_reference
 
     hf = run.inputs.hf_checkpoint
     reference = resolve_reference(ckpt.ref_load, hf_checkpoint=hf, initial_checkpoint=init_ckpt)
+    ref_model = build_frozen(reference, inputs.arch, run.actor, layout) if reference.kind else None
+    if ckpt.teacher_server is not None:
+        from megatron_dapo.rollout.sglang.teacher import SGLangTeacher
+        from megatron_dapo.trainer.validation import share_from_rank0
+
+        served = share_from_rank0(inputs.teacher_model)
+        source = TeacherSource(kind="sglang", path=served, flag=" ".join(ckpt.teacher_server.urls))
+        return (reference, ref_model), (source, SGLangTeacher(ckpt.teacher_server))
     teacher = resolve_reference(ckpt.teacher_load, hf_checkpoint=hf, initial_checkpoint=init_ckpt,
                                 source=TeacherSource)
-    ref_model = build_frozen(reference, inputs.arch, run.actor, layout) if reference.kind else None
     teacher_model = build_frozen(teacher, teacher_arch(teacher, inputs.arch, inputs.tokenizer), run.actor, layout,
                                  against="its own config.json") if teacher.kind else None
     return (reference, ref_model), (teacher, teacher_model)
@@ -273,6 +284,10 @@ def prepare_rank0(run: RunConfig):
         # builds the actor; it loads the tokenizer itself
         engine = rollout_build.make_rollout_engine(run.engine, None)
     inputs = load_inputs(run.inputs, run.arch, run.layout, with_data=True, export_hf=ckpt.export_hf)
+    if ckpt.teacher_server is not None:  # its servers answer, serve one model, with the student's tokenizer
+        from megatron_dapo.rollout.sglang.teacher import check_teacher
+
+        inputs.teacher_model = check_teacher(ckpt.teacher_server, inputs.tokenizer)
     if overwritten:  # only once the inputs proved readable
         clear_previous_steps(Path(ckpt.save), overwritten)
     return engine, inputs

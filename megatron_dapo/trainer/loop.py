@@ -175,9 +175,10 @@ class Trainer:
     ref: MegatronActor | None = None
     """The frozen reference model (--ref-load; actor/reference.py) on this rank's layout: its log-probs of every
     trained sample feed the KL term (ActorConfig.kl); None: none."""
-    teacher: MegatronActor | None = None
-    """The frozen distillation teacher (--teacher-load) on this rank's layout, its own architecture: its log-probs of
-    every trained sample give the per-token advantages of algorithm/distill.py; None: none."""
+    teacher: Any = None
+    """The distillation teacher: a frozen MegatronActor on this rank's layout, its own architecture (--teacher-load),
+    or an SGLangTeacher (--teacher-url; rollout/sglang/teacher.py). Its log-probs of every trained sample give the
+    per-token advantages of algorithm/distill.py; None: none."""
     stop: StopSignal | None = None
     """This process's SIGTERM / SIGINT handler (train.py installs it): `run` stops at its next safe point once it
     fired on any rank. None: no stop handling (every rank alike)."""

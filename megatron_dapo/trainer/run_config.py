@@ -83,6 +83,9 @@ class CheckpointConfig:
     """--ref-load: the frozen reference model's weights ('initial', an HF or a torch_dist directory), None: none"""
     teacher_load: str | None = None
     """--teacher-load: the distillation teacher's weights (as --ref-load; its own architecture), None: none"""
+    teacher_server: Any = None
+    """--teacher-url: the distillation teacher served apart (rollout/sglang/teacher.py TeacherServerConfig), None:
+    none"""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -124,3 +124,18 @@ def share_verdict(error: UserError | None) -> None:
     if error is not None:
         raise error
     raise UserError(message, echo=False)
+
+
+def share_from_rank0(value: str | None) -> str | None:
+    """Global rank 0's `value` on every rank (collective; call on all ranks): one broadcast of a short string over
+    a gloo group made for it, outside any NCCL watchdog. `value` itself without a world of more than one process."""
+    import torch.distributed as dist
+
+    from megatron_dapo.distributed import comm
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    group = dist.new_group(backend="gloo")
+    shared = comm.broadcast_object(value, 0, group)
+    dist.destroy_process_group(group)
+    return shared

@@ -43,11 +43,10 @@ def check_key(key: str, source: str) -> str:
     return key
 
 
-def read_key_file(path: str | os.PathLike) -> str:
-    """The key in the --sglang-api-key-file `path`: its text without surrounding whitespace (a trailing
+def read_key_file(path: str | os.PathLike, *, flag: str = "--sglang-api-key-file") -> str:
+    """The key in the key file `path` (given as `flag`): its text without surrounding whitespace (a trailing
     newline of `echo key > file`). ValueError naming the flag when the file is missing, not a regular file,
     readable or writable by group or others (it must be mode 0600 or 0400), or empty."""
-    flag = "--sglang-api-key-file"
     try:
         st = os.stat(path)
     except OSError as err:

@@ -37,7 +37,13 @@ def score_payload(tokens: Sequence[int], prompt_len: int) -> dict[str, Any]:
 
 def parse_scores(reply: Any, tokens: Sequence[int], prompt_len: int) -> list[float]:
     """The response tokens' log-probs from a /generate reply to `score_payload(tokens, prompt_len)`; ValueError when
-    the reply does not hold one entry per position from prompt_len - 1 with the tokens sent."""
+    the reply does not hold one entry per position from prompt_len - 1 with the tokens sent.
+
+    SGLang 0.5.23 reports the id of the model's last vocabulary entry (vocab_size - 1) as 0 (its logprob processor
+    clips image-token hashes at `x < vocab_size - 1`, one too low); the log-prob is the sent token's (checked against
+    HF on a real server: tests/sglang/test_trainer_sglang_teacher.py). So a reported 0 is accepted where the largest
+    id of the request was sent: the model's last entry is the largest id it has, and a misaligned reply differs
+    elsewhere too."""
     try:
         entries = reply["meta_info"]["input_token_logprobs"]
     except (KeyError, TypeError) as err:
@@ -47,9 +53,12 @@ def parse_scores(reply: Any, tokens: Sequence[int], prompt_len: int) -> list[flo
     if len(entries) != want:
         raise ValueError(f"SGLang scoring reply: {len(entries)} input log-probs, expected {want} (positions "
                          f"{prompt_len - 1}..{len(tokens) - 1})")
-    ids = [int(e[1]) for e in entries]
-    if ids != list(tokens[prompt_len - 1:]):
-        raise ValueError("SGLang scoring reply: its token ids are not the ones sent (another tokenization?)")
+    ids, sent = [int(e[1]) for e in entries], list(tokens[prompt_len - 1:])
+    top = max(sent)
+    if any(a != b and not (a == 0 and b == top) for a, b in zip(ids, sent, strict=True)):
+        at = next(i for i, (a, b) in enumerate(zip(ids, sent, strict=True)) if a != b)
+        raise ValueError(f"SGLang scoring reply: its token ids are not the ones sent (another tokenization?): at "
+                         f"position {prompt_len - 1 + at} of {len(tokens)} it has {ids[at]}, {sent[at]} was sent")
     values = [e[0] for e in entries[1:]]
     if any(v is None for v in values):
         raise ValueError("SGLang scoring reply: a response token has no log-prob")
@@ -58,17 +67,17 @@ def parse_scores(reply: Any, tokens: Sequence[int], prompt_len: int) -> list[flo
 
 class SGLangScorer:
     """Scores samples on SGLang servers (round robin over `urls`, up to `max_concurrency` requests in flight):
-    `score(samples)` -> per sample its [response_len] fp32 log-probs, the interface of a frozen model's
-    `compute_log_probs`."""
+    `compute_log_probs(samples)` -> per sample its [response_len] fp32 log-probs, the interface of a frozen model's
+    (`transport`: httpx's, for tests)."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, http_timeout_s: float = 600.0,
-                 max_concurrency: int = 64) -> None:
+                 max_concurrency: int = 64, transport: httpx.BaseTransport | None = None) -> None:
         if not urls:
             raise ValueError("SGLangScorer needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=http_timeout_s, headers=headers,
-                                  limits=httpx.Limits(max_connections=max_concurrency))
+                                  limits=httpx.Limits(max_connections=max_concurrency), transport=transport)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-score")
 
     def _score_one(self, i: int, tokens: list[int], prompt_len: int) -> torch.Tensor:

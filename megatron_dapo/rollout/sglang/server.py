@@ -83,6 +83,10 @@ class ServerConfig:
     allow_no_api_key: bool = False
     """Allow a non-loopback `host` without an API key (--sglang-allow-no-api-key): anyone who can reach the
     port can then push pickled tensors, i.e. run code, in the server."""
+    skip_tokenizer_init: bool = True
+    """--skip-tokenizer-init (token ids in and out: the trainer owns tokenization). False: the servers load their
+    tokenizer and answer /tokenize and /detokenize, as a --teacher-url teacher's check asks
+    (rollout/sglang/teacher.py)."""
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
@@ -127,8 +131,7 @@ class ServerConfig:
         cmd = [
             self.python, "-m", "sglang.launch_server", "--model-path", self.model_path,
             "--host", self.host, "--port", str(self.base_port + i), "--tp-size", str(self.tp_per_server),
-            # Token ids in, token ids out: the trainer owns tokenization.
-            "--skip-tokenizer-init",
+            *(["--skip-tokenizer-init"] if self.skip_tokenizer_init else []),  # ids in, ids out
             # Otherwise an idle server spins: TP rank 0's scheduler polls its sockets in a busy loop and
             # broadcasts each empty poll to the other TP ranks. Measured on CPU over 20 s idle: 20 CPU-s at
             # TP 1, 27 at TP 2 (rank 0 a whole core, rank 1 about a third); with it, 1. At 32B colocated (two

@@ -841,3 +841,33 @@ def test_colocated_frozen_models_count_in_training_start_up_and_save_not_in_gene
     assert [rtrain0, rtrain1] == [near(train0), near(train1)]
     assert rgen == gen  # offloaded while generating
     assert rstartup == [near(x) for x in startup] and rsave == near(save)
+
+
+def test_a_served_teacher_is_a_line_of_requests_and_bytes_not_memory(tmp_path):
+    """--teacher-url: the dry run adds one line whose numbers follow the formula written out (B x G requests, at the
+    maximum lengths: ids up, log-prob entries down, fp32 broadcast per replica) and no GPU memory: the teacher's GPUs
+    are its own. The JSON sizes per token are measured here on Qwen-sized ids."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    ids = [rng.randrange(151_665) for _ in range(4000)]
+    assert len(json.dumps(ids)) / len(ids) == pytest.approx(report.ID_JSON_BYTES, rel=0.05)
+    entries = [[-rng.expovariate(1.0), i, None] for i in ids]
+    assert len(json.dumps(entries)) / len(entries) == pytest.approx(report.LOGPROB_JSON_BYTES, rel=0.05)
+
+    args = _launcher_train_args(tmp_path, *LAUNCHERS[1].values)  # Qwen2.5-32B's multi-node launcher
+    dp = plan_from_flags(build_parser().parse_args(args), ModelArch.from_hf(REPO / "examples/models/qwen2.5-32B")
+                         ).layout.dp
+    rc, plain = _dry_run(args)
+    rc_t, lines = _dry_run(args + ["--teacher-url", "http://t:30000", "--distill-coef", "1",
+                                   "--teacher-max-concurrency", "32"])
+    assert rc == rc_t == 0
+    (line,) = [x for x in lines if x.startswith("served teacher")]
+    b, g, p, r = 512, 16, 2048, 20480
+    tokens = b * g * (p + r)
+    assert f"{b * g:,} scoring requests ({b * g // dp:,} from each of {dp} data-parallel replicas, <= 32 in" in line
+    assert f"{tokens / 1e6:,.1f} M tokens prefilled" in line
+    assert f"{tokens * 7.3 / 1e9:.2f} GB of JSON up and {b * g * r * 36.4 / 1e9:.2f} GB down" in line
+    assert f"broadcasts {b * g // dp * r * 4 / 2**20:,.0f} MiB" in line
+    assert [x for x in lines if x != line] == plain  # every memory row as without the teacher

@@ -19,16 +19,17 @@ import golden_curve  # noqa: E402
 def test_every_arm_is_the_demo_plus_its_own_flags_and_the_trainer_accepts_it():
     base = ["--hf-checkpoint", "b", "--prompt-data", "p", *golden_curve.demo_flags(), "--num-steps", "3"]
     demo = vars(build_parser().parse_args(base))
-    for name, extra in distill_demo.ARMS.items():
-        teacher = ["--teacher-load", "t"] if extra else []
+    for name, (kind, extra) in distill_demo.ARMS.items():
+        teacher = distill_demo.teacher_flags(kind, REPO / "t", "http://127.0.0.1:1")
         args = build_parser().parse_args([*base, *teacher, *extra])
         _, _, trainer = build_configs(args)
         differ = {k for k, v in vars(args).items() if v != demo[k]}
-        expected = {"dapo": set(), "distill": {"teacher_load", "distill_coef", "distill_only", "dynamic_sampling"},
-                    "dapo+distill": {"teacher_load", "distill_coef"}}[name]
+        only = {"distill_coef", "distill_only", "dynamic_sampling"}
+        expected = {"dapo": set(), "distill": {"teacher_load", *only}, "dapo+distill": {"teacher_load", "distill_coef"},
+                    "distill@sglang": {"teacher_url", *only}}[name]
         assert differ == expected, name
         assert (trainer.distill is None) == (name == "dapo")
-        assert trainer.distill is None or trainer.distill.only == (name == "distill")
+        assert trainer.distill is None or trainer.distill.only == (name in ("distill", "distill@sglang"))
 
 
 def test_the_curve_counts_responses_up_to_each_evaluation(tmp_path):

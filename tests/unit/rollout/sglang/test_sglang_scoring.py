@@ -36,3 +36,13 @@ def test_a_reply_that_does_not_match_what_was_sent_is_refused(entries, match):
         parse_scores(_reply(entries), TOKENS, PROMPT)
     with pytest.raises(ValueError, match="no meta_info.input_token_logprobs"):
         parse_scores({"text": ""}, TOKENS, PROMPT)
+
+
+def test_sglangs_zero_for_the_last_vocabulary_id_is_read_as_the_id_sent():
+    """SGLang 0.5.23 reports the model's last vocabulary id as 0 (see parse_scores): accepted for the request's
+    largest id only, a 0 in place of any other id is still a mismatch."""
+    entries = [[None, 7, None], [-1.5, 20, None], [-0.25, 21, None], [-3.0, 0, None]]
+    assert parse_scores(_reply(entries), TOKENS, PROMPT) == [-1.5, -0.25, -3.0]
+    entries[2][1] = 0
+    with pytest.raises(ValueError, match="at position 4 of 6 it has 0, 21 was sent"):
+        parse_scores(_reply(entries), TOKENS, PROMPT)
