@@ -59,7 +59,7 @@ from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.stream import STALE_POLICIES
 from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, in_flight_cap
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
-from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
+from megatron_dapo.trainer.dataplane import DataPlane, StepRewards, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger, SavedRecord
 from megatron_dapo.trainer.stop import StopRequested, StopSignal, remove_unfinished
 from megatron_dapo.weight_sync.base import WeightSync
@@ -77,6 +77,11 @@ class Rollout:
     sample: TrainSample
     rollout_log_probs: torch.Tensor
     """[response_len], for the rollout-vs-actor mismatch metric."""
+    index: int | None = None
+    """Its row in the step's batch (`step_rewards`' order, responses without tokens counted); None: not carried."""
+    step_rewards: StepRewards | None = None
+    """--kl-in-reward: every response's reward and group of the step, one object shared by the step's rows, from
+    which `Trainer._kl_reward` recomputes the advantages; None otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)
