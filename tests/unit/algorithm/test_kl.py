@@ -160,6 +160,29 @@ def test_flags_build_the_config_and_refuse_what_has_no_reference():
         policy_loss_config("tests.losses:kl_named_loss")
 
 
+def test_kl_in_reward_moves_beta_from_the_loss_to_the_reward_and_refuses_what_it_cannot_do():
+    actor, _, trainer = _configs("--ref-load", "initial", "--kl-coef", "0.5", "--kl-estimator", "k1", "--kl-in-reward")
+    assert actor.kl == KLConfig(coef=0.0, estimator="k1")  # no loss term; train/kl still logged
+    assert trainer.kl_reward == KLConfig(coef=0.5, estimator="k1")
+    assert _configs("--ref-load", "initial", "--kl-coef", "0.5")[2].kl_reward is None
+    with pytest.raises(UserError, match="--kl-in-reward need a reference model: --ref-load"):
+        _configs("--kl-in-reward")
+    with pytest.raises(UserError, match="--kl-coef and --kl-in-reward need a reference model"):
+        _configs("--kl-in-reward", "--kl-coef", "0.5")
+    # the configs' ValueErrors, which check_flags makes the run's one-line UserError
+    with pytest.raises(ValueError, match="--kl-in-reward subtracts --kl-coef x each response's KL from its reward: "
+                                         "--kl-coef must be > 0, got 0.0"):
+        _configs("--ref-load", "initial", "--kl-in-reward")
+    with pytest.raises(ValueError, match=r"--kl-coef\) must be a finite number >= 0, got -1"):
+        _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "-1")
+    with pytest.raises(ValueError, match="--kl-in-reward penalises the verifier's reward, whose advantage "
+                                         "--distill-only sets to 0"):
+        _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "0.5", "--teacher-load", "t",
+                 "--distill-coef", "1", "--distill-only", "--no-dynamic-sampling")
+    _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "0.5", "--teacher-load", "t", "--distill-coef",
+             "1")  # with the verifier's advantage, distillation adds to the penalised one
+
+
 def test_initial_resolves_to_the_weights_the_run_started_from(tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
