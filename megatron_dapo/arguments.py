@@ -397,10 +397,17 @@ def _reference_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kl-coef", type=float, default=0.0,
                    help="beta of the KL(pi_theta || pi_ref) loss term, >= 0 (GRPO's; 0 with --ref-load logs "
                         "train/kl only); aggregated like the policy loss (token-mean for dapo, per response for "
-                        "grpo)")
+                        "grpo). With --kl-in-reward: beta of the reward penalty instead, > 0")
     g.add_argument("--kl-estimator", choices=KL_ESTIMATORS, default=None,
                    help="the per-token estimator: k1 = log ratio, k2 = half its square, k3 = GRPO's "
                         "exp(-d) + d - 1 (default k3)")
+    g.add_argument("--kl-in-reward", action="store_true",
+                   help="put the KL in the reward instead of the loss (verl's algorithm.use_kl_in_reward): each "
+                        "response's reward becomes r - beta x sum_t k(log pi_old - log pi_ref) over its loss tokens "
+                        "(beta = --kl-coef > 0, k = --kl-estimator, pi_old the pre-update policy, no gradient) and "
+                        "the --advantage-estimator recomputes the advantages from it; no KL loss term (train/kl is "
+                        "still logged), kl/reward_penalty logs the mean beta x KL per response. Needs --ref-load; "
+                        "excludes --distill-only")
     g.add_argument("--teacher-load", default=None, metavar="initial|DIR",
                    help="on-policy distillation: a frozen teacher with the student's tokenizer (an HF directory of "
                         "any architecture that divides into the actor's layout, or as --ref-load) scores every "

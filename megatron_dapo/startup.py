@@ -173,6 +173,7 @@ def build_configs(args: argparse.Namespace, eos_ids: tuple[int, ...] = ()
         max_staleness=args.max_staleness, stale_policy=args.stale_policy,
         max_in_flight_groups=args.max_in_flight_groups,
         distill=distill_config(args),
+        kl_reward=kl_reward_config(args),
         off_policy=OffPolicyConfig(use_tis=use_tis(args, actor.loss.fn), tis_cap=args.tis_cap,
                                    mis_mode=args.mis_mode, mis_threshold=args.mis_threshold,
                                    use_icepop=args.use_icepop, icepop_low=args.icepop_low,
@@ -207,17 +208,27 @@ def check_staleness_flags(args: argparse.Namespace, off_policy: Any) -> None:
 
 def kl_config(args: argparse.Namespace) -> Any:
     """--kl-coef / --kl-estimator -> the actor's KLConfig with --ref-load, None without; UserError for a KL flag given
-    without a reference model."""
+    without a reference model. With --kl-in-reward the actor's term has coef 0 (train/kl logged, nothing added to the
+    loss): beta goes to the reward penalty (`kl_reward_config`)."""
     from megatron_dapo.algorithm.kl import KLConfig
 
     if args.ref_load is None:
         given = [flag for flag, on in (("--kl-coef", args.kl_coef != 0.0),
-                                       ("--kl-estimator", args.kl_estimator is not None)) if on]
+                                       ("--kl-estimator", args.kl_estimator is not None),
+                                       ("--kl-in-reward", args.kl_in_reward)) if on]
         if given:
             raise UserError(f"{' and '.join(given)} need a reference model: --ref-load initial (the weights this run "
                             f"started from) or a checkpoint directory")
         return None
-    return KLConfig(coef=args.kl_coef, estimator=args.kl_estimator or "k3")
+    return KLConfig(coef=0.0 if args.kl_in_reward else args.kl_coef, estimator=args.kl_estimator or "k3")
+
+
+def kl_reward_config(args: argparse.Namespace) -> Any:
+    """--kl-in-reward -> the trainer's KLConfig of the reward penalty (beta = --kl-coef, --kl-estimator), None
+    without. `kl_config` refuses it without --ref-load; TrainerConfig at --kl-coef 0 and beside --distill-only."""
+    from megatron_dapo.algorithm.kl import KLConfig
+
+    return KLConfig(coef=args.kl_coef, estimator=args.kl_estimator or "k3") if args.kl_in_reward else None
 
 
 def distill_config(args: argparse.Namespace) -> Any:

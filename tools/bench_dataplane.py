@@ -105,7 +105,7 @@ def main() -> None:
     # after: exact tensor bytes of the largest DP share (strided split of one mini-batch)
     shares = [torch.arange(d, rows, a.dp) for d in range(a.dp)]
     pl_row = prompt.repeat_interleave(a.n)
-    share_bytes = [32 + 28 * len(s) + 8 * int(resp[s].sum()) + 4 * int(pl_row[s].sum()) for s in shares]
+    share_bytes = [40 + 28 * len(s) + 8 * int(resp[s].sum()) + 4 * int(pl_row[s].sum()) for s in shares]
     after_bytes = max(share_bytes)
     worst = shares[share_bytes.index(after_bytes)]
     share_tok = int(resp[worst].sum() + pl_row[worst].sum())
@@ -115,7 +115,7 @@ def main() -> None:
                                 advantage=0.5, loss_mask=torch.ones(len(s.response_ids))),
                     torch.tensor(s.logprobs, dtype=torch.float32)) for g in sub for s in g.samples]
     packed = pack([flat])
-    formula = 32 + 28 * len(flat) + 8 * sub_resp + 4 * (sub_tok - sub_resp)
+    formula = 40 + 28 * len(flat) + 8 * sub_resp + 4 * (sub_tok - sub_resp)
     assert packed.nbytes == formula, (packed.nbytes, formula)
     heap_after_sub, _ = heap_of(lambda: unpack(packed, Rollout))
     tensors = 8 * sub_resp  # per response token: fp32 loss mask + fp32 rollout log-prob (torch, not traced)

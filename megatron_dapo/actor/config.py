@@ -49,7 +49,8 @@ class ActorConfig:
     loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl: KLConfig | None = None
     """The KL term to the reference model (--kl-coef, --kl-estimator; algorithm/kl.py): every sample then carries
-    its ref_log_probs, and train/kl is logged; None: no reference model."""
+    its ref_log_probs, and train/kl is logged; None: no reference model. With --kl-in-reward its coef is 0 (train/kl
+    only): the KL is a reward penalty instead (the trainer's TrainerConfig.kl_reward)."""
     use_fused_logprob: bool = True
     """Use megatron_dapo.ops' fused vocab-parallel log-prob/entropy when importable (--use-fused-logprob)."""
     pack_sequences: bool = False

@@ -1,4 +1,5 @@
-"""KL to a frozen reference policy: the per-token estimators and the loss term (--kl-coef, --kl-estimator).
+"""KL to a frozen reference policy: the per-token estimators, the loss term and the reward penalty (--kl-coef,
+--kl-estimator, --kl-in-reward).
 
 GRPO (DeepSeekMath, arXiv 2402.03300, Eq. 3-4) adds -beta * D_KL(pi_theta || pi_ref) inside its objective and
 estimates it per sampled token o_t ~ pi_theta with Schulman's unbiased, always non-negative estimator (Eq. 4):
@@ -16,21 +17,35 @@ verl and OpenRLHF give them:
 Each is differentiated as written (the gradient flows through log pi_theta; log pi_ref is a constant). d is clamped
 to [-20, 20] before exp, as every log-ratio here (loss.LOG_RATIO_CLAMP), so k3 cannot overflow.
 
-The loss term (`kl_loss_term`) is beta times the estimator aggregated like the policy loss's own terms, so the sum
-shares the loss's denominator and stays exact under any split into micro-batches and DP ranks: token-mean when the
-loss's denominator counts tokens (dapo, cispo, decoupled: DAPO's 1/sum|o_i|), seq-mean-token-mean when it counts
-responses (grpo, gspo, dr_grpo: GRPO's 1/G sum_i 1/|o_i| sum_t, where Eq. 3 puts the KL), or --loss-agg-mode when
-given (`kl_agg_mode`).
+Two placements of beta * KL, as in verl (`actor.use_kl_loss` / `algorithm.use_kl_in_reward`):
+
+- in the loss (--kl-coef beta, the default placement; `kl_loss_term`): beta times the estimator of log pi_theta -
+  log pi_ref aggregated like the policy loss's own terms, so the sum shares the loss's denominator and stays exact
+  under any split into micro-batches and DP ranks: token-mean when the loss's denominator counts tokens (dapo,
+  cispo, decoupled: DAPO's 1/sum|o_i|), seq-mean-token-mean when it counts responses (grpo, gspo, dr_grpo: GRPO's
+  1/G sum_i 1/|o_i| sum_t, where Eq. 3 puts the KL), or --loss-agg-mode when given (`kl_agg_mode`);
+- in the reward (--kl-in-reward; `kl_response_sum`, `kl_penalized_advantages`): no loss term; each response's reward
+  (verifier + overlong shaping) becomes
+
+      r_i' = r_i - beta * sum_t m_it k(log pi_old(o_it) - log pi_ref(o_it))
+
+  over its loss tokens (m_it, the loss mask), with pi_old the pre-update policy that scored the batch (no gradient),
+  and the --advantage-estimator recomputes every advantage from the r_i'. verl puts -beta * k_t on each token's
+  reward (`apply_kl_penalty`) and its GRPO outcome advantage sums the token rewards over the response: the same r_i'.
+  Deviations from verl: beta is fixed (verl's kl_ctrl "fixed"; no adaptive controller), and k3 is clamped through d
+  as above (verl clamps k3 itself to [-10, 10]).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from megatron_dapo.algorithm.advantages import AdvantageFn
 from megatron_dapo.algorithm.loss import AGG_MODES, LOG_RATIO_CLAMP, AggMode, aggregate
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
@@ -92,4 +107,26 @@ def kl_loss_term(log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, config:
     return config.coef * numerator, denominator, token_sum
 
 
-__all__ = ["KL_ESTIMATORS", "KLConfig", "kl_agg_mode", "kl_estimate", "kl_loss_term"]
+def kl_response_sum(old_log_probs: Tensor, ref_log_probs: Tensor, mask: Tensor, estimator: str) -> float:
+    """sum_t mask_t k(log pi_old - log pi_ref) over one response's tokens ([response_len] each), in float64, no
+    gradient: the KL that --kl-in-reward takes from the response's reward (times beta; module docstring)."""
+    with torch.no_grad():
+        kl = kl_estimate(old_log_probs.detach().double(), ref_log_probs.double(), estimator)
+        return float((kl * mask.double()).sum())
+
+
+def kl_penalized_advantages(rewards: Tensor, group_ids: Sequence[Hashable], kl_sums: Tensor, coef: float,
+                            advantage_fn: AdvantageFn) -> Tensor:
+    """The advantages [N] of the step's N responses under --kl-in-reward: `advantage_fn` (the --advantage-estimator)
+    of the penalised rewards r_i - coef * kl_sums_i (float64 [N] each; group_ids [N], the prompt group of each), as
+    the estimator would compute them from plain rewards. A response without tokens has kl_sums_i = 0: it keeps its
+    reward and still counts in its group's statistics."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)
+    kl_sums = torch.as_tensor(kl_sums, dtype=torch.float64)
+    if rewards.shape != kl_sums.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and kl_sums {tuple(kl_sums.shape)} must both be [N]")
+    return advantage_fn(rewards - coef * kl_sums, group_ids)
+
+
+__all__ = ["KL_ESTIMATORS", "KLConfig", "kl_agg_mode", "kl_estimate", "kl_loss_term", "kl_penalized_advantages",
+           "kl_response_sum"]

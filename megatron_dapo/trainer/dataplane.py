@@ -1,13 +1,17 @@
 """The per-step rollout batch as tensors, sent from global rank 0 to each data-parallel rank's share.
 
 Global rank 0 collects the step's groups, computes advantages, loss masks and the DP partition, packs
-each DP rank's rows into four CPU tensors and sends them over gloo groups made once at start with a
-`--rollout-timeout` (hours) timeout:
+each DP rank's rows into four CPU tensors (five or six with the options below) and sends them over gloo groups
+made once at start with a `--rollout-timeout` (hours) timeout:
 
-    header    int64   [4]                      status, minibatches, rows, token ids
+    header    int64   [5]                      status, minibatches, rows, token ids, N (the step table's responses)
     ints      int32   [3 * rows + ids]         per row (minibatch, prompt_len, response_len), then ids
     row_vals  float64 [2 * rows]               per row (advantage, loss-mask value)
     logp      float32 [sum(response_len)]      rollout engine log-probs of the response tokens
+    table     float64 [rows + 2 * N]           --kl-in-reward only (N > 0): each row's index in the step's batch,
+                                               then the step's N rewards and their N prompt groups (`StepRewards`,
+                                               every response of the step, those without tokens too); absent when
+                                               N = 0
     routes    uint8   [sum(len(tokens) - 1) * L * K]   --moe-routing-replay only: the experts the rollout routed
                                                each fed-in token to (TrainSample.routed_experts; int32 above 256
                                                experts); absent otherwise (chosen once, when the DataPlane is made)
@@ -16,6 +20,10 @@ Route: rank 0 -> the lowest global rank of each DP replica (`send`/`recv` on the
 that leader -> the replica's other ranks (TP/PP/CP peers need the same rows; `broadcast` on the
 replica's gloo group). The loss mask of a row is constant (1, or 0 for an overlong-filtered row), so one
 value per row carries it.
+
+The step table is what each DP rank needs to recompute every advantage from the rewards less the KL penalty
+(trainer/loop.py `Trainer._kl_reward`): at 512 prompts x 16 responses it is 128 KiB (+ 8 bytes a row) per DP leader,
+0.9 MiB more from rank 0 at DP 8 beside the shares' 0.31 GB.
 
 Cost at the production setting (Qwen2.5-32B, 16 nodes x 8 GPUs, TP8 x PP2 -> DP 8, 512 prompts x 16
 responses, response lengths lognormal, median 4000, capped at 20480: 44.8 M tokens; tools/bench_dataplane.py):
@@ -46,7 +54,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -58,6 +66,30 @@ from megatron_dapo.rollout.types import RoutingShape
 from megatron_dapo.trainer.stop import StopRequested
 
 OK, ABORT, STOP = 0, 1, 2
+HEADER = 5
+"""int64 entries of a share's header: status, minibatches, rows, token ids, N (the step table's responses)."""
+
+
+@dataclass(frozen=True, eq=False)
+class StepRewards:
+    """Every response of a step in rank 0's flat order (its groups in turn, each group's responses in turn; those
+    without tokens, which no DP rank trains on, included): the rewards (verifier + overlong shaping) and prompt
+    groups the advantage estimator takes. --kl-in-reward sends it with every DP share (the wire's `table`); each rank
+    recomputes every advantage from it (trainer/loop.py `Trainer._kl_reward`). One object per step, shared by the
+    step's rows (`Rollout.step_rewards`)."""
+
+    rewards: torch.Tensor = field(repr=False)
+    """[N] float64."""
+    group_ids: torch.Tensor = field(repr=False)
+    """[N] int64: the index of each response's group in the step."""
+
+    def __post_init__(self) -> None:
+        if self.rewards.dim() != 1 or self.rewards.shape != self.group_ids.shape:
+            raise ValueError(f"StepRewards: rewards {tuple(self.rewards.shape)} and group_ids "
+                             f"{tuple(self.group_ids.shape)} must both be [N]")
+
+    def __len__(self) -> int:
+        return self.rewards.numel()
 
 
 @dataclass
@@ -70,12 +102,14 @@ class PackedShare:
     logp: torch.Tensor
     routes: torch.Tensor | None = None
     """--moe-routing-replay: every row's routed_experts, flattened in row order; None otherwise."""
+    table: torch.Tensor | None = None
+    """--kl-in-reward: float64 [rows + 2 N], each row's index in the step, then the StepRewards' rewards and group
+    ids (N = header[4]); None otherwise."""
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.header, self.ints, self.row_vals, self.logp) + ((self.routes,) if self.routes is not None
-                                                                        else ())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = (self.header, self.ints, self.row_vals, self.logp, self.routes, self.table)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _routes_numel(ints: torch.Tensor, n_rows: int, routing: RoutingShape) -> int:
@@ -85,8 +119,10 @@ def _routes_numel(ints: torch.Tensor, n_rows: int, routing: RoutingShape) -> int
 
 
 def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -> PackedShare:
-    """Rows (trainer `Rollout`s: .sample, .rollout_log_probs) of each mini-batch -> the wire tensors; with `routing`
-    (--moe-routing-replay) each row's sample.routed_experts too, which every row must then have."""
+    """Rows (trainer `Rollout`s: .sample, .rollout_log_probs, .index, .step_rewards) of each mini-batch -> the wire
+    tensors; with `routing` (--moe-routing-replay) each row's sample.routed_experts too, which every row must then
+    have; when the rows carry their step's StepRewards (--kl-in-reward: all of them the same one, each with its
+    index), the step table too."""
     rows = [(m, r) for m, mb in enumerate(minibatches) for r in mb]
     meta = torch.tensor([(m, r.sample.prompt_len, r.sample.response_len) for m, r in rows],
                         dtype=torch.int32).reshape(-1)
@@ -95,7 +131,9 @@ def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -
     row_vals = torch.tensor([(r.sample.advantage, _mask_value(r.sample)) for _, r in rows],
                             dtype=torch.float64).reshape(-1)
     logp = torch.cat([torch.zeros(0), *(r.rollout_log_probs.float() for _, r in rows)])
-    header = torch.tensor([OK, len(minibatches), len(rows), ints.numel() - meta.numel()], dtype=torch.int64)
+    table = _table([r for _, r in rows])
+    n_step = 0 if table is None else (table.numel() - len(rows)) // 2
+    header = torch.tensor([OK, len(minibatches), len(rows), ints.numel() - meta.numel(), n_step], dtype=torch.int64)
     routes = None
     if routing is not None:
         want = (routing.num_layers, routing.top_k)
@@ -107,19 +145,32 @@ def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -
                                  f"(the rollout engine must return them: Sample.routed_experts)")
         routes = torch.cat([torch.zeros(0, dtype=routing.dtype),
                             *(r.sample.routed_experts.to(routing.dtype).reshape(-1) for _, r in rows)])
-    return PackedShare(header, ints, row_vals, logp, routes)
+    return PackedShare(header, ints, row_vals, logp, routes, table)
+
+
+def _table(rows: Sequence) -> torch.Tensor | None:
+    """The wire's step table of `rows` (float64 [rows + 2 N]: indices, rewards, group ids), None when they carry no
+    StepRewards."""
+    steps = {id(r.step_rewards): r.step_rewards for r in rows}
+    if not rows or list(steps) == [id(None)]:
+        return None
+    if len(steps) != 1 or any(r.index is None for r in rows):
+        raise ValueError("the rows of a share must all carry the same StepRewards and each its index in it, or none")
+    step = next(iter(steps.values()))
+    return torch.cat([torch.tensor([r.index for r in rows], dtype=torch.float64), step.rewards.double(),
+                      step.group_ids.double()])
 
 
 def abort_share(what: str) -> PackedShare:
     """The share rank 0 sends instead of a batch: status ABORT, no rows, `what` (UTF-8 bytes) in place of the ids."""
     text = torch.tensor(list(what.encode()), dtype=torch.int32)
-    return PackedShare(torch.tensor([ABORT, 0, 0, text.numel()], dtype=torch.int64), text,
+    return PackedShare(torch.tensor([ABORT, 0, 0, text.numel(), 0], dtype=torch.int64), text,
                        torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
 
 
 def stop_share() -> PackedShare:
     """The share rank 0 sends when it abandoned the rollout on a stop signal: status STOP, no rows."""
-    return PackedShare(torch.tensor([STOP, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+    return PackedShare(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                        torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
 
 
@@ -140,22 +191,30 @@ def _mask_value(sample: TrainSample) -> float:
 
 def unpack(share: PackedShare, rollout_cls, routing: RoutingShape | None = None) -> list[list]:
     """The wire tensors -> mini-batches of `rollout_cls(sample, rollout_log_probs)`, in the sent order; with
-    `routing` the samples get their routed_experts (views of share.routes)."""
-    _, n_mb, n_rows, _ = share.header.tolist()
+    `routing` the samples get their routed_experts (views of share.routes); with a step table (--kl-in-reward) each
+    row gets its `index` and the step's one StepRewards (`step_rewards`)."""
+    _, n_mb, n_rows, _, n_step = share.header.tolist()
     meta = share.ints[:3 * n_rows].reshape(n_rows, 3).tolist()
     ids = share.ints[3 * n_rows:]
     vals = share.row_vals.reshape(n_rows, 2).tolist()
     out: list[list] = [[] for _ in range(n_mb)]
+    step, indices = None, [None] * n_rows
+    if n_step:
+        table = share.table
+        step = StepRewards(rewards=table[n_rows:n_rows + n_step].clone(),
+                           group_ids=table[n_rows + n_step:].to(torch.int64))
+        indices = [int(i) for i in table[:n_rows].tolist()]
     tok = lp = rt = 0
     row = routing.num_layers * routing.top_k if routing is not None else 0
-    for (m, p, r), (adv, keep) in zip(meta, vals, strict=True):
+    for (m, p, r), (adv, keep), index in zip(meta, vals, indices, strict=True):
         routed = None
         if routing is not None:
             routed = share.routes[rt:rt + (p + r - 1) * row].view(p + r - 1, routing.num_layers, routing.top_k)
             rt += (p + r - 1) * row
         sample = TrainSample(tokens=ids[tok:tok + p + r].tolist(), prompt_len=p, advantage=adv,
                              loss_mask=torch.full((r,), keep), routed_experts=routed)
-        out[m].append(rollout_cls(sample, share.logp[lp:lp + r].clone()))
+        extra = {} if step is None else {"index": index, "step_rewards": step}
+        out[m].append(rollout_cls(sample, share.logp[lp:lp + r].clone(), **extra))
         tok, lp = tok + p + r, lp + r
     return out
 
@@ -223,7 +282,7 @@ class DataPlane:
 
     def stop(self) -> None:
         """Rank 0, having abandoned the rollout on a stop signal: every rank waiting in `exchange` raises
-        StopRequested (a 32-byte header to each DP leader, broadcast in its replica)."""
+        StopRequested (a 40-byte header to each DP leader, broadcast in its replica)."""
         self.exchange([stop_share()] * self.dp_size)
 
     def wait(self, what: str, *, failed: bool = False) -> None:
@@ -242,6 +301,8 @@ class DataPlane:
     def _send(self, share: PackedShare, dst: int) -> None:
         for t in (share.header, share.ints, share.row_vals, share.logp):
             comm.send(t, dst, group=self.wait_group)
+        if int(share.header[4]):
+            comm.send(share.table, dst, group=self.wait_group)
         if self.routing is not None:
             comm.send(self._routes_of(share), dst, group=self.wait_group)
 
@@ -253,22 +314,23 @@ class DataPlane:
         return torch.empty(_routes_numel(ints, int(header[2]), self.routing), dtype=self.routing.dtype)
 
     def _recv(self, src: int, *, group) -> PackedShare:
-        header = comm.recv(torch.empty(4, dtype=torch.int64), src, group=group)
+        header = comm.recv(torch.empty(HEADER, dtype=torch.int64), src, group=group)
         ints, row_vals, logp = _empty_body(header)
         comm.recv(ints, src, group=group)
         comm.recv(row_vals, src, group=group)
         n_rows = int(header[2])
         logp = torch.empty(int(ints[:3 * n_rows].reshape(n_rows, 3)[:, 2].sum()), dtype=torch.float32)
         comm.recv(logp, src, group=group)
+        table = comm.recv(_table_buffer(header), src, group=group) if int(header[4]) else None
         routes = None
         if self.routing is not None:
             routes = comm.recv(self._routes_buffer(header, ints), src, group=group)
-        return PackedShare(header, ints, row_vals, logp, routes)
+        return PackedShare(header, ints, row_vals, logp, routes, table)
 
     def _broadcast(self, share: PackedShare | None) -> PackedShare:
         src = self.replica_ranks[0]
         group = self.replica_group
-        header = share.header if share is not None else torch.empty(4, dtype=torch.int64)
+        header = share.header if share is not None else torch.empty(HEADER, dtype=torch.int64)
         comm.broadcast(header, src, group=group)
         if share is None:
             ints, row_vals, _ = _empty_body(header)
@@ -280,11 +342,20 @@ class DataPlane:
         logp = share.logp if share is not None else torch.empty(
             int(ints[:3 * n_rows].reshape(n_rows, 3)[:, 2].sum()), dtype=torch.float32)
         comm.broadcast(logp, src, group=group)
+        table = None
+        if int(header[4]):
+            table = share.table if share is not None else _table_buffer(header)
+            comm.broadcast(table, src, group=group)
         routes = None
         if self.routing is not None:
             routes = self._routes_of(share) if share is not None else self._routes_buffer(header, ints)
             comm.broadcast(routes, src, group=group)
-        return PackedShare(header, ints, row_vals, logp, routes)
+        return PackedShare(header, ints, row_vals, logp, routes, table)
+
+
+def _table_buffer(header: torch.Tensor) -> torch.Tensor:
+    """The receive buffer of a share's step table: rows + 2 N float64."""
+    return torch.empty(int(header[2]) + 2 * int(header[4]), dtype=torch.float64)
 
 
 def _empty_body(header: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

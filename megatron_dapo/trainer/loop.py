@@ -41,6 +41,7 @@ from megatron_dapo.actor.batching import attention_cost_coefficient, partition_f
 from megatron_dapo.algorithm import grpo_advantages, overlong_keep_mask
 from megatron_dapo.algorithm.advantages import AdvantageFn
 from megatron_dapo.algorithm.distill import DISTILL_SUM_KEYS, DistillConfig, distill_advantages, distill_sums
+from megatron_dapo.algorithm.kl import KLConfig, kl_penalized_advantages, kl_response_sum
 from megatron_dapo.algorithm.mismatch import (
     MAX_KEYS,
     SUM_KEYS,
@@ -59,7 +60,7 @@ from megatron_dapo.rollout.partial_rollout import CarriedGroups
 from megatron_dapo.rollout.stream import STALE_POLICIES
 from megatron_dapo.rollout.streaming import StreamingConfig, StreamingRollout, in_flight_cap
 from megatron_dapo.rollout.types import RoutingShape, SamplingParams, routing_of
-from megatron_dapo.trainer.dataplane import DataPlane, pack, unpack
+from megatron_dapo.trainer.dataplane import DataPlane, StepRewards, pack, unpack
 from megatron_dapo.trainer.metrics_log import MetricsLogger, SavedRecord
 from megatron_dapo.trainer.stop import StopRequested, StopSignal, remove_unfinished
 from megatron_dapo.weight_sync.base import WeightSync
@@ -77,6 +78,11 @@ class Rollout:
     sample: TrainSample
     rollout_log_probs: torch.Tensor
     """[response_len], for the rollout-vs-actor mismatch metric."""
+    index: int | None = None
+    """Its row in the step's batch (`step_rewards`' order, responses without tokens counted); None: not carried."""
+    step_rewards: StepRewards | None = None
+    """--kl-in-reward: every response's reward and group of the step, one object shared by the step's rows, from
+    which `Trainer._kl_reward` recomputes the advantages; None otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +103,10 @@ class TrainerConfig:
     """Rollout-vs-actor correction (--use-tis, --tis-cap, --mis-mode, --mis-threshold)."""
     distill: DistillConfig | None = None
     """On-policy distillation (--teacher-load, --distill-coef, --distill-only; algorithm/distill.py); None: none."""
+    kl_reward: KLConfig | None = None
+    """The KL to the reference model as a reward penalty (--kl-in-reward with --kl-coef beta > 0 and --kl-estimator;
+    algorithm/kl.py): r_i - beta sum_t k_t, then the advantages again (`Trainer._kl_reward`); the actor's own KL
+    term then has coef 0 (train/kl only). None: off."""
     rollout_timeout_h: float = 12.0
     """How long ranks wait for rank 0's rollout or eval, in hours (--rollout-timeout)."""
     async_rollout: int = 0
@@ -138,6 +148,13 @@ class TrainerConfig:
         if self.max_in_flight_groups < 0:
             raise ValueError(f"--max-in-flight-groups must be >= 0 (0: from the engine's capacity), got "
                              f"{self.max_in_flight_groups}")
+        if self.kl_reward is not None and not self.kl_reward.coef > 0:
+            raise ValueError(f"--kl-in-reward subtracts --kl-coef x each response's KL from its reward: --kl-coef must "
+                             f"be > 0, got {self.kl_reward.coef}")
+        if self.kl_reward is not None and self.distill is not None and self.distill.only:
+            raise ValueError("--kl-in-reward penalises the verifier's reward, whose advantage --distill-only sets to 0 "
+                             "(the penalty would train nothing): drop --kl-in-reward and keep the KL in the loss "
+                             "(--kl-coef), which --distill-only trains with")
         if self.max_in_flight_groups and not self.max_staleness:
             raise ValueError(f"--max-in-flight-groups {self.max_in_flight_groups} caps the fully async rollout: it "
                              "needs --max-staleness K >= 1")
@@ -193,6 +210,8 @@ class Trainer:
         self._is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
         if self._is_rank0 and (self.engine is None or self.next_prompts is None):
             raise ValueError("global rank 0 needs the rollout engine and the prompt sampler")
+        if self.config.kl_reward is not None and self.ref is None:
+            raise ValueError("--kl-in-reward needs the reference model (--ref-load)")
         if dist.is_initialized() and dist.get_world_size() > 1:  # collective: every rank makes the groups
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
                                     timeout=timedelta(hours=self.config.rollout_timeout_h), routing=self.routing)
@@ -531,14 +550,18 @@ class Trainer:
         adv = self.config.advantage_estimator(torch.tensor([r for _, _, r in flat], dtype=torch.float64),
                                               [g for g, _, _ in flat])
         keep = overlong_keep_mask([s.truncated for _, s, _ in flat], self.collect.overlong)
+        step = None  # --kl-in-reward: every rank recomputes the advantages from the whole step's rewards
+        if self.config.kl_reward is not None:
+            step = StepRewards(rewards=torch.tensor([r for _, _, r in flat], dtype=torch.float64),
+                               group_ids=torch.tensor([g for g, _, _ in flat], dtype=torch.int64))
         rollouts = [
             Rollout(
                 TrainSample(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
                             advantage=float(a), loss_mask=torch.full((len(s.response_ids),), float(k)),
                             routed_experts=s.routed_experts if self.routing is not None else None),
-                torch.tensor(s.logprobs, dtype=torch.float32),
+                torch.tensor(s.logprobs, dtype=torch.float32), index=i, step_rewards=step,
             )
-            for (_, s, _), a, k in zip(flat, adv.tolist(), keep.tolist(), strict=True)
+            for i, ((_, s, _), a, k) in enumerate(zip(flat, adv.tolist(), keep.tolist(), strict=True))
             if len(s.response_ids) > 0
         ]
         gbs = self.config.global_batch_size or len(rollouts)
@@ -564,8 +587,10 @@ class Trainer:
         return partition_for_dp([len(r.sample.tokens) for r in minibatch], dp, attn_coef=coef)
 
     def train(self, minibatches: list[list[Rollout]], step: int) -> dict[str, float]:
-        """Old log-probs on the pre-update policy (+ rollout mismatch; with --ref-load the reference model's), then
-        one step per mini-batch, all at the LR of rollout step `step`."""
+        """Old log-probs on the pre-update policy (+ rollout mismatch; with --ref-load the reference model's, and
+        with --kl-in-reward every advantage recomputed from the penalised rewards; with --teacher-load the
+        distillation term, whose --distill-only zeroes the verifier's advantage after that), then one step per
+        mini-batch, all at the LR of rollout step `step`."""
         t0 = time.perf_counter()
         local = [r for mb in minibatches for r in mb]
         old = self.actor.compute_log_probs([r.sample for r in local])
@@ -575,6 +600,8 @@ class Trainer:
             for r, lp in zip(local, self.ref.compute_log_probs([r.sample for r in local]), strict=True):
                 r.sample.ref_log_probs = lp
             metrics["time/ref_logprob_s"] = time.perf_counter() - t_ref
+        if self.config.kl_reward is not None:  # before any update: every mini-batch trains on these advantages
+            metrics |= self._kl_reward(local, old)
         if self.teacher is not None:
             metrics |= self._distill(local, old)
         if len(minibatches) > 1:  # off-policy after the first update: ratio against the recorded policy
@@ -645,6 +672,37 @@ class Trainer:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
+
+    def _kl_reward(self, local: list[Rollout], old: list[torch.Tensor]) -> dict[str, float]:
+        """--kl-in-reward (algorithm/kl.py): each local response's KL sum over its loss tokens, sum_t m_t k(log pi_old -
+        log pi_ref) with the mask as it enters the loss (after --overlong-filter and --mis-mode), combined over the
+        DP group into the step's [N] vector; every rank then runs the --advantage-estimator on the penalised
+        rewards r_i - beta x KL_i of all N responses (StepRewards: those without tokens keep r_i) and sets its own
+        rows' advantages. Logs kl/reward_penalty (beta x KL_i, mean over the N responses) and replaces
+        train/advantage_abs_mean (rank 0's, from the unpenalised rewards) with that of the advantages trained on.
+
+        Cost: one all-reduce of N float64 over the DP group (on its backend's device): 64 KiB at 512 prompts x 16
+        responses; each slot has one rank's value and zeros, so the sum is exact and the same on every rank (and
+        every TP/PP peer, whose DP groups reduce the same values). Host, per rank: one estimator pass over its
+        response tokens, then the estimator over N (grpo: a Python loop over the groups, milliseconds at 8192)."""
+        cfg = self.config.kl_reward
+        steps = {id(r.step_rewards): r.step_rewards for r in local}
+        if len(steps) != 1 or None in steps.values() or any(r.index is None for r in local):
+            raise RuntimeError("--kl-in-reward: every local row must carry its step's StepRewards and its index in "
+                               "it (set by build_samples on rank 0, carried by the data plane)")
+        table = next(iter(steps.values()))
+        sums = torch.zeros(len(table), dtype=torch.float64)
+        for r, old_lp in zip(local, old, strict=True):
+            sample = r.sample
+            mask = torch.ones(sample.response_len) if sample.loss_mask is None else sample.loss_mask
+            sums[r.index] = kl_response_sum(old_lp.cpu(), sample.ref_log_probs.cpu(), mask, cfg.estimator)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            comm.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+        adv = kl_penalized_advantages(table.rewards, table.group_ids.tolist(), sums, cfg.coef,
+                                      self.config.advantage_estimator)
+        for r in local:
+            r.sample.advantage = float(adv[r.index])
+        return {"kl/reward_penalty": float(cfg.coef * sums.mean()), "train/advantage_abs_mean": float(adv.abs().mean())}
 
     def _distill(self, local: list[Rollout], old: list[torch.Tensor]) -> dict[str, float]:
         """On-policy distillation (algorithm/distill.py): the teacher's log-probs of every local sample in one

@@ -91,8 +91,24 @@ def digest(minibatches) -> list:
     return [[(r.sample.tokens, r.sample.prompt_len, r.sample.advantage, r.sample.loss_mask.tolist(),
               r.rollout_log_probs.tolist(),
               None if r.sample.routed_experts is None else (str(r.sample.routed_experts.dtype),
-                                                            r.sample.routed_experts.tolist()))
+                                                            r.sample.routed_experts.tolist()),
+              r.index, None if r.step_rewards is None else (r.step_rewards.rewards.tolist(),
+                                                            r.step_rewards.group_ids.tolist()))
              for r in mb] for mb in minibatches]
+
+
+def with_table(shares, seed: int) -> list:
+    """The same rows with --kl-in-reward's step table: each row its index, every row one StepRewards of 13 responses."""
+    import dataclasses
+
+    from megatron_dapo.trainer.dataplane import StepRewards
+
+    g = torch.Generator().manual_seed(seed)
+    step = StepRewards(rewards=torch.randn(13, dtype=torch.float64, generator=g),
+                       group_ids=torch.arange(13, dtype=torch.int64) // 4)
+    rows = iter(torch.randperm(13, generator=g).tolist())
+    return [[[dataclasses.replace(r, index=next(rows), step_rewards=step) for r in mb] for mb in share]
+            for share in shares]
 
 
 def with_routes(minibatches, shape, seed: int) -> list:
@@ -131,14 +147,16 @@ def main() -> None:
     shares = [[_rows(3, 10 + d), _rows(2, 20 + d)] for d in range(2)]
     routing = RoutingShape(num_layers=3, top_k=2, num_experts=8)
     routed = [with_routes(s, routing, seed=d) for d, s in enumerate(shares)]
-    for name, dp_rank, expect, route in (("two_replicas", parallel_state.get_data_parallel_rank(), rank, None),
-                                         ("one_replica", 0, 0, None),
-                                         ("two_replicas_routes", parallel_state.get_data_parallel_rank(), rank,
-                                          routing),
-                                         ("one_replica_routes", 0, 0, routing)):
+    tabled = with_table(shares, seed=5)
+    for name, dp_rank, expect, route, sent in (
+            ("two_replicas", parallel_state.get_data_parallel_rank(), rank, None, shares),
+            ("one_replica", 0, 0, None, shares),
+            ("two_replicas_routes", parallel_state.get_data_parallel_rank(), rank, routing, routed),
+            ("one_replica_routes", 0, 0, routing, routed),
+            ("two_replicas_table", parallel_state.get_data_parallel_rank(), rank, None, tabled),
+            ("one_replica_table", 0, 0, None, tabled)):
         plane = DataPlane(dp_rank, timeout=hour, routing=route)
         dp = plane.dp_size
-        sent = routed if route is not None else shares
         got = unpack(plane.exchange([pack(s, route) for s in sent[:dp]] if rank == 0 else None), Rollout, route)
         check(name, {"dp": dp, "equal": digest(got) == digest(sent[expect]), "bytes": plane.bytes_received,
                      "expected_bytes": pack(sent[expect], route).nbytes})

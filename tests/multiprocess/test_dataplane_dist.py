@@ -44,6 +44,12 @@ def test_each_dp_rank_gets_exactly_its_share(checks):
         assert [c["equal"] for c in _both(checks, name)] == [True, True], name
         assert checks[0][name]["bytes"] == 0
         assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] > checks[1][name[:-7]]["bytes"]
+    # --kl-in-reward: each row's index and the step's rewards and groups arrive exactly (sent, and broadcast in a
+    # replica), 8 bytes a row and 16 a step response more
+    for name in ("two_replicas_table", "one_replica_table"):
+        assert [c["equal"] for c in _both(checks, name)] == [True, True], name
+        assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] == \
+            checks[1][name[:-6]]["bytes"] + 8 * 5 + 16 * 13  # 5 rows, 13 responses in the step
 
 
 def test_abort_reaches_the_waiting_rank(checks):

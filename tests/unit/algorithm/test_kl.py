@@ -1,5 +1,6 @@
 """The KL estimators (algorithm/kl.py) against Schulman's and GRPO's formulas written out in floats, their gradients
-in closed form, the aggregation that shares the policy loss's denominator, and the flags' refusals."""
+in closed form, the aggregation that shares the policy loss's denominator, the reward penalty's advantages
+(--kl-in-reward) against GRPO's and Dr. GRPO's normalisation written out, and the flags' refusals."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import pytest
 import torch
 
 from megatron_dapo.actor.reference import resolve_reference
-from megatron_dapo.algorithm.kl import KLConfig, kl_agg_mode, kl_estimate, kl_loss_term
+from megatron_dapo.algorithm.advantages import dr_grpo_advantages, grpo_advantages
+from megatron_dapo.algorithm.kl import (
+    KLConfig,
+    kl_agg_mode,
+    kl_estimate,
+    kl_loss_term,
+    kl_penalized_advantages,
+    kl_response_sum,
+)
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.errors import UserError
 
@@ -73,6 +82,60 @@ def test_a_log_ratio_far_out_is_clamped_not_overflowed():
     assert torch.isfinite(est).all() and est.item() == pytest.approx(math.exp(20) - 21, rel=1e-6)
 
 
+# --kl-in-reward: three responses of group 0 (one without tokens), two of group 1; per token (log pi_old, log pi_ref,
+# loss mask); group 1's second response is overlong-filtered (mask 0)
+REWARDS = [1.0, -1.0, 0.5, 1.0, -1.0]
+GROUPS = [0, 0, 0, 1, 1]
+TOKENS = [
+    [(-1.0, -1.2, 1.0), (-0.3, -0.6, 1.0)],
+    [],
+    [(-2.0, -2.0, 1.0), (-0.5, -1.5, 1.0), (-4.0, -3.0, 1.0)],
+    [(-0.7, -0.2, 1.0)],
+    [(-1.0, -3.0, 0.0), (-0.2, -0.4, 0.0)],
+]
+
+
+def _k(d: float, estimator: str) -> float:
+    return {"k1": d, "k2": d * d / 2, "k3": math.exp(-d) + d - 1}[estimator]
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+@pytest.mark.parametrize("advantage", ["grpo", "dr_grpo"])
+def test_the_reward_penalty_recomputes_the_advantages_of_the_penalised_rewards(estimator, advantage):
+    """r_i' = r_i - beta sum_t m_t k(log pi_old - log pi_ref), then each group's (r' - mean) / (std + 1e-6) (unbiased
+    std; dr_grpo: r' - mean), all written out in Python floats; the response without tokens keeps r and counts in
+    its group, the masked one is not penalised."""
+    import statistics
+
+    beta = 0.3
+    sums = []
+    for tokens in TOKENS:
+        sums.append(kl_response_sum(torch.tensor([o for o, _, _ in tokens]), torch.tensor([r for _, r, _ in tokens]),
+                                    torch.tensor([m for _, _, m in tokens]), estimator))
+        assert sums[-1] == pytest.approx(sum(m * _k(o - r, estimator) for o, r, m in tokens), rel=1e-6, abs=1e-7)
+    assert sums[1] == 0.0 and sums[4] == 0.0
+    penalised = [r - beta * s for r, s in zip(REWARDS, sums, strict=True)]
+    expected = []
+    for i, g in enumerate(GROUPS):
+        group = [p for p, h in zip(penalised, GROUPS, strict=True) if h == g]
+        centred = penalised[i] - statistics.fmean(group)
+        expected.append(centred / (statistics.stdev(group) + 1e-6) if advantage == "grpo" else centred)
+    fn = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}[advantage]
+    got = kl_penalized_advantages(torch.tensor(REWARDS, dtype=torch.float64), GROUPS,
+                                  torch.tensor(sums, dtype=torch.float64), beta, fn)
+    assert got.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    unpenalised = fn(torch.tensor(REWARDS, dtype=torch.float64), GROUPS)
+    assert not torch.allclose(got, unpenalised, atol=1e-3)  # the penalty moved them
+    assert kl_penalized_advantages(torch.tensor(REWARDS, dtype=torch.float64), GROUPS, torch.zeros(5), beta,
+                                   fn).tolist() == unpenalised.tolist()  # no KL: the estimator's own, exactly
+
+
+def test_a_response_that_moved_away_from_the_reference_loses_advantage_in_its_group():
+    """Two responses with the same reward, one with a KL of 2: it gets the lower advantage (the penalty's sign)."""
+    adv = kl_penalized_advantages(torch.tensor([1.0, 1.0]), [0, 0], torch.tensor([0.0, 2.0]), 0.1, dr_grpo_advantages)
+    assert adv.tolist() == pytest.approx([0.1, -0.1])
+
+
 def _configs(*flags: str):
     from megatron_dapo.startup import build_configs
 
@@ -95,6 +158,29 @@ def test_flags_build_the_config_and_refuse_what_has_no_reference():
         from megatron_dapo.algorithm.registry import policy_loss_config
 
         policy_loss_config("tests.losses:kl_named_loss")
+
+
+def test_kl_in_reward_moves_beta_from_the_loss_to_the_reward_and_refuses_what_it_cannot_do():
+    actor, _, trainer = _configs("--ref-load", "initial", "--kl-coef", "0.5", "--kl-estimator", "k1", "--kl-in-reward")
+    assert actor.kl == KLConfig(coef=0.0, estimator="k1")  # no loss term; train/kl still logged
+    assert trainer.kl_reward == KLConfig(coef=0.5, estimator="k1")
+    assert _configs("--ref-load", "initial", "--kl-coef", "0.5")[2].kl_reward is None
+    with pytest.raises(UserError, match="--kl-in-reward need a reference model: --ref-load"):
+        _configs("--kl-in-reward")
+    with pytest.raises(UserError, match="--kl-coef and --kl-in-reward need a reference model"):
+        _configs("--kl-in-reward", "--kl-coef", "0.5")
+    # the configs' ValueErrors, which check_flags makes the run's one-line UserError
+    with pytest.raises(ValueError, match="--kl-in-reward subtracts --kl-coef x each response's KL from its reward: "
+                                         "--kl-coef must be > 0, got 0.0"):
+        _configs("--ref-load", "initial", "--kl-in-reward")
+    with pytest.raises(ValueError, match=r"--kl-coef\) must be a finite number >= 0, got -1"):
+        _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "-1")
+    with pytest.raises(ValueError, match="--kl-in-reward penalises the verifier's reward, whose advantage "
+                                         "--distill-only sets to 0"):
+        _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "0.5", "--teacher-load", "t",
+                 "--distill-coef", "1", "--distill-only", "--no-dynamic-sampling")
+    _configs("--ref-load", "initial", "--kl-in-reward", "--kl-coef", "0.5", "--teacher-load", "t", "--distill-coef",
+             "1")  # with the verifier's advantage, distillation adds to the penalised one
 
 
 def test_initial_resolves_to_the_weights_the_run_started_from(tmp_path):

@@ -1,7 +1,7 @@
 """The rollout rows as tensors (megatron_dapo/trainer/dataplane.py): pack -> unpack gives back every field exactly,
-the --rollout-timeout flag reaches the trainer config, an abort carries what failed, and a rank 0 whose engine
-fails mid-push still runs the weight export (a collective) to the end. The multi-process failure paths are in
-tests/multiprocess/test_dataplane_dist.py."""
+--kl-in-reward's step table too, the --rollout-timeout flag reaches the trainer config, an abort carries what
+failed, and a rank 0 whose engine fails mid-push still runs the weight export (a collective) to the end. The
+multi-process failure paths are in tests/multiprocess/test_dataplane_dist.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from megatron_dapo.arguments import build_parser
 from megatron_dapo.rollout.collect import CollectConfig
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.startup import build_configs
-from megatron_dapo.trainer.dataplane import ABORT, abort_reason, abort_share, pack, unpack
+from megatron_dapo.trainer.dataplane import ABORT, StepRewards, abort_reason, abort_share, pack, unpack
 from megatron_dapo.trainer.loop import Rollout, Trainer, TrainerConfig
 from megatron_dapo.weights import export as export_module
 
@@ -43,7 +43,7 @@ def test_pack_unpack_roundtrip_is_exact():
     n_tok = sum(len(r.sample.tokens) for mb in minibatches for r in mb)
     n_resp = sum(r.sample.response_len for mb in minibatches for r in mb)
     assert packed.ints.dtype == torch.int32 and packed.logp.dtype == torch.float32
-    assert packed.nbytes == 32 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
+    assert packed.nbytes == 40 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
     back = unpack(packed, Rollout)
     assert [len(mb) for mb in back] == [3, 0, 4]
     for want_mb, got_mb in zip(minibatches, back, strict=True):
@@ -52,6 +52,32 @@ def test_pack_unpack_roundtrip_is_exact():
             assert got.sample.advantage == want.sample.advantage
             assert torch.equal(got.sample.loss_mask, want.sample.loss_mask)
             assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
+
+
+def test_the_step_table_of_kl_in_reward_travels_exactly():
+    """--kl-in-reward: each row's index in the step and the step's rewards and groups (N = 11, more than the rows:
+    responses without tokens are in no share) come back exactly, one StepRewards shared by every row; 8 bytes a row
+    and 16 a step response more on the wire. Rows with different tables, or a row without its index, are refused."""
+    import dataclasses
+
+    step = StepRewards(rewards=torch.randn(11, dtype=torch.float64), group_ids=torch.arange(11) // 3)
+    minibatches = [[dataclasses.replace(r, index=i, step_rewards=step) for i, r in zip((7, 0, 4), _rows(3, 0),
+                                                                                      strict=True)],
+                   [dataclasses.replace(r, index=10, step_rewards=step) for r in _rows(1, 1)]]
+    plain = pack([[dataclasses.replace(r, step_rewards=None) for r in mb] for mb in minibatches])
+    packed = pack(minibatches)
+    assert packed.nbytes == plain.nbytes + 8 * 4 + 16 * 11 and int(packed.header[4]) == 11
+    back = unpack(packed, Rollout)
+    assert [r.index for mb in back for r in mb] == [7, 0, 4, 10]
+    got = back[0][0].step_rewards
+    assert all(r.step_rewards is got for mb in back for r in mb)
+    assert torch.equal(got.rewards, step.rewards) and torch.equal(got.group_ids, step.group_ids)
+    assert all(r.step_rewards is None and r.index is None for mb in unpack(plain, Rollout) for r in mb)
+    other = StepRewards(rewards=torch.zeros(11, dtype=torch.float64), group_ids=torch.zeros(11, dtype=torch.int64))
+    for bad in (dataclasses.replace(minibatches[1][0], step_rewards=other),
+                dataclasses.replace(minibatches[1][0], index=None)):
+        with pytest.raises(ValueError, match="the same StepRewards and each its index"):
+            pack([minibatches[0], [bad]])
 
 
 def test_a_row_with_a_varying_loss_mask_is_refused():
@@ -133,7 +159,8 @@ def test_build_samples_gives_each_row_once_with_its_group_advantage_and_mask(mon
                                   accs=[r > 0 for r in rews], rewards=rews))
     arch = ModelArch.from_hf(dict(families()["qwen2"].tiny_config, model_type="qwen2"))
     trainer = SimpleNamespace(actor=SimpleNamespace(arch=arch), routing=None,
-                              config=SimpleNamespace(advantage_estimator=grpo_advantages, global_batch_size=4),
+                              config=SimpleNamespace(advantage_estimator=grpo_advantages, global_batch_size=4,
+                                                     kl_reward=None),
                               collect=SimpleNamespace(overlong=OverlongConfig(max_response_length=9,
                                                                               filter_truncated=overlong_filter)))
     trainer.dp_split = lambda mb, dp: Trainer.dp_split(trainer, mb, dp)
