@@ -70,6 +70,17 @@ def tiny_base(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def teacher(tmp_path_factory) -> Path:
+    """The distillation teacher: tiny_base's recipe with 150 SFT steps instead of 20, another policy over the same
+    tokenizer (its HF model directory). One build for the in-process and the served teacher's tests."""
+    out = tmp_path_factory.mktemp("teacher")
+    subprocess.run([sys.executable, "tools/make_tiny_base.py", "--out", str(out), "--sft-steps", "150", "--num-train",
+                    "300", "--num-eval", "16", "--hidden-size", "32", "--ffn-hidden-size", "64", "--sft-batch-size",
+                    "16"], cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=300)
+    return out / "model"
+
+
 _SESSION: list = []
 
 

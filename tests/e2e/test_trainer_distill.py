@@ -7,7 +7,6 @@ resumes to the uninterrupted run's metrics and weights, and a resume against ano
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,16 +18,6 @@ from tests.e2e.test_trainer_e2e import COMPARED, die_at_log, read_jsonl, train_c
 pytestmark = pytest.mark.slow
 STEPS = 4
 ONE_BATCH = ("--no-wandb", "--save-interval", "1", "--global-batch-size", "16")
-
-
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    """tiny_base's recipe with 150 SFT steps instead of 20: another policy over the same tokenizer."""
-    out = tmp_path_factory.mktemp("teacher")
-    subprocess.run([sys.executable, "tools/make_tiny_base.py", "--out", str(out), "--sft-steps", "150", "--num-train",
-                    "300", "--num-eval", "16", "--hidden-size", "32", "--ffn-hidden-size", "64", "--sft-batch-size",
-                    "16"], cwd=REPO, env=train_env(), check=True, capture_output=True, timeout=300)
-    return out / "model"
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:

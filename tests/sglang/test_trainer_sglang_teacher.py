@@ -19,7 +19,6 @@ from transformers import Qwen2ForCausalLM
 
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from tests.conftest import REPO, train_env
-from tests.e2e.test_trainer_distill import teacher  # noqa: F401  (the fixture: a better-trained tiny model)
 from tests.e2e.test_trainer_e2e import read_jsonl, train_cmd
 from tests.sglang.real_server import MARKS, cpu_server_config, free_port
 from tests.torchrun import free_port as free_master_port
@@ -72,7 +71,7 @@ class CountingProxy:
 
 
 @pytest.fixture(scope="module")
-def served_teacher(teacher):  # noqa: F811
+def served_teacher(teacher):
     """The teacher on a CPU SGLang server with an API key, behind a counting proxy."""
     cfg = cpu_server_config(teacher.parent, api_key=KEY, skip_tokenizer_init=False)  # it answers the check
     engine = SGLangEngine(cfg, client=ClientConfig(max_concurrency=16, control_timeout_s=120))
@@ -89,8 +88,7 @@ def _run(cmd: list[str]) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
 
 
-def test_a_served_teacher_trains_as_the_same_teacher_in_process(tiny_base, teacher, served_teacher,  # noqa: F811
-                                                                 tmp_path):
+def test_a_served_teacher_trains_as_the_same_teacher_in_process(tiny_base, teacher, served_teacher, tmp_path):
     key_file = tmp_path / "teacher.key"
     key_file.write_text(KEY)
     os.chmod(key_file, 0o600)
