@@ -47,14 +47,22 @@ class ReferenceSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Nothing to restore: `check_state` compared the sources before any component was restored."""
 
+    @classmethod
+    def flag_of(cls, kind: str | None) -> str:
+        """The flag a source of `kind` comes from."""
+        return "--teacher-url" if kind == "sglang" else cls.FLAG
+
     def check_state(self, state: dict[str, Any]) -> None:
         """UserError when the checkpoint's model differs from this run's (or this run has none)."""
         saved = (state.get("kind"), state.get("path"))
         if saved != (self.kind, self.path):
-            was = f"{saved[0]} {saved[1]} ({self.FLAG} {state.get('flag')})" if saved[0] else f"no {self.WHAT}"
-            now = f"{self.kind} {self.path} ({self.FLAG} {self.flag})" if self.kind else f"no {self.WHAT}"
-            raise UserError(f"{self.FLAG}: the checkpoint was trained against {was}, this run would use {now}; give "
-                            f"the checkpoint's {self.FLAG} (its path, where 'initial' resolved elsewhere)")
+            was = (f"{saved[0]} {saved[1]} ({self.flag_of(saved[0])} {state.get('flag')})" if saved[0]
+                   else f"no {self.WHAT}")
+            now = f"{self.kind} {self.path} ({self.flag_of(self.kind)} {self.flag})" if self.kind else f"no {self.WHAT}"
+            flag = self.flag_of(saved[0] or self.kind)
+            raise UserError(f"{flag}: the checkpoint was trained against {was}, this run would use {now}; give "
+                            f"the checkpoint's {flag} (its path, where 'initial' resolved elsewhere; a served "
+                            f"teacher: servers of the model it names)")
 
 
 @dataclass

@@ -199,3 +199,17 @@ def test_the_flags_build_the_config_and_refuse_what_cannot_run(key_file):
         checkpoint_config(args("--teacher-url", "t:1", "--distill-coef", "1"))
     with pytest.raises(UserError, match="--teacher-max-concurrency must be >= 1, got 0"):
         checkpoint_config(args("--teacher-url", "http://t:1", "--teacher-max-concurrency", "0"))
+
+
+def test_a_resume_against_another_served_model_or_a_local_teacher_is_refused():
+    """The checkpoint records the served teacher as the model its servers report (actor/reference.py TeacherSource,
+    kind "sglang"): the same model behind other URLs resumes, another model or an in-process teacher does not."""
+    from megatron_dapo.actor.reference import TeacherSource
+
+    saved = TeacherSource(kind="sglang", path="/models/teacher", flag="http://a:1").state_dict()
+    TeacherSource(kind="sglang", path="/models/teacher", flag="http://b:2 http://c:3").check_state(saved)
+    with pytest.raises(UserError, match=r"--teacher-url: the checkpoint was trained against sglang /models/teacher "
+                                        r"\(--teacher-url http://a:1\), this run would use sglang /models/other"):
+        TeacherSource(kind="sglang", path="/models/other", flag="http://a:1").check_state(saved)
+    with pytest.raises(UserError, match=r"this run would use hf /models/teacher \(--teacher-load /models/teacher\)"):
+        TeacherSource(kind="hf", path="/models/teacher", flag="/models/teacher").check_state(saved)
