@@ -4,6 +4,7 @@
 #
 # usage: examples/run_qwen2.5_7b_single_node.sh [HF_CKPT] [RUN_DIR]
 #        DRY_RUN=1 examples/run_qwen2.5_7b_single_node.sh   (or --dry-run: the node's roles and the memory plan)
+# EXTRA_TRAIN_ARGS: more trainer flags, split on whitespace (run_qwen3_8b_distill.sh's teacher).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/lib/launch.sh
@@ -32,6 +33,8 @@ RUN_ARGS=(--log-dir "$RUN_DIR" --save "$RUN_DIR/ckpt" --save-interval 20 --load 
 
 TRAIN_ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${DAPO_ARGS[@]}" "${OPTIM_ARGS[@]}"
             "${DATA_ARGS[@]}" "${BATCH_ARGS[@]}" "${RUN_ARGS[@]}" --overlong-buffer-length 2048)
+read -r -a extra <<<"${EXTRA_TRAIN_ARGS:-}"
+TRAIN_ARGS+=(${extra[@]+"${extra[@]}"})
 if [[ "$DRY_RUN" == 1 ]]; then
     echo "single node: actor ranks 0-3 on GPUs 0-3 (torchrun), 2 SGLang servers at TP $SGLANG_TP on GPUs 4-7 launched" \
         "by rank 0 behind a router (ports 30000-30002)"

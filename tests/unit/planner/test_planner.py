@@ -290,6 +290,8 @@ LAUNCHERS = [
                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
                  "qwen2.5-32B", id="32b-multinode"),
     pytest.param("examples/run_qwen3_8b_single_node.sh", {}, "qwen3-8B", id="qwen3-8b-single-node"),
+    pytest.param("examples/run_qwen3_8b_distill.sh", {"TEACHER_URLS": "http://t0:30000 http://t1:30000"}, "qwen3-8B",
+                 id="qwen3-8b-distill"),
     pytest.param("examples/run_llama3.1_8b_single_node.sh", {}, "llama3.1-8B", id="llama3.1-8b-single-node"),
     pytest.param("examples/run_qwen3_32b_multinode.sh",
                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
