@@ -41,13 +41,13 @@ slurm-packages:
 envs:
 	$(MAKE) -j3 venv sglang-env slurm-packages
 
-# Everything, the Slurm rehearsal included (~3.5 min of ~42). Skip reasons are printed (-rs), the 30 slowest tests
+# Everything, the Slurm rehearsal included (~3.5 min of ~50). Skip reasons are printed (-rs), the 100 slowest tests
 # too (--durations), and a skip fails (--fail-on-skip, tests/conftest.py) unless the test declares it part of the
 # suite's design: a skipped rehearsal is a green run that proved nothing. To leave tests out on purpose, SKIP_REHEARSAL=1 deselects the Slurm tests and
 # SKIP_SGLANG=1 the real-server ones.
 DESELECT := $(if $(SKIP_REHEARSAL),rehearsal slurm) $(if $(SKIP_SGLANG),sglang)
 test: envs
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=30 --fail-on-skip tests \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=100 --fail-on-skip tests \
 		$(if $(strip $(DESELECT)),-m "$$(echo $(DESELECT) | sed 's/^/not /; s/ / and not /g')") $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed

@@ -17,6 +17,7 @@ need 8 x 80 GB at least), ~570 s on 16: a teacher of that size costs more GPUs t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import httpx
 import torch
 
-from megatron_dapo.rollout.sglang.protocol import read_reply
+from megatron_dapo.rollout.sglang.protocol import ServerDied, read_reply
 
 
 def score_payload(tokens: Sequence[int], prompt_len: int) -> dict[str, Any]:
@@ -65,26 +66,45 @@ def parse_scores(reply: Any, tokens: Sequence[int], prompt_len: int) -> list[flo
     return [float(v) for v in values]
 
 
+RETRY_DELAYS_S: tuple[float, ...] = (2.0, 8.0, 30.0)
+"""A scoring request that found its server gone (connection refused or reset, a timeout, a 5xx) is sent again, to the
+next server, after each of these waits: 40 s in all, what a restarting server or a router failing over takes; then
+the step fails naming the server (the run resumes from its last checkpoint)."""
+
+
 class SGLangScorer:
     """Scores samples on SGLang servers (round robin over `urls`, up to `max_concurrency` requests in flight):
     `compute_log_probs(samples)` -> per sample its [response_len] fp32 log-probs, the interface of a frozen model's
-    (`transport`: httpx's, for tests)."""
+    (`transport`: httpx's, for tests; `retry_delays_s`: RETRY_DELAYS_S)."""
 
     def __init__(self, urls: Sequence[str], *, api_key: str | None = None, http_timeout_s: float = 600.0,
-                 max_concurrency: int = 64, transport: httpx.BaseTransport | None = None) -> None:
+                 max_concurrency: int = 64, transport: httpx.BaseTransport | None = None,
+                 retry_delays_s: Sequence[float] = RETRY_DELAYS_S) -> None:
         if not urls:
             raise ValueError("SGLangScorer needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
+        self.retry_delays_s = tuple(retry_delays_s)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=http_timeout_s, headers=headers,
                                   limits=httpx.Limits(max_connections=max_concurrency), transport=transport)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-score")
 
     def _score_one(self, i: int, tokens: list[int], prompt_len: int) -> torch.Tensor:
-        url = self.urls[i % len(self.urls)]
-        reply = read_reply(self._http.post(f"{url}/generate", json=score_payload(tokens, prompt_len)), url,
-                           "/generate")
-        return torch.tensor(parse_scores(reply, tokens, prompt_len), dtype=torch.float32)
+        """One sample's log-probs from server i (mod the count); a lost server's request goes to the next one after
+        each RETRY_DELAYS_S wait, then RuntimeError naming the last server."""
+        body, attempt = score_payload(tokens, prompt_len), 0
+        while True:
+            url = self.urls[(i + attempt) % len(self.urls)]
+            try:
+                reply = read_reply(self._http.post(f"{url}/generate", json=body), url, "/generate")
+                return torch.tensor(parse_scores(reply, tokens, prompt_len), dtype=torch.float32)
+            except (httpx.TransportError, ServerDied) as err:
+                if attempt == len(self.retry_delays_s):
+                    raise RuntimeError(f"the SGLang teacher did not score a sample in {attempt + 1} tries over "
+                                       f"{sum(self.retry_delays_s):.0f} s; the last, {url}/generate: "
+                                       f"{type(err).__name__}: {err}") from err
+                time.sleep(self.retry_delays_s[attempt])
+                attempt += 1
 
     def compute_log_probs(self, samples: Sequence[Any]) -> list[torch.Tensor]:
         """Per sample (anything with .tokens and .prompt_len: a TrainSample) the log-probs of its response tokens."""

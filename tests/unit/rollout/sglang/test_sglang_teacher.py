@@ -213,3 +213,38 @@ def test_a_resume_against_another_served_model_or_a_local_teacher_is_refused():
         TeacherSource(kind="sglang", path="/models/other", flag="http://a:1").check_state(saved)
     with pytest.raises(UserError, match=r"this run would use hf /models/teacher \(--teacher-load /models/teacher\)"):
         TeacherSource(kind="hf", path="/models/teacher", flag="/models/teacher").check_state(saved)
+
+
+def test_a_lost_server_is_retried_on_the_next_and_a_teacher_gone_for_good_fails_naming_it(key_file):
+    """A request whose server refuses the connection or answers 5xx goes to the next server after a wait; when every
+    try fails, the step fails with the last server's error (the run then resumes from its checkpoint)."""
+    from megatron_dapo.rollout.sglang.scoring import SGLangScorer
+
+    fake = FakeTeacher(None, key=None)
+    calls: list[str] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.host)
+        if request.url.host == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.host == "busy":
+            return httpx.Response(503, text="restarting")
+        return fake(request)
+
+    sample = TrainSample(tokens=[3, 4, 10, 11, 12], prompt_len=2)
+    scorer = SGLangScorer(["http://down:1", "http://busy:1", "http://up:1"], transport=httpx.MockTransport(flaky),
+                          retry_delays_s=(0.0, 0.0, 0.0))
+    try:
+        (lp,) = scorer.compute_log_probs([sample])
+        assert calls == ["down", "busy", "up"]
+        assert lp.tolist() == pytest.approx([teacher_logprob(sample.tokens[:t], sample.tokens[t]) for t in (2, 3, 4)])
+    finally:
+        scorer.close()
+    gone = SGLangScorer(["http://down:1", "http://busy:1"], transport=httpx.MockTransport(flaky),
+                        retry_delays_s=(0.0, 0.0))
+    try:
+        with pytest.raises(RuntimeError, match=r"did not score a sample in 3 tries .* the last, "
+                                               r"http://down:1/generate: ConnectError"):
+            gone.compute_log_probs([sample])
+    finally:
+        gone.close()
