@@ -22,7 +22,7 @@ mean the same text to both. The server's tokenizer files may live on another nod
 ~2 MB of JSON each way) must give the student's text of each id, and /tokenize of a probe text of mixed scripts,
 digits and code the student's ids. UserError naming the server's model and tokenizer and the student's. A server
 started with --skip-tokenizer-init (as the rollout's are) cannot answer those; its tokenizer directory is then read
-here, where this node sees it, and compared whole (trainer/build.py check_same_tokenizer).
+here, where this node sees it, and compared whole (data/tokenizer_check.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 import torch
 
+from megatron_dapo.data.tokenizer_check import check_same_tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.sglang.protocol import read_reply
 from megatron_dapo.rollout.sglang.scoring import SGLangScorer
@@ -160,8 +161,6 @@ def check_teacher(cfg: TeacherServerConfig, tokenizer: Any, *, transport: httpx.
             check_served_tokenizer(http, url, tokenizer, served=served)
             return served[0]
     # a server started with --skip-tokenizer-init has no tokenizer to ask: its files, where this node reads them
-    from megatron_dapo.trainer.build import check_same_tokenizer
-
     if not Path(served[1]).is_dir():
         raise UserError(f"{FLAG} {url}: the server was started with --skip-tokenizer-init, so it cannot show its "
                         f"tokenizer, and its tokenizer path {served[1]} is not a directory on this node: start the "

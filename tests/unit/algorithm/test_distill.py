@@ -11,11 +11,11 @@ import torch
 from megatron_dapo.algorithm.distill import DistillConfig, distill_advantages, distill_sums
 from megatron_dapo.arguments import build_parser
 from megatron_dapo.data.synthetic import build_char_tokenizer
+from megatron_dapo.data.tokenizer_check import check_same_tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner import stages
 from megatron_dapo.startup import plan_from_flags
-from megatron_dapo.trainer.build import check_same_tokenizer
 from tests.torchrun import REPO
 
 
