@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
@@ -75,7 +75,10 @@ def transformer_config_from_arch(
     if unknown:
         raise TypeError(f"transformer_config_from_arch: {unknown} are not TransformerConfig fields")
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    # A family with multi-head latent attention sets its MLA fields (latent ranks, rope type): megatron-core keeps
+    # them on a TransformerConfig subclass.
+    config_class = MLATransformerConfig if fields.get("multi_latent_attention") else TransformerConfig
+    return config_class(**fields)
 
 
 # The fusions Megatron-LM turns on for GPU training (megatron-core's dataclass defaults are all False).

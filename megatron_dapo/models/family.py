@@ -50,11 +50,12 @@ class MappingEntry:
     aliases: tuple[str, ...] = ()
     """Other megatron-core names for the same tensor (the Transformer Engine spec), accepted on read."""
     shapes: tuple[tuple[str, ...], ...]
-    """Shape of each HF tensor in `hf`, one ModelArch attribute name per dim (e.g. ("q_size", "hidden_size"))."""
+    """Shape of each HF tensor in `hf`, one ModelArch attribute or family option name per dim (`ModelArch.fact`, e.g.
+    ("q_size", "hidden_size"))."""
     tied_hf: tuple[str, ...] = ()
     """HF source when tie_word_embeddings is set (the output layer then reuses the embedding)."""
     requires: str | None = None
-    """A boolean ModelArch field the entry exists under (e.g. "qkv_bias"); None: always present."""
+    """A boolean ModelArch field or family option the entry exists under (e.g. "qkv_bias"); None: always present."""
     layers: LayerKind = "all"
     """Which decoder layers hold it: all, those with a dense MLP, or the MoE layers (`ModelArch.moe_layers`)."""
     dist: str | None = None

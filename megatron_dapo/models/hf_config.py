@@ -131,6 +131,16 @@ class ModelArch:
         """The value of family option `name` (`family_options`), or `default`."""
         return dict(self.family_options).get(name, default)
 
+    def fact(self, name: str) -> Any:
+        """A size or flag a mapping table names (`MappingEntry.shapes` / `requires`): the attribute `name`, else the
+        family option `name` (a family's own sizes, e.g. an MLA latent rank); AttributeError when neither exists."""
+        if hasattr(self, name):
+            return getattr(self, name)
+        options = dict(self.family_options)
+        if name not in options:
+            raise AttributeError(f"{name!r} is neither a ModelArch field nor a {self.model_type} family option")
+        return options[name]
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

@@ -21,7 +21,7 @@ Shape = tuple[int, ...]
 
 def hf_shapes(entry: MappingEntry, arch: ModelArch) -> tuple[Shape, ...]:
     """Shapes of the HF tensors feeding `entry`, in the order of `entry.hf` (the table's `shapes`, read off `arch`)."""
-    return tuple(tuple(getattr(arch, dim) for dim in shape) for shape in entry.shapes)
+    return tuple(tuple(arch.fact(dim) for dim in shape) for shape in entry.shapes)
 
 
 def mcore_shard_shape(entry: MappingEntry, arch: ModelArch, tp: int) -> Shape:

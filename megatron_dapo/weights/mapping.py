@@ -65,9 +65,10 @@ def _template_regex(template: str) -> re.Pattern[str]:
 
 
 def arch_mapping(arch: ModelArch) -> tuple[MappingEntry, ...]:
-    """The entries of `arch`'s family table that exist for `arch` (those whose `requires` field is set)."""
+    """The entries of `arch`'s family table that exist for `arch` (those whose `requires` field or family option is
+    set, `ModelArch.fact`)."""
     table = arch.family.mapping
-    present = tuple(sorted({e.requires for e in table if e.requires and getattr(arch, e.requires)}))
+    present = tuple(sorted({e.requires for e in table if e.requires and arch.fact(e.requires)}))
     return _filter(table, present)
 
 

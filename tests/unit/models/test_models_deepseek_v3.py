@@ -1,0 +1,181 @@
+"""The deepseek_v3 family (models/deepseek_v3/): config.json parsing and its refusals, the name table against the
+tensors transformers saves, and megatron-core's MLA + sigmoid-routed MoE GPTModel (local spec, one process, fp32)
+loaded through the table giving HF's logits.
+
+The family is not registered yet (`DRAFT_FAMILY`): the `deepseek` fixture registers it for these tests only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.models import registry
+from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
+from megatron_dapo.models.hf_config import ModelArch
+from tests.hf_reference import assert_logits_close
+
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32,
+            beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+"""YaRN as DeepSeek-V3 ships it (factor 40, original 4096, mscale = mscale_all_dim = 1), scaled to 128 positions:
+original 32 puts most of the 4 rope frequencies of qk_rope_head_dim 8 in the interpolated / ramp range."""
+
+CASES = [
+    pytest.param({}, 5, id="q-lora-grouped-dense-first"),
+    pytest.param(dict(q_lora_rank=None), 5, id="no-q-lora"),
+    pytest.param(dict(rope_parameters=YARN), 5, id="yarn"),
+    # V2-Lite-like: no q bottleneck, one group (no group choice), routed_scaling_factor 1, every layer MoE, top-2.
+    # Sigmoid scores squeeze the routers' gaps: seed 7 is one whose top-k margins clear 1e-4 (1.1e-3).
+    pytest.param(dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
+                      num_experts_per_tok=2, rope_parameters=YARN), 7, id="v2-lite-like-ungrouped-yarn"),
+]
+
+
+@pytest.fixture(autouse=True)
+def deepseek(monkeypatch):
+    """deepseek_v3 in the registry for one test (`registry.families()` read first: the others stay found)."""
+    monkeypatch.setattr(registry, "_FAMILIES", {**registry.families(), "deepseek_v3": FAM})
+
+
+def _config(**overrides) -> dict:
+    return {**FAM.tiny_config, "model_type": "deepseek_v3", **overrides}
+
+
+def _hf_model(seed: int, **overrides):
+    """A tiny random DeepseekV3ForCausalLM (fp32, eager) with weights that make each feature show in the logits:
+    projections N(0, 1 / fan_in) (tests.hf_reference.sharpen_weights' rule), norms off 1, routers at std 0.3 (top-k
+    decided by clear margins) and a non-zero e_score_correction_bias (std 0.1: it changes which experts are chosen)."""
+    torch.manual_seed(seed)
+    fields = {k: v for k, v in _config(**overrides).items() if k != "model_type"}
+    hf = FAM.hf_causal_lm()(FAM.hf_config(**fields, attn_implementation="eager")).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+            elif p.dim() >= 2 and not name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return hf
+
+
+def _hf_tensors(hf) -> dict[str, torch.Tensor]:
+    """The tensors a saved checkpoint holds (on-disk expert names) plus the router buffers."""
+    from megatron_dapo.models.hf_params import hf_state_dict
+
+    return {**{n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}, **hf_state_dict(hf)}
+
+
+def _choice_margin(hf, ids: torch.Tensor) -> float:
+    """The smallest gap, over tokens and MoE layers, between the k-th and (k+1)-th biased sigmoid score among the
+    experts of the chosen groups (what HF's top-k ranks): a smaller gap could flip under either's rounding."""
+    k, gaps = hf.config.num_experts_per_tok, []
+
+    def hook(module, inputs, _output) -> None:
+        x = inputs[0].reshape(-1, module.hidden_dim).float()
+        scores = torch.sigmoid(x @ module.weight.float().T) + module.e_score_correction_bias
+        groups = scores.view(len(x), module.num_group, -1)
+        keep = groups.topk(2, dim=-1).values.sum(-1).topk(module.topk_group, dim=-1).indices
+        mask = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, keep, True)
+        masked = groups.masked_fill(~mask[..., None], float("-inf")).view(len(x), -1)
+        top = masked.topk(k + 1, dim=-1).values
+        gaps.append((top[:, k - 1] - top[:, k]).nan_to_num(posinf=1.0, neginf=1.0).min())
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            hf(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(torch.stack(gaps).min())
+
+
+def test_parse_reads_the_mla_and_routing_fields():
+    arch = ModelArch.from_hf(_config())
+    o = dict(arch.family_options)
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.q_size) == (4, 4, 24, 96)
+    assert (o["q_lora_rank"], o["kv_lora_rank"], o["kv_down_rows"], o["kv_up_rows"], o["o_cols"]) == (48, 32, 40,
+                                                                                                      112, 48)
+    assert arch.moe_layers == (1, 2) and arch.num_experts == 8 and arch.num_experts_per_tok == 4
+    assert (o["n_group"], o["topk_group"], o["routed_scaling_factor"], o["shared_expert_size"]) == (4, 2, 2.5, 32)
+    assert o["rope_type"] == "rope" and o["q_lora"] and not o["no_q_lora"]
+    lite = ModelArch.from_hf(_config(q_lora_rank=None, rope_parameters=YARN))
+    assert lite.option("no_q_lora") and lite.option("rope_type") == "yarn" and lite.option("yarn_factor") == 8.0
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    pytest.param("norm_topk_prob", False, "norm_topk_prob false is not supported", id="norm-topk"),
+    pytest.param("rope_interleave", False, "rope_interleave false", id="rope-interleave"),
+    pytest.param("rms_norm_eps", 1e-5, "rms_norm_eps 1e-05 is not supported", id="eps"),
+    pytest.param("attention_bias", True, "attention_bias true", id="attention-bias"),
+    pytest.param("topk_group", 1, "topk_group 1 with num_experts_per_tok 4", id="group-top2"),
+    pytest.param("topk_group", 5, "topk_group 5 exceeds n_group 4", id="group-count"),
+    pytest.param("n_routed_experts", 10, "n_routed_experts 10 must be a positive multiple of n_group", id="groups"),
+    pytest.param("first_k_dense_replace", 3, "first_k_dense_replace 3 leaves no MoE layer", id="all-dense"),
+    pytest.param("n_shared_experts", 0, "n_shared_experts 0", id="no-shared"),
+    pytest.param("scoring_func", "softmax", "scoring_func 'softmax'", id="scoring"),
+    pytest.param("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3'", id="llama3-rope"),
+    pytest.param("hidden_act", "gelu", "hidden_act", id="hidden-act"),
+])
+def test_unsupported_fields_are_refused_by_name(field, value, match):
+    with pytest.raises(UserError, match=match):
+        ModelArch.from_hf(_config(**{field: value}))
+
+
+@pytest.mark.parametrize("overrides", [pytest.param({}, id="q-lora"), pytest.param(dict(q_lora_rank=None),
+                                                                                    id="no-q-lora")])
+def test_table_lists_exactly_the_saved_tensors(overrides, tmp_path):
+    """The table, read for the parsed arch, names every tensor save_pretrained writes, with its shape (the router's
+    e_score_correction_bias included)."""
+    from safetensors import safe_open
+
+    from megatron_dapo.weights.plan import hf_tensor_specs
+
+    hf = _hf_model(0, **overrides)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    want = {}
+    for file in tmp_path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            want |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    got = {spec.name: tuple(spec.shape) for spec in hf_tensor_specs(ModelArch.from_hf(hf.config), torch.float32)}
+    assert got == want
+
+
+SEQ = 128
+"""Positions 0..127: with YARN's original 32 the interpolated frequencies turn visibly less than plain RoPE's."""
+
+
+@pytest.mark.parametrize(("overrides", "seed"), CASES)
+def test_logits_match_hf(overrides, seed):
+    """megatron-core's MLA GPTModel (local spec, one process, fp32), loaded through the family's table
+    (`weights.plan.iter_rank_shards`), gives HF's logits within `assert_logits_close`'s 1e-4 of their scale
+    (tests/hf_reference.py argues it from fp32 summation orders; measured <= 2e-6 relative here)."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.distributed.parallel import ParallelLayout
+    from megatron_dapo.models import build_gpt_model
+    from megatron_dapo.weights.plan import iter_rank_shards
+
+    hf = _hf_model(seed, **overrides)
+    arch = ModelArch.from_hf(hf.config)
+    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    assert _choice_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
+    tensors = _hf_tensors(hf)
+    init_parallel(seed=0)
+    try:
+        model = build_gpt_model(arch)
+        shards = dict(iter_rank_shards(tensors.__getitem__, arch, ParallelLayout(), pp_rank=0, tp_rank=0))
+        state = model.state_dict()
+        assert sorted(shards) == sorted(k for k in state if not k.endswith("_extra_state"))
+        with torch.no_grad():
+            model.load_state_dict({**state, **shards})
+            got = model(ids, torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1))
+            want = hf(ids).logits
+    finally:
+        destroy_parallel()
+    print(f"max |logit diff| {(got[..., :arch.vocab_size] - want).abs().max().item():.3g} "
+          f"of scale {want.abs().max().item():.3g}")
+    assert_logits_close(got[..., :arch.vocab_size], want)
