@@ -28,7 +28,9 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*(?![\w-])")
 EXTERNAL: dict[str, set[str]] = {
     "megatron_dapo/rollout/sglang/server.py": {"--mem-fraction-static", "--sleep-on-idle", "--api-key", "--config",
                                                "--enable-memory-saver", "--enable-return-routed-experts",
-                                               "--api-key-file"},  # router_launch's
+                                               "--api-key-file", "--skip-tokenizer-init"},  # router_launch; SGLang's
+    "megatron_dapo/rollout/sglang/teacher.py": {"--skip-tokenizer-init"},  # SGLang's, in the teacher's check
+    "megatron_dapo/data/tokenizer_check.py": {"--skip-tokenizer-init"},  # SGLang's, in the module docstring's
     "megatron_dapo/rollout/sglang/protocol.py": {"--enable-return-routed-experts"},  # SGLang's, in the decode error
     "megatron_dapo/rollout/sglang/api_key.py": {"--config"},  # sglang.launch_server's own
     "megatron_dapo/rollout/sglang/router_launch.py": {"--api-key-file", "--api-key"},  # its own; sglang_router's

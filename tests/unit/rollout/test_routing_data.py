@@ -127,16 +127,20 @@ def test_embedded_engine_routes_equal_teacher_forced_hf(overrides):
         EmbeddedEngine(dict(tiny_config("qwen3", vocab_size=96), model_type="qwen3"), record_routing=True)
 
 
-class _Rollout:
-    def __init__(self, sample, rollout_log_probs):
-        self.sample, self.rollout_log_probs = sample, rollout_log_probs
+def _rollout_cls():
+    """The trainer's Rollout (what the data plane packs and unpacks)."""
+    from megatron_dapo.trainer.loop import Rollout
+
+    return Rollout
 
 
 def test_dataplane_carries_routes_only_when_replay_is_on():
     shape = RoutingShape(num_layers=3, top_k=2, num_experts=8)
     g = torch.Generator().manual_seed(0)
 
-    def row(p: int, r: int) -> _Rollout:
+    _Rollout = _rollout_cls()
+
+    def row(p: int, r: int):
         routes = torch.randint(0, 8, (p + r - 1, 3, 2), generator=g).to(torch.uint8)
         sample = TrainSample(tokens=list(range(p + r)), prompt_len=p, advantage=0.5, routed_experts=routes)
         return _Rollout(sample, torch.randn(r, generator=g))
@@ -181,7 +185,7 @@ def test_trainer_carries_sample_routes_into_train_samples_only_with_replay(monke
     group = ScoredGroup(prompt=Prompt(prompt_ids=[3, 4, 5], ground_truth="", index=0), samples=samples,
                         accs=[True, False], rewards=[1.0, -1.0])
     trainer = SimpleNamespace(actor=actor, config=SimpleNamespace(advantage_estimator=grpo_advantages,
-                                                                  global_batch_size=None),
+                                                                  global_batch_size=None, kl_reward=None),
                               collect=SimpleNamespace(overlong=SimpleNamespace(filter_truncated=False)),
                               dp_split=lambda mb, dp: [list(range(len(mb)))])
     trainer.routing = loop.Trainer.routing.func(trainer)
