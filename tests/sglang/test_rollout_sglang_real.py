@@ -123,13 +123,20 @@ def test_an_open_stream_takes_requests_while_others_generate(served):
     assert running and all(order.index("added") < order.index(rid) for rid in running), (order, running)
     samples = [s for g in groups.values() for s in g]
     assert max_logprob_error(model, [s for s in samples if s.finish_reason != "abort"]) < 1e-4
-    stream = engine.open_stream(_reqs(2, n=2, max_new=200))
+    # q0 (4 tokens) comes back first while q1 has up to 400 to go: the abort cuts q1 and the request added after it.
+    # (Two groups of 200 each raced: the second could finish all 200 tokens before the abort arrived, a clean-clone
+    # failure.) q1 ending first, both its samples at eos within q0's 4 tokens, leaves nothing to check on it.
+    quick, slow = (RolloutRequest(prompt_ids=[5, 6, 7 + i], n=2, request_id=f"q{i}",
+                                  sampling=SamplingParams(max_new_tokens=m)) for i, m in enumerate((4, 400)))
+    stream = engine.open_stream([quick, slow])
     seen = [next(stream)]
     stream.add([dataclasses.replace(added, request_id="late")])
     engine.abort()
     seen += list(stream)
     assert sorted(g[0].request_id for g in seen) == ["late", "q0", "q1"]
-    assert all(len(s.response_ids) < 200 for g in seen for s in g if g[0].request_id != seen[0][0].request_id)
+    if seen[0][0].request_id == "q0":
+        (cut,) = [g for g in seen if g[0].request_id == "q1"]
+        assert all(len(s.response_ids) < 400 for s in cut), [len(s.response_ids) for s in cut]
 
 
 def test_aborted_prefix_is_continued(served):
