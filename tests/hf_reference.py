@@ -60,6 +60,18 @@ def sharpen_weights(model, *, qk_gain: float = 3.0):
     return model
 
 
+def forward_with_gate_hooks(model, ids: torch.Tensor, hook) -> None:
+    """One no-grad forward of the HF MoE `model` on `ids` with `hook` (a forward hook) on every MoE layer's
+    `mlp.gate`, removed afterwards."""
+    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def router_topk_margin(model, ids: torch.Tensor) -> float:
     """The smallest gap, over the tokens of `ids` [b, s] and the MoE layers, between a token's k-th and (k+1)-th
     largest router logit in a forward of the HF MoE `model` (`Qwen3MoeTopKRouter`): a routing decision two fp32
@@ -71,13 +83,7 @@ def router_topk_margin(model, ids: torch.Tensor) -> float:
         top = output[0].topk(k + 1, dim=-1).values
         gaps.append((top[:, k - 1] - top[:, k]).min())
 
-    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    forward_with_gate_hooks(model, ids, hook)
     return float(torch.stack(gaps).min())
 
 

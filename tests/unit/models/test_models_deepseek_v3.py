@@ -13,7 +13,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models import registry
 from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
 from megatron_dapo.models.hf_config import ModelArch
-from tests.hf_reference import assert_logits_close
+from tests.hf_reference import assert_logits_close, forward_with_gate_hooks
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
@@ -84,13 +84,7 @@ def _choice_margin(hf, ids: torch.Tensor) -> float:
         top = masked.topk(k + 1, dim=-1).values
         gaps.append((top[:, k - 1] - top[:, k]).nan_to_num(posinf=1.0, neginf=1.0).min())
 
-    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
-    try:
-        with torch.no_grad():
-            hf(ids)
-    finally:
-        for h in hooks:
-            h.remove()
+    forward_with_gate_hooks(hf, ids, hook)
     return float(torch.stack(gaps).min())
 
 
