@@ -110,15 +110,11 @@ def share_verdict(error: UserError | None) -> None:
     """
     import torch.distributed as dist
 
-    from megatron_dapo.distributed import comm
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return
-    group = dist.new_group(backend="gloo")
-    message = comm.broadcast_object(None if error is None else str(error), 0, group)
-    dist.destroy_process_group(group)
+    message = share_from_rank0(None if error is None else str(error))
     if message is None:
         return
     if error is not None:
