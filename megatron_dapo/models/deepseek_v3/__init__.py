@@ -37,26 +37,25 @@ _HA = _H + "self_attn."
 
 MLA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="column",
-                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
-    MappingEntry(mcore=_A + "q_layernorm.weight", hf=(_HA + "q_a_layernorm.weight",), kind="replicated",
-                 stage="layer", shapes=(("q_lora_rank",),), requires="q_lora",
-                 aliases=(_A + "linear_q_up_proj.layer_norm_weight",)),
+                 te_kind="replicated", stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
+    MappingEntry(mcore=_A + "linear_q_up_proj.layer_norm_weight", hf=(_HA + "q_a_layernorm.weight",),
+                 kind="replicated", stage="layer", shapes=(("q_lora_rank",),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_up_proj.weight", hf=(_HA + "q_b_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "q_lora_rank"),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_proj.weight", hf=(_HA + "q_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "hidden_size"),), requires="no_q_lora"),
     MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="column",
-                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
-    MappingEntry(mcore=_A + "kv_layernorm.weight", hf=(_HA + "kv_a_layernorm.weight",), kind="replicated",
-                 stage="layer", shapes=(("kv_lora_rank",),),
-                 aliases=(_A + "linear_kv_up_proj.layer_norm_weight",)),
+                 te_kind="replicated", stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
+    MappingEntry(mcore=_A + "linear_kv_up_proj.layer_norm_weight", hf=(_HA + "kv_a_layernorm.weight",),
+                 kind="replicated", stage="layer", shapes=(("kv_lora_rank",),)),
     MappingEntry(mcore=_A + "linear_kv_up_proj.weight", hf=(_HA + "kv_b_proj.weight",), kind="column",
                  stage="layer", shapes=(("kv_up_rows", "kv_lora_rank"),)),
     MappingEntry(mcore=_A + "linear_proj.weight", hf=(_HA + "o_proj.weight",), kind="row",
                  stage="layer", shapes=(("hidden_size", "o_cols"),)),
 )
-"""One MLA layer, HF order. `column` / `row` are the local spec's ColumnParallelLinear / RowParallelLinear splits
-(the down projections are column-split and all-gathered there; TE's spec holds them whole: TP > 1 is untested)."""
+"""One MLA layer, HF order. `column` / `row` are the local spec's ColumnParallelLinear / RowParallelLinear splits: the
+down projections are column-split there (their outputs all-gathered), whole on every TP rank under TE (TELinear
+'duplicated': `te_kind`). The latent norms are fused into the up projections on both (`models/mla_local.py`)."""
 
 _S = _L + "mlp.shared_experts."
 MOE_EXTRA_ENTRIES: tuple[MappingEntry, ...] = (
@@ -270,3 +269,4 @@ DRAFT_FAMILY = ModelFamily(
                      moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
                      first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
 )
+FAMILY = DRAFT_FAMILY

@@ -13,7 +13,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models import registry
 from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
 from megatron_dapo.models.hf_config import ModelArch
-from tests.hf_reference import assert_logits_close, forward_with_gate_hooks
+from tests.hf_reference import assert_logits_close, router_topk_margin
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
@@ -67,25 +67,6 @@ def _hf_tensors(hf) -> dict[str, torch.Tensor]:
     from megatron_dapo.models.hf_params import hf_state_dict
 
     return {**{n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}, **hf_state_dict(hf)}
-
-
-def _choice_margin(hf, ids: torch.Tensor) -> float:
-    """The smallest gap, over tokens and MoE layers, between the k-th and (k+1)-th biased sigmoid score among the
-    experts of the chosen groups (what HF's top-k ranks): a smaller gap could flip under either's rounding."""
-    k, gaps = hf.config.num_experts_per_tok, []
-
-    def hook(module, inputs, _output) -> None:
-        x = inputs[0].reshape(-1, module.hidden_dim).float()
-        scores = torch.sigmoid(x @ module.weight.float().T) + module.e_score_correction_bias
-        groups = scores.view(len(x), module.num_group, -1)
-        keep = groups.topk(2, dim=-1).values.sum(-1).topk(module.topk_group, dim=-1).indices
-        mask = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, keep, True)
-        masked = groups.masked_fill(~mask[..., None], float("-inf")).view(len(x), -1)
-        top = masked.topk(k + 1, dim=-1).values
-        gaps.append((top[:, k - 1] - top[:, k]).nan_to_num(posinf=1.0, neginf=1.0).min())
-
-    forward_with_gate_hooks(hf, ids, hook)
-    return float(torch.stack(gaps).min())
 
 
 def test_parse_reads_the_mla_and_routing_fields():
@@ -156,7 +137,7 @@ def test_logits_match_hf(overrides, seed):
     hf = _hf_model(seed, **overrides)
     arch = ModelArch.from_hf(hf.config)
     ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    assert _choice_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
+    assert router_topk_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
     tensors = _hf_tensors(hf)
     init_parallel(seed=0)
     try:
