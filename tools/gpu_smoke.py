@@ -168,8 +168,7 @@ def part_hf_logits(dry: bool) -> dict:
                 model = build_gpt_model(arch, params_dtype=dtype, use_te=use_te)
                 with HFCheckpointReader(tmp) as reader, torch.no_grad():
                     params = dict(model.named_parameters())
-                    for name, shards in iter_mcore_shards(reader.get, arch, layout, 0,
-                                                                   impl="transformer_engine" if use_te else "local"):
+                    for name, shards in iter_mcore_shards(reader.get, arch, layout, 0):
                         params[name].copy_(shards[0].to(dtype))
                     got = model(ids, pos, mask)[..., :arch.vocab_size].float()
                     want = hf.to(dev, dtype)(ids).logits.float()

@@ -45,11 +45,6 @@ class MappingEntry:
     hf: tuple[str, ...]
     """HF name template(s) in the order the layout function takes them; `{layer}` and `{expert}` are global."""
     kind: LayoutKind
-    """How the local spec's module splits it over TP (`weights/layout.py`)."""
-    te_kind: LayoutKind | None = None
-    """How the Transformer Engine spec's module splits it, where that differs (multi-head latent attention's down
-    projections: column-parallel on the local spec, TELinear 'duplicated', whole on every TP rank, under TE);
-    `weights.mapping.layout_kind` picks one."""
     stage: Stage
     """first: only on PP stage 0; last: only on the last stage; layer: in every decoder layer."""
     aliases: tuple[str, ...] = ()
@@ -82,9 +77,8 @@ class MappingEntry:
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
             raise ValueError(f"mapping entry {self.mcore}: {len(self.hf)} HF tensors but {len(self.shapes)} shapes")
-        for kind in (self.kind, self.te_kind or self.kind):
-            if kind not in LAYOUT_KINDS:
-                raise ValueError(f"mapping entry {self.mcore}: kind {kind!r} is not one of {LAYOUT_KINDS}")
+        if self.kind not in LAYOUT_KINDS:
+            raise ValueError(f"mapping entry {self.mcore}: kind {self.kind!r} is not one of {LAYOUT_KINDS}")
         if ("{layer}" in self.mcore) != (self.stage == "layer"):
             raise ValueError(f"mapping entry {self.mcore}: only stage='layer' entries carry {{layer}}")
         if self.layers not in LAYER_KINDS:

@@ -1,6 +1,6 @@
 """megatron-core 0.16.1's multi-head latent attention on the local spec (CPU), made to match its TE layer.
 
-Three things stand between `get_gpt_layer_local_spec(multi_latent_attention=True)` and a local MLA layer that trains
+Four things stand between `get_gpt_layer_local_spec(multi_latent_attention=True)` and a local MLA layer that trains
 and checkpoints like the TransformerEngine one a GPU run builds:
 
 - **The core attention.** MLASelfAttention passes `k_channels` (q/k head dim: nope + rope) and `v_channels` (v head
@@ -11,6 +11,14 @@ and checkpoints like the TransformerEngine one a GPU run builds:
   (its `extensions.transformer_engine` import succeeds and leaves MagicMock placeholders), so MLASelfAttention's
   `isinstance(self.linear_proj, TELinear)` raises TypeError: `local_mla_core` clears that flag when TE does not
   import (it gates only TE-linear branches).
+- **The down projections.** The local spec builds q_a / kv_a as ColumnParallelLinear and all-gathers their outputs;
+  the gather's backward keeps only this rank's slice of the gradient, right for the latent (its consumer, the
+  column-parallel up projection, all-reduces it) but not for the rope key, which each rank applies to its own heads
+  only: its gradient stays partial (Megatron-LM issue #1699, open in 0.16.1), with or without SP. TE builds them
+  'duplicated' (whole weight, no gather) and, under SP, all-gathers the rope key over the sequence, whose backward
+  (a reduce-scatter) sums those partial gradients. `duplicated_linear` is that module on the local spec, so the
+  local layer runs TE's path. Without SP at TP > 1 both paths leave the rope key's gradient partial:
+  `distributed.parallel.validate_layout` refuses that layout for MLA, as Megatron-LM's arguments do.
 - **The latent norms.** The local spec builds them as modules of their own, `q_layernorm` / `kv_layernorm`. Under
   TP > 1 without SP each rank normalises the whole gathered latent and receives its whole gradient (the up
   projection's input gradient is all-reduced), yet `finalize_model_grads` sums every parameter named `q_layernorm`
@@ -27,6 +35,7 @@ and checkpoints like the TransformerEngine one a GPU run builds:
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
@@ -35,6 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dapo.models.spec import te_available
 
 
+@cache
 def local_mla_core() -> type:
     """megatron-core's local DotProductAttention taking MLA's k_channels / v_channels (see the module doc)."""
     from megatron.core.transformer import multi_latent_attention
@@ -42,6 +52,7 @@ def local_mla_core() -> type:
 
     if not te_available():
         multi_latent_attention.HAVE_TE = False
+        multi_latent_attention.TELinear = duplicated_linear()
 
     class MLADotProductAttention(DotProductAttention):
         def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
@@ -54,6 +65,55 @@ def local_mla_core() -> type:
     return MLADotProductAttention
 
 
+@cache
+def duplicated_linear() -> type:
+    """The local twin of TELinear in its 'duplicated' mode (MLA's q / kv down projections under TE; module doc): the
+    whole weight [out, in] on every TP rank, y = x W^T on this rank's input ([s, b, in], or [s / tp, b, in] under SP)
+    with no TP communication, the weight tagged `sequence_parallel` under SP (each rank's gradient is then partial
+    and TP sums it, as TE tags it), checkpointed replicated (as TELinear.sharded_state_dict). One class per process:
+    MLASelfAttention picks the duplicated mode by identity with its module's `TELinear`, which `local_mla_core` sets
+    to it where TE does not import."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    class LocalDuplicatedLinear(torch.nn.Module):
+        def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None, config: Any,
+                     init_method: Any, bias: bool, skip_bias_add: bool, skip_weight_param_allocation: bool = False,
+                     tp_comm_buffer_name: str | None = None, is_expert: bool = False, tp_group: Any = None,
+                     **_: Any) -> None:
+            super().__init__()
+            if parallel_mode != "duplicated" or bias or is_expert or skip_weight_param_allocation:
+                raise ValueError("DuplicatedLinear builds MLA's duplicated down projections only (parallel_mode "
+                                 f"'duplicated', no bias), got parallel_mode={parallel_mode!r}, bias={bias}")
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            if config.perform_initialization:
+                init_method(self.weight)
+            self.weight.sequence_parallel = config.sequence_parallel
+
+        def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+            # One 2-D GEMM over the folded tokens whatever the grad mode: torch.matmul folds [s, b, in] only when
+            # the weight needs no grad (else it runs a batched GEMM, other bits), and megatron-core's own linears
+            # (inside autograd Functions) always fold; a reference model must give its actor's log-probs bit for bit
+            out = torch.mm(input_.reshape(-1, input_.shape[-1]), self.weight.t())
+            return out.view(*input_.shape[:-1], out.shape[-1]), None
+
+        def get_extra_state(self) -> None:
+            return None
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+                               ) -> dict:
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, None, sharded_offsets,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+    return LocalDuplicatedLinear
+
+
+@cache
 def norm_column_parallel_linear() -> type:
     """RMSNorm fused in front of megatron-core's ColumnParallelLinear: the local counterpart of TE's
     TELayerNormColumnParallelLinear (parameters `layer_norm_weight` [in] and `weight` [out / tp, in]; see the
@@ -82,9 +142,11 @@ LOCAL_MLA_KEYS_MAP = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 def set_local_mla_layer(layer: ModuleSpec) -> None:
     """Make a local MLA layer spec (from megatron-core's local MoE block spec) build like TE's MLA layer: the core
-    attention that takes MLA's head dims, the latent norms fused into their up projections, TE's checkpoint keys."""
+    attention that takes MLA's head dims, the down projections duplicated, the latent norms fused into their up
+    projections, TE's checkpoint keys."""
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = local_mla_core()
+    attention.linear_q_down_proj = attention.linear_kv_down_proj = duplicated_linear()
     fused = norm_column_parallel_linear()
     attention.linear_q_up_proj = attention.linear_kv_up_proj = fused
     attention.q_layernorm = attention.kv_layernorm = _identity()

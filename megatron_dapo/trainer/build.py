@@ -102,8 +102,7 @@ def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> 
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             try:
                 shards = {name: shard.to(dtype) for name, shard in
-                          iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk,
-                                           impl=actor.transformer_impl, **ranks)}
+                          iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
                 raise UserError(f"{flag}: {err}") from err
             actor.load_shards(shards, chunk, reload=False)

@@ -27,7 +27,7 @@ from megatron_dapo.distributed import comm
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, merge_tp_shards
 from megatron_dapo.weights.load import mapped_tensors, unwrap
-from megatron_dapo.weights.mapping import MappingEntry, fill, layout_kind, resolve_mcore_name
+from megatron_dapo.weights.mapping import MappingEntry, fill, resolve_mcore_name
 
 Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -41,8 +41,6 @@ class _Param:
     expert: int | None
     param: torch.Tensor
     """The parameter, or a buffer the table maps (an MoE router's expert_bias)."""
-    kind: str
-    """How the model's layer implementation splits it over TP (`weights.mapping.layout_kind`)."""
 
 
 def _local_params(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Param]:
@@ -50,7 +48,6 @@ def _local_params(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_P
     out = []
     for chunk in chunks:
         model = unwrap(chunk)
-        impl = model.config.transformer_impl
         # layer_number is megatron-core's 1-based global index, right under any PP / VPP split.
         to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
         for name, param in mapped_tensors(model, arch):
@@ -58,8 +55,7 @@ def _local_params(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_P
             if entry.tied_hf and arch.tie_word_embeddings:
                 continue  # the last stage's copy of a tied embedding; stage 0 exports the original
             layer = None if layer is None else to_global[layer]
-            out.append(_Param(entry, fill(entry.mcore, layer, expert), layer, expert, param,
-                              layout_kind(entry, impl)))
+            out.append(_Param(entry, fill(entry.mcore, layer, expert), layer, expert, param))
     return out
 
 
@@ -92,7 +88,7 @@ def _gather_tp(p: _Param) -> list[torch.Tensor]:
     else:
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group
-    if tp == 1 or p.kind == "replicated":
+    if tp == 1 or p.entry.kind == "replicated":
         return [p.param.detach()]
     return comm.all_gather(p.param.detach().contiguous(), group=group())
 
@@ -101,7 +97,7 @@ def _stage_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[str,
     ep = parallel_state.get_expert_model_parallel_world_size()
     for p in params:
         storage = p.param.untyped_storage().data_ptr()
-        tensors = merge_tp_shards(p.kind, _gather_tp(p), arch)
+        tensors = merge_tp_shards(p.entry.kind, _gather_tp(p), arch)
         if p.entry.per_expert and ep > 1:  # every EP rank's expert of this local number, in EP-rank order
             group = parallel_state.get_expert_model_parallel_group()
             tensors = [t for own in tensors for t in comm.all_gather(own.contiguous(), group=group)]

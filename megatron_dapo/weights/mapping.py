@@ -107,14 +107,6 @@ LAYER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
 asks for differ in one tensor only: an MoE layer's pre-MLP norm (`MappingEntry.te_moe_dist`)."""
 
 
-def layout_kind(entry: MappingEntry, impl: str) -> str:
-    """How a model of layer implementation `impl` splits `entry` over TP: its `te_kind` under TE where it has one,
-    else its `kind`."""
-    if impl not in LAYER_IMPLS:
-        raise ValueError(f"layer implementation must be one of {LAYER_IMPLS}, got {impl!r}")
-    return entry.te_kind if impl == "transformer_engine" and entry.te_kind else entry.kind
-
-
 def dist_key(entry: MappingEntry) -> str:
     """The key of `entry` in a megatron-core dist checkpoint (torch_dist), e.g. Megatron-LM's.
 

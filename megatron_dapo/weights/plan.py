@@ -15,15 +15,7 @@ import torch
 from megatron_dapo.distributed.parallel import ParallelLayout, layer_range, validate_layout
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, hf_to_mcore_tensor
-from megatron_dapo.weights.mapping import (
-    MappingEntry,
-    arch_mapping,
-    entry_in_layer,
-    fill,
-    has_output_layer,
-    hf_names,
-    layout_kind,
-)
+from megatron_dapo.weights.mapping import MappingEntry, arch_mapping, entry_in_layer, fill, has_output_layer, hf_names
 from megatron_dapo.weights.safetensors_io import TensorSpec
 
 
@@ -108,33 +100,30 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
 
 def iter_mcore_shards(
     get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, pp_rank: int,
-    ep_rank: int = 0, *, impl: str = "local",
+    ep_rank: int = 0,
 ) -> Iterator[tuple[str, list[torch.Tensor]]]:
     """Yield (stage-local mcore name, [shard for TP rank 0..tp-1]) for stage `pp_rank`; an expert's shards are
-    per expert-TP rank (0..etp-1), of the experts of `ep_rank`; split as a model of layer implementation `impl`
-    holds them (`weights.mapping.layout_kind`).
+    per expert-TP rank (0..etp-1), of the experts of `ep_rank`.
 
     `get_hf_tensor(hf_name)` is called lazily, one parameter at a time, so the caller holds at most
     one parameter's HF tensors and shards at once.
     """
-    for name, _, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank, impl=impl):
+    for name, _, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank):
         yield name, shards
 
 
 def iter_rank_shards(
     get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout, *, pp_rank: int,
-    tp_rank: int, ep_rank: int = 0, etp_rank: int = 0, chunk: int = 0, impl: str = "local",
+    tp_rank: int, ep_rank: int = 0, etp_rank: int = 0, chunk: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (stage-local mcore name, this rank's shard) for the rank at (pp, tp, ep, expert-tp) ranks, of its model
-    chunk `chunk` (--num-layers-per-virtual-pipeline-stage), split as a model of layer implementation `impl` holds
-    it."""
-    for name, entry, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank, chunk, impl=impl):
+    chunk `chunk` (--num-layers-per-virtual-pipeline-stage)."""
+    for name, entry, shards in _iter_shards(get_hf_tensor, arch, layout, pp_rank, ep_rank, chunk):
         yield name, shards[etp_rank if entry.per_expert else tp_rank]
 
 
 def _iter_shards(get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, layout: ParallelLayout,
-                 pp_rank: int, ep_rank: int, chunk: int = 0, *, impl: str
-                 ) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
+                 pp_rank: int, ep_rank: int, chunk: int = 0) -> Iterator[tuple[str, MappingEntry, list[torch.Tensor]]]:
     for t in stage_tensors(arch, layout, pp_rank, ep_rank, chunk=chunk):
         hf = [get_hf_tensor(name) for name in t.hf_names]
         for name, tensor, shape in zip(t.hf_names, hf, hf_shapes(t.entry, arch), strict=True):
@@ -143,5 +132,5 @@ def _iter_shards(get_hf_tensor: Callable[[str], torch.Tensor], arch: ModelArch, 
                     f"HF tensor {name} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
                 )
         tp = layout.expert_tp if t.entry.per_expert else layout.tp
-        yield t.mcore_name, t.entry, hf_to_mcore_tensor(layout_kind(t.entry, impl), hf, arch, tp)
+        yield t.mcore_name, t.entry, hf_to_mcore_tensor(t.entry.kind, hf, arch, tp)
 

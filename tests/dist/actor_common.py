@@ -167,7 +167,8 @@ def _mla_to_mcore(sd: dict[str, torch.Tensor], h: str, m: str, out: dict[str, to
 
 
 def _kind(name: str) -> str:
-    if name.endswith(("layernorm.weight", "layer_norm_weight", "router.weight", "expert_bias")):
+    # MLA's down projections are whole on every TP rank (TELinear 'duplicated' and its local twin)
+    if name.endswith(("layernorm.weight", "layer_norm_weight", "router.weight", "expert_bias", "down_proj.weight")):
         return "replicated"
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"

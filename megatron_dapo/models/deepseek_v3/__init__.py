@@ -36,16 +36,16 @@ _A = _L + "self_attention."
 _HA = _H + "self_attn."
 
 MLA_ENTRIES: tuple[MappingEntry, ...] = (
-    MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="column",
-                 te_kind="replicated", stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
+    MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="replicated",
+                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_up_proj.layer_norm_weight", hf=(_HA + "q_a_layernorm.weight",),
                  kind="replicated", stage="layer", shapes=(("q_lora_rank",),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_up_proj.weight", hf=(_HA + "q_b_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "q_lora_rank"),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_proj.weight", hf=(_HA + "q_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "hidden_size"),), requires="no_q_lora"),
-    MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="column",
-                 te_kind="replicated", stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
+    MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="replicated",
+                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
     MappingEntry(mcore=_A + "linear_kv_up_proj.layer_norm_weight", hf=(_HA + "kv_a_layernorm.weight",),
                  kind="replicated", stage="layer", shapes=(("kv_lora_rank",),)),
     MappingEntry(mcore=_A + "linear_kv_up_proj.weight", hf=(_HA + "kv_b_proj.weight",), kind="column",
@@ -53,9 +53,9 @@ MLA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_A + "linear_proj.weight", hf=(_HA + "o_proj.weight",), kind="row",
                  stage="layer", shapes=(("hidden_size", "o_cols"),)),
 )
-"""One MLA layer, HF order. `column` / `row` are the local spec's ColumnParallelLinear / RowParallelLinear splits: the
-down projections are column-split there (their outputs all-gathered), whole on every TP rank under TE (TELinear
-'duplicated': `te_kind`). The latent norms are fused into the up projections on both (`models/mla_local.py`)."""
+"""One MLA layer, HF order: the down projections whole on every TP rank (TELinear 'duplicated' under TE, its local
+twin on CPU), the up projections column-parallel with the latent norms fused in, o_proj row-parallel, on either
+implementation (`models/mla_local.py`)."""
 
 _S = _L + "mlp.shared_experts."
 MOE_EXTRA_ENTRIES: tuple[MappingEntry, ...] = (
@@ -181,7 +181,7 @@ def parse(config: dict[str, Any]) -> ModelArch:
     scale = config.get("routed_scaling_factor", DEFAULTS["routed_scaling_factor"])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"routed_scaling_factor must be a positive number, got {scale!r}")
-    options = (("q_lora", q_lora is not None), ("no_q_lora", q_lora is None), ("q_lora_rank", q_lora or 0),
+    options = (("multi_latent_attention", True), ("q_lora", q_lora is not None), ("no_q_lora", q_lora is None), ("q_lora_rank", q_lora or 0),
                ("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope),
                ("v_head_dim", v), ("kv_down_rows", kv_lora + rope), ("kv_up_rows", heads * (nope + v)),
                ("o_cols", heads * v), ("shared_expert_size", shared * moe_size), ("n_group", groups),
@@ -262,7 +262,7 @@ DRAFT_FAMILY = ModelFamily(
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # q_lora_rank set, first layer dense, 8 experts in 4 groups (top-2 groups, top-4 experts: top-2 sums agree),
     # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12).
-    tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
                      rms_norm_eps=1e-6, rope_theta=10000.0, n_routed_experts=8, num_experts_per_tok=4,

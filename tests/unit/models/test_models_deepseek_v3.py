@@ -25,9 +25,10 @@ CASES = [
     pytest.param(dict(q_lora_rank=None), 5, id="no-q-lora"),
     pytest.param(dict(rope_parameters=YARN), 5, id="yarn"),
     # V2-Lite-like: no q bottleneck, one group (no group choice), routed_scaling_factor 1, every layer MoE, top-2.
-    # Sigmoid scores squeeze the routers' gaps: seed 7 is one whose top-k margins clear 1e-4 (1.1e-3).
+    # Sigmoid scores squeeze the routers' gaps: seed 7 (3 layers) is one whose top-k margins clear 1e-4 (1.1e-3).
     pytest.param(dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
-                      num_experts_per_tok=2, rope_parameters=YARN), 7, id="v2-lite-like-ungrouped-yarn"),
+                      num_experts_per_tok=2, num_hidden_layers=3, rope_parameters=YARN), 7,
+                 id="v2-lite-like-ungrouped-yarn"),
 ]
 
 
@@ -75,7 +76,7 @@ def test_parse_reads_the_mla_and_routing_fields():
     assert (arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.q_size) == (4, 4, 24, 96)
     assert (o["q_lora_rank"], o["kv_lora_rank"], o["kv_down_rows"], o["kv_up_rows"], o["o_cols"]) == (48, 32, 40,
                                                                                                       112, 48)
-    assert arch.moe_layers == (1, 2) and arch.num_experts == 8 and arch.num_experts_per_tok == 4
+    assert arch.moe_layers == (1, 2, 3) and arch.num_experts == 8 and arch.num_experts_per_tok == 4
     assert (o["n_group"], o["topk_group"], o["routed_scaling_factor"], o["shared_expert_size"]) == (4, 2, 2.5, 32)
     assert o["rope_type"] == "rope" and o["q_lora"] and not o["no_q_lora"]
     lite = ModelArch.from_hf(_config(q_lora_rank=None, rope_parameters=YARN))
@@ -90,7 +91,7 @@ def test_parse_reads_the_mla_and_routing_fields():
     pytest.param("topk_group", 1, "topk_group 1 with num_experts_per_tok 4", id="group-top2"),
     pytest.param("topk_group", 5, "topk_group 5 exceeds n_group 4", id="group-count"),
     pytest.param("n_routed_experts", 10, "n_routed_experts 10 must be a positive multiple of n_group", id="groups"),
-    pytest.param("first_k_dense_replace", 3, "first_k_dense_replace 3 leaves no MoE layer", id="all-dense"),
+    pytest.param("first_k_dense_replace", 4, "first_k_dense_replace 4 leaves no MoE layer", id="all-dense"),
     pytest.param("n_shared_experts", 0, "n_shared_experts 0", id="no-shared"),
     pytest.param("scoring_func", "softmax", "scoring_func 'softmax'", id="scoring"),
     pytest.param("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3'", id="llama3-rope"),
