@@ -26,6 +26,7 @@ megatron-core without code outside the folder):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -67,12 +68,35 @@ class MappingEntry:
     norm differently per layer kind and implementation: its TE MoE layer keeps the pre-MLP norm as a TENorm of its
     own (`pre_mlp_layernorm.weight`), while a TE dense layer fuses it into linear_fc1 and the local spec maps it to
     that fused name (`mlp.linear_fc1.layer_norm_weight`) in every layer, MoE or dense."""
+    te_kind: LayoutKind | None = None
+    """Its TP layout in a Transformer Engine model when that differs from `kind` (the local spec's); None: `kind`.
+    megatron-core 0.16.1 builds MLA's q / kv down projections as TELinear(parallel_mode='duplicated') there, whole on
+    every TP rank ('replicated'), where the local spec column-splits them. The planner plans the TE layout
+    (`planner.stages.stage_parameters`)."""
+    buffer: bool = False
+    """A buffer, not a parameter, in HF and megatron-core (DeepSeek-V3's e_score_correction_bias, megatron-core's
+    router expert_bias): in the checkpoint and the weight sync, not in `ModelArch.num_parameters`, no gradient and no
+    optimizer state."""
 
     @property
     def per_expert(self) -> bool:
         """One tensor per routed expert: split over the expert-parallel ranks, TP-split over the expert-TP
         ranks (`--expert-tensor-parallel-size`)."""
         return "{expert}" in self.mcore
+
+    def present(self, arch: Any) -> bool:
+        """Whether `arch` (a ModelArch) has this tensor: it requires nothing, or its `requires` fact is set."""
+        return self.requires is None or bool(arch.fact(self.requires))
+
+    def in_layer(self, arch: Any, layer: int) -> bool:
+        """Whether global decoder layer `layer` of `arch` holds this entry (dense-MLP entries skip the MoE layers and
+        the reverse)."""
+        return self.layers == "all" or arch.is_moe_layer(layer) == (self.layers == "moe")
+
+    def numel(self, arch: Any) -> int:
+        """Elements of its HF tensors together (`shapes` read off `arch`, `ModelArch.fact`): one expert's for an
+        expert entry, the vocab rows unpadded."""
+        return sum(math.prod(arch.fact(dim) for dim in shape) for shape in self.shapes)
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -87,6 +111,8 @@ class MappingEntry:
             raise ValueError(f"mapping entry {self.mcore}: an {{expert}} entry needs layers='moe' and its dist key")
         if any(("{expert}" in name) != self.per_expert for name in (*self.hf, *self.aliases)):
             raise ValueError(f"mapping entry {self.mcore}: {{expert}} must be in every name or in none")
+        if self.te_kind is not None and self.te_kind not in LAYOUT_KINDS:
+            raise ValueError(f"mapping entry {self.mcore}: te_kind {self.te_kind!r} is not one of {LAYOUT_KINDS}")
         if self.te_moe_dist is not None and ("{layer}" not in self.te_moe_dist or self.layers != "all"):
             raise ValueError(f"mapping entry {self.mcore}: te_moe_dist is a per-layer key of an entry in every layer")
 

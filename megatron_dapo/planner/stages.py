@@ -37,6 +37,7 @@ from megatron_dapo.distributed.parallel import (
     padded_vocab_size,
     validate_layout,
 )
+from megatron_dapo.models.family import MappingEntry
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner.activations import (
     ActivationSpec,
@@ -63,37 +64,51 @@ def stage_layers(arch: ModelArch, layout: ParallelLayout, stage: int) -> list[li
     return [list(layer_range(arch.num_layers, layout, stage, c)) for c in range(layout.virtual_stages(arch.num_layers))]
 
 
+def shard_parameters(entry: MappingEntry, arch: ModelArch, tp: int) -> int:
+    """Elements of one TP rank's shard of `entry` in a Transformer Engine model (the GPU layout; `entry.te_kind`
+    where it differs from the local spec's): whole when replicated (norms, the router, MLA's duplicated down
+    projections), the vocab rows padded to 128 x TP then split, every other kind 1 / TP (`tp`: the expert-TP size
+    for an expert entry)."""
+    kind = entry.te_kind or entry.kind
+    if kind == "replicated":
+        return entry.numel(arch)
+    if kind == "vocab":
+        return padded_vocab_size(arch.vocab_size, tp) // tp * arch.hidden_size
+    return entry.numel(arch) // tp
+
+
 def stage_expert_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
-    """Expert parameters this rank holds on pipeline `stage`: E / EP experts of every MoE layer, each split over
-    ETP (the router is not an expert parameter). Qwen3-30B-A3B at EP8, ETP1: 48 x 16 x 3 x 2048 x 768 = 3.62B."""
+    """Expert parameters this rank holds on pipeline `stage`: E / EP routed experts of every MoE layer, each split
+    over ETP (the router and shared experts are not expert parameters). Qwen3-30B-A3B at EP8, ETP1:
+    48 x 16 x 3 x 2048 x 768 = 3.62B."""
     if not arch.is_moe:
         return 0
     n_moe = sum(arch.is_moe_layer(i) for chunk in stage_layers(arch, layout, stage) for i in chunk)
-    per_expert = 3 * arch.hidden_size * arch.moe_intermediate_size // layout.expert_tp
+    per_expert = sum(shard_parameters(e, arch, layout.expert_tp) for e in arch.family.mapping
+                     if e.per_expert and e.present(arch))
     return n_moe * arch.num_experts // layout.ep * per_expert
 
 
 def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
-    """Parameters this rank holds on pipeline `stage`: norms and the router replicated over TP, the rest of the
-    dense part split over TP, plus stage_expert_parameters."""
-    h, t = arch.hidden_size, layout.tp
-    qkv = arch.q_size + 2 * arch.kv_size
-    bias = qkv if arch.qkv_bias else 0
-    qk_norms = 2 * arch.head_dim if arch.qk_layernorm else 0  # per-head weights, replicated over TP
-    attn = (h * qkv + bias + arch.q_size * h) // t + 2 * h + qk_norms
+    """Parameters this rank holds on pipeline `stage` in a Transformer Engine model, read off the family's name
+    table: each tensor's TP shard (`shard_parameters`: norms, the router and MLA's down projections whole, the rest
+    split over TP) times the stage's layers that hold it, the embedding on the first stage, the final norm and head
+    on the last (a tied head too when the embedding lives on another stage), plus stage_expert_parameters. Buffers
+    (DeepSeek-V3's expert bias) are not counted. DeepSeek-V3 at TP8: its q / kv down projections, 7168 x (1536 + 576)
+    per layer = 15.1M, sit whole on every rank (0.92B of the 61 layers' attention)."""
     layers = [i for chunk in stage_layers(arch, layout, stage) for i in chunk]
-    n_moe = sum(arch.is_moe_layer(i) for i in layers)
-    dense_mlp = 3 * h * arch.intermediate_size // t
-    n = len(layers) * attn + (len(layers) - n_moe) * dense_mlp + n_moe * arch.num_experts * h
-    n += stage_expert_parameters(arch, layout, stage)
-    vocab = padded_vocab_size(arch.vocab_size, t) * h // t
-    if stage == 0:
-        n += vocab
-    if stage == layout.pp - 1:
-        n += h  # final norm
-        if not arch.tie_word_embeddings or layout.pp > 1:
-            n += vocab  # output layer (a tied copy when the embedding lives on another stage)
-    return n
+    first, last = stage == 0, stage == layout.pp - 1
+    head = not arch.tie_word_embeddings or layout.pp > 1  # a tied copy when the embedding lives on another stage
+    n = 0
+    for entry in arch.family.mapping:
+        if not entry.present(arch) or entry.buffer or entry.per_expert:
+            continue
+        if entry.stage == "layer":
+            copies = sum(entry.in_layer(arch, i) for i in layers)
+        else:
+            copies = first if entry.stage == "first" else last and (head or not entry.tied_hf)
+        n += copies * shard_parameters(entry, arch, layout.tp)
+    return n + stage_expert_parameters(arch, layout, stage)
 
 
 @dataclass(frozen=True, kw_only=True)

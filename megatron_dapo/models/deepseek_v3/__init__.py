@@ -37,7 +37,7 @@ _HA = _H + "self_attn."
 
 MLA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="column",
-                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
+                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora", te_kind="replicated"),
     MappingEntry(mcore=_A + "q_layernorm.weight", hf=(_HA + "q_a_layernorm.weight",), kind="replicated",
                  stage="layer", shapes=(("q_lora_rank",),), requires="q_lora",
                  aliases=(_A + "linear_q_up_proj.layer_norm_weight",)),
@@ -46,7 +46,7 @@ MLA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_A + "linear_q_proj.weight", hf=(_HA + "q_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "hidden_size"),), requires="no_q_lora"),
     MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="column",
-                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
+                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),), te_kind="replicated"),
     MappingEntry(mcore=_A + "kv_layernorm.weight", hf=(_HA + "kv_a_layernorm.weight",), kind="replicated",
                  stage="layer", shapes=(("kv_lora_rank",),),
                  aliases=(_A + "linear_kv_up_proj.layer_norm_weight",)),
@@ -56,12 +56,13 @@ MLA_ENTRIES: tuple[MappingEntry, ...] = (
                  stage="layer", shapes=(("hidden_size", "o_cols"),)),
 )
 """One MLA layer, HF order. `column` / `row` are the local spec's ColumnParallelLinear / RowParallelLinear splits
-(the down projections are column-split and all-gathered there; TE's spec holds them whole: TP > 1 is untested)."""
+(the down projections are column-split and all-gathered there; TE's spec holds them whole, `te_kind`, as SGLang's
+ReplicatedLinear does: TP > 1 is untested)."""
 
 _S = _L + "mlp.shared_experts."
 MOE_EXTRA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_L + "mlp.router.expert_bias", hf=(_H + "mlp.gate.e_score_correction_bias",),
-                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe"),
+                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe", buffer=True),
     MappingEntry(mcore=_S + "linear_fc1.weight",
                  hf=(_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
                  kind="fc1", stage="layer",
