@@ -15,9 +15,12 @@ layers a stage holds (`stage_layers`, from `layer_range`): each stage's weights 
 count's, its in-flight count the same p - i (Qwen2.5-32B at TP8 x PP3 as 20/24/20 layers: the first stage's three
 micro-batches over 20 layers, not 24).
 
-Mixture of experts (Qwen3-MoE): expert weights, fp32 grads and Adam state are this rank's E / EP experts of each
-MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them over
-expert-DP (TP x CP x DP / (ETP x EP)), not DP. The router (E x h) counts with the dense part. An MoE layer saves
+Weights are counted off the family's name table for the Transformer Engine layout (stage_parameters): MLA's down
+projections and latent norms whole on every TP rank, DeepSeek-V3's expert bias (a buffer) not at all.
+Mixture of experts (Qwen3-MoE, DeepSeek-V3): expert weights, fp32 grads and Adam state are this rank's E / EP experts
+of each MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them
+over expert-DP (TP x CP x DP / (ETP x EP)), not DP. The router (E x h) and the shared experts count with the dense
+part. An MoE layer saves
 the router's tensors per local token and, per routed token copy, its hidden state and the expert's fc1 / SwiGLU /
 prob products (moe_layer_bytes, measured on CPU at EP1); copies per rank = local tokens x k x ETP x a factor: 1 at
 EP1, the capacity factor, or MOE_DROPLESS_IMBALANCE (2, assumed and printed) for the busiest EP rank when dropless.

@@ -251,6 +251,16 @@ def model_kwargs(arch: ModelArch) -> dict[str, Any]:
     return dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta)
 
 
+def activation_terms(arch: ModelArch) -> dict[str, Any]:
+    """The planner's model terms (`planner.activations.ActivationSpec`): the dense decoder's (gated MLP, no dropout,
+    unfused rope, qk_norm: here MLA's q / kv latent RMSNorms), MLA's latent ranks and head dims, the shared experts,
+    sigmoid routing without a load-balancing loss."""
+    o = dict(arch.family_options)
+    return {**dense.activation_terms(arch), "q_lora": o["q_lora_rank"], "kv_lora": o["kv_lora_rank"],
+            "rope_dim": o["qk_rope_head_dim"], "v_dim": o["v_head_dim"], "shared_ffn": o["shared_expert_size"],
+            "router_scores": "sigmoid", "aux_loss": False}
+
+
 DRAFT_FAMILY = ModelFamily(
     model_type="deepseek_v3",
     hf_model_class="DeepseekV3ForCausalLM",
@@ -260,7 +270,7 @@ DRAFT_FAMILY = ModelFamily(
     transformer_config_fields=transformer_config_fields,
     layer_spec_options=layer_spec_options,
     model_kwargs=model_kwargs,
-    activation_terms=dense.activation_terms,
+    activation_terms=activation_terms,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # q_lora_rank set, first layer dense, 8 experts in 4 groups (top-2 groups, top-4 experts: top-2 sums agree),
     # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12).
