@@ -17,6 +17,8 @@ megatron-core without code outside the folder):
 - `model_kwargs(arch)`: GPTModel keyword arguments for positions (rope type, base, scaling);
 - `activation_terms(arch)`: the planner's `ActivationSpec` fields that depend on the model (gated MLP,
   dropout, rope), next to the ones the layer implementation decides;
+- `kv_cache_elements(arch, tp)` (optional): the inference engine's KV cache per token, layer and TP rank when it is
+  not GQA's K and V (MLA caches one latent);
 - `mapping`: the HF <-> megatron-core name table (`weights/mapping.py` entries; data);
 - `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
   build (`hf_causal_lm()`, `hf_config()`);
@@ -139,6 +141,9 @@ class ModelFamily:
     layer_spec_options: Callable[[Any], dict[str, Any]]
     model_kwargs: Callable[[Any], dict[str, Any]]
     activation_terms: Callable[[Any], dict[str, Any]]
+    kv_cache_elements: Callable[[Any, int], int] | None = None
+    """(arch, engine TP size) -> elements one token's KV cache takes per layer on one TP rank of the inference engine
+    (the colocated plan's SGLang pool); None: GQA's K and V of the rank's kv heads (`planner.colocated`)."""
     arch_defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
     tiny_config: Mapping[str, Any] = field(default_factory=dict)

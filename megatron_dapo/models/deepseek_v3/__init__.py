@@ -261,6 +261,13 @@ def activation_terms(arch: ModelArch) -> dict[str, Any]:
             "router_scores": "sigmoid", "aux_loss": False}
 
 
+def kv_cache_elements(arch: ModelArch, tp: int) -> int:
+    """SGLang's MLA KV cache per token and layer: the normalised kv latent and the roped shared key, kv_lora_rank +
+    qk_rope_head_dim, whole on every TP rank: 576, 70 KB per token over DeepSeek-V3's 61 layers in bf16 (GQA's K and V
+    of 128 / 8 heads x 192 at TP8 would be 2 x 16 x 192 per layer, 10.7x that)."""
+    return arch.option("kv_lora_rank") + arch.option("qk_rope_head_dim")
+
+
 DRAFT_FAMILY = ModelFamily(
     model_type="deepseek_v3",
     hf_model_class="DeepseekV3ForCausalLM",
@@ -271,6 +278,7 @@ DRAFT_FAMILY = ModelFamily(
     layer_spec_options=layer_spec_options,
     model_kwargs=model_kwargs,
     activation_terms=activation_terms,
+    kv_cache_elements=kv_cache_elements,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # q_lora_rank set, first layer dense, 8 experts in 4 groups (top-2 groups, top-4 experts: top-2 sums agree),
     # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12).

@@ -300,7 +300,7 @@ def test_mla_parameters_add_up_to_the_hf_count(model):
     """DeepSeek-V3 (671B, 37B active per the paper, the MTP layer aside) and Moonlight-16B-A3B (q_lora_rank null, 2
     shared experts): the count read off the table equals HF's model built on the meta device (expert bias buffers left
     out), and at TP8 every rank holds the norms, the routers and the q / kv down projections whole (TE's duplicated
-    TELinear)."""
+    TELinear); an SGLang rank's KV cache holds the latent."""
     arch = ModelArch.from_hf({"model_type": "deepseek_v3", **MLA_CONFIGS[model]})
     with torch.device("meta"):
         hf = arch.family.hf_causal_lm()(arch.family.hf_config(**MLA_CONFIGS[model]))
@@ -317,6 +317,8 @@ def test_mla_parameters_add_up_to_the_hf_count(model):
     tp8 = sum(stages.stage_parameters(arch, replace(pp2, tp=8), i) for i in range(2))
     pad = -(-arch.vocab_size // 1024) * 1024 - arch.vocab_size
     assert tp8 * 8 - 7 * replicated == arch.num_parameters() + 2 * pad * h
+    # SGLang caches one latent of kv_lora + rope per token and layer on every TP rank, not K and V per head
+    assert colocated.kv_bytes_per_token(arch, 8) == arch.num_layers * (512 + 64) * 2
 
 
 @pytest.mark.parametrize("model", ["qwen3-8B", "qwen3-32B", "llama3.1-8B"])
