@@ -98,7 +98,7 @@ def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int
     split over TP) times the stage's layers that hold it, the embedding on the first stage, the final norm and head
     on the last (a tied head too when the embedding lives on another stage), plus stage_expert_parameters. Buffers
     (DeepSeek-V3's expert bias) are not counted. DeepSeek-V3 at TP8: its q / kv down projections, 7168 x (1536 + 576)
-    per layer = 15.1M, sit whole on every rank (0.92B of the 61 layers' attention)."""
+    per layer = 15.1M, sit whole on every rank (0.92B over the 61 layers)."""
     layers = [i for chunk in stage_layers(arch, layout, stage) for i in chunk]
     first, last = stage == 0, stage == layout.pp - 1
     head = not arch.tie_word_embeddings or layout.pp > 1  # a tied copy when the embedding lives on another stage
