@@ -54,9 +54,7 @@ def fill(template: str, layer: int | None = None, expert: int | None = None) -> 
 def entry_in_layer(entry: MappingEntry, arch: ModelArch, layer: int) -> bool:
     """Whether global decoder layer `layer` of `arch` holds `entry` (dense-MLP entries skip the MoE layers and
     the reverse)."""
-    if entry.layers == "all":
-        return True
-    return arch.is_moe_layer(layer) == (entry.layers == "moe")
+    return entry.in_layer(arch, layer)
 
 
 def _template_regex(template: str) -> re.Pattern[str]:

@@ -60,7 +60,7 @@ implementation (`models/mla_local.py`)."""
 _S = _L + "mlp.shared_experts."
 MOE_EXTRA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_L + "mlp.router.expert_bias", hf=(_H + "mlp.gate.e_score_correction_bias",),
-                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe"),
+                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe", buffer=True),
     MappingEntry(mcore=_S + "linear_fc1.weight",
                  hf=(_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
                  kind="fc1", stage="layer",
@@ -249,6 +249,23 @@ def model_kwargs(arch: ModelArch) -> dict[str, Any]:
     return dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta)
 
 
+def activation_terms(arch: ModelArch) -> dict[str, Any]:
+    """The planner's model terms (`planner.activations.ActivationSpec`): the dense decoder's (gated MLP, no dropout,
+    unfused rope, qk_norm: here MLA's q / kv latent RMSNorms), MLA's latent ranks and head dims, the shared experts,
+    sigmoid routing without a load-balancing loss."""
+    o = dict(arch.family_options)
+    return {**dense.activation_terms(arch), "q_lora": o["q_lora_rank"], "kv_lora": o["kv_lora_rank"],
+            "rope_dim": o["qk_rope_head_dim"], "v_dim": o["v_head_dim"], "shared_ffn": o["shared_expert_size"],
+            "router_scores": "sigmoid", "aux_loss": False}
+
+
+def kv_cache_elements(arch: ModelArch, tp: int) -> int:
+    """SGLang's MLA KV cache per token and layer: the normalised kv latent and the roped shared key, kv_lora_rank +
+    qk_rope_head_dim, whole on every TP rank: 576, 70 KB per token over DeepSeek-V3's 61 layers in bf16 (GQA's K and V
+    of 128 / 8 heads x 192 at TP8 would be 2 x 16 x 192 per layer, 10.7x that)."""
+    return arch.option("kv_lora_rank") + arch.option("qk_rope_head_dim")
+
+
 DRAFT_FAMILY = ModelFamily(
     model_type="deepseek_v3",
     hf_model_class="DeepseekV3ForCausalLM",
@@ -258,7 +275,8 @@ DRAFT_FAMILY = ModelFamily(
     transformer_config_fields=transformer_config_fields,
     layer_spec_options=layer_spec_options,
     model_kwargs=model_kwargs,
-    activation_terms=dense.activation_terms,
+    activation_terms=activation_terms,
+    kv_cache_elements=kv_cache_elements,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # q_lora_rank set, first layer dense, 8 experts in 4 groups (top-2 groups, top-4 experts: top-2 sums agree),
     # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12).

@@ -139,15 +139,22 @@ FAMILY_ARCHS[TINY.model_type] = lambda: TINY
 # Variants on top. Qwen3's tiny config: 2 query groups of 2 heads (the query reshape copies q before its norm); the
 # variants without GQA and with one group keep q a view of the fused qkv output. The MoE's mixed layout: layer 1
 # dense, 96 wide.
+# DeepSeek-V3's MLA without q_lora_rank (DeepSeek-V2-Lite, Moonlight: one q projection, no q latent).
 ARCHS = {
     **FAMILY_ARCHS,
     "qwen3-mha": lambda: _family_tiny("qwen3", num_key_value_heads=4, head_dim=16),
     "qwen3-one-group": lambda: _family_tiny("qwen3", num_key_value_heads=1),
     "qwen3_moe-mixed": lambda: _family_tiny("qwen3_moe", mlp_only_layers=[1]),
+    "deepseek_v3-no-q-lora": lambda: _family_tiny("deepseek_v3", q_lora_rank=None),
 }
+UNREGISTERED = "the deepseek_v3 family is not registered yet (docs/MODELS.md)"
+NEEDS_DEEPSEEK_V3 = [pytest.mark.skipif("deepseek_v3" not in model_types(), reason=UNREGISTERED),
+                     pytest.mark.designed_skip(UNREGISTERED)]
 SAVED_TENSOR_CASES = [pytest.param(a, r, id=f"{a}-{r}") for a in FAMILY_ARCHS for r in RECOMPUTE] + [
     pytest.param(a, "none", id=f"{a}-none") for a in ("qwen3-mha", "qwen3-one-group", "qwen3_moe-mixed")] + [
-    pytest.param("qwen3_moe-mixed", "full-block", id="qwen3_moe-mixed-full-block")]
+    pytest.param("qwen3_moe-mixed", "full-block", id="qwen3_moe-mixed-full-block")] + [
+    pytest.param("deepseek_v3-no-q-lora", r, id=f"deepseek_v3-no-q-lora-{r}", marks=NEEDS_DEEPSEEK_V3)
+    for r in RECOMPUTE]
 
 
 @pytest.mark.parametrize("arch_name,name", SAVED_TENSOR_CASES)
@@ -235,6 +242,83 @@ def test_qk_norm_term_by_hand():
     diff = (activations.layer_activation_bytes(local, layout, tokens=10, seq_len=10)
             - activations.layer_activation_bytes(off, layout, tokens=10, seq_len=10))
     assert diff == 10 * ((96 + 48 + 96 + 192) * 4 + 4 * 6)
+
+
+def test_mla_terms_by_hand():
+    """Multi-head latent attention's bytes written out. The tiny DeepSeek-V3 on the local spec (fp32; 4 heads of
+    16 nope + 8 rope q / k dims and 12 v dims, q latent 48, kv latent 32): q latent, its norm's normalised input and
+    output (3 x 48) and rstd; kv down output (32 + 8, kept by the norm's view), normalised and output (2 x 32) and
+    rstd; query and key (2 x 96), value (48); scores 4 heads x s. DeepSeek-V3 under TE (bf16, 128 heads of 192 / 128,
+    q 1536, kv 512 + 64): each latent's input and norm output, the rstds; query, key, value and the log-sum-exp."""
+    tiny = activations.ActivationSpec(hidden=64, ffn=96, heads=4, q=96, kv=96, head_dim=24, attention="unfused",
+                                      norm_tensors=3, bytes_per_element=4, causal_mask=True, qk_norm=True, q_lora=48,
+                                      kv_lora=32, rope_dim=8, v_dim=12, experts=8, topk=4, moe_ffn=32, shared_ffn=32,
+                                      router_scores="sigmoid", aux_loss=False)
+    latents, attn, scores = activations.mla_bytes(tiny, seq_len=40, selective=False)
+    assert (latents, attn, scores) == ((3 * 48 + 40 + 2 * 32) * 4 + 2 * 4, (2 * 96 + 48) * 4, 4 * 40 * 4)
+    assert activations.mla_bytes(tiny, seq_len=40, selective=True) == (latents, attn, 0.0)
+    no_q_lora = replace(tiny, q_lora=0)
+    assert activations.mla_bytes(no_q_lora, seq_len=40, selective=False)[0] == (40 + 2 * 32) * 4 + 4
+    # a dense layer of 120 tokens: 2 norms (3 x 64 + rstd), latents, attention, its output (48), SwiGLU 5 x 96; rope
+    # tables 4 x s x 8; an MoE layer's MLP is its shared experts' (5 x 32) beside moe_layer_bytes
+    layout = ParallelLayout()
+    dense = 120 * (2 * (3 * 64 * 4 + 4) + latents + attn + scores + 48 * 4 + 5 * 96 * 4) + 4 * 40 * 8 * 4
+    assert activations.layer_activation_bytes(tiny, layout, tokens=120, seq_len=40) == dense
+    moe = activations.layer_activation_bytes(tiny, layout, tokens=120, seq_len=40, moe_factor=1.0)
+    router = 120 * (16 * 4 + 4 * 8 + 5 * 4 + 8 + 8 * 4)  # no aux loss: nothing per layer
+    assert moe == dense - 120 * 5 * (96 - 32) * 4 + router + 120 * 4 * (64 + 6 * 32 + 1) * 4
+    v3 = activations.ActivationSpec(hidden=7168, ffn=18432, heads=128, q=24576, kv=24576, head_dim=192,
+                                    attention="flash", norm_tensors=2, bytes_per_element=2, qk_norm=True, q_lora=1536,
+                                    kv_lora=512, rope_dim=64, v_dim=128)
+    assert activations.mla_bytes(v3, seq_len=4096, selective=False) == (
+        2 * 1536 * 2 + 4 + 2 * 512 * 2 + 4, (2 * 24576 + 16384) * 2 + 4 * 128, 0.0)
+    with pytest.raises(ValueError, match="latent RMSNorms"):
+        replace(v3, qk_norm=False)
+
+
+MLA_CONFIGS = {
+    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8, topk_group=4,
+                        n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                        tie_word_embeddings=False, max_position_embeddings=163840, rope_theta=10000.0,
+                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "moonlight-16b-a3b": dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, num_hidden_layers=27,
+                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+                              num_experts_per_tok=6, moe_intermediate_size=1408, n_group=1, topk_group=1,
+                              n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.446,
+                              tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=50000.0),
+}
+"""config.json fields of the two (DeepSeek-V3's without the MTP layer's num_nextn_predict_layers)."""
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=NEEDS_DEEPSEEK_V3) for m in MLA_CONFIGS])
+def test_mla_parameters_add_up_to_the_hf_count(model):
+    """DeepSeek-V3 (671B, 37B active per the paper, the MTP layer aside) and Moonlight-16B-A3B (q_lora_rank null, 2
+    shared experts): the count read off the table equals HF's model built on the meta device (expert bias buffers left
+    out), and at TP8 every rank holds the norms, the routers and the q / kv down projections whole (TE's duplicated
+    TELinear); an SGLang rank's KV cache holds the latent."""
+    arch = ModelArch.from_hf({"model_type": "deepseek_v3", **MLA_CONFIGS[model]})
+    with torch.device("meta"):
+        hf = arch.family.hf_causal_lm()(arch.family.hf_config(**MLA_CONFIGS[model]))
+    assert hf.num_parameters() == arch.num_parameters()
+    total, active = {"deepseek-v3": ((670e9, 672e9), (37e9, 38e9)),
+                     "moonlight-16b-a3b": ((15.9e9, 16e9), (2.9e9, 3e9))}[model]
+    assert total[0] < arch.num_parameters() < total[1] and active[0] < arch.num_parameters(active=True) < active[1]
+    pp2 = ParallelLayout(pp=2, layers_in_first_stage=arch.num_layers // 2)  # 61 and 27 layers: uneven
+    assert sum(stages.stage_parameters(arch, pp2, i) for i in range(2)) == arch.num_parameters()
+    o, h = dict(arch.family_options), arch.hidden_size
+    down = h * (o["q_lora_rank"] + o["kv_lora_rank"] + o["qk_rope_head_dim"])
+    per_layer = 2 * h + o["q_lora_rank"] + o["kv_lora_rank"] + down
+    replicated = per_layer * arch.num_layers + len(arch.moe_layers) * arch.num_experts * h + h
+    tp8 = sum(stages.stage_parameters(arch, replace(pp2, tp=8), i) for i in range(2))
+    pad = -(-arch.vocab_size // 1024) * 1024 - arch.vocab_size
+    assert tp8 * 8 - 7 * replicated == arch.num_parameters() + 2 * pad * h
+    # SGLang caches one latent of kv_lora + rope per token and layer on every TP rank, not K and V per head
+    assert colocated.kv_bytes_per_token(arch, 8) == arch.num_layers * (512 + 64) * 2
 
 
 @pytest.mark.parametrize("model", ["qwen3-8B", "qwen3-32B", "llama3.1-8B"])
