@@ -181,8 +181,9 @@ def parse(config: dict[str, Any]) -> ModelArch:
     scale = config.get("routed_scaling_factor", DEFAULTS["routed_scaling_factor"])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"routed_scaling_factor must be a positive number, got {scale!r}")
-    options = (("multi_latent_attention", True), ("q_lora", q_lora is not None), ("no_q_lora", q_lora is None), ("q_lora_rank", q_lora or 0),
-               ("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope),
+    options = (("multi_latent_attention", True), ("q_lora", q_lora is not None), ("no_q_lora", q_lora is None),
+               ("q_lora_rank", q_lora or 0), ("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope),
+               ("qk_rope_head_dim", rope),
                ("v_head_dim", v), ("kv_down_rows", kv_lora + rope), ("kv_up_rows", heads * (nope + v)),
                ("o_cols", heads * v), ("shared_expert_size", shared * moe_size), ("n_group", groups),
                ("topk_group", topk_group), ("routed_scaling_factor", float(scale)), *_rope_options(config))
