@@ -193,23 +193,25 @@ def _entry_tensor(
 def extra_state_objects(arch: ModelArch, impl: str = "transformer_engine") -> dict[str, Any]:
     """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
-    Per layer, the four linears (megatron-core's local ones and TE's alike), of an MoE layer the attention's
-    two and each expert's two (megatron-core's SequentialMLP and TE's grouped linears alike: one object per expert,
-    offsets (layer, expert) of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); the norms a TE
-    build keeps as TENorm modules of their own (TE's RMSNorm has extra state; a stored key naming a `…layernorm`
-    module: the per-head q/k norms, an MoE layer's pre-MLP norm; the fused ones are the linears'); once, the final
-    norm, which on a TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec)
-    (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local modules ask for
-    none of the norms' and ignore the linears', TE's accept None. Loading tolerates an absent one anyway
+    Per layer, the linears (megatron-core's local ones and TE's alike: four, or MLA's six or five), of an MoE layer
+    the attention's and each expert's two (megatron-core's SequentialMLP and TE's grouped linears alike: one object
+    per expert, offsets (layer, expert) of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); the
+    norms a TE build keeps as TENorm modules of their own (TE's RMSNorm has extra state; a stored key naming a
+    `…layernorm` module: the per-head q/k norms, an MoE layer's pre-MLP norm; the fused ones are the linears');
+    once, the final norm, which on a TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer
+    spec) (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local modules ask
+    for none of the norms' and ignore the linears', TE's accept None. Loading tolerates an absent one anyway
     (weights/extra_state.py). `impl`: the keys the tensors are written under (`stored_tensors`). At Qwen3-30B-A3B
     under TE: 48 x (2 + 2 x 128 + 3) + 1 = 12,529 objects of ~1 KB (`tools/bench_convert.py --plan`).
     """
     objects = {}
     for stored in stored_tensors(arch, impl):
-        module = stored.key.rsplit(".", 1)[0]
+        module, param = stored.key.rsplit(".", 1)
         # the router (replicated, no extra state) and the fused norms (`linear_*.layer_norm_weight`: the linear's) have
-        # none of their own
-        if stored.entry.stage != "layer" or (stored.entry.kind == "replicated" and not module.endswith("layernorm")):
+        # none of their own; a replicated linear has (MLA's duplicated down projections, TELinear and its local twin)
+        linear = module.rsplit(".", 1)[-1].startswith("linear_") and param == "weight"
+        if stored.entry.stage != "layer" or (stored.entry.kind == "replicated"
+                                             and not (module.endswith("layernorm") or linear)):
             continue
         lead = (arch.num_layers,) if stored.stacked else ()
         experts = (arch.num_experts,) if stored.entry.per_expert else ()

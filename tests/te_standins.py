@@ -8,6 +8,7 @@ only the TE modules they pick are replaced by CPU twins registering the same par
   into linear_qkv / linear_fc1 as `layer_norm_weight`);
 - `CpuTENorm`: TENorm (TE's RMSNorm: a weight and `_extra_state`): the final norm, the q/k norms, and an MoE layer's
   separate `pre_mlp_layernorm`;
+- `cpu_te_dot_product_attention`: TEDotProductAttention (the local attention, taking MLA's k / v head dims);
 - `CpuTELinear`: TELinear in megatron-core's MLA's 'duplicated' mode (its q / kv down projections, whole on every
   TP rank; `sharded_state_dict` megatron-core's own, as below);
 - `CpuColumnGroupedLinear` / `CpuRowGroupedLinear`: TEColumn/RowParallelGroupedLinear of TEGroupedMLP (an MoE layer's
@@ -130,6 +131,23 @@ class _CpuDuplicatedLinear(torch.nn.Module):
         pass
 
 
+def cpu_te_dot_product_attention() -> type:
+    """TEDotProductAttention's CPU twin: megatron-core's local DotProductAttention (the same softmax(q k^T) v, unfused)
+    taking TE's `k_channels` / `v_channels`, which multi-head latent attention passes (q/k heads of nope + rope dims,
+    v heads of v_head_dim): the context is then v_channels wide per head. The scores take their head dim from q and
+    k and MLASelfAttention passes its softmax_scale."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CpuTEDotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_attention_head = v_channels
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return CpuTEDotProductAttention
+
+
 def _megatron_methods(class_name: str, names: tuple[str, ...]) -> list[ast.FunctionDef]:
     """The FunctionDefs `names` of class `class_name` in megatron-core's transformer_engine.py (found inside its
     `if HAVE_TE` block)."""
@@ -185,11 +203,7 @@ class CpuTESpecProvider(LocalSpecProvider):
         return CpuTELinear
 
     def core_attention(self) -> type:
-        """The local DotProductAttention (TE's fused attention computes the same), in the variant that also takes
-        multi-head latent attention's k / v head dims (`models.mla_local.local_mla_core`)."""
-        from megatron_dapo.models.mla_local import local_mla_core
-
-        return local_mla_core()
+        return cpu_te_dot_product_attention()
 
     def column_parallel_layer_norm_linear(self) -> type:
         return CpuLayerNormColumnParallelLinear

@@ -61,6 +61,9 @@ def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, model_type: str = "qw
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: saved, and it changes the routing
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
     return model.eval()
 
@@ -101,6 +104,44 @@ def load_common(ckpt_iter_dir: Path) -> dict:
         return torch.load(ckpt_iter_dir / "common.pt", weights_only=True)
 
 
+def expected_layer_tensors(full: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """The decoder-layer tensors a torch_dist checkpoint of megatron-core 0.16.1's TE model holds, from
+    `hf_to_full_mcore` output, written out here from megatron-core's naming: stacked on a leading layer axis
+    (`decoder.layers.<name>`) unless some layers are dense and some MoE (then `decoder.layers.<L>.<name>`); GQA's
+    fused qkv with the input norm fused in (`linear_qkv.layer_norm_weight`), MLA's TENorm input norm and its latent
+    norms fused into the up projections; a dense MLP's norm fused into linear_fc1, an MoE layer's own
+    `pre_mlp_layernorm`, its experts on a leading expert axis, its shared experts' fc1 [gate; up]."""
+    per_layer: list[dict[str, torch.Tensor]] = []
+    for i in range(layers):
+        m, out = f"decoder.layers.{i}.", {}
+        for key, tensor in full.items():
+            if not key.startswith(m) or ".local_experts." in key:
+                continue
+            name = key[len(m):]
+            if name == "input_layernorm.weight" and m + "self_attention.linear_qkv.weight" in full:
+                name = "self_attention.linear_qkv.layer_norm_weight"
+            elif name == "pre_mlp_layernorm.weight" and m + "mlp.router.weight" not in full:
+                name = "mlp.linear_fc1.layer_norm_weight"
+            elif name.endswith("linear_fc1.gate"):
+                name, tensor = name.replace(".gate", ".weight"), torch.cat([tensor, full[key[:-4] + "up"]])
+            elif name.endswith("linear_fc1.up"):
+                continue
+            out[name] = tensor
+        experts = sorted({int(k.split(".local_experts.")[1].split(".")[0]) for k in full
+                          if k.startswith(m) and ".local_experts." in k})
+        if experts:
+            x = m + "mlp.experts.local_experts."
+            out["mlp.experts.experts.linear_fc1.weight"] = torch.stack(
+                [torch.cat([full[f"{x}{e}.linear_fc1.gate"], full[f"{x}{e}.linear_fc1.up"]]) for e in experts])
+            out["mlp.experts.experts.linear_fc2.weight"] = torch.stack([full[f"{x}{e}.linear_fc2.weight"]
+                                                                        for e in experts])
+        per_layer.append(out)
+    moe = ["mlp.router.weight" in layer for layer in per_layer]
+    if all(moe) or not any(moe):  # stacked
+        return {f"decoder.layers.{name}": torch.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+    return {f"decoder.layers.{i}.{name}": t for i, layer in enumerate(per_layer) for name, t in layer.items()}
+
+
 # The full TP/PP x tie matrix for the first family, TP2 x PP2 tied and untied for the others (the layout code
 # is shared; what differs per family is which tensors exist and their shapes).
 ROUND_TRIPS = [(FAMILIES[0], 1, 1, False), (FAMILIES[0], 1, 1, True)] + [
@@ -122,45 +163,21 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: 
     common = load_common(release)
     args = common["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
-    assert (args.num_layers, args.num_query_groups, args.padded_vocab_size) == (4, 2, 256)
+    fields = tiny_fields(model_type)
+    assert (args.num_layers, args.num_query_groups, args.padded_vocab_size) == (
+        4, fields["num_key_value_heads"], 256)
     assert args.untie_embeddings_and_output_weights == (not tied) and common["iteration"] == 0
-    # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping, layers stacked.
+    # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping
     stored = dcp_tensors(release)
     full = hf_to_full_mcore(model.state_dict(), ModelArch.from_hf(tmp_path / "hf"))
     emb = stored["embedding.word_embeddings.weight"]
     assert emb.shape == (256, hidden) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
     assert not emb[200:].any()  # padding rows are zero
     assert ("output_layer.weight" in stored) == (not tied)
-    optional = ("self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
-                "self_attention.k_layernorm.weight")
-    for key in optional:  # stored exactly when the HF model has the tensor (bias: qwen2; q/k norm: qwen3)
-        assert ("decoder.layers." + key in stored) == ("decoder.layers.0." + key in full), key
-    moe = "decoder.layers.0.mlp.router.weight" in full  # the tiny Qwen3-MoE: every layer MoE, layers stacked
-    assert ("decoder.layers.mlp.linear_fc1.weight" in stored) == (not moe)
-    for i in range(4):
-        m = f"decoder.layers.{i}."
-        if moe:  # router [E, H]; experts on a global expert axis: fc1 [E, 2I, H] (gate rows, then up), fc2 [E, H, I]
-            experts = range(tiny_fields(model_type)["num_experts"])
-            mlp = [("mlp.router.weight", full[m + "mlp.router.weight"]),
-                   ("mlp.experts.experts.linear_fc1.weight", torch.stack([torch.cat(
-                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc1.{half}"] for half in ("gate", "up")])
-                       for e in experts])),
-                   ("mlp.experts.experts.linear_fc2.weight", torch.stack(
-                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in experts]))]
-        else:
-            fc1 = torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])
-            mlp = [("mlp.linear_fc1.weight", fc1), ("mlp.linear_fc2.weight", full[m + "mlp.linear_fc2.weight"])]
-        for key, ref in [
-            ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
-            *[(key, full[m + key]) for key in optional if m + key in full],
-            ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
-            # the pre-MLP norm: a TE MoE layer's own TENorm, fused into linear_fc1 in a dense layer
-            ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight",
-             full[m + "pre_mlp_layernorm.weight"]),
-            ("self_attention.linear_proj.weight", full[m + "self_attention.linear_proj.weight"]),
-            *mlp,
-        ]:
-            assert torch.equal(stored["decoder.layers." + key][i], ref), (i, key)
+    want = expected_layer_tensors(full, 4)
+    assert sorted(k for k in stored if k.startswith("decoder.layers.")) == sorted(want)
+    for key, ref in want.items():
+        assert torch.equal(stored[key], ref), key
     convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
     original, back = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
     assert set(back) == set(original)

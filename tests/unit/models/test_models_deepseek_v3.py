@@ -155,3 +155,18 @@ def test_logits_match_hf(overrides, seed):
     print(f"max |logit diff| {(got[..., :arch.vocab_size] - want).abs().max().item():.3g} "
           f"of scale {want.abs().max().item():.3g}")
     assert_logits_close(got[..., :arch.vocab_size], want)
+
+
+@pytest.mark.parametrize(("rope", "fused"), [({}, False), (dict(rope_parameters=YARN), True)], ids=["rope", "yarn"])
+def test_gpu_config_fuses_rope_only_for_yarn(monkeypatch, rope, fused):
+    """On a CUDA + TE machine megatron-core's fused RoPE is on (models/config.py fusion_settings) except for MLA with
+    plain RoPE, which MLATransformerConfig refuses ("apply_rope_fusion for MLA only works with YARN RoPE"): the GPU
+    config of a plain-RoPE DeepSeek model (Moonlight, V2-Lite) must build, with the fusion off."""
+    from megatron_dapo.models import config as config_module
+
+    monkeypatch.setattr(config_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config_module, "te_available", lambda: True)
+    monkeypatch.setattr(config_module, "apex_wgrad_available", lambda: False)
+    tc = config_module.transformer_config_from_arch(ModelArch.from_hf(_config(**rope)))
+    assert tc.multi_latent_attention and tc.apply_rope_fusion is fused
+    assert tc.rope_type == ("yarn" if fused else "rope")
