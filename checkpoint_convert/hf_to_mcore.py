@@ -66,7 +66,7 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import LAYER_IMPLS, hf_names
-from megatron_dapo.weights.plan import hf_tensor_specs
+from megatron_dapo.weights.plan import dropped_hf_tensors, dropped_notice, hf_tensor_specs
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ASSETS_DIR = "hf_assets"
@@ -352,7 +352,11 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
             check_dtype(config_dtype(hf_config), src_dtype, declared_from=f"{cfg.hf_path}/config.json",
                         actual_from=f"--hf-path {cfg.hf_path}")
         # every tensor consumed by the mapping or named: a missing, reshaped or unplaceable one is an error
-        reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}")
+        prefixes, why = dropped_hf_tensors(arch)
+        skipped = reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}",
+                                        dropped=prefixes)
+        if skipped:
+            print(f"hf-to-mcore: {dropped_notice(skipped, prefixes, why)}", flush=True)
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes

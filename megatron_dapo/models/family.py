@@ -19,6 +19,9 @@ megatron-core without code outside the folder):
   dropout, rope), next to the ones the layer implementation decides;
 - `kv_cache_elements(arch, tp)` (optional): the inference engine's KV cache per token, layer and TP rank when it is
   not GQA's K and V (MLA caches one latent);
+- `dropped_hf_tensors(arch)` (optional): name prefixes of HF checkpoint tensors the family does not load, and why
+  (DeepSeek-V3's multi-token-prediction layer): a load skips them and says so, where any other unplaceable tensor
+  is an error;
 - `mapping`: the HF <-> megatron-core name table (`weights/mapping.py` entries; data);
 - `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
   build (`hf_causal_lm()`, `hf_config()`);
@@ -70,6 +73,12 @@ class MappingEntry:
     norm differently per layer kind and implementation: its TE MoE layer keeps the pre-MLP norm as a TENorm of its
     own (`pre_mlp_layernorm.weight`), while a TE dense layer fuses it into linear_fc1 and the local spec maps it to
     that fused name (`mlp.linear_fc1.layer_norm_weight`) in every layer, MoE or dense."""
+    sync_with_next: bool = False
+    """A weight-sync bucket carries this entry's HF tensor and the next entry's together
+    (`weights.mapping.keep_together`): the inference server's loader fuses them only when both arrive in one request
+    (SGLang 0.5.23 concatenates DeepSeek's q_a_proj and
+    kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa within one load_weights call, and drops a half that arrives
+    alone)."""
     buffer: bool = False
     """A buffer, not a parameter, in HF and megatron-core (DeepSeek-V3's e_score_correction_bias, megatron-core's
     router expert_bias): in the checkpoint and the weight sync, not in `ModelArch.num_parameters`, no gradient and no
@@ -137,6 +146,8 @@ class ModelFamily:
     kv_cache_elements: Callable[[Any, int], int] | None = None
     """(arch, engine TP size) -> elements one token's KV cache takes per layer on one TP rank of the inference engine
     (the colocated plan's SGLang pool); None: GQA's K and V of the rank's kv heads (`planner.colocated`)."""
+    dropped_hf_tensors: Callable[[Any], tuple[tuple[str, ...], str]] | None = None
+    """arch -> (HF name prefixes a load skips, why); None: a checkpoint holds nothing the family leaves out."""
     arch_defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
     tiny_config: Mapping[str, Any] = field(default_factory=dict)

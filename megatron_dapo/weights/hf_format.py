@@ -91,19 +91,24 @@ class HFCheckpointReader:
     def specs(self) -> dict[str, TensorSpec]:
         return {n: f.specs[n] for n, f in self._where.items()}
 
-    def check_expected(self, expected: Sequence[TensorSpec], *, model: str = "") -> None:
+    def check_expected(self, expected: Sequence[TensorSpec], *, model: str = "",
+                       dropped: tuple[str, ...] = ()) -> list[str]:
         """Raise CheckpointError, one line, unless the checkpoint holds exactly the tensors of the config-derived
         `expected` (names and shapes): it names the tensors missing, those of another shape, and those the model
         has no place for, which a load would otherwise drop in silence (a Qwen2 checkpoint's q/k/v biases under a
         config.json that says llama). `model` says what config.json describes (e.g. "model_type 'llama'"). Derived
         buffers transformers ignores too (`IGNORED_TENSORS`) are not counted. Reads the headers only (parsed on
-        open): milliseconds, also at Qwen2.5-32B's 771 tensors or Qwen3-30B-A3B's 18,867."""
+        open): milliseconds, also at Qwen2.5-32B's 771 tensors or Qwen3-30B-A3B's 18,867. Tensors under a `dropped`
+        name prefix (what the family leaves out on purpose, `ModelFamily.dropped_hf_tensors`) are no problem: their
+        names are returned, for the caller to say what it skips."""
         have = self.specs
         want = {s.name: s for s in expected}
         missing = [n for n in want if n not in have]
         reshaped = [f"{n} {list(have[n].shape)} (config.json implies {list(s.shape)})"
                     for n, s in want.items() if n in have and have[n].shape != s.shape]
-        extra = [n for n in have if n not in want and not IGNORED_TENSORS.search(n) and not self._tied_copy(n, want)]
+        skipped = [n for n in have if n not in want and n.startswith(dropped)] if dropped else []
+        extra = [n for n in have if n not in want and not IGNORED_TENSORS.search(n) and not self._tied_copy(n, want)
+                 and not (dropped and n.startswith(dropped))]
         problems = [_listing(f"{len(missing)} tensor(s) missing", missing),
                     _listing(f"{len(reshaped)} tensor(s) of another shape", reshaped),
                     _listing(f"{len(extra)} tensor(s) this model has no place for (a load would drop them)", extra)]
@@ -112,6 +117,7 @@ class HFCheckpointReader:
             what = f" ({model})" if model else ""
             raise CheckpointError(f"{self.dir} does not match its config.json{what}: " + "; ".join(problems)
                                   + ": does config.json describe these weights?")
+        return skipped
 
     def _tied_copy(self, name: str, want: dict[str, TensorSpec]) -> bool:
         """Whether `name` is the output head a tied model's checkpoint may store besides its embedding

@@ -105,6 +105,14 @@ LAYER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
 asks for differ in one tensor only: an MoE layer's pre-MLP norm (`MappingEntry.te_moe_dist`)."""
 
 
+def keep_together(arch: ModelArch) -> dict[str, str]:
+    """{HF name: its partner's} of every pair a weight-sync bucket must carry together (`MappingEntry.sync_with_next`:
+    an entry and the next one of the table), for every layer of `arch` that holds them."""
+    table = arch_mapping(arch)
+    return {fill(entry.hf[0], layer): fill(table[i + 1].hf[0], layer) for i, entry in enumerate(table)
+            if entry.sync_with_next for layer in range(arch.num_layers) if entry_in_layer(entry, arch, layer)}
+
+
 def dist_key(entry: MappingEntry) -> str:
     """The key of `entry` in a megatron-core dist checkpoint (torch_dist), e.g. Megatron-LM's.
 

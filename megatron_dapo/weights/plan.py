@@ -84,6 +84,21 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank
     return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
 
 
+def dropped_hf_tensors(arch: ModelArch) -> tuple[tuple[str, ...], str]:
+    """(HF name prefixes a load of `arch` skips, why): the family's `dropped_hf_tensors`, or ((), "")."""
+    hook = arch.family.dropped_hf_tensors
+    return hook(arch) if hook is not None else ((), "")
+
+
+def dropped_notice(skipped: list[str], prefixes: tuple[str, ...], why: str) -> str:
+    """One line saying how many checkpoint tensors a load left out, under which of `prefixes`, and why ("" when
+    none)."""
+    if not skipped:
+        return ""
+    under = ", ".join(p for p in prefixes if any(n.startswith(p) for n in skipped))
+    return f"not loading {len(skipped)} tensor(s) under {under}: {why}"
+
+
 def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
     """Every tensor of the HF checkpoint in layer order (tied models have no lm_head.weight)."""
     specs: list[TensorSpec] = []

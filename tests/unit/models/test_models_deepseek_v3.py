@@ -1,8 +1,6 @@
 """The deepseek_v3 family (models/deepseek_v3/): config.json parsing and its refusals, the name table against the
 tensors transformers saves, and megatron-core's MLA + sigmoid-routed MoE GPTModel (local spec, one process, fp32)
-loaded through the table giving HF's logits.
-
-The family is not registered yet (`DRAFT_FAMILY`): the `deepseek` fixture registers it for these tests only."""
+loaded through the table giving HF's logits."""
 
 from __future__ import annotations
 
@@ -10,8 +8,7 @@ import pytest
 import torch
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.models import registry
-from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
+from megatron_dapo.models.deepseek_v3 import FAMILY as FAM
 from megatron_dapo.models.hf_config import ModelArch
 from tests.hf_reference import assert_logits_close, router_topk_margin
 
@@ -30,12 +27,6 @@ CASES = [
                       num_experts_per_tok=2, num_hidden_layers=3, rope_parameters=YARN), 7,
                  id="v2-lite-like-ungrouped-yarn"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deepseek(monkeypatch):
-    """deepseek_v3 in the registry for one test (`registry.families()` read first: the others stay found)."""
-    monkeypatch.setattr(registry, "_FAMILIES", {**registry.families(), "deepseek_v3": FAM})
 
 
 def _config(**overrides) -> dict:

@@ -1,4 +1,4 @@
-"""A real CPU SGLang 0.5.23 server (torch-native, fp32) on a tiny random `DeepseekV3ForCausalLM` (the draft
+"""A real CPU SGLang 0.5.23 server (torch-native, fp32) on a tiny random `DeepseekV3ForCausalLM` (the
 deepseek_v3 family's `tiny_config`: q_lora 48, kv_lora 32, nope 16 + rope 8, v 12, 8 experts in 4 groups, top-4,
 one shared expert, first layer dense). Issue 43 item 4; the findings, with file:line, are in
 docs/notes_dsv3_sglang.md.
@@ -11,14 +11,15 @@ What a server needs for it on CPU:
   transformers 5's DeepseekV3Config drops them on save_pretrained unless given, and SGLang reads them without a
   default);
 - YaRN rope scaling: SGLang's CPU rope factory takes nothing else (rotary_embedding/factory.py:478). DeepSeek-V3
-  ships YaRN; a plain-RoPE config (tiny_config as it is) is served with --json-model-override-args giving YaRN of
-  factor 1, which is plain RoPE in SGLang and HF alike.
+  ships YaRN; a plain-RoPE config (tiny_config as it is: test_sglang_families.py serves it) is served with
+  --json-model-override-args giving YaRN of factor 1, which is plain RoPE in SGLang and HF alike.
 
 Then the server's log-probs of sampled responses equal a teacher-forced HF forward within 1e-4 (measured <= 5e-6),
 and a weight push over the tensor path (HF names, /update_weights_from_tensor) takes effect, kv_b_proj's absorbed
 w_kc / w_vc included (SGLang re-derives them in every load_weights call that carries a kv_b_proj) - as long as a
 layer's q_a_proj and kv_a_proj_with_mqa arrive in the same request: SGLang fuses the two and drops either one that
-comes without the other (silently), which the last check pins.
+comes without the other (silently), which a check pins, and which every weight sync prevents by keeping the pair
+in one bucket (`MappingEntry.sync_with_next`, `weights.mapping.keep_together`), which the last check shows.
 Needs .venv-sglang (`make sglang-env`); skipped otherwise.
 """
 
@@ -29,12 +30,14 @@ import json
 import pytest
 import torch
 
-from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
+from megatron_dapo.models.deepseek_v3 import FAMILY as FAM
+from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.hf_params import hf_state_dict
 from megatron_dapo.rollout.sglang.engine import ClientConfig, SGLangEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 from megatron_dapo.weight_sync.buckets import iter_buckets
 from megatron_dapo.weight_sync.transports import transport
+from megatron_dapo.weights.mapping import keep_together
 from tests.sglang.real_server import MARKS, cpu_server_config, max_logprob_error
 from tests.torchrun import REPO
 
@@ -106,30 +109,20 @@ def _samples(engine, seed: int):
     return [s for group in engine.generate(reqs) for s in group]
 
 
-def _push(engine, push, hf, version: int, bucket_bytes: int) -> None:
-    """`hf`'s tensors into the server over the tensor path in buckets of `bucket_bytes` (ServerPush.update's
-    session, with the bucket size given here)."""
+def _push(engine, push, hf, version: int, bucket_bytes: int, pairs: dict[str, str] | None = None) -> None:
+    """`hf`'s tensors into the server over the tensor path in buckets of `bucket_bytes`, `pairs` kept together
+    (ServerPush.update's session, with the bucket size given here)."""
     with engine.weight_update(version) as session:
-        session.lost |= push.send(session.targets, iter_buckets(_hf_tensors(hf), bucket_bytes), version, session)
+        session.lost |= push.send(session.targets, iter_buckets(_hf_tensors(hf), bucket_bytes, pairs), version,
+                                  session)
     assert not session.lost
-
-
-def test_plain_rope_tiny_config_served_as_hf_computes_it(tmp_path):
-    """tiny_config as it is (plain RoPE), served with YaRN of factor 1 (PLAIN_AS_YARN): HF's log-probs."""
-    hf = _hf_model(seed=1)
-    engine = _engine(tmp_path, hf, *PLAIN_AS_YARN)
-    try:
-        samples = _samples(engine, seed=3)
-    finally:
-        engine.shutdown()
-    err = max_logprob_error(hf, samples)
-    print(f"plain RoPE: max |server - HF| = {err:.2e} over {sum(len(s.response_ids) for s in samples)} tokens")
-    assert err < 1e-4
 
 
 def test_yarn_model_logprobs_and_weight_pushes(tmp_path):
     """A YaRN model: HF's log-probs (not plain RoPE's); a push of seed B in one bucket gives B's; a push of seed A
-    in buckets too small for a layer's q_a_proj and kv_a_proj_with_mqa together leaves exactly those at B's."""
+    in buckets too small for a layer's q_a_proj and kv_a_proj_with_mqa together leaves exactly those at B's (SGLang
+    drops a half that comes alone); the same small buckets keeping the family's pairs together
+    (`weights.mapping.keep_together`, what every weight sync passes) give A's."""
     served, pushed = _hf_model(seed=1, rope_parameters=YARN), _hf_model(seed=2, rope_parameters=YARN)
     engine = _engine(tmp_path, served)
     try:
@@ -140,6 +133,9 @@ def test_yarn_model_logprobs_and_weight_pushes(tmp_path):
         small = 16 << 10  # < q_a_proj (12 KiB) + kv_a_proj_with_mqa (10 KiB) in fp32: never in one bucket
         _push(engine, push, served, version=2, bucket_bytes=small)
         split = _samples(engine, seed=5)
+        _push(engine, push, served, version=3, bucket_bytes=small,
+              pairs=keep_together(ModelArch.from_hf(served.config)))
+        paired = _samples(engine, seed=6)
     finally:
         engine.shutdown()
 
@@ -170,3 +166,8 @@ def test_yarn_model_logprobs_and_weight_pushes(tmp_path):
     print(f"after the {small} B-bucket push of A: vs A {err_a:.2e}, vs A with B's q_a / kv_a_proj {err_hybrid:.2e}")
     assert err_hybrid < 1e-4
     assert err_a > 0.1
+
+    assert {s.weight_version for s in paired} == {3}
+    err_paired = max_logprob_error(served, paired)
+    print(f"after the {small} B-bucket push of A with the pairs kept together: vs A {err_paired:.2e}")
+    assert err_paired < 1e-4
