@@ -114,7 +114,6 @@ def iter_buckets(
 
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        awaiting.discard(name)
         if awaiting and pending and tensor.dtype != pending[0][1].dtype:
             raise ValueError(f"{sorted(awaiting)[0]} must travel in one bucket with its pair, but {name} of another "
                              f"dtype ({tensor.dtype}, not {pending[0][1].dtype}) comes in between")
@@ -124,6 +123,7 @@ def iter_buckets(
             pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
+        awaiting.discard(name)  # the partner is in: the bucket may close after it
         if name in pairs:
             awaiting.add(pairs[name])
     if awaiting:
