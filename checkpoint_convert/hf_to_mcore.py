@@ -66,7 +66,13 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import LAYER_IMPLS, hf_names
-from megatron_dapo.weights.plan import dropped_hf_tensors, dropped_notice, hf_tensor_specs
+from megatron_dapo.weights.plan import (
+    buffer_hf_names,
+    dropped_hf_tensors,
+    dropped_notice,
+    entry_dtype,
+    hf_tensor_specs,
+)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ASSETS_DIR = "hf_assets"
@@ -347,12 +353,13 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
     if os.path.exists(cfg.save) and not cfg.overwrite:
         raise FileExistsError(f"--save {cfg.save} already exists; pass --overwrite to replace it")
     with HFCheckpointReader(cfg.hf_path) as reader:
-        src_dtype = reader.dtype()
+        reader.check_unquantized()
+        prefixes, why = dropped_hf_tensors(arch)
+        src_dtype = reader.dtype(ignore=buffer_hf_names(arch) | {n for n in reader.specs if n.startswith(prefixes)})
         if cfg.dtype is None:
             check_dtype(config_dtype(hf_config), src_dtype, declared_from=f"{cfg.hf_path}/config.json",
                         actual_from=f"--hf-path {cfg.hf_path}")
         # every tensor consumed by the mapping or named: a missing, reshaped or unplaceable one is an error
-        prefixes, why = dropped_hf_tensors(arch)
         skipped = reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}",
                                         dropped=prefixes)
         if skipped:
@@ -362,7 +369,7 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
         chunk_bytes = cfg.chunk_bytes
         planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         impl = cfg.transformer_impl
-        tensors = {t.key: _entry_tensor(reader, t, arch, padded, dtype, chunk_bytes, planned)
+        tensors = {t.key: _entry_tensor(reader, t, arch, padded, entry_dtype(t.entry, dtype), chunk_bytes, planned)
                    for t in stored_tensors(arch, impl)}
         common = common_state(arch, cfg.layout, dtype, hf_config)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:

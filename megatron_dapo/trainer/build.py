@@ -96,6 +96,7 @@ def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> 
         raise UserError(f"{flag}: {err}", echo=os.environ.get("RANK", "0") == "0") from err
     with reader:
         try:  # the same verdict on every rank (the same headers), rank 0 prints it
+            reader.check_unquantized()
             prefixes, why = dropped_hf_tensors(arch)
             skipped = reader.check_expected(hf_tensor_specs(arch, dtype), model=f"model_type {arch.model_type!r}",
                                             dropped=prefixes)
@@ -105,7 +106,8 @@ def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> 
             print(f"[megatron-dapo] {flag} {hf_dir}: {dropped_notice(skipped, prefixes, why)}", flush=True)
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             try:
-                shards = {name: shard.to(dtype) for name, shard in
+                # each shard is cast where it lands (load_shards' copy_): a buffer stays fp32 (plan.BUFFER_DTYPE)
+                shards = {name: shard for name, shard in
                           iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
                 raise UserError(f"{flag}: {err}") from err

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -91,6 +91,16 @@ class HFCheckpointReader:
     def specs(self) -> dict[str, TensorSpec]:
         return {n: f.specs[n] for n, f in self._where.items()}
 
+    def check_unquantized(self) -> None:
+        """Raise CheckpointError, one line, on an FP8 block-quantized checkpoint (DeepSeek-V3's release format: fp8
+        weights each with a `weight_scale_inv` of per-128x128-block scales), which nothing here de-quantizes."""
+        scales = [n for n in self.specs if n.endswith(FP8_SCALE_SUFFIX)]
+        if scales:
+            raise CheckpointError(
+                f"{self.dir} is an FP8 block-quantized checkpoint ({len(scales)} tensor(s) named *{FP8_SCALE_SUFFIX}, "
+                "e.g. " + scales[0] + "): de-quantize it to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py "
+                "writes that copy) and point at the bf16 directory")
+
     def check_expected(self, expected: Sequence[TensorSpec], *, model: str = "",
                        dropped: tuple[str, ...] = ()) -> list[str]:
         """Raise CheckpointError, one line, unless the checkpoint holds exactly the tensors of the config-derived
@@ -129,9 +139,10 @@ class HFCheckpointReader:
             return False
         return torch.equal(self.get(name), self.get(source))
 
-    def dtype(self) -> torch.dtype:
-        """The checkpoint's floating dtype (the converter keeps it unless --dtype says otherwise)."""
-        dtypes = {s.dtype for s in self._where.values() for s in s.specs.values()}
+    def dtype(self, ignore: Collection[str] = ()) -> torch.dtype:
+        """The checkpoint's floating dtype (the converter keeps it unless --dtype says otherwise), over its tensors
+        but those named in `ignore` (buffers kept in fp32, tensors the family leaves out)."""
+        dtypes = {spec.dtype for f in self._where.values() for name, spec in f.specs.items() if name not in ignore}
         if len(dtypes) != 1:
             raise CheckpointError(f"{self.dir} mixes dtypes {sorted(map(str, dtypes))}; pass --dtype")
         return dtypes.pop()
@@ -167,6 +178,9 @@ class HFCheckpointReader:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+
+FP8_SCALE_SUFFIX = "weight_scale_inv"
+"""The name ending of an FP8 block-quantized checkpoint's scale tensors (`HFCheckpointReader.check_unquantized`)."""
 
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 """HF tensors no model parameter is built from: RoPE's inverse frequencies, which older checkpoints saved per layer

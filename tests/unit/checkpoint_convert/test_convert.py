@@ -891,3 +891,88 @@ def test_killed_run_leaves_no_temporary_after_the_next_run(tmp_path: Path, sig: 
     assert left == (tmp if sig == signal.SIGKILL else [])
     convert(*argv)
     assert os.listdir(tmp_path / "out") == ["mc"]
+
+
+def _add_mtp_layer(hf_dir: Path, layer: int) -> int:
+    """Append a DeepSeek-V3 multi-token-prediction layer `layer` (= num_hidden_layers) to `hf_dir`'s one safetensors
+    file as the release stores it: a decoder layer (layer 1's tensors, renamed) plus eh_proj, enorm, hnorm and the
+    shared head's norm. Returns how many tensors were added."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(path)
+    mtp = {k.replace("model.layers.1.", f"model.layers.{layer}."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name, shape in (("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)),
+                        ("hnorm.weight", (hidden,)), ("shared_head.norm.weight", (hidden,))):
+        mtp[f"model.layers.{layer}.{name}"] = torch.randn(shape)
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    return len(mtp)
+
+
+def test_deepseek_v3_mtp_layer_is_left_out_and_said(tmp_path: Path, capsys) -> None:
+    """A DeepSeek-V3 checkpoint with its multi-token-prediction layer (num_nextn_predict_layers 1: tensors under
+    model.layers.{num_hidden_layers}.): hf-to-mcore writes exactly what it writes without them and says it left them
+    out, naming the prefix and why; the same tensors under a config.json with num_nextn_predict_layers 0 are
+    refused as tensors with no place. (transformers 5.19's DeepseekV3Config defaults it to 1, as DeepSeek-V3 ships.)"""
+    make_tiny_hf(tmp_path / "plain", tied=False, model_type="deepseek_v3", overrides={"num_nextn_predict_layers": 0})
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "plain"), "--save", str(tmp_path / "mc_plain"))
+    capsys.readouterr()
+    make_tiny_hf(tmp_path / "mtp", tied=False, model_type="deepseek_v3", overrides={"num_nextn_predict_layers": 1})
+    added = _add_mtp_layer(tmp_path / "mtp", 4)
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "mtp"), "--save", str(tmp_path / "mc_mtp"))
+    out = capsys.readouterr().out
+    assert f"not loading {added} tensor(s) under model.layers.4.: DeepSeek-V3's multi-token-prediction layer" in out
+    plain, mtp = dcp_tensors(tmp_path / "mc_plain" / "release"), dcp_tensors(tmp_path / "mc_mtp" / "release")
+    assert set(plain) == set(mtp) and all(torch.equal(plain[k], mtp[k]) for k in plain)
+    _add_mtp_layer(tmp_path / "plain", 4)
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "plain"), "--save", str(tmp_path / "mc_bad")]) != 0
+    err = capsys.readouterr().err
+    assert f"{added} tensor(s) this model has no place for" in err and "model.layers.4." in err
+
+
+def test_deepseek_v3_bf16_checkpoint_keeps_its_fp32_router_bias(tmp_path: Path) -> None:
+    """DeepSeek-V3's release dtype mix: bf16 weights, fp32 e_score_correction_bias. hf-to-mcore takes it as a bf16
+    checkpoint (no --dtype), stores the bias as megatron-core's fp32 expert_bias bit for bit (bf16 would round it),
+    and mcore-to-hf gives the same mix back, bit-exact."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="deepseek_v3")
+    (path,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
+               for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
+    stored = dcp_tensors(tmp_path / "mc" / "release")
+    for i in (1, 2, 3):  # the MoE layers (per-layer keys: layer 0 is dense)
+        bias = stored[f"decoder.layers.{i}.mlp.router.expert_bias"]
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+    assert stored["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    back = read_all(tmp_path / "hf2")
+    assert set(back) == set(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_fp8_block_quantized_checkpoint_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    """DeepSeek-V3's release format (fp8 weights, each with a weight_scale_inv of block scales) is refused in one line
+    naming the scale tensors and how to get a bf16 copy, not as a dtype mix or a list of unplaceable tensors."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="deepseek_v3")
+    (path,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace("weight", "weight_scale_inv")] = torch.ones(1, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc")]) != 0
+    err = capsys.readouterr().err
+    assert "FP8 block-quantized checkpoint (1 tensor(s) named *weight_scale_inv" in err and "fp8_cast_bf16" in err
+    assert not (tmp_path / "mc").exists()
