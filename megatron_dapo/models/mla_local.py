@@ -136,6 +136,37 @@ def norm_column_parallel_linear() -> type:
     return NormColumnParallelLinear
 
 
+def with_norm_eps(cls: type, eps: float) -> type:
+    """A subclass of the norm-fused linear `cls` (TE's TELayerNormColumnParallelLinear, `norm_column_parallel_linear`'s
+    local one) whose fused norm uses `eps` instead of the model's `layernorm_epsilon`: each reads the eps off the
+    config it is built with, so the subclass builds it with a copy that says `eps`. DeepSeek-V3's q_a_layernorm and
+    kv_a_layernorm keep HF's 1e-6 whatever rms_norm_eps says (Moonlight: 1e-5 elsewhere)."""
+    import copy
+
+    class LatentNormLinear(cls):
+        def __init__(self, *args: Any, config: Any, **kwargs: Any) -> None:
+            config = copy.copy(config)
+            config.layernorm_epsilon = eps
+            super().__init__(*args, config=config, **kwargs)
+
+    LatentNormLinear.__name__ = LatentNormLinear.__qualname__ = f"{cls.__name__}Eps{eps:g}"
+    return LatentNormLinear
+
+
+def set_latent_norm_eps(layer: ModuleSpec, eps: float) -> None:
+    """Build an MLA layer spec's two up projections (their fused latent norms) with `eps` (`with_norm_eps`)."""
+    attention = layer.submodules.self_attention.submodules
+    for name in ("linear_q_up_proj", "linear_kv_up_proj"):
+        spec = getattr(attention, name)
+        module = spec.module if isinstance(spec, ModuleSpec) else spec
+        setattr(attention, name, _eps_class(module, eps))
+
+
+@cache
+def _eps_class(cls: type, eps: float) -> type:
+    return with_norm_eps(cls, eps)
+
+
 LOCAL_MLA_KEYS_MAP = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 """The local MLA layer's dist-checkpoint key map: a dense layer's pre-MLP norm under TE's name (module doc)."""
 

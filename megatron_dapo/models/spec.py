@@ -96,9 +96,11 @@ def _set_sp_norms(layer: ModuleSpec, options: dict[str, Any]) -> None:
         attention.k_layernorm = SequenceParallelRMSNorm
 
 
-def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage: int | None) -> Any:
+def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage: int | None,
+                    latent_eps: float | None = None) -> Any:
     """The block spec of an MoE model: megatron-core's per-layer choice of an MoE or a dense layer spec
-    (config.moe_layer_freq), sliced to this pipeline stage (and model chunk `vp_stage`)."""
+    (config.moe_layer_freq), sliced to this pipeline stage (and model chunk `vp_stage`); multi-head latent
+    attention's latent norms with `latent_eps` where given and not the model's eps (`mla_local.with_norm_eps`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
@@ -113,6 +115,12 @@ def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage
 
         for layer in layers:
             set_local_mla_layer(layer)
+    if config.multi_latent_attention and latent_eps is not None and latent_eps != config.layernorm_epsilon:
+        from megatron_dapo.models.mla_local import set_latent_norm_eps
+
+        for layer in layers:
+            if layer.submodules.self_attention.module.__name__ == "MLASelfAttention":
+                set_latent_norm_eps(layer, latent_eps)
     return block
 
 
@@ -121,7 +129,7 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
     """Decoder-layer spec (RMSNorm, SwiGLU, GQA attention) with the family's `options`.
 
     options: keyword arguments of megatron-core's spec builders from `arch.family.layer_spec_options(arch)`
-    (e.g. qk_layernorm); None: the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec
+    (e.g. qk_layernorm), and `latent_norm_eps` (the eps of MLA's latent norms where it is not the model's); None: the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec
     of this stage's layers (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
     True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
@@ -130,12 +138,13 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
     from megatron.core.models.gpt import gpt_layer_specs
 
     options = dict(options or {})
+    latent_eps = options.pop("latent_norm_eps", None)  # ours, not a megatron-core spec builder argument
     if use_te is None:
         use_te = resolve_transformer_impl(None) == "transformer_engine"
     if config is not None and config.num_moe_experts:
         if use_te and not te_available():
             raise ImportError(f"use_te=True needs transformer_engine ({TE_HINT})")
-        return _moe_block_spec(use_te, config, options, vp_stage)
+        return _moe_block_spec(use_te, config, options, vp_stage, latent_eps)
     if use_te:
         if not te_available():
             raise ImportError(

@@ -14,9 +14,7 @@ down and up projections, separate q/kv RMSNorms) and its MoELayer (TopKRouter wi
 expert_bias, group-limited top-k, topk_scaling_factor; shared experts). Deviations refused by `parse` (each a
 config.json field): norm_topk_prob false (megatron-core's sigmoid path always renormalises a top-k > 1), a group
 choice by other than the top-2 sum (megatron-core sums the top topk / group_topk per group), rope_interleave false
-(megatron-core's MLA de-interleaves the rope dims), rms_norm_eps other than 1e-6 (HF's q_a_layernorm /
-kv_a_layernorm keep 1e-6 whatever rms_norm_eps says; megatron-core uses layernorm_epsilon for every norm),
-attention_bias, scoring_func / topk_method other than DeepSeek-V3's.
+(megatron-core's MLA de-interleaves the rope dims), attention_bias, scoring_func / topk_method other than DeepSeek-V3's.
 
 On the local spec (CPU) the MLA layer is made to train and checkpoint like TE's (duplicated down projections, the
 latent norms fused into the up projections, TE's checkpoint keys): `models/mla_local.py`. At TP > 1 MLA needs
@@ -148,9 +146,6 @@ def parse(config: dict[str, Any]) -> ModelArch:
     if config.get("rope_interleave", True) is not True:
         raise ValueError("rope_interleave false is not supported (megatron-core's MLA applies RoPE to interleaved "
                          "pairs, as DeepSeek-V3's checkpoints are laid out)")
-    if float(config.get("rms_norm_eps", HF_NORM_EPS)) != HF_NORM_EPS:
-        raise ValueError(f"rms_norm_eps {config['rms_norm_eps']} is not supported: HF's q_a_layernorm / "
-                         f"kv_a_layernorm use {HF_NORM_EPS:g} whatever it says, megatron-core one eps for every norm")
     for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if config.get(name, want) != want:
             raise ValueError(f"{name} {config[name]!r} is not supported (DeepSeek-V3's {want!r})")
@@ -260,8 +255,9 @@ def dropped_hf_tensors(arch: ModelArch) -> tuple[tuple[str, ...], str]:
 
 
 def layer_spec_options(arch: ModelArch) -> dict[str, Any]:
-    """The local spec's MLA layer with its q / kv latent RMSNorms (megatron-core builds them under qk_layernorm)."""
-    return {"qk_layernorm": True, "multi_latent_attention": True}
+    """The MLA layer with its q / kv latent RMSNorms (megatron-core builds them under qk_layernorm), at HF's eps for
+    them (HF_NORM_EPS: Moonlight's rms_norm_eps 1e-5 is not theirs)."""
+    return {"qk_layernorm": True, "multi_latent_attention": True, "latent_norm_eps": HF_NORM_EPS}
 
 
 def model_kwargs(arch: ModelArch) -> dict[str, Any]:

@@ -26,6 +26,9 @@ CASES = [
     pytest.param(dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
                       num_experts_per_tok=2, num_hidden_layers=3, rope_parameters=YARN), 7,
                  id="v2-lite-like-ungrouped-yarn"),
+    # Moonlight-16B-A3B's norms: rms_norm_eps 1e-5, but HF's q_a / kv_a layernorms keep 1e-6; latents of RMS ~0.01
+    # (mean square ~1e-4), where 1e-5 instead of 1e-6 moves the normalised latent by ~4.5%.
+    pytest.param(dict(rms_norm_eps=1e-5, latent_scale=0.01, n_group=1, topk_group=1), 5, id="moonlight-eps"),
 ]
 
 
@@ -33,10 +36,11 @@ def _config(**overrides) -> dict:
     return {**FAM.tiny_config, "model_type": "deepseek_v3", **overrides}
 
 
-def _hf_model(seed: int, **overrides):
+def _hf_model(seed: int, latent_scale: float = 1.0, **overrides):
     """A tiny random DeepseekV3ForCausalLM (fp32, eager) with weights that make each feature show in the logits:
     projections N(0, 1 / fan_in) (tests.hf_reference.sharpen_weights' rule), norms off 1, routers at std 0.3 (top-k
-    decided by clear margins) and a non-zero e_score_correction_bias (std 0.1: it changes which experts are chosen)."""
+    decided by clear margins) and a non-zero e_score_correction_bias (std 0.1: it changes which experts are chosen);
+    the q / kv down projections x `latent_scale` (small latents make the latent norms' eps show)."""
     torch.manual_seed(seed)
     fields = {k: v for k, v in _config(**overrides).items() if k != "model_type"}
     hf = FAM.hf_causal_lm()(FAM.hf_config(**fields, attn_implementation="eager")).float().eval()
@@ -48,6 +52,8 @@ def _hf_model(seed: int, **overrides):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             elif "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(latent_scale)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
@@ -77,7 +83,6 @@ def test_parse_reads_the_mla_and_routing_fields():
 @pytest.mark.parametrize(("field", "value", "match"), [
     pytest.param("norm_topk_prob", False, "norm_topk_prob false is not supported", id="norm-topk"),
     pytest.param("rope_interleave", False, "rope_interleave false", id="rope-interleave"),
-    pytest.param("rms_norm_eps", 1e-5, "rms_norm_eps 1e-05 is not supported", id="eps"),
     pytest.param("attention_bias", True, "attention_bias true", id="attention-bias"),
     pytest.param("topk_group", 1, "topk_group 1 with num_experts_per_tok 4", id="group-top2"),
     pytest.param("topk_group", 5, "topk_group 5 exceeds n_group 4", id="group-count"),
@@ -121,15 +126,34 @@ def test_logits_match_hf(overrides, seed):
     """megatron-core's MLA GPTModel (local spec, one process, fp32), loaded through the family's table
     (`weights.plan.iter_rank_shards`), gives HF's logits within `assert_logits_close`'s 1e-4 of their scale
     (tests/hf_reference.py argues it from fp32 summation orders; measured <= 2e-6 relative here)."""
+    hf = _hf_model(seed, **overrides)
+    arch = ModelArch.from_hf(hf.config)
+    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    assert router_topk_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
+    got, want = _megatron_logits(hf, ids), hf(ids).logits.detach()
+    print(f"max |logit diff| {(got - want).abs().max().item():.3g} of scale {want.abs().max().item():.3g}")
+    assert_logits_close(got, want)
+
+
+def test_latent_norms_keep_hf_eps_under_another_rms_norm_eps(monkeypatch):
+    """The moonlight-eps case's model, built with the latent norms at rms_norm_eps (1e-5) as megatron-core alone
+    would: its logits leave HF's tolerance, so test_logits_match_hf[moonlight-eps] checks the eps."""
+    hf = _hf_model(5, rms_norm_eps=1e-5, latent_scale=0.01, n_group=1, topk_group=1)
+    ids = torch.randint(0, hf.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr("megatron_dapo.models.deepseek_v3.HF_NORM_EPS", 1e-5)  # the latent norms at rms_norm_eps
+    with pytest.raises(AssertionError):
+        assert_logits_close(_megatron_logits(hf, ids), hf(ids).logits.detach())
+
+
+def _megatron_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """[b, s, vocab] logits of megatron-core's GPTModel for `hf` (local spec, one process, fp32), its weights loaded
+    through the family's table (`weights.plan.iter_rank_shards`)."""
     from megatron_dapo.actor import destroy_parallel, init_parallel
     from megatron_dapo.distributed.parallel import ParallelLayout
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.weights.plan import iter_rank_shards
 
-    hf = _hf_model(seed, **overrides)
     arch = ModelArch.from_hf(hf.config)
-    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    assert router_topk_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
     tensors = _hf_tensors(hf)
     init_parallel(seed=0)
     try:
@@ -140,12 +164,9 @@ def test_logits_match_hf(overrides, seed):
         with torch.no_grad():
             model.load_state_dict({**state, **shards})
             got = model(ids, torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1))
-            want = hf(ids).logits
     finally:
         destroy_parallel()
-    print(f"max |logit diff| {(got[..., :arch.vocab_size] - want).abs().max().item():.3g} "
-          f"of scale {want.abs().max().item():.3g}")
-    assert_logits_close(got[..., :arch.vocab_size], want)
+    return got[..., :arch.vocab_size]
 
 
 @pytest.mark.parametrize(("rope", "fused"), [({}, False), (dict(rope_parameters=YARN), True)], ids=["rope", "yarn"])
@@ -161,3 +182,28 @@ def test_gpu_config_fuses_rope_only_for_yarn(monkeypatch, rope, fused):
     tc = config_module.transformer_config_from_arch(ModelArch.from_hf(_config(**rope)))
     assert tc.multi_latent_attention and tc.apply_rope_fusion is fused
     assert tc.rope_type == ("yarn" if fused else "rope")
+
+
+@pytest.mark.parametrize("use_te", [False, True], ids=["local", "te"])
+def test_latent_norm_eps_on_both_layer_implementations(monkeypatch, use_te):
+    """Under rms_norm_eps 1e-5 (Moonlight) the latent norms fused into the up projections are built at HF's 1e-6 on
+    the local spec and on megatron-core's TE spec (here with tests/te_standins.py's CPU twin of
+    TELayerNormColumnParallelLinear, which reads its eps off the config as TE's does); every other norm at 1e-5."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.models import build_gpt_model
+    from tests.te_standins import patch_te_build
+
+    if use_te:
+        patch_te_build(monkeypatch)
+        monkeypatch.setattr("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, raising=False)
+    arch = ModelArch.from_hf(_config(rms_norm_eps=1e-5))
+    init_parallel(seed=0)
+    try:
+        model = build_gpt_model(arch, use_te=use_te)
+    finally:
+        destroy_parallel()
+    eps = {name: getattr(m, "eps", getattr(m, "norm_eps", None)) for name, m in model.named_modules()}
+    latent = {n: e for n, e in eps.items() if n.endswith(("linear_q_up_proj", "linear_kv_up_proj"))}
+    assert len(latent) == 2 * arch.num_layers and set(latent.values()) == {1e-6}
+    dense_norm = eps["decoder.layers.0.mlp.linear_fc1" if use_te else "decoder.layers.0.pre_mlp_layernorm"]
+    assert dense_norm == 1e-5
