@@ -130,7 +130,8 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
 
     options: keyword arguments of megatron-core's spec builders from `arch.family.layer_spec_options(arch)`
     (e.g. qk_layernorm), and `latent_norm_eps` (the eps of MLA's latent norms where it is not the model's); None:
-    the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec of this stage's layers (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
+    the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec of this stage's layers
+    (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
     True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
     TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
