@@ -19,6 +19,7 @@ megatron-core without code outside the folder):
   dropout, rope), next to the ones the layer implementation decides;
 - `kv_cache_elements(arch, tp)` (optional): the inference engine's KV cache per token, layer and TP rank when it is
   not GQA's K and V (MLA caches one latent);
+- `sglang_refusal(arch)` (optional): why SGLang would serve this config wrong in silence, or None;
 - `dropped_hf_tensors(arch)` (optional): name prefixes of HF checkpoint tensors the family does not load, and why
   (DeepSeek-V3's multi-token-prediction layer): a load skips them and says so, where any other unplaceable tensor
   is an error;
@@ -146,6 +147,9 @@ class ModelFamily:
     kv_cache_elements: Callable[[Any, int], int] | None = None
     """(arch, engine TP size) -> elements one token's KV cache takes per layer on one TP rank of the inference engine
     (the colocated plan's SGLang pool); None: GQA's K and V of the rank's kv heads (`planner.colocated`)."""
+    sglang_refusal: Callable[[Any], str | None] | None = None
+    """arch -> why SGLang 0.5.23 would serve this config wrong without saying so (a sentence naming the config.json
+    fields and what to use instead), or None; checked before any server starts (`rollout.sglang.setup`)."""
     dropped_hf_tensors: Callable[[Any], tuple[tuple[str, ...], str]] | None = None
     """arch -> (HF name prefixes a load skips, why); None: a checkpoint holds nothing the family leaves out."""
     arch_defaults: Mapping[str, Any] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """A real CPU SGLang 0.5.23 server (torch-native, fp32) on a tiny random `DeepseekV3ForCausalLM` (the
 deepseek_v3 family's `tiny_config`: q_lora 48, kv_lora 32, nope 16 + rope 8, v 12, 8 experts in 4 groups, top-4,
 one shared expert, first layer dense). Issue 43 item 4; the findings, with file:line, are in
-docs/notes_dsv3_sglang.md.
+docs/DEEPSEEK_V3.md.
 
 What a server needs for it on CPU:
 - this checkout's CPU guard first on its path (tools/sgl_kernel_stub/megatron_dapo_cpu_guard.py, fix 3): without it

@@ -27,7 +27,7 @@ it (--enable-deterministic-inference, which routes extends to MLA, refuses torch
 registers "torch_native" -> `_dispatch_mla_subtype`, the absorbed-MLA path SGLang already takes for every decode
 (and for extends under deterministic inference or graph capture): q absorbed through w_kc, attention over the
 latent pool with one shared kv head, output through w_vc, which torch_native's SDPA computes as any MQA. Measured
-(docs/notes_dsv3_sglang.md): a tiny fp32 DeepseekV3ForCausalLM then serves HF's log-probs within 5e-6. Only
+(docs/DEEPSEEK_V3.md): a tiny fp32 DeepseekV3ForCausalLM then serves HF's log-probs within 5e-6. Only
 models whose attention consults that registry (the DeepSeek MLA family) are affected.
 Loaded by the .pth file that tools/setup_sglang_env.sh writes; never used in the main .venv.
 """
