@@ -9,7 +9,7 @@ and checkpoints like the TransformerEngine one a GPU run builds:
   softmax_scale); only the context's reshape assumes kv_channels per head, so `local_mla_core`'s subclass sets it
   from v_channels. Without transformer_engine, megatron-core's `multi_latent_attention` module still sets HAVE_TE
   (its `extensions.transformer_engine` import succeeds and leaves MagicMock placeholders), so MLASelfAttention's
-  `isinstance(self.linear_proj, TELinear)` raises TypeError: `local_mla_core` clears that flag when TE does not
+  `isinstance(self.linear_proj, TELinear)` raises TypeError: `install_without_te` clears that flag when TE does not
   import (it gates only TE-linear branches).
 - **The down projections.** The local spec builds q_a / kv_a as ColumnParallelLinear and all-gathers their outputs;
   the gather's backward keeps only this rank's slice of the gradient, right for the latent (its consumer, the
@@ -41,18 +41,21 @@ from typing import Any
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_dapo.models.spec import te_available
+
+def install_without_te() -> None:
+    """Where transformer_engine does not import: clear megatron-core's MLA module's HAVE_TE (its TE import left
+    MagicMock placeholders, which its isinstance checks trip on) and make `duplicated_linear` its TELinear, the class
+    it builds the duplicated down projections of (module doc). Idempotent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+    multi_latent_attention.TELinear = duplicated_linear()
 
 
 @cache
 def local_mla_core() -> type:
     """megatron-core's local DotProductAttention taking MLA's k_channels / v_channels (see the module doc)."""
-    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    if not te_available():
-        multi_latent_attention.HAVE_TE = False
-        multi_latent_attention.TELinear = duplicated_linear()
 
     class MLADotProductAttention(DotProductAttention):
         def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
@@ -71,7 +74,7 @@ def duplicated_linear() -> type:
     whole weight [out, in] on every TP rank, y = x W^T on this rank's input ([s, b, in], or [s / tp, b, in] under SP)
     with no TP communication, the weight tagged `sequence_parallel` under SP (each rank's gradient is then partial
     and TP sums it, as TE tags it), checkpointed replicated (as TELinear.sharded_state_dict). One class per process:
-    MLASelfAttention picks the duplicated mode by identity with its module's `TELinear`, which `local_mla_core` sets
+    MLASelfAttention picks the duplicated mode by identity with its module's `TELinear`, which `install_without_te` sets
     to it where TE does not import."""
     from megatron.core import parallel_state
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -171,10 +174,13 @@ LOCAL_MLA_KEYS_MAP = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 """The local MLA layer's dist-checkpoint key map: a dense layer's pre-MLP norm under TE's name (module doc)."""
 
 
-def set_local_mla_layer(layer: ModuleSpec) -> None:
+def set_local_mla_layer(layer: ModuleSpec, *, te_imports: bool) -> None:
     """Make a local MLA layer spec (from megatron-core's local MoE block spec) build like TE's MLA layer: the core
     attention that takes MLA's head dims, the down projections duplicated, the latent norms fused into their up
-    projections, TE's checkpoint keys."""
+    projections, TE's checkpoint keys. `te_imports`: whether transformer_engine imports (`install_without_te`
+    otherwise)."""
+    if not te_imports:
+        install_without_te()
     attention = layer.submodules.self_attention.submodules
     attention.core_attention = local_mla_core()
     attention.linear_q_down_proj = attention.linear_kv_down_proj = duplicated_linear()

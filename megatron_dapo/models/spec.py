@@ -114,7 +114,7 @@ def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage
         from megatron_dapo.models.mla_local import set_local_mla_layer
 
         for layer in layers:
-            set_local_mla_layer(layer)
+            set_local_mla_layer(layer, te_imports=te_available())
     if config.multi_latent_attention and latent_eps is not None and latent_eps != config.layernorm_epsilon:
         from megatron_dapo.models.mla_local import set_latent_norm_eps
 
