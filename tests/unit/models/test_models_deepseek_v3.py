@@ -207,3 +207,15 @@ def test_latent_norm_eps_on_both_layer_implementations(monkeypatch, use_te):
     assert len(latent) == 2 * arch.num_layers and set(latent.values()) == {1e-6}
     dense_norm = eps["decoder.layers.0.mlp.linear_fc1" if use_te else "decoder.layers.0.pre_mlp_layernorm"]
     assert dense_norm == 1e-5
+
+
+def test_mla_at_tp2_needs_sequence_parallel():
+    """MLA at TP > 1 without SP is refused before any model is built (the rope key's gradient would stay partial per
+    TP rank: Megatron-LM issue #1699), naming the flag; with SP the layout passes."""
+    from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
+
+    arch = ModelArch.from_hf(_config())
+    with pytest.raises(ValueError, match=r"multi-head latent attention at --tensor-model-parallel-size 2 needs "
+                                         r"--sequence-parallel.*#1699"):
+        validate_layout(arch, ParallelLayout(tp=2, dp=2, ep=2, etp=1))
+    validate_layout(arch, ParallelLayout(tp=2, dp=2, ep=2, etp=1, sp=True))
