@@ -2,13 +2,14 @@
 # response 20480 with a 4096 overlong buffer, lr 1e-6) on DeepSeek-V3 (671B, MLA, 256 experts + 1 shared), split: the
 # actor on ACTOR_NODES nodes of 8 80 GB GPUs (default 24: 192 GPUs, the fewest the planner fits with the launchers'
 # 10% headroom; NeMo-RL's DeepSeek-V3 runs used 512 H100), SGLang servers started apart and attached (SGLANG_URLS,
-# below), weights broadcast to them over NCCL after every step. The bf16 checkpoint (examples/models/deepseek-v3-671B.sh).
+# below), weights broadcast to them over NCCL after every step. Needs the bf16 checkpoint
+# (examples/models/deepseek-v3-671B.sh).
 #
 # Layout: TP8 with sequence parallelism inside each node for the dense part (128 MLA heads, 16 per GPU; MLA at TP > 1
 # needs --sequence-parallel), PP12 with uneven ends (61 layers: 7 on stage 0, which also holds the embedding and 3
 # dense layers, 5 on each of stages 1-10, 4 on the last, which also holds the head), DP2; the experts over EP16 x
 # ETP1 (16 of each layer's 256 experts per GPU, the all-to-all over the 2 nodes of a stage's EP group) x expert-DP 1
-# x PP12. Full recompute of every layer: without it the plan is 221.3 GiB.
+# x PP12. Full recompute of every layer: without it the plan is 221.27 GiB.
 #
 # Memory (--dry-run --world-size 192): peak 70.34 GiB of 80 (12.1% headroom) on stage 1 (11 micro-batches in
 # flight): expert weights 6.56 + grads 13.12 + optimizer 39.38 GiB (5 MoE layers x 16 experts x 3 x 7168 x 2048 = 3.5B

@@ -8,7 +8,7 @@
 # and MLA at TP > 1 needs --sequence-parallel), EP8 for the experts: each GPU holds 8 of each layer's 64 experts, the
 # token all-to-all stays on the node's NVLink; the expert grid ETP1 x EP8 x expert-DP (= ACTOR_NODES) x PP1 spans the
 # same ranks as TP1 x DP 8 x ACTOR_NODES (a 1408-wide expert is too narrow to split over ETP). Full recompute of every
-# layer: without it the plan is 230.9 GiB (26 dropless MoE layers of a 24k-token micro-batch keep 5.8 GiB each).
+# layer: without it the plan is 230.85 GiB (26 dropless MoE layers of a 24k-token micro-batch keep 5.8 GiB each).
 #
 # Memory (--dry-run --world-size 16): 46.71 GiB of 80 (41.6% headroom): expert weights 3.35 + grads 6.70 + optimizer
 # 10.05 (sharded over the 2 expert-DP replicas) GiB, dense part 9.84 GiB (1.57B parameters, 0.67B of them the 163840
@@ -32,10 +32,11 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 PARALLEL_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
 # Moonlight's context is 8192 positions (max_position_embeddings; plain RoPE, no scaling): DAPO's 2048 + 20480 would
-# run past it (the trainer refuses that without --allow-exceed-context, SGLang refuses the requests). Responses up to
-# 6144 tokens instead, the soft overlong buffer scaled with them (DAPO's 4096 of 20480 is 1/5: 1229, rounded down to
-# 1024), AIME evaluated at the same 6144. Later flags win: these override examples/common_dapo_args.sh's values.
-ROLLOUT_ARGS=(--rollout-engine sglang --sglang-max-concurrency 2048 "${DAPO_ROLLOUT_ARGS[@]}" --max-response-length 6144)
+# run past it (the trainer refuses that without --allow-exceed-context; the servers serve 8192 positions). Responses
+# up to 6144 tokens instead, the soft overlong buffer scaled with them (DAPO's 4096 of 20480 is 1/5: 1229, rounded
+# down to 1024), AIME evaluated at the same 6144. Later flags win: these override examples/common_dapo_args.sh's.
+ROLLOUT_ARGS=(--rollout-engine sglang --sglang-max-concurrency 2048 "${DAPO_ROLLOUT_ARGS[@]}"
+              --max-response-length 6144)
 DAPO_ARGS+=(--overlong-buffer-length 1024)
 DATA_ARGS+=(--eval-max-response-length 6144)
 BATCH_ARGS=("${DAPO_BATCH_ARGS[@]}")
