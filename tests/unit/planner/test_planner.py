@@ -276,23 +276,10 @@ def test_mla_terms_by_hand():
         replace(v3, qk_norm=False)
 
 
-MLA_CONFIGS = {
-    "deepseek-v3": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
-                        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
-                        num_experts_per_tok=8, moe_intermediate_size=2048, n_group=8, topk_group=4,
-                        n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
-                        tie_word_embeddings=False, max_position_embeddings=163840, rope_theta=10000.0,
-                        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
-                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
-    "moonlight-16b-a3b": dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264, num_hidden_layers=27,
-                              num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-                              qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
-                              num_experts_per_tok=6, moe_intermediate_size=1408, n_group=1, topk_group=1,
-                              n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.446,
-                              tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=50000.0),
-}
-"""config.json fields of the two (DeepSeek-V3's without the MTP layer's num_nextn_predict_layers)."""
+MLA_CONFIGS = {m: json.loads((REPO / "examples/models" / m / "config.json").read_text())
+               for m in ("deepseek-v3-671B", "moonlight-16B-A3B")}
+"""The shipped config.json of the two (the releases' fields; DeepSeek-V3's num_nextn_predict_layers 1 is the MTP
+layer, which neither HF's model nor ours builds)."""
 
 
 @pytest.mark.parametrize("model", [pytest.param(m, marks=NEEDS_DEEPSEEK_V3) for m in MLA_CONFIGS])
@@ -301,12 +288,12 @@ def test_mla_parameters_add_up_to_the_hf_count(model):
     shared experts): the count read off the table equals HF's model built on the meta device (expert bias buffers left
     out), and at TP8 every rank holds the norms, the routers and the q / kv down projections whole (TE's duplicated
     TELinear); an SGLang rank's KV cache holds the latent."""
-    arch = ModelArch.from_hf({"model_type": "deepseek_v3", **MLA_CONFIGS[model]})
+    arch = ModelArch.from_hf(REPO / "examples/models" / model)
     with torch.device("meta"):
         hf = arch.family.hf_causal_lm()(arch.family.hf_config(**MLA_CONFIGS[model]))
     assert hf.num_parameters() == arch.num_parameters()
-    total, active = {"deepseek-v3": ((670e9, 672e9), (37e9, 38e9)),
-                     "moonlight-16b-a3b": ((15.9e9, 16e9), (2.9e9, 3e9))}[model]
+    total, active = {"deepseek-v3-671B": ((670e9, 672e9), (37e9, 38e9)),
+                     "moonlight-16B-A3B": ((15.9e9, 16e9), (2.9e9, 3e9))}[model]
     assert total[0] < arch.num_parameters() < total[1] and active[0] < arch.num_parameters(active=True) < active[1]
     pp2 = ParallelLayout(pp=2, layers_in_first_stage=arch.num_layers // 2)  # 61 and 27 layers: uneven
     assert sum(stages.stage_parameters(arch, pp2, i) for i in range(2)) == arch.num_parameters()
@@ -383,6 +370,12 @@ LAUNCHERS = [
     pytest.param("examples/run_qwen3_30b_a3b_multinode.sh",
                  {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
                  "qwen3-30B-A3B", id="qwen3-30b-a3b-multinode"),
+    pytest.param("examples/run_moonlight_16b_a3b_multinode.sh",
+                 {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
+                 "moonlight-16B-A3B", id="moonlight-16b-a3b-multinode", marks=NEEDS_DEEPSEEK_V3),
+    pytest.param("examples/run_deepseek_v3_671b_multinode.sh",
+                 {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"},
+                 "deepseek-v3-671B", id="deepseek-v3-671b-multinode", marks=NEEDS_DEEPSEEK_V3),
 ]
 
 
@@ -696,7 +689,7 @@ def test_colocated_save_row_by_hand(tmp_path):
 # ---- mixture of experts ----------------------------------------------------------------------------------
 
 A3B = REPO / "examples/models/qwen3-30B-A3B"
-A3B_LAUNCHER = LAUNCHERS[-1].values
+A3B_LAUNCHER = next(p.values for p in LAUNCHERS if p.id == "qwen3-30b-a3b-multinode")
 
 
 def test_moe_static_memory_closed_form():
@@ -841,6 +834,60 @@ def test_a3b_plan_is_the_one_the_docs_quote(tmp_path):
         if isinstance(change, int):
             assert f"{value:.1f} GiB" in recipe, (name, value)
 
+
+NO_RECOMPUTE = ("--recompute-granularity", "--recompute-method", "--recompute-num-layers")
+MLA_RECIPE_PLANS = [  # (the recipe, its launcher's LAUNCHERS id, [(--world-size or None, flags, phrase)])
+    pytest.param("moonlight-16b-a3b", "moonlight-16b-a3b-multinode", [
+        (None, [], "Memory (--dry-run --world-size 16): {:.2f} GiB of 80 (41.6% headroom)"),
+        (None, NO_RECOMPUTE, "without it the plan is {:.2f} GiB"),
+        (None, ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor 1.0: {:.2f} GiB"),
+        (8, [], "one actor node (expert-DP 1, 20.11 GiB of expert Adam state) plans {:.2f} GiB (27.7% headroom)"),
+        (32, [], "4 actor nodes plan {:.2f} GiB"),
+        (4, ["--expert-model-parallel-size", "4"], "4 GPUs at EP4 plan {:.2f} GiB (over by 10.21)"),
+        (8, ["--expert-model-parallel-size", "2"], "one node at EP2 {:.2f} GiB"),
+    ], id="moonlight-16b-a3b", marks=NEEDS_DEEPSEEK_V3),
+    pytest.param("deepseek-v3-671b", "deepseek-v3-671b-multinode", [
+        (None, [], "Memory (--dry-run --world-size 192): peak {:.2f} GiB of 80 (12.1% headroom)"),
+        (None, NO_RECOMPUTE, "without it the plan is {:.2f} GiB"),
+        (None, ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor 1.0: {:.2f} GiB"),
+        (160, ["--pipeline-model-parallel-size", "20", "--decoder-first-pipeline-num-layers", "5",
+               "--decoder-last-pipeline-num-layers", "2", "--expert-model-parallel-size", "8"],
+         "20 nodes (160 GPUs) plan {:.2f} GiB at best (TP8 x PP20 x DP1, EP8: over by 1.99"),
+        (160, ["--pipeline-model-parallel-size", "10", "--decoder-first-pipeline-num-layers", "8",
+               "--decoder-last-pipeline-num-layers", "5", "--context-parallel-size", "2"],
+         "TP8 x PP10 x CP2, EP16, {:.2f} GiB: accepted at 80 but 1.0% headroom"),
+        (128, ["--pipeline-model-parallel-size", "16", "--decoder-first-pipeline-num-layers", "2",
+               "--decoder-last-pipeline-num-layers", "3", "--expert-model-parallel-size", "8"],
+         "{:.2f} GiB planned at TP8 x PP16, EP8"),
+        (256, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "17",
+               "--decoder-last-pipeline-num-layers", "14", "--expert-model-parallel-size", "64"],
+         "EP64: {:.2f} GiB (28.0% headroom)"),
+    ], id="deepseek-v3-671b", marks=NEEDS_DEEPSEEK_V3),
+]
+
+
+@pytest.mark.parametrize("recipe,launcher,plans", MLA_RECIPE_PLANS)
+def test_mla_recipe_headers_quote_the_planner(tmp_path, recipe, launcher, plans):
+    """The memory numbers in the header of examples/recipes/<recipe>.sh are what --dry-run prints for the launcher's
+    flags (and for the variants it names: another node count, layout or flag; NO_RECOMPUTE drops the recompute
+    flags), at the precision quoted; the variants over 80 GiB exit 1."""
+    args = _launcher_train_args(tmp_path, *next(p.values for p in LAUNCHERS if p.id == launcher))
+    header = " ".join(line.removeprefix("#").strip() for line in
+                      (REPO / f"examples/recipes/{recipe}.sh").read_text().splitlines() if line.startswith("#"))
+    for world, flags, phrase in plans:
+        changed = list(args)
+        if world is not None:
+            changed[changed.index("--world-size") + 1] = str(world)
+        if flags is NO_RECOMPUTE:
+            for flag in flags:
+                i = changed.index(flag)
+                del changed[i:i + 2]
+        else:
+            changed += flags
+        rc, lines = _dry_run(changed)
+        peak = float(lines[-1].split()[2])
+        assert rc == (0 if peak <= 80 else 1), "\n".join(lines)
+        assert phrase.format(peak) in header, (phrase, peak)
 
 if __name__ == "__main__":  # the worker of test_planner_matches_saved_tensors_at_ep2 (under torchrun)
     _ep2_saved_bytes_worker()
