@@ -66,7 +66,13 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import HFCheckpointReader, copy_assets, planned_offsets
 from megatron_dapo.weights.layout import RowSegment, global_shape, hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import LAYER_IMPLS, hf_names
-from megatron_dapo.weights.plan import hf_tensor_specs
+from megatron_dapo.weights.plan import (
+    buffer_hf_names,
+    dropped_hf_tensors,
+    dropped_notice,
+    entry_dtype,
+    hf_tensor_specs,
+)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ASSETS_DIR = "hf_assets"
@@ -193,23 +199,25 @@ def _entry_tensor(
 def extra_state_objects(arch: ModelArch, impl: str = "transformer_engine") -> dict[str, Any]:
     """The `_extra_state` ShardedObjects GPTModel.sharded_state_dict() asks for at load, on a TE build too.
 
-    Per layer, the four linears (megatron-core's local ones and TE's alike), of an MoE layer the attention's
-    two and each expert's two (megatron-core's SequentialMLP and TE's grouped linears alike: one object per expert,
-    offsets (layer, expert) of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); the norms a TE
-    build keeps as TENorm modules of their own (TE's RMSNorm has extra state; a stored key naming a `…layernorm`
-    module: the per-head q/k norms, an MoE layer's pre-MLP norm; the fused ones are the linears'); once, the final
-    norm, which on a TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer spec)
-    (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local modules ask for
-    none of the norms' and ignore the linears', TE's accept None. Loading tolerates an absent one anyway
+    Per layer, the linears (megatron-core's local ones and TE's alike: four, or MLA's six or five), of an MoE layer
+    the attention's and each expert's two (megatron-core's SequentialMLP and TE's grouped linears alike: one object
+    per expert, offsets (layer, expert) of (L, E) when the layers stack, (expert,) of (E,) in a per-layer key); the
+    norms a TE build keeps as TENorm modules of their own (TE's RMSNorm has extra state; a stored key naming a
+    `…layernorm` module: the per-head q/k norms, an MoE layer's pre-MLP norm; the fused ones are the linears');
+    once, the final norm, which on a TE build is TE's RMSNorm (TransformerBlock's LayerNormImpl, whatever the layer
+    spec) (unsharded: offset (0,), shape (1,)). Stored as None (no FP8 metadata): megatron-core's local modules ask
+    for none of the norms' and ignore the linears', TE's accept None. Loading tolerates an absent one anyway
     (weights/extra_state.py). `impl`: the keys the tensors are written under (`stored_tensors`). At Qwen3-30B-A3B
     under TE: 48 x (2 + 2 x 128 + 3) + 1 = 12,529 objects of ~1 KB (`tools/bench_convert.py --plan`).
     """
     objects = {}
     for stored in stored_tensors(arch, impl):
-        module = stored.key.rsplit(".", 1)[0]
+        module, param = stored.key.rsplit(".", 1)
         # the router (replicated, no extra state) and the fused norms (`linear_*.layer_norm_weight`: the linear's) have
-        # none of their own
-        if stored.entry.stage != "layer" or (stored.entry.kind == "replicated" and not module.endswith("layernorm")):
+        # none of their own; a replicated linear has (MLA's duplicated down projections, TELinear and its local twin)
+        linear = module.rsplit(".", 1)[-1].startswith("linear_") and param == "weight"
+        if stored.entry.stage != "layer" or (stored.entry.kind == "replicated"
+                                             and not (module.endswith("layernorm") or linear)):
             continue
         lead = (arch.num_layers,) if stored.stacked else ()
         experts = (arch.num_experts,) if stored.entry.per_expert else ()
@@ -345,18 +353,23 @@ def hf_to_mcore(cfg: HfToMcoreConfig) -> dict[str, Any]:
     if os.path.exists(cfg.save) and not cfg.overwrite:
         raise FileExistsError(f"--save {cfg.save} already exists; pass --overwrite to replace it")
     with HFCheckpointReader(cfg.hf_path) as reader:
-        src_dtype = reader.dtype()
+        reader.check_unquantized()
+        prefixes, why = dropped_hf_tensors(arch)
+        src_dtype = reader.dtype(ignore=buffer_hf_names(arch) | {n for n in reader.specs if n.startswith(prefixes)})
         if cfg.dtype is None:
             check_dtype(config_dtype(hf_config), src_dtype, declared_from=f"{cfg.hf_path}/config.json",
                         actual_from=f"--hf-path {cfg.hf_path}")
         # every tensor consumed by the mapping or named: a missing, reshaped or unplaceable one is an error
-        reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}")
+        skipped = reader.check_expected(hf_tensor_specs(arch, src_dtype), model=f"model_type {arch.model_type!r}",
+                                        dropped=prefixes)
+        if skipped:
+            print(f"hf-to-mcore: {dropped_notice(skipped, prefixes, why)}", flush=True)
         dtype = DTYPES[cfg.dtype] if cfg.dtype else src_dtype
         padded = padded_vocab_size(arch.vocab_size, cfg.layout.tp)
         chunk_bytes = cfg.chunk_bytes
         planned = planned_offsets(hf_tensor_specs(arch, dtype))  # mcore-to-hf's default output layout
         impl = cfg.transformer_impl
-        tensors = {t.key: _entry_tensor(reader, t, arch, padded, dtype, chunk_bytes, planned)
+        tensors = {t.key: _entry_tensor(reader, t, arch, padded, entry_dtype(t.entry, dtype), chunk_bytes, planned)
                    for t in stored_tensors(arch, impl)}
         common = common_state(arch, cfg.layout, dtype, hf_config)
         with atomic_output_dir(cfg.save, overwrite=cfg.overwrite) as tmp:

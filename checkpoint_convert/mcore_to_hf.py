@@ -50,7 +50,7 @@ from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.hf_format import DEFAULT_SHARD_BYTES, HFShardedWriter, copy_assets
 from megatron_dapo.weights.layout import hf_row_segments, hf_shapes
 from megatron_dapo.weights.mapping import hf_names
-from megatron_dapo.weights.plan import hf_tensor_specs
+from megatron_dapo.weights.plan import entry_dtype, hf_tensor_specs
 from megatron_dapo.weights.safetensors_io import CheckpointError
 
 _UNITS = {"KB": 1024, "MB": 1024**2, "GB": 1024**3, "B": 1}
@@ -127,7 +127,7 @@ def _stored_tensors(reader: DistCheckpointReader, arch: ModelArch) -> list[Store
 
 
 def _model_dtype(reader: DistCheckpointReader, arch: ModelArch) -> torch.dtype:
-    dtypes = {reader.dtype(t.key) for t in _stored_tensors(reader, arch)}
+    dtypes = {reader.dtype(t.key) for t in _stored_tensors(reader, arch) if not t.entry.buffer}
     if len(dtypes) != 1:
         raise CheckpointError(f"{reader.dir} mixes dtypes {sorted(map(str, dtypes))} in its model; pass --dtype")
     return dtypes.pop()
@@ -222,11 +222,12 @@ def write_hf_tensors(
     def run(job: Job) -> None:
         key, name = job.stored.key, job.hf_name
         rows = (job.row, job.row + job.hi - job.lo)
-        src = reader.byte_range(key, job.index, rows) if reader.dtype(key) == dtype else None
+        out = entry_dtype(job.stored.entry, dtype)  # a buffer stays fp32 (weights.plan.BUFFER_DTYPE)
+        src = reader.byte_range(key, job.index, rows) if reader.dtype(key) == out else None
         if src is not None:
             writer.copy_rows(name, job.lo, job.hi - job.lo, *src)
         else:
-            writer.write_rows(name, job.lo, reader.read(key, job.index, rows).to(dtype))
+            writer.write_rows(name, job.lo, reader.read(key, job.index, rows).to(out))
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         window: deque[Future[None]] = deque()

@@ -74,14 +74,28 @@ def forward_with_gate_hooks(model, ids: torch.Tensor, hook) -> None:
 
 def router_topk_margin(model, ids: torch.Tensor) -> float:
     """The smallest gap, over the tokens of `ids` [b, s] and the MoE layers, between a token's k-th and (k+1)-th
-    largest router logit in a forward of the HF MoE `model` (`Qwen3MoeTopKRouter`): a routing decision two fp32
-    implementations could take differently only if their rounding moves a logit by about this much."""
+    ranked expert score in a forward of the HF MoE `model`: a routing decision two fp32 implementations could take
+    differently only if their rounding moves a score by about this much.
+
+    What is ranked is what the router's top-k ranks: a softmax router's logits (`Qwen3MoeTopKRouter`, whose forward
+    returns them first); a DeepSeek-V3 router's (`DeepseekV3TopkRouter`: it has `e_score_correction_bias`) sigmoid
+    scores plus that bias, among the experts of the `topk_group` groups of largest top-2 sum (a gap the group
+    choice leaves undefined counts as 1)."""
     k = model.config.num_experts_per_tok
     gaps: list[torch.Tensor] = []
 
-    def hook(_module, _inputs, output) -> None:
-        top = output[0].topk(k + 1, dim=-1).values
-        gaps.append((top[:, k - 1] - top[:, k]).min())
+    def hook(module, inputs, output) -> None:
+        if not hasattr(module, "e_score_correction_bias"):
+            top = output[0].topk(k + 1, dim=-1).values
+            gaps.append((top[:, k - 1] - top[:, k]).min())
+            return
+        x = inputs[0].reshape(-1, module.weight.shape[1]).float()
+        scores = torch.sigmoid(x @ module.weight.float().T) + module.e_score_correction_bias
+        groups = scores.view(len(x), module.num_group, -1)
+        keep = groups.topk(2, dim=-1).values.sum(-1).topk(module.topk_group, dim=-1).indices
+        mask = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, keep, True)
+        top = groups.masked_fill(~mask[..., None], float("-inf")).view(len(x), -1).topk(k + 1, dim=-1).values
+        gaps.append((top[:, k - 1] - top[:, k]).nan_to_num(posinf=1.0, neginf=1.0).min())
 
     forward_with_gate_hooks(model, ids, hook)
     return float(torch.stack(gaps).min())

@@ -8,6 +8,9 @@ only the TE modules they pick are replaced by CPU twins registering the same par
   into linear_qkv / linear_fc1 as `layer_norm_weight`);
 - `CpuTENorm`: TENorm (TE's RMSNorm: a weight and `_extra_state`): the final norm, the q/k norms, and an MoE layer's
   separate `pre_mlp_layernorm`;
+- `cpu_te_dot_product_attention`: TEDotProductAttention (the local attention, taking MLA's k / v head dims);
+- `CpuTELinear`: TELinear in megatron-core's MLA's 'duplicated' mode (its q / kv down projections, whole on every
+  TP rank; `sharded_state_dict` megatron-core's own, as below);
 - `CpuColumnGroupedLinear` / `CpuRowGroupedLinear`: TEColumn/RowParallelGroupedLinear of TEGroupedMLP (an MoE layer's
   experts under grouped GEMM: `weight0..weight{E-1}`); their `sharded_state_dict` is megatron-core's own source,
   lifted from `megatron/core/extensions/transformer_engine.py` (defined there only when TE imports), so the expert
@@ -100,6 +103,51 @@ class _CpuGroupedLinear(torch.nn.Module):
         pass
 
 
+class _CpuDuplicatedLinear(torch.nn.Module):
+    """TELinear's CPU twin in the one mode megatron-core's multi-head latent attention builds it, 'duplicated' (its
+    q / kv down projections): the whole `weight` [out, in] on every TP rank, no TP communication, tagged
+    `sequence_parallel` under SP as TELinear tags it (each rank then sees its s / tp slice: a partial gradient);
+    `_extra_state` in the state dict."""
+
+    def __init__(self, input_size: int, output_size: int, *, parallel_mode: str | None, config, init_method,
+                 bias: bool, skip_bias_add: bool, skip_weight_param_allocation: bool,
+                 tp_comm_buffer_name: str | None = None, is_expert: bool = False, symmetric_ar_type=None,
+                 tp_group=None) -> None:
+        super().__init__()
+        if parallel_mode != "duplicated" or bias or is_expert:
+            raise NotImplementedError("the CPU TELinear is MLA's duplicated down projection only")
+        self.parallel_mode, self._tp_group, self.config = None, tp_group, config  # TE's mode for 'duplicated'
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.weight.t(), None
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state) -> None:
+        pass
+
+
+def cpu_te_dot_product_attention() -> type:
+    """TEDotProductAttention's CPU twin: megatron-core's local DotProductAttention (the same softmax(q k^T) v, unfused)
+    taking TE's `k_channels` / `v_channels`, which multi-head latent attention passes (q/k heads of nope + rope dims,
+    v heads of v_head_dim): the context is then v_channels wide per head. The scores take their head dim from q and
+    k and MLASelfAttention passes its softmax_scale."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CpuTEDotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_attention_head = v_channels
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return CpuTEDotProductAttention
+
+
 def _megatron_methods(class_name: str, names: tuple[str, ...]) -> list[ast.FunctionDef]:
     """The FunctionDefs `names` of class `class_name` in megatron-core's transformer_engine.py (found inside its
     `if HAVE_TE` block)."""
@@ -141,6 +189,7 @@ class _RowBase(_Grouped):
 
 CpuColumnGroupedLinear = _with_megatron_methods(_ColumnBase, "TEColumnParallelGroupedLinear", ("sharded_state_dict",))
 CpuRowGroupedLinear = _with_megatron_methods(_RowBase, "TERowParallelGroupedLinear", ("sharded_state_dict",))
+CpuTELinear = _with_megatron_methods(_CpuDuplicatedLinear, "TELinear", ("sharded_state_dict",))
 
 
 class CpuTESpecProvider(LocalSpecProvider):
@@ -149,6 +198,12 @@ class CpuTESpecProvider(LocalSpecProvider):
 
     def fuse_layernorm_and_linear(self) -> bool:
         return True
+
+    def linear(self) -> type:
+        return CpuTELinear
+
+    def core_attention(self) -> type:
+        return cpu_te_dot_product_attention()
 
     def column_parallel_layer_norm_linear(self) -> type:
         return CpuLayerNormColumnParallelLinear
@@ -174,3 +229,5 @@ def patch_te_build(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(gpt_layer_specs, "TENorm", CpuTENorm, raising=False)
     mp.setattr("megatron.core.transformer.transformer_block.LayerNormImpl", CpuTENorm)
     mp.setattr("megatron_dapo.models.spec.te_available", lambda: True)
+    # MLASelfAttention picks the 'duplicated' mode for its down projections by identity with its own TELinear name
+    mp.setattr("megatron.core.transformer.multi_latent_attention.TELinear", CpuTELinear)

@@ -55,7 +55,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models.gpt import build_gpt_model
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.models.spec import resolve_transformer_impl
-from megatron_dapo.weights.load import unwrap
+from megatron_dapo.weights.load import mapped_tensors, unwrap
 from megatron_dapo.weights.mapping import canonical_mcore_name
 
 
@@ -463,7 +463,7 @@ class MegatronActor:
         `chunk`: which model chunk under --num-layers-per-virtual-pipeline-stage (names local to it).
         """
         return {canonical_mcore_name(name, self.arch): p.detach()
-                for name, p in self.modules[chunk].named_parameters()}
+                for name, p in mapped_tensors(self.modules[chunk], self.arch)}
 
     @torch.no_grad()
     def load_shards(self, shards: Mapping[str, Tensor], chunk: int = 0, *, reload: bool = True) -> None:
@@ -475,7 +475,8 @@ class MegatronActor:
         --num-layers-per-virtual-pipeline-stage; its shards are `weights.plan.stage_tensors(..., chunk=chunk)`'s
         (its layers: `distributed.parallel.layer_range`).
         """
-        params = {canonical_mcore_name(name, self.arch): p for name, p in self.modules[chunk].named_parameters()}
+        params = {canonical_mcore_name(name, self.arch): p
+                  for name, p in mapped_tensors(self.modules[chunk], self.arch)}
         missing, unexpected = sorted(set(params) - set(shards)), sorted(set(shards) - set(params))
         if missing or unexpected:
             raise KeyError(f"load_shards: missing {missing}, unexpected {unexpected}")

@@ -189,12 +189,13 @@ load reads it from the stored keys it reads anyway (`stored_keys`: the `.metadat
 
 
 def layer_impl_of(modules) -> str:
-    """'transformer_engine' when the model chunks' decoder layers are TE's (the pre-attention norm fused into
-    linear_qkv as `layer_norm_weight`), else 'local' (a norm module of its own). Read from the built parameters,
-    which is what the distributed optimizer's flat buffer follows, not from the flag that asked for them."""
-    fused = (".linear_qkv.layer_norm_weight", ".linear_fc1.layer_norm_weight")
-    return "transformer_engine" if any(name.endswith(fused) for m in modules for name, _ in m.named_parameters()) \
-        else "local"
+    """'transformer_engine' or 'local': the layer implementation the model chunks were built with
+    (`models.gpt.build_gpt_model` records it on their TransformerConfig), which is what the distributed optimizer's
+    flat buffer follows, not the flag that asked for it. (A parameter name does not tell: a multi-head latent
+    attention layer fuses its latent norms into its up projections on both.)"""
+    from megatron_dapo.weights.load import unwrap
+
+    return unwrap(modules[0]).config.transformer_impl
 
 
 def saved_layer_impl(stored: set[str]) -> str | None:

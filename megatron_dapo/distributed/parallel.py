@@ -230,6 +230,12 @@ def validate_layout(arch: ModelArch, layout: ParallelLayout) -> None:
             f"intermediate_size ({arch.intermediate_size}) is not divisible by "
             f"--tensor-model-parallel-size ({layout.tp})"
         )
+    if dict(arch.family_options).get("multi_latent_attention") and layout.tp > 1 and not layout.sp:
+        raise ValueError(
+            f"multi-head latent attention at --tensor-model-parallel-size {layout.tp} needs --sequence-parallel: "
+            "without it megatron-core 0.16.1 leaves the shared rope key's gradient partial on each TP rank "
+            "(Megatron-LM issue #1699; Megatron-LM's own arguments require it too)"
+        )
     _validate_experts(arch, layout)
     for stage in range(layout.pp):  # each stage's layers (every chunk of a stage holds the same count)
         chunk_layers = len(layer_range(arch.num_layers, layout, stage))

@@ -71,6 +71,9 @@ def transformer_config_from_arch(
     cuda = torch.cuda.is_available()  # Megatron-LM's GPU fusions, each where its kernel exists
     fields.update(fusion_settings(cuda=cuda, use_te=cuda and te_available(),
                                   apex_wgrad=cuda and apex_wgrad_available()))
+    if fields.get("multi_latent_attention") and fields.get("rope_type") != "yarn":
+        # megatron-core 0.16.1's fused MLA rope kernel is YaRN's (MLATransformerConfig raises on it with plain RoPE)
+        fields["apply_rope_fusion"] = False
     unknown = sorted(set(overrides) - set(TransformerConfig.__dataclass_fields__))
     if unknown:
         raise TypeError(f"transformer_config_from_arch: {unknown} are not TransformerConfig fields")

@@ -186,9 +186,10 @@ def dense_family(*, model_type: str, hf_class_prefix: str, parse: Any, arch_defa
         model_kwargs=rope_model_kwargs, activation_terms=activation_terms)
     if "mapping" in hooks:  # a family's own table (an MoE family: this one plus its expert entries)
         fields["mapping"] = hooks.pop("mapping")
+    optional = {k: hooks.pop(k) for k in ("sglang_refusal", "dropped_hf_tensors", "kv_cache_elements") if k in hooks}
     unknown = sorted(set(hooks) - set(fields))
     if unknown:
         raise TypeError(f"dense_family({model_type}): {unknown} are not overridable hooks {sorted(fields)}")
     return ModelFamily(model_type=model_type, hf_model_class=f"{hf_class_prefix}ForCausalLM",
                        hf_config_class=f"{hf_class_prefix}Config", parse=parse, arch_defaults=arch_defaults,
-                       tiny_config=tiny_config, order=order, **{**fields, **hooks})
+                       tiny_config=tiny_config, order=order, **{**fields, **hooks, **optional})

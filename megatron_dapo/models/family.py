@@ -17,6 +17,12 @@ megatron-core without code outside the folder):
 - `model_kwargs(arch)`: GPTModel keyword arguments for positions (rope type, base, scaling);
 - `activation_terms(arch)`: the planner's `ActivationSpec` fields that depend on the model (gated MLP,
   dropout, rope), next to the ones the layer implementation decides;
+- `kv_cache_elements(arch, tp)` (optional): the inference engine's KV cache per token, layer and TP rank when it is
+  not GQA's K and V (MLA caches one latent);
+- `sglang_refusal(arch)` (optional): why SGLang would serve this config wrong in silence, or None;
+- `dropped_hf_tensors(arch)` (optional): name prefixes of HF checkpoint tensors the family does not load, and why
+  (DeepSeek-V3's multi-token-prediction layer): a load skips them and says so, where any other unplaceable tensor
+  is an error;
 - `mapping`: the HF <-> megatron-core name table (`weights/mapping.py` entries; data);
 - `hf_model_class` / `hf_config_class`: the transformers class names the embedded engine and the tests
   build (`hf_causal_lm()`, `hf_config()`);
@@ -26,6 +32,7 @@ megatron-core without code outside the folder):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -67,12 +74,36 @@ class MappingEntry:
     norm differently per layer kind and implementation: its TE MoE layer keeps the pre-MLP norm as a TENorm of its
     own (`pre_mlp_layernorm.weight`), while a TE dense layer fuses it into linear_fc1 and the local spec maps it to
     that fused name (`mlp.linear_fc1.layer_norm_weight`) in every layer, MoE or dense."""
+    sync_with_next: bool = False
+    """A weight-sync bucket carries this entry's HF tensor and the next entry's together
+    (`weights.mapping.keep_together`): the inference server's loader fuses them only when both arrive in one request
+    (SGLang 0.5.23 concatenates DeepSeek's q_a_proj and
+    kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa within one load_weights call, and drops a half that arrives
+    alone)."""
+    buffer: bool = False
+    """A buffer, not a parameter, in HF and megatron-core (DeepSeek-V3's e_score_correction_bias, megatron-core's
+    router expert_bias): in the checkpoint and the weight sync, not in `ModelArch.num_parameters`, no gradient and no
+    optimizer state."""
 
     @property
     def per_expert(self) -> bool:
         """One tensor per routed expert: split over the expert-parallel ranks, TP-split over the expert-TP
         ranks (`--expert-tensor-parallel-size`)."""
         return "{expert}" in self.mcore
+
+    def present(self, arch: Any) -> bool:
+        """Whether `arch` (a ModelArch) has this tensor: it requires nothing, or its `requires` fact is set."""
+        return self.requires is None or bool(arch.fact(self.requires))
+
+    def in_layer(self, arch: Any, layer: int) -> bool:
+        """Whether global decoder layer `layer` of `arch` holds this entry (dense-MLP entries skip the MoE layers and
+        the reverse)."""
+        return self.layers == "all" or arch.is_moe_layer(layer) == (self.layers == "moe")
+
+    def numel(self, arch: Any) -> int:
+        """Elements of its HF tensors together (`shapes` read off `arch`, `ModelArch.fact`): one expert's for an
+        expert entry, the vocab rows unpadded."""
+        return sum(math.prod(arch.fact(dim) for dim in shape) for shape in self.shapes)
 
     def __post_init__(self) -> None:
         if len(self.shapes) != len(self.hf):
@@ -113,6 +144,14 @@ class ModelFamily:
     layer_spec_options: Callable[[Any], dict[str, Any]]
     model_kwargs: Callable[[Any], dict[str, Any]]
     activation_terms: Callable[[Any], dict[str, Any]]
+    kv_cache_elements: Callable[[Any, int], int] | None = None
+    """(arch, engine TP size) -> elements one token's KV cache takes per layer on one TP rank of the inference engine
+    (the colocated plan's SGLang pool); None: GQA's K and V of the rank's kv heads (`planner.colocated`)."""
+    sglang_refusal: Callable[[Any], str | None] | None = None
+    """arch -> why SGLang 0.5.23 would serve this config wrong without saying so (a sentence naming the config.json
+    fields and what to use instead), or None; checked before any server starts (`rollout.sglang.setup`)."""
+    dropped_hf_tensors: Callable[[Any], tuple[tuple[str, ...], str]] | None = None
+    """arch -> (HF name prefixes a load skips, why); None: a checkpoint holds nothing the family leaves out."""
     arch_defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values of ARCH_OPTIONS for a ModelArch built without them (a test's ModelArch(model_type=...))."""
     tiny_config: Mapping[str, Any] = field(default_factory=dict)

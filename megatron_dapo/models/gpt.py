@@ -56,6 +56,8 @@ def build_gpt_model(
             ep=parallel_state.get_expert_model_parallel_world_size(),
             etp=parallel_state.get_expert_tensor_parallel_world_size() if arch.is_moe else None,
             sp=bool(config_overrides.get("sequence_parallel", False)))
+    # The implementation the layers are built with, on the config where the weight paths read it (`layout_kind`).
+    config_overrides["transformer_impl"] = "transformer_engine" if use_te else "local"
     if arch.is_moe:  # TEGroupedMLP (grouped GEMM) under TE, SequentialMLP of local experts otherwise
         config_overrides = {"moe_grouped_gemm": use_te, **config_overrides}
     config = transformer_config_from_arch(arch, tp=tp, pp=pp, params_dtype=params_dtype, **config_overrides)

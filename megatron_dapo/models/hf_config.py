@@ -154,19 +154,20 @@ class ModelArch:
         return self.num_heads // self.num_kv_heads
 
     def num_parameters(self, *, active: bool = False) -> int:
-        """Parameter count of the HF model (untied head counted once more when untied).
+        """Parameter count of the HF model (what `hf.parameters()` holds), read off the family's name table: every
+        tensor the arch has (`MappingEntry.present`) times the layers that hold it, buffers left out
+        (`MappingEntry.buffer`), an untied head counted beside the embedding.
 
-        active: count only the experts one token runs (num_experts_per_tok per MoE layer), e.g. 3.3B of
-        Qwen3-30B-A3B's 30.5B."""
-        h, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        qkv = self.q_size + 2 * self.kv_size
-        attn = h * qkv + (qkv if self.qkv_bias else 0) + self.q_size * h
-        common = attn + 2 * h + (2 * self.head_dim if self.qk_layernorm else 0)
+        active: count only the experts one token runs (num_experts_per_tok of each MoE layer's routed experts; shared
+        experts always run), e.g. 3.3B of Qwen3-30B-A3B's 30.5B."""
         experts = self.num_experts_per_tok if active else self.num_experts
-        moe_mlp = self.num_experts * h + experts * 3 * h * self.moe_intermediate_size
-        n_moe = len(self.moe_layers)
-        layers = self.num_layers * common + (self.num_layers - n_moe) * 3 * h * f + n_moe * moe_mlp
-        return layers + v * h * (1 if self.tie_word_embeddings else 2) + h
+        n = 0
+        for entry in self.family.mapping:
+            if not entry.present(self) or entry.buffer or (entry.tied_hf and self.tie_word_embeddings):
+                continue
+            copies = sum(entry.in_layer(self, i) for i in range(self.num_layers)) if entry.stage == "layer" else 1
+            n += copies * (experts if entry.per_expert else 1) * entry.numel(self)
+        return n
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

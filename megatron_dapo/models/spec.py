@@ -67,46 +67,6 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-class LocalMLACoreAttention:
-    """megatron-core's local DotProductAttention for multi-head latent attention (built lazily: `local_mla_core`).
-
-    megatron-core 0.16.1's MLASelfAttention passes `k_channels` (q/k head dim: nope + rope) and `v_channels` (v head
-    dim) to its core attention, which only TEDotProductAttention accepts: the local DotProductAttention raises
-    TypeError on them, so the local spec cannot build an MLA layer. The scores already take their head dim from q and
-    k (and MLASelfAttention passes its softmax_scale); only the context's reshape assumes kv_channels per head, so the
-    subclass sets it from v_channels.
-
-    Without transformer_engine, megatron-core 0.16.1's `multi_latent_attention` module still sets HAVE_TE (its
-    `extensions.transformer_engine` import succeeds and leaves MagicMock placeholders), so MLASelfAttention's
-    `isinstance(self.linear_proj, TELinear)` raises TypeError: `local_mla_core` clears that flag when TE does not
-    import (it gates only TE-linear branches).
-    """
-
-
-def local_mla_core() -> type:
-    """The DotProductAttention subclass that takes MLA's k_channels / v_channels (see LocalMLACoreAttention)."""
-    from megatron.core.transformer import multi_latent_attention
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    if not te_available():
-        multi_latent_attention.HAVE_TE = False
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
-                     **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if v_channels is not None:  # context [s, b, heads / tp * v_head_dim]
-                self.hidden_size_per_attention_head = v_channels
-                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-
-    return MLADotProductAttention
-
-
-def _set_local_mla_core(layer: ModuleSpec) -> None:
-    """Give a local MLA layer spec the core attention that takes MLA's head dims (`local_mla_core`)."""
-    layer.submodules.self_attention.submodules.core_attention = local_mla_core()
-
-
 def _local_sequence_parallel_spec(config: Any, options: dict[str, Any]) -> ModuleSpec:
     """The local layer spec with SP-aware norms, as a block spec so the final norm is one too."""
     from megatron.core.models.gpt import gpt_layer_specs
@@ -130,26 +90,37 @@ def _set_sp_norms(layer: ModuleSpec, options: dict[str, Any]) -> None:
     """Replace a local layer spec's norms (pre-attention, pre-MLP, the per-head q/k ones) by SP-aware ones."""
     layer.submodules.input_layernorm = SequenceParallelRMSNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    if options.get("qk_layernorm"):
+    if options.get("qk_layernorm") and not options.get("multi_latent_attention"):  # MLA's: mla_local
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = SequenceParallelRMSNorm
         attention.k_layernorm = SequenceParallelRMSNorm
 
 
-def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage: int | None) -> Any:
+def _moe_block_spec(use_te: bool, config: Any, options: dict[str, Any], vp_stage: int | None,
+                    latent_eps: float | None = None) -> Any:
     """The block spec of an MoE model: megatron-core's per-layer choice of an MoE or a dense layer spec
-    (config.moe_layer_freq), sliced to this pipeline stage (and model chunk `vp_stage`)."""
+    (config.moe_layer_freq), sliced to this pipeline stage (and model chunk `vp_stage`); multi-head latent
+    attention's latent norms with `latent_eps` where given and not the model's eps (`mla_local.with_norm_eps`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                        normalization="RMSNorm", vp_stage=vp_stage)
-    if not use_te and config.multi_latent_attention:
-        for layer in {id(spec): spec for spec in block.layer_specs}.values():
-            _set_local_mla_core(layer)
+    layers = {id(spec): spec for spec in block.layer_specs}.values()
     if not use_te and config.sequence_parallel:
-        for layer in {id(spec): spec for spec in block.layer_specs}.values():
+        for layer in layers:
             _set_sp_norms(layer, options)
         block.layer_norm = SequenceParallelRMSNorm
+    if not use_te and config.multi_latent_attention:
+        from megatron_dapo.models.mla_local import set_local_mla_layer
+
+        for layer in layers:
+            set_local_mla_layer(layer, te_imports=te_available())
+    if config.multi_latent_attention and latent_eps is not None and latent_eps != config.layernorm_epsilon:
+        from megatron_dapo.models.mla_local import set_latent_norm_eps
+
+        for layer in layers:
+            if layer.submodules.self_attention.module.__name__ == "MLASelfAttention":
+                set_latent_norm_eps(layer, latent_eps)
     return block
 
 
@@ -158,8 +129,9 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
     """Decoder-layer spec (RMSNorm, SwiGLU, GQA attention) with the family's `options`.
 
     options: keyword arguments of megatron-core's spec builders from `arch.family.layer_spec_options(arch)`
-    (e.g. qk_layernorm); None: the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec
-    of this stage's layers (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
+    (e.g. qk_layernorm), and `latent_norm_eps` (the eps of MLA's latent norms where it is not the model's); None:
+    the builders' defaults. An MoE model (config.num_moe_experts) gets a block spec of this stage's layers
+    (`vp_stage`: the model chunk), each an MoE or a dense layer as config.json says.
     use_te: None resolves like --transformer-impl's default (TE required on CUDA, local without CUDA);
     True requires TE (raises ImportError naming the fix); False forces the local spec. `config` (the
     TransformerConfig) is needed for the local spec under sequence parallelism (SP-aware norms).
@@ -167,12 +139,13 @@ def get_layer_spec(use_te: bool | None = None, config: Any = None, options: dict
     from megatron.core.models.gpt import gpt_layer_specs
 
     options = dict(options or {})
+    latent_eps = options.pop("latent_norm_eps", None)  # ours, not a megatron-core spec builder argument
     if use_te is None:
         use_te = resolve_transformer_impl(None) == "transformer_engine"
     if config is not None and config.num_moe_experts:
         if use_te and not te_available():
             raise ImportError(f"use_te=True needs transformer_engine ({TE_HINT})")
-        return _moe_block_spec(use_te, config, options, vp_stage)
+        return _moe_block_spec(use_te, config, options, vp_stage, latent_eps)
     if use_te:
         if not te_available():
             raise ImportError(

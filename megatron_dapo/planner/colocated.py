@@ -60,7 +60,11 @@ def sglang_weight_bytes(arch: ModelArch, gpus_per_engine: int, bytes_per_element
 
 def kv_bytes_per_token(arch: ModelArch, gpus_per_engine: int, bytes_per_element: int = 2) -> float:
     """KV-cache bytes one token takes on one SGLang TP rank: K and V of every layer for its kv heads (SGLang
-    replicates kv heads when TP > kv heads). 32B (8 kv heads x 128) at TP8: 2 x 64 x 1 x 128 x 2 = 32 KiB."""
+    replicates kv heads when TP > kv heads), or what the family says its cache holds (`kv_cache_elements`: MLA's
+    latent). 32B (8 kv heads x 128) at TP8: 2 x 64 x 1 x 128 x 2 = 32 KiB."""
+    cache = arch.family.kv_cache_elements
+    if cache is not None:
+        return arch.num_layers * cache(arch, gpus_per_engine) * bytes_per_element
     heads = max(1, arch.num_kv_heads // gpus_per_engine)
     return 2 * arch.num_layers * heads * arch.head_dim * bytes_per_element
 

@@ -15,9 +15,12 @@ layers a stage holds (`stage_layers`, from `layer_range`): each stage's weights 
 count's, its in-flight count the same p - i (Qwen2.5-32B at TP8 x PP3 as 20/24/20 layers: the first stage's three
 micro-batches over 20 layers, not 24).
 
-Mixture of experts (Qwen3-MoE): expert weights, fp32 grads and Adam state are this rank's E / EP experts of each
-MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them over
-expert-DP (TP x CP x DP / (ETP x EP)), not DP. The router (E x h) counts with the dense part. An MoE layer saves
+Weights are counted off the family's name table for the Transformer Engine layout (stage_parameters): MLA's down
+projections and latent norms whole on every TP rank, DeepSeek-V3's expert bias (a buffer) not at all.
+Mixture of experts (Qwen3-MoE, DeepSeek-V3): expert weights, fp32 grads and Adam state are this rank's E / EP experts
+of each MoE layer of its stage, each 1 / ETP of 3 h I (stage_expert_parameters); the distributed optimizer shards them
+over expert-DP (TP x CP x DP / (ETP x EP)), not DP. The router (E x h) and the shared experts count with the dense
+part. An MoE layer saves
 the router's tensors per local token and, per routed token copy, its hidden state and the expert's fc1 / SwiGLU /
 prob products (moe_layer_bytes, measured on CPU at EP1); copies per rank = local tokens x k x ETP x a factor: 1 at
 EP1, the capacity factor, or MOE_DROPLESS_IMBALANCE (2, assumed and printed) for the busiest EP rank when dropless.
@@ -37,6 +40,7 @@ from megatron_dapo.distributed.parallel import (
     padded_vocab_size,
     validate_layout,
 )
+from megatron_dapo.models.family import MappingEntry
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.planner.activations import (
     ActivationSpec,
@@ -63,37 +67,50 @@ def stage_layers(arch: ModelArch, layout: ParallelLayout, stage: int) -> list[li
     return [list(layer_range(arch.num_layers, layout, stage, c)) for c in range(layout.virtual_stages(arch.num_layers))]
 
 
+def shard_parameters(entry: MappingEntry, arch: ModelArch, tp: int) -> int:
+    """Elements of one TP rank's shard of `entry`: whole when replicated (norms, the router, MLA's duplicated down
+    projections), the vocab rows padded to 128 x TP then split, every other kind 1 / TP (`tp`: the expert-TP size
+    for an expert entry)."""
+    kind = entry.kind
+    if kind == "replicated":
+        return entry.numel(arch)
+    if kind == "vocab":
+        return padded_vocab_size(arch.vocab_size, tp) // tp * arch.hidden_size
+    return entry.numel(arch) // tp
+
+
 def stage_expert_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
-    """Expert parameters this rank holds on pipeline `stage`: E / EP experts of every MoE layer, each split over
-    ETP (the router is not an expert parameter). Qwen3-30B-A3B at EP8, ETP1: 48 x 16 x 3 x 2048 x 768 = 3.62B."""
+    """Expert parameters this rank holds on pipeline `stage`: E / EP routed experts of every MoE layer, each split
+    over ETP (the router and shared experts are not expert parameters). Qwen3-30B-A3B at EP8, ETP1:
+    48 x 16 x 3 x 2048 x 768 = 3.62B."""
     if not arch.is_moe:
         return 0
     n_moe = sum(arch.is_moe_layer(i) for chunk in stage_layers(arch, layout, stage) for i in chunk)
-    per_expert = 3 * arch.hidden_size * arch.moe_intermediate_size // layout.expert_tp
+    per_expert = sum(shard_parameters(e, arch, layout.expert_tp) for e in arch.family.mapping
+                     if e.per_expert and e.present(arch))
     return n_moe * arch.num_experts // layout.ep * per_expert
 
 
 def stage_parameters(arch: ModelArch, layout: ParallelLayout, stage: int) -> int:
-    """Parameters this rank holds on pipeline `stage`: norms and the router replicated over TP, the rest of the
-    dense part split over TP, plus stage_expert_parameters."""
-    h, t = arch.hidden_size, layout.tp
-    qkv = arch.q_size + 2 * arch.kv_size
-    bias = qkv if arch.qkv_bias else 0
-    qk_norms = 2 * arch.head_dim if arch.qk_layernorm else 0  # per-head weights, replicated over TP
-    attn = (h * qkv + bias + arch.q_size * h) // t + 2 * h + qk_norms
+    """Parameters this rank holds on pipeline `stage` in a Transformer Engine model, read off the family's name
+    table: each tensor's TP shard (`shard_parameters`: norms, the router and MLA's down projections whole, the rest
+    split over TP) times the stage's layers that hold it, the embedding on the first stage, the final norm and head
+    on the last (a tied head too when the embedding lives on another stage), plus stage_expert_parameters. Buffers
+    (DeepSeek-V3's expert bias) are not counted. DeepSeek-V3 at TP8: its q / kv down projections, 7168 x (1536 + 576)
+    per layer = 15.1M, sit whole on every rank (0.92B over the 61 layers)."""
     layers = [i for chunk in stage_layers(arch, layout, stage) for i in chunk]
-    n_moe = sum(arch.is_moe_layer(i) for i in layers)
-    dense_mlp = 3 * h * arch.intermediate_size // t
-    n = len(layers) * attn + (len(layers) - n_moe) * dense_mlp + n_moe * arch.num_experts * h
-    n += stage_expert_parameters(arch, layout, stage)
-    vocab = padded_vocab_size(arch.vocab_size, t) * h // t
-    if stage == 0:
-        n += vocab
-    if stage == layout.pp - 1:
-        n += h  # final norm
-        if not arch.tie_word_embeddings or layout.pp > 1:
-            n += vocab  # output layer (a tied copy when the embedding lives on another stage)
-    return n
+    first, last = stage == 0, stage == layout.pp - 1
+    head = not arch.tie_word_embeddings or layout.pp > 1  # a tied copy when the embedding lives on another stage
+    n = 0
+    for entry in arch.family.mapping:
+        if not entry.present(arch) or entry.buffer or entry.per_expert:
+            continue
+        if entry.stage == "layer":
+            copies = sum(entry.in_layer(arch, i) for i in layers)
+        else:
+            copies = first if entry.stage == "first" else last and (head or not entry.tied_hf)
+        n += copies * shard_parameters(entry, arch, layout.tp)
+    return n + stage_expert_parameters(arch, layout, stage)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -81,7 +81,7 @@ def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> 
 
     from megatron_dapo.weights import iter_rank_shards
     from megatron_dapo.weights.hf_format import HFCheckpointReader
-    from megatron_dapo.weights.plan import hf_tensor_specs
+    from megatron_dapo.weights.plan import dropped_hf_tensors, dropped_notice, hf_tensor_specs
     from megatron_dapo.weights.safetensors_io import CheckpointError
 
     ranks = dict(tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -96,12 +96,18 @@ def load_hf_into_actor(actor, hf_dir: str, *, flag: str = "--hf-checkpoint") -> 
         raise UserError(f"{flag}: {err}", echo=os.environ.get("RANK", "0") == "0") from err
     with reader:
         try:  # the same verdict on every rank (the same headers), rank 0 prints it
-            reader.check_expected(hf_tensor_specs(arch, dtype), model=f"model_type {arch.model_type!r}")
+            reader.check_unquantized()
+            prefixes, why = dropped_hf_tensors(arch)
+            skipped = reader.check_expected(hf_tensor_specs(arch, dtype), model=f"model_type {arch.model_type!r}",
+                                            dropped=prefixes)
         except CheckpointError as err:
             raise UserError(f"{flag}: {err}", echo=os.environ.get("RANK", "0") == "0") from err
+        if skipped and os.environ.get("RANK", "0") == "0":
+            print(f"[megatron-dapo] {flag} {hf_dir}: {dropped_notice(skipped, prefixes, why)}", flush=True)
         for chunk in range(len(actor.chunks)):  # several under --num-layers-per-virtual-pipeline-stage
             try:
-                shards = {name: shard.to(dtype) for name, shard in
+                # each shard is cast where it lands (load_shards' copy_): a buffer stays fp32 (plan.BUFFER_DTYPE)
+                shards = {name: shard for name, shard in
                           iter_rank_shards(reader.get, arch, actor.layout, pp_rank=pp_rank, chunk=chunk, **ranks)}
             except CheckpointError as err:  # a tensor this rank reads is missing or unreadable
                 raise UserError(f"{flag}: {err}") from err

@@ -15,7 +15,7 @@ holds; in tensor mode the body carries a ~129 B handle per tensor (2.3 MiB per s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +86,14 @@ def plan_buckets(sizes: Iterable[tuple[int, torch.dtype]], bucket_bytes: int = D
 
 
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    keep_together: Mapping[str, str] | None = None,
 ) -> Iterator[Bucket]:
     """Groups tensors in arrival order into buckets of at most `bucket_bytes` (a larger tensor gets a bucket
-    of its own); a change of dtype closes the bucket, since a flat buffer has one dtype.
+    of its own); a change of dtype closes the bucket, since a flat buffer has one dtype. `keep_together` maps a
+    tensor's name to its partner's (`weights.mapping.keep_together`: a pair the server fuses only within one
+    request): from the first of a pair until its partner, the bucket stays open even past `bucket_bytes` (by the
+    tensors in between); a partner that never comes is a ValueError.
 
     Holds at most one bucket's tensors at a time, so a generator input (e.g. TP-gathered layers) streams.
     """
@@ -97,6 +101,7 @@ def iter_buckets(
         raise ValueError(f"bucket_bytes must be >= 1 (--weight-sync-bucket-mb), got {bucket_bytes}")
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
+    pairs, awaiting = dict(keep_together or {}), set()
 
     def flush() -> Bucket:
         flat = torch.cat([t.detach().reshape(-1) for _, t in pending])
@@ -109,11 +114,19 @@ def iter_buckets(
 
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if closes_bucket(size, len(pending), pending[0][1].dtype if pending else None, nbytes, tensor.dtype,
-                         bucket_bytes):
+        if awaiting and pending and tensor.dtype != pending[0][1].dtype:
+            raise ValueError(f"{sorted(awaiting)[0]} must travel in one bucket with its pair, but {name} of another "
+                             f"dtype ({tensor.dtype}, not {pending[0][1].dtype}) comes in between")
+        if not awaiting and closes_bucket(size, len(pending), pending[0][1].dtype if pending else None, nbytes,
+                                          tensor.dtype, bucket_bytes):
             yield flush()
             pending, size = [], 0
         pending.append((name, tensor))
         size += nbytes
+        awaiting.discard(name)  # the partner is in: the bucket may close after it
+        if name in pairs:
+            awaiting.add(pairs[name])
+    if awaiting:
+        raise ValueError(f"{sorted(awaiting)} never came: each must travel in one bucket with its pair")
     if pending:
         yield flush()

@@ -26,7 +26,7 @@ resume) stays PhaseSwitcher's (trainer/colocate.py), which calls Trainer.sync_we
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from megatron_dapo.distributed import comm
 from megatron_dapo.weight_sync.base import WeightSync
 from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
 from megatron_dapo.weight_sync.tensor_ipc import IpcBucketPool, check_shm_space, serialize_named_tensors, stage_bucket
+from megatron_dapo.weights.mapping import keep_together
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,9 +126,11 @@ class ColocatedPusher:
         waiting for it in the next gather until its process is gone or the group's 30-minute timeout."""
         return comm.section(what, self.groups.group) if self.groups.group is not None else nullcontext()
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> dict[str, float]:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+             keep_together: Mapping[str, str] | None = None) -> dict[str, float]:
         """Every rank calls this with the same tensors (iter_hf_weights). Returns sync/seconds and sync/gbytes
-        (bytes this engine loaded, over its TP ranks, / 1e9: on the poster; 0 elsewhere)."""
+        (bytes this engine loaded, over its TP ranks, / 1e9: on the poster; 0 elsewhere). `keep_together`: HF
+        names a bucket may not end with (`weights.mapping.keep_together`)."""
         cuda = torch.cuda.is_available()
         if not cuda:
             torch.multiprocessing.set_sharing_strategy("file_system")
@@ -138,7 +141,7 @@ class ColocatedPusher:
             if self.posts:
                 self._post("/begin_weight_update", {})
         try:
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes, keep_together):
                 flat = stage_bucket(bucket.flat, cuda=cuda, pool=pool)
                 handle = serialize_named_tensors(Bucket(flat=flat, metas=bucket.metas).named_tensors())
                 handles = self._gather(handle)
@@ -175,7 +178,8 @@ class ColocatedSync(WeightSync):
     def _push(self, actor: Any, version: int) -> dict[str, float]:
         from megatron_dapo.weights.export import iter_hf_weights
 
-        metrics = self.pusher.push(iter_hf_weights(actor.chunks, actor.arch), version=version)
+        metrics = self.pusher.push(iter_hf_weights(actor.chunks, actor.arch), version=version,
+                                   keep_together=keep_together(actor.arch))
         if self.engine is not None:
             self.engine.set_weight_version(version)
             metrics = self.engine.take_metrics() | metrics  # its sync/* stay 0: the push went around it

@@ -24,7 +24,7 @@ This module imports rollout/sglang/ (the engine's protocol), never the reverse (
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from megatron_dapo.rollout.sglang.protocol import ServerDied
 from megatron_dapo.weight_sync.base import WeightSync, export_to
 from megatron_dapo.weight_sync.buckets import Bucket, iter_buckets
+from megatron_dapo.weights.mapping import keep_together
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine, UpdateSession
@@ -74,15 +75,18 @@ class ServerPush(WeightSync):
         if self.engine is None:
             export_to(actor, None)  # stay in step with the collective
             return {}
-        export_to(actor, lambda named: self.update(named, version=version))
+        glue = keep_together(actor.arch)
+        export_to(actor, lambda named: self.update(named, version=version, keep_together=glue))
         return self.engine.take_metrics()  # this step's server recoveries (rollout and sync) and sync/*
 
-    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int,
+               keep_together: Mapping[str, str] | None = None) -> None:
         """Pushes the new version to every serving server (rank 0). A server lost during the push is left out of
         the rest of it and recovered in the background; the update completes on the others, and every tensor is
-        consumed (iter_hf_weights is a collective the other ranks iterate too) and kept for the catch-up."""
+        consumed (iter_hf_weights is a collective the other ranks iterate too) and kept for the catch-up.
+        `keep_together`: pairs a bucket carries together (`weights.mapping.keep_together`)."""
         engine = self.engine
-        buckets = iter_buckets(named_tensors, engine.client.bucket_bytes)
+        buckets = iter_buckets(named_tensors, engine.client.bucket_bytes, keep_together)
         with engine.weight_update(version) as session:
             session.lost |= self._update(session.targets, buckets, version, session)
 

@@ -46,6 +46,7 @@ from megatron_dapo.weight_sync.stage_sync import (
 )
 from megatron_dapo.weight_sync.sync_group import WeightSyncStalled
 from megatron_dapo.weight_sync.transports.distributed import SYNC_GROUP_IDS, DistributedPush
+from megatron_dapo.weights.mapping import keep_together
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
@@ -169,7 +170,8 @@ class StagePush(WeightSync):
             if kind == "abort":
                 raise RuntimeError(f"global rank 0 failed before the weight sync: {payload}")
             if self.source:
-                outcome = self.sender.push(payload, iter_stage_hf_weights(chunks, arch), self.lock)
+                outcome = self.sender.push(payload, iter_stage_hf_weights(chunks, arch), self.lock,
+                                           keep_together(arch))
                 self.stats.to_servers = outcome.nbytes
                 self._send_outcome(outcome)
             elif self.gathers:
@@ -191,7 +193,7 @@ class StagePush(WeightSync):
                             broadcast_floor_s=c.broadcast_floor_s)
             comm.broadcast_object(("stage", plan), 0, self.wait_group)
             announced = True
-            mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock)
+            mine = self.sender.push(plan, iter_stage_hf_weights(chunks, arch), self.lock, keep_together(arch))
             self.stats.to_servers = mine.nbytes
             merged = merge_outcomes([mine] + [self._recv_outcome(s) for s in range(1, self.pp)])
             seconds[:] = merged.stage_seconds

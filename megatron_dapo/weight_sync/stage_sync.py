@@ -54,7 +54,7 @@ import ipaddress
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -317,7 +317,8 @@ class StageSender:
         self.name: str | None = None
         self.members: list[str] = []
 
-    def push(self, plan: SyncPlan, named: Iterable[tuple[str, torch.Tensor]], lock: TicketLock) -> StageOutcome:
+    def push(self, plan: SyncPlan, named: Iterable[tuple[str, torch.Tensor]], lock: TicketLock,
+             keep_together: Mapping[str, str] | None = None) -> StageOutcome:
         """Buckets this stage's tensors, broadcasts each to the plan's servers, keeps a host copy of each.
 
         Consumes `named` to the end whatever happens (the stage's TP peers iterate the same collective). Once a
@@ -332,7 +333,7 @@ class StageSender:
         broken_key = f"megatron_dapo/stage_sync_broken/{plan.tag}/{plan.version}"
         stalled = False
         try:
-            for k, bucket in enumerate(iter_buckets(named, plan.bucket_bytes)):
+            for k, bucket in enumerate(iter_buckets(named, plan.bucket_bytes, keep_together)):
                 out.kept.append(Bucket(flat=bucket.flat.detach().to("cpu", copy=True), metas=bucket.metas))
                 if out.broken or out.error is not None or not plan.urls:
                     continue  # keep draining (and keeping) the version

@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron_dapo.distributed import comm
 from megatron_dapo.models.hf_config import ModelArch
 from megatron_dapo.weights.layout import hf_shapes, merge_tp_shards
-from megatron_dapo.weights.load import unwrap
+from megatron_dapo.weights.load import mapped_tensors, unwrap
 from megatron_dapo.weights.mapping import MappingEntry, fill, resolve_mcore_name
 
 Manifest = list[tuple[str, tuple[int, ...], torch.dtype]]
@@ -39,17 +39,18 @@ class _Param:
     """mcore name with the global layer number (and this rank's expert-parallel-local expert number)."""
     layer: int | None
     expert: int | None
-    param: torch.nn.Parameter
+    param: torch.Tensor
+    """The parameter, or a buffer the table maps (an MoE router's expert_bias)."""
 
 
 def _local_params(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Param]:
-    """Each exported param of this stage, with its global layer."""
+    """Each exported tensor of this stage, with its global layer."""
     out = []
     for chunk in chunks:
         model = unwrap(chunk)
         # layer_number is megatron-core's 1-based global index, right under any PP / VPP split.
         to_global = {i: layer.layer_number - 1 for i, layer in enumerate(model.decoder.layers)}
-        for name, param in model.named_parameters():
+        for name, param in mapped_tensors(model, arch):
             entry, layer, expert = resolve_mcore_name(name, arch)
             if entry.tied_hf and arch.tie_word_embeddings:
                 continue  # the last stage's copy of a tied embedding; stage 0 exports the original

@@ -11,7 +11,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -91,19 +91,34 @@ class HFCheckpointReader:
     def specs(self) -> dict[str, TensorSpec]:
         return {n: f.specs[n] for n, f in self._where.items()}
 
-    def check_expected(self, expected: Sequence[TensorSpec], *, model: str = "") -> None:
+    def check_unquantized(self) -> None:
+        """Raise CheckpointError, one line, on an FP8 block-quantized checkpoint (DeepSeek-V3's release format: fp8
+        weights each with a `weight_scale_inv` of per-128x128-block scales), which nothing here de-quantizes."""
+        scales = [n for n in self.specs if n.endswith(FP8_SCALE_SUFFIX)]
+        if scales:
+            raise CheckpointError(
+                f"{self.dir} is an FP8 block-quantized checkpoint ({len(scales)} tensor(s) named *{FP8_SCALE_SUFFIX}, "
+                "e.g. " + scales[0] + "): de-quantize it to bf16 first (DeepSeek-V3's inference/fp8_cast_bf16.py "
+                "writes that copy) and point at the bf16 directory")
+
+    def check_expected(self, expected: Sequence[TensorSpec], *, model: str = "",
+                       dropped: tuple[str, ...] = ()) -> list[str]:
         """Raise CheckpointError, one line, unless the checkpoint holds exactly the tensors of the config-derived
         `expected` (names and shapes): it names the tensors missing, those of another shape, and those the model
         has no place for, which a load would otherwise drop in silence (a Qwen2 checkpoint's q/k/v biases under a
         config.json that says llama). `model` says what config.json describes (e.g. "model_type 'llama'"). Derived
         buffers transformers ignores too (`IGNORED_TENSORS`) are not counted. Reads the headers only (parsed on
-        open): milliseconds, also at Qwen2.5-32B's 771 tensors or Qwen3-30B-A3B's 18,867."""
+        open): milliseconds, also at Qwen2.5-32B's 771 tensors or Qwen3-30B-A3B's 18,867. Tensors under a `dropped`
+        name prefix (what the family leaves out on purpose, `ModelFamily.dropped_hf_tensors`) are no problem: their
+        names are returned, for the caller to say what it skips."""
         have = self.specs
         want = {s.name: s for s in expected}
         missing = [n for n in want if n not in have]
         reshaped = [f"{n} {list(have[n].shape)} (config.json implies {list(s.shape)})"
                     for n, s in want.items() if n in have and have[n].shape != s.shape]
-        extra = [n for n in have if n not in want and not IGNORED_TENSORS.search(n) and not self._tied_copy(n, want)]
+        skipped = [n for n in have if n not in want and n.startswith(dropped)] if dropped else []
+        extra = [n for n in have if n not in want and not IGNORED_TENSORS.search(n) and not self._tied_copy(n, want)
+                 and not (dropped and n.startswith(dropped))]
         problems = [_listing(f"{len(missing)} tensor(s) missing", missing),
                     _listing(f"{len(reshaped)} tensor(s) of another shape", reshaped),
                     _listing(f"{len(extra)} tensor(s) this model has no place for (a load would drop them)", extra)]
@@ -112,6 +127,7 @@ class HFCheckpointReader:
             what = f" ({model})" if model else ""
             raise CheckpointError(f"{self.dir} does not match its config.json{what}: " + "; ".join(problems)
                                   + ": does config.json describe these weights?")
+        return skipped
 
     def _tied_copy(self, name: str, want: dict[str, TensorSpec]) -> bool:
         """Whether `name` is the output head a tied model's checkpoint may store besides its embedding
@@ -123,9 +139,10 @@ class HFCheckpointReader:
             return False
         return torch.equal(self.get(name), self.get(source))
 
-    def dtype(self) -> torch.dtype:
-        """The checkpoint's floating dtype (the converter keeps it unless --dtype says otherwise)."""
-        dtypes = {s.dtype for s in self._where.values() for s in s.specs.values()}
+    def dtype(self, ignore: Collection[str] = ()) -> torch.dtype:
+        """The checkpoint's floating dtype (the converter keeps it unless --dtype says otherwise), over its tensors
+        but those named in `ignore` (buffers kept in fp32, tensors the family leaves out)."""
+        dtypes = {spec.dtype for f in self._where.values() for name, spec in f.specs.items() if name not in ignore}
         if len(dtypes) != 1:
             raise CheckpointError(f"{self.dir} mixes dtypes {sorted(map(str, dtypes))}; pass --dtype")
         return dtypes.pop()
@@ -161,6 +178,9 @@ class HFCheckpointReader:
     def __exit__(self, *_: object) -> None:
         self.close()
 
+
+FP8_SCALE_SUFFIX = "weight_scale_inv"
+"""The name ending of an FP8 block-quantized checkpoint's scale tensors (`HFCheckpointReader.check_unquantized`)."""
 
 IGNORED_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 """HF tensors no model parameter is built from: RoPE's inverse frequencies, which older checkpoints saved per layer

@@ -54,9 +54,7 @@ def fill(template: str, layer: int | None = None, expert: int | None = None) -> 
 def entry_in_layer(entry: MappingEntry, arch: ModelArch, layer: int) -> bool:
     """Whether global decoder layer `layer` of `arch` holds `entry` (dense-MLP entries skip the MoE layers and
     the reverse)."""
-    if entry.layers == "all":
-        return True
-    return arch.is_moe_layer(layer) == (entry.layers == "moe")
+    return entry.in_layer(arch, layer)
 
 
 def _template_regex(template: str) -> re.Pattern[str]:
@@ -105,6 +103,14 @@ def canonical_mcore_name(name: str, arch: ModelArch) -> str:
 LAYER_IMPLS: tuple[str, ...] = ("transformer_engine", "local")
 """megatron-core's two layer implementations (--transformer-impl). The dist-checkpoint keys a model of each saves and
 asks for differ in one tensor only: an MoE layer's pre-MLP norm (`MappingEntry.te_moe_dist`)."""
+
+
+def keep_together(arch: ModelArch) -> dict[str, str]:
+    """{HF name: its partner's} of every pair a weight-sync bucket must carry together (`MappingEntry.sync_with_next`:
+    an entry and the next one of the table), for every layer of `arch` that holds them."""
+    table = arch_mapping(arch)
+    return {fill(entry.hf[0], layer): fill(table[i + 1].hf[0], layer) for i, entry in enumerate(table)
+            if entry.sync_with_next for layer in range(arch.num_layers) if entry_in_layer(entry, arch, layer)}
 
 
 def dist_key(entry: MappingEntry) -> str:

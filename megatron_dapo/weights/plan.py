@@ -84,8 +84,40 @@ def stage_tensors(arch: ModelArch, layout: ParallelLayout, pp_rank: int, ep_rank
     return sorted(out, key=lambda t: (t.entry.stage != "first", t.entry.stage == "last", t.global_layer or 0))
 
 
+def dropped_hf_tensors(arch: ModelArch) -> tuple[tuple[str, ...], str]:
+    """(HF name prefixes a load of `arch` skips, why): the family's `dropped_hf_tensors`, or ((), "")."""
+    hook = arch.family.dropped_hf_tensors
+    return hook(arch) if hook is not None else ((), "")
+
+
+def dropped_notice(skipped: list[str], prefixes: tuple[str, ...], why: str) -> str:
+    """One line saying how many checkpoint tensors a load left out, under which of `prefixes`, and why ("" when
+    none)."""
+    if not skipped:
+        return ""
+    under = ", ".join(p for p in prefixes if any(n.startswith(p) for n in skipped))
+    return f"not loading {len(skipped)} tensor(s) under {under}: {why}"
+
+
+BUFFER_DTYPE = torch.float32
+"""The dtype of a table entry that is a buffer (`MappingEntry.buffer`: DeepSeek-V3's e_score_correction_bias): what
+megatron-core keeps the router's expert_bias in whatever the model's dtype, and what DeepSeek-V3's release stores;
+bf16 would move each bias by up to 2^-9 of itself, enough to flip a top-k choice between near-tied experts."""
+
+
+def entry_dtype(entry: MappingEntry, dtype: torch.dtype) -> torch.dtype:
+    """The dtype `entry`'s tensors are written in by a model of `dtype` (BUFFER_DTYPE for a buffer)."""
+    return BUFFER_DTYPE if entry.buffer else dtype
+
+
+def buffer_hf_names(arch: ModelArch) -> set[str]:
+    """The HF names of `arch`'s buffer entries (kept in BUFFER_DTYPE, not counted in a checkpoint's dtype)."""
+    return {n for t in stage_tensors(arch, ParallelLayout(), 0) if t.entry.buffer for n in t.hf_names}
+
+
 def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
-    """Every tensor of the HF checkpoint in layer order (tied models have no lm_head.weight)."""
+    """Every tensor of the HF checkpoint in layer order (tied models have no lm_head.weight), in `dtype` but the
+    buffers (BUFFER_DTYPE)."""
     specs: list[TensorSpec] = []
     seen: set[str] = set()
     for t in stage_tensors(arch, ParallelLayout(), 0):
@@ -94,7 +126,7 @@ def hf_tensor_specs(arch: ModelArch, dtype: torch.dtype) -> list[TensorSpec]:
         for name, shape in zip(t.hf_names, hf_shapes(t.entry, arch), strict=True):
             if name not in seen:
                 seen.add(name)
-                specs.append(TensorSpec(name, dtype, shape))
+                specs.append(TensorSpec(name, entry_dtype(t.entry, dtype), shape))
     return specs
 
 

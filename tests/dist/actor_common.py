@@ -74,7 +74,8 @@ def tiny_config(model_type: str = "qwen2", **overrides) -> dict:
 
 def tiny_hf_model(model_type: str = "qwen2", *, tie: bool = False, seed: int = 0, **overrides):
     """A random-weight HF causal LM of `model_type`'s family (fp32, eager attention) with nonzero q/k/v
-    biases (where the family has them) and norms (q_norm / k_norm included); `overrides` replace
+    biases (where the family has them), router correction biases (DeepSeek-V3's) and norms (q_norm / k_norm
+    included); `overrides` replace
     `tiny_config`'s fields (e.g. num_hidden_layers=4)."""
     fam = families()[model_type]
     torch.manual_seed(seed)
@@ -85,6 +86,9 @@ def tiny_hf_model(model_type: str = "qwen2", *, tie: bool = False, seed: int = 0
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: it changes which experts are chosen
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     return model
 
 
@@ -109,8 +113,11 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
     g, d, qh = arch.num_kv_heads, arch.head_dim, arch.heads_per_group
     for i in range(arch.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        mla = h + "self_attn.kv_a_proj_with_mqa.weight" in sd  # multi-head latent attention (DeepSeek-V3)
+        if mla:
+            _mla_to_mcore(sd, h, m, out)
         for kind in ("weight", "bias"):
-            if h + f"self_attn.q_proj.{kind}" not in sd:  # no q/k/v bias (Qwen3, Llama)
+            if mla or h + f"self_attn.q_proj.{kind}" not in sd:  # no q/k/v bias (Qwen3, Llama)
                 continue
             q = sd[h + f"self_attn.q_proj.{kind}"].reshape(g, qh * d, -1)
             k = sd[h + f"self_attn.k_proj.{kind}"].reshape(g, d, -1)
@@ -118,6 +125,12 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
             fused = torch.cat([q, k, v], dim=1).reshape(g * (qh + 2) * d, -1)  # per group: q heads, k, v
             out[m + f"self_attention.linear_qkv.{kind}"] = fused.squeeze(-1) if kind == "bias" else fused
         out[m + "self_attention.linear_proj.weight"] = sd[h + "self_attn.o_proj.weight"]
+        if h + "mlp.gate.e_score_correction_bias" in sd:  # DeepSeek-V3's router bias (a buffer) and shared experts
+            out[m + "mlp.router.expert_bias"] = sd[h + "mlp.gate.e_score_correction_bias"]
+            x = m + "mlp.shared_experts."
+            out[x + "linear_fc1.gate"] = sd[h + "mlp.shared_experts.gate_proj.weight"]
+            out[x + "linear_fc1.up"] = sd[h + "mlp.shared_experts.up_proj.weight"]
+            out[x + "linear_fc2.weight"] = sd[h + "mlp.shared_experts.down_proj.weight"]
         for qk in ("q", "k"):  # Qwen3's per-head RMSNorm on q and k (one [head_dim] weight, all heads)
             if h + f"self_attn.{qk}_norm.weight" in sd:
                 out[m + f"self_attention.{qk}_layernorm.weight"] = sd[h + f"self_attn.{qk}_norm.weight"]
@@ -137,8 +150,25 @@ def hf_to_full_mcore(sd: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, 
     return out
 
 
+def _mla_to_mcore(sd: dict[str, torch.Tensor], h: str, m: str, out: dict[str, torch.Tensor]) -> None:
+    """One MLA layer's HF attention tensors (prefix `h`) under megatron-core's names (prefix `m`), into `out`: the
+    layouts agree (q heads [nope | rope], kv_a rows [latent | rope key], kv_b rows per head [nope key | value]), so
+    each is a copy; the latent norms are fused into the up projections (`layer_norm_weight`)."""
+    a, x = h + "self_attn.", m + "self_attention."
+    if a + "q_a_proj.weight" in sd:
+        out[x + "linear_q_down_proj.weight"] = sd[a + "q_a_proj.weight"]
+        out[x + "linear_q_up_proj.layer_norm_weight"] = sd[a + "q_a_layernorm.weight"]
+        out[x + "linear_q_up_proj.weight"] = sd[a + "q_b_proj.weight"]
+    else:  # no q bottleneck (q_lora_rank null: DeepSeek-V2-Lite)
+        out[x + "linear_q_proj.weight"] = sd[a + "q_proj.weight"]
+    out[x + "linear_kv_down_proj.weight"] = sd[a + "kv_a_proj_with_mqa.weight"]
+    out[x + "linear_kv_up_proj.layer_norm_weight"] = sd[a + "kv_a_layernorm.weight"]
+    out[x + "linear_kv_up_proj.weight"] = sd[a + "kv_b_proj.weight"]
+
+
 def _kind(name: str) -> str:
-    if name.endswith(("layernorm.weight", "router.weight")):
+    # MLA's down projections are whole on every TP rank (TELinear 'duplicated' and its local twin)
+    if name.endswith(("layernorm.weight", "layer_norm_weight", "router.weight", "expert_bias", "down_proj.weight")):
         return "replicated"
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return "row"

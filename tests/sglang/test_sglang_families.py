@@ -22,6 +22,8 @@ Needs .venv-sglang (`make sglang-env`); skipped otherwise.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -77,6 +79,18 @@ def _hf_model(model_type: str, *, tied: bool, seed: int):
     return model
 
 
+def _rope_override(config) -> tuple[str, ...]:
+    """Server arguments that serve a plain-RoPE multi-head latent attention model (DeepSeek-V3's tiny config) on
+    SGLang's CPU backend, whose MLA rope factory takes only YaRN (rotary_embedding/factory.py:478): YaRN of factor 1,
+    which is plain RoPE in SGLang and HF alike (tests/sglang/test_sglang_deepseek_v3.py); none otherwise."""
+    rope = config.rope_parameters or {}
+    if not getattr(config, "kv_lora_rank", None) or rope.get("rope_type", "default") != "default":
+        return ()
+    return ("--json-model-override-args", json.dumps({"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": rope["rope_theta"], "factor": 1.0,
+        "original_max_position_embeddings": config.max_position_embeddings}}))
+
+
 def _check_routes(model, samples) -> int:
     """Asserts each sample's routed experts equal HF's (order included) for every fed-back token; returns rows."""
     rows = 0
@@ -126,11 +140,12 @@ def test_pushed_actor_weights_give_the_server_their_logprobs(tmp_path, model_typ
     served.save_pretrained(tmp_path / "model")
     pushed.save_pretrained(tmp_path / "pushed")
     moe = _is_moe(model_type)
-    routing = RoutingShape(served.config.num_hidden_layers, served.config.num_experts_per_tok,
-                           served.config.num_experts) if moe else None
+    arch = ModelArch.from_hf(served.config)
+    routing = RoutingShape(arch.num_layers, arch.num_experts_per_tok, arch.num_experts) if moe else None
     client = ClientConfig(max_concurrency=8, control_timeout_s=120, sync_backend="gloo",
                           sync_master_port=free_port(), routing=routing)
-    server = cpu_server_config(tmp_path, return_routed_experts=moe, env={"PYTHONPATH": str(GUARD_DIR)})
+    server = cpu_server_config(tmp_path, return_routed_experts=moe, env={"PYTHONPATH": str(GUARD_DIR)},
+                               extra_args=("--dtype", "float32", *_rope_override(served.config)))
     engine = SGLangEngine(server, client=client)
     try:
         before = _samples(engine, seed=3)

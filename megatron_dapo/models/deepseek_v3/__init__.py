@@ -14,12 +14,12 @@ down and up projections, separate q/kv RMSNorms) and its MoELayer (TopKRouter wi
 expert_bias, group-limited top-k, topk_scaling_factor; shared experts). Deviations refused by `parse` (each a
 config.json field): norm_topk_prob false (megatron-core's sigmoid path always renormalises a top-k > 1), a group
 choice by other than the top-2 sum (megatron-core sums the top topk / group_topk per group), rope_interleave false
-(megatron-core's MLA de-interleaves the rope dims), rms_norm_eps other than 1e-6 (HF's q_a_layernorm /
-kv_a_layernorm keep 1e-6 whatever rms_norm_eps says; megatron-core uses layernorm_epsilon for every norm),
-attention_bias, scoring_func / topk_method other than DeepSeek-V3's.
+(megatron-core's MLA de-interleaves the rope dims), attention_bias, scoring_func / topk_method other than DeepSeek-V3's.
 
-Not registered yet (`DRAFT_FAMILY`, not `FAMILY`): registration makes the family join every family-parametrized
-test (TP/PP converter, checkpoints, SGLang, the planner), which it does not pass yet (`docs/MODELS.md`; issue 43).
+On the local spec (CPU) the MLA layer is made to train and checkpoint like TE's (duplicated down projections, the
+latent norms fused into the up projections, TE's checkpoint keys): `models/mla_local.py`. At TP > 1 MLA needs
+--sequence-parallel (`distributed.parallel.validate_layout`: megatron-core leaves the rope key's gradient partial
+without it).
 """
 
 from __future__ import annotations
@@ -36,32 +36,32 @@ _A = _L + "self_attention."
 _HA = _H + "self_attn."
 
 MLA_ENTRIES: tuple[MappingEntry, ...] = (
-    MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="column",
-                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora"),
-    MappingEntry(mcore=_A + "q_layernorm.weight", hf=(_HA + "q_a_layernorm.weight",), kind="replicated",
-                 stage="layer", shapes=(("q_lora_rank",),), requires="q_lora",
-                 aliases=(_A + "linear_q_up_proj.layer_norm_weight",)),
+    MappingEntry(mcore=_A + "linear_q_down_proj.weight", hf=(_HA + "q_a_proj.weight",), kind="replicated",
+                 stage="layer", shapes=(("q_lora_rank", "hidden_size"),), requires="q_lora", sync_with_next=True),
+    MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="replicated",
+                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
+    MappingEntry(mcore=_A + "linear_q_up_proj.layer_norm_weight", hf=(_HA + "q_a_layernorm.weight",),
+                 kind="replicated", stage="layer", shapes=(("q_lora_rank",),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_up_proj.weight", hf=(_HA + "q_b_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "q_lora_rank"),), requires="q_lora"),
     MappingEntry(mcore=_A + "linear_q_proj.weight", hf=(_HA + "q_proj.weight",), kind="column",
                  stage="layer", shapes=(("q_size", "hidden_size"),), requires="no_q_lora"),
-    MappingEntry(mcore=_A + "linear_kv_down_proj.weight", hf=(_HA + "kv_a_proj_with_mqa.weight",), kind="column",
-                 stage="layer", shapes=(("kv_down_rows", "hidden_size"),)),
-    MappingEntry(mcore=_A + "kv_layernorm.weight", hf=(_HA + "kv_a_layernorm.weight",), kind="replicated",
-                 stage="layer", shapes=(("kv_lora_rank",),),
-                 aliases=(_A + "linear_kv_up_proj.layer_norm_weight",)),
+    MappingEntry(mcore=_A + "linear_kv_up_proj.layer_norm_weight", hf=(_HA + "kv_a_layernorm.weight",),
+                 kind="replicated", stage="layer", shapes=(("kv_lora_rank",),)),
     MappingEntry(mcore=_A + "linear_kv_up_proj.weight", hf=(_HA + "kv_b_proj.weight",), kind="column",
                  stage="layer", shapes=(("kv_up_rows", "kv_lora_rank"),)),
     MappingEntry(mcore=_A + "linear_proj.weight", hf=(_HA + "o_proj.weight",), kind="row",
                  stage="layer", shapes=(("hidden_size", "o_cols"),)),
 )
-"""One MLA layer, HF order. `column` / `row` are the local spec's ColumnParallelLinear / RowParallelLinear splits
-(the down projections are column-split and all-gathered there; TE's spec holds them whole: TP > 1 is untested)."""
+"""One MLA layer: the down projections, whole on every TP rank (TELinear 'duplicated' under TE, its local twin on
+CPU) and next to each other (SGLang fuses q_a_proj and kv_a_proj_with_mqa only when both arrive in one weight-sync
+request: `sync_with_next`), the up projections column-parallel with the latent norms fused in, o_proj
+row-parallel, on either implementation (`models/mla_local.py`)."""
 
 _S = _L + "mlp.shared_experts."
 MOE_EXTRA_ENTRIES: tuple[MappingEntry, ...] = (
     MappingEntry(mcore=_L + "mlp.router.expert_bias", hf=(_H + "mlp.gate.e_score_correction_bias",),
-                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe"),
+                 kind="replicated", stage="layer", shapes=(("num_experts",),), layers="moe", buffer=True),
     MappingEntry(mcore=_S + "linear_fc1.weight",
                  hf=(_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"),
                  kind="fc1", stage="layer",
@@ -146,9 +146,6 @@ def parse(config: dict[str, Any]) -> ModelArch:
     if config.get("rope_interleave", True) is not True:
         raise ValueError("rope_interleave false is not supported (megatron-core's MLA applies RoPE to interleaved "
                          "pairs, as DeepSeek-V3's checkpoints are laid out)")
-    if float(config.get("rms_norm_eps", HF_NORM_EPS)) != HF_NORM_EPS:
-        raise ValueError(f"rms_norm_eps {config['rms_norm_eps']} is not supported: HF's q_a_layernorm / "
-                         f"kv_a_layernorm use {HF_NORM_EPS:g} whatever it says, megatron-core one eps for every norm")
     for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if config.get(name, want) != want:
             raise ValueError(f"{name} {config[name]!r} is not supported (DeepSeek-V3's {want!r})")
@@ -182,8 +179,14 @@ def parse(config: dict[str, Any]) -> ModelArch:
     scale = config.get("routed_scaling_factor", DEFAULTS["routed_scaling_factor"])
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"routed_scaling_factor must be a positive number, got {scale!r}")
-    options = (("q_lora", q_lora is not None), ("no_q_lora", q_lora is None), ("q_lora_rank", q_lora or 0),
-               ("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope),
+    mtp = _int(config, "num_nextn_predict_layers", minimum=0) if config.get("num_nextn_predict_layers") else 0
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq {config['moe_layer_freq']!r} is not supported (every layer from "
+                         "first_k_dense_replace on is MoE, as in DeepSeek-V3's releases)")
+    options = (("mtp_layers", mtp), ("multi_latent_attention", True), ("q_lora", q_lora is not None),
+               ("no_q_lora", q_lora is None),
+               ("q_lora_rank", q_lora or 0), ("kv_lora_rank", kv_lora), ("qk_nope_head_dim", nope),
+               ("qk_rope_head_dim", rope),
                ("v_head_dim", v), ("kv_down_rows", kv_lora + rope), ("kv_up_rows", heads * (nope + v)),
                ("o_cols", heads * v), ("shared_expert_size", shared * moe_size), ("n_group", groups),
                ("topk_group", topk_group), ("routed_scaling_factor", float(scale)), *_rope_options(config))
@@ -239,9 +242,22 @@ def transformer_config_fields(arch: ModelArch) -> dict[str, Any]:
     }
 
 
+MTP_WHY = ("DeepSeek-V3's multi-token-prediction layer (num_nextn_predict_layers) is not part of the policy: RL "
+           "trains and syncs the main model only; a rollout server's MTP speculative decoding would keep the "
+           "pretrained draft layer, whose acceptance falls as the policy moves (docs/MODELS.md)")
+
+
+def dropped_hf_tensors(arch: ModelArch) -> tuple[tuple[str, ...], str]:
+    """The multi-token-prediction layers' HF prefixes (`model.layers.{num_hidden_layers + i}.`, as DeepSeek-V3's
+    release stores them) and why a load leaves them out (MTP_WHY)."""
+    n = dict(arch.family_options)["mtp_layers"]
+    return tuple(f"model.layers.{arch.num_layers + i}." for i in range(n)), MTP_WHY
+
+
 def layer_spec_options(arch: ModelArch) -> dict[str, Any]:
-    """The local spec's MLA layer with its q / kv latent RMSNorms (megatron-core builds them under qk_layernorm)."""
-    return {"qk_layernorm": True, "multi_latent_attention": True}
+    """The MLA layer with its q / kv latent RMSNorms (megatron-core builds them under qk_layernorm), at HF's eps for
+    them (HF_NORM_EPS: Moonlight's rms_norm_eps 1e-5 is not theirs)."""
+    return {"qk_layernorm": True, "multi_latent_attention": True, "latent_norm_eps": HF_NORM_EPS}
 
 
 def model_kwargs(arch: ModelArch) -> dict[str, Any]:
@@ -250,8 +266,26 @@ def model_kwargs(arch: ModelArch) -> dict[str, Any]:
     return dict(position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta)
 
 
-DRAFT_FAMILY = ModelFamily(
+def activation_terms(arch: ModelArch) -> dict[str, Any]:
+    """The planner's model terms (`planner.activations.ActivationSpec`): the dense decoder's (gated MLP, no dropout,
+    unfused rope, qk_norm: here MLA's q / kv latent RMSNorms), MLA's latent ranks and head dims, the shared experts,
+    sigmoid routing without a load-balancing loss."""
+    o = dict(arch.family_options)
+    return {**dense.activation_terms(arch), "q_lora": o["q_lora_rank"], "kv_lora": o["kv_lora_rank"],
+            "rope_dim": o["qk_rope_head_dim"], "v_dim": o["v_head_dim"], "shared_ffn": o["shared_expert_size"],
+            "router_scores": "sigmoid", "aux_loss": False}
+
+
+def kv_cache_elements(arch: ModelArch, tp: int) -> int:
+    """SGLang's MLA KV cache per token and layer: the normalised kv latent and the roped shared key, kv_lora_rank +
+    qk_rope_head_dim, whole on every TP rank: 576, 70 KB per token over DeepSeek-V3's 61 layers in bf16 (GQA's K and V
+    of 128 / 8 heads x 192 at TP8 would be 2 x 16 x 192 per layer, 10.7x that)."""
+    return arch.option("kv_lora_rank") + arch.option("qk_rope_head_dim")
+
+
+FAMILY = ModelFamily(
     model_type="deepseek_v3",
+    order=4,
     hf_model_class="DeepseekV3ForCausalLM",
     hf_config_class="DeepseekV3Config",
     mapping=MAPPING,
@@ -259,14 +293,18 @@ DRAFT_FAMILY = ModelFamily(
     transformer_config_fields=transformer_config_fields,
     layer_spec_options=layer_spec_options,
     model_kwargs=model_kwargs,
-    activation_terms=dense.activation_terms,
+    activation_terms=activation_terms,
+    kv_cache_elements=kv_cache_elements,
+    dropped_hf_tensors=dropped_hf_tensors,
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     # q_lora_rank set, first layer dense, 8 experts in 4 groups (top-2 groups, top-4 experts: top-2 sums agree),
-    # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12).
-    tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+    # one shared expert, routed_scaling_factor 2.5; heads' q dims (16 nope + 8 rope) != v dims (12). moe_layer_freq,
+    # topk_method, scoring_func: DeepSeek-V3's values, which its config.json carries and SGLang reads.
+    tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
                      rms_norm_eps=1e-6, rope_theta=10000.0, n_routed_experts=8, num_experts_per_tok=4,
                      moe_intermediate_size=32, n_shared_experts=1, n_group=4, topk_group=2,
-                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, moe_layer_freq=1,
+                     topk_method="noaux_tc", scoring_func="sigmoid"),
 )

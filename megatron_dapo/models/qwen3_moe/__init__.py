@@ -33,6 +33,23 @@ def transformer_config_fields(arch: ModelArch) -> dict[str, Any]:
     return {**dense.transformer_config_fields(arch), **moe.transformer_config_fields(arch)}
 
 
+def sglang_refusal(arch: ModelArch) -> str | None:
+    """Why SGLang 0.5.23 cannot serve a Qwen3-MoE config with dense layers (config.json `mlp_only_layers` non-empty,
+    or `decoder_sparse_step` != 1): its qwen3_moe builds every decoder layer sparse (sglang/srt/models/qwen3_moe.py:877,
+    `is_layer_sparse = True`) and its load_weights drops the dense layers' mlp.{gate,up,down}_proj weights (:1224,
+    `if name not in params_dict: continue`), so those layers run experts no weight ever reaches (uninitialised
+    memory). The server starts and logs nothing; measured on a tiny model: log-probs off by 4.7 nats, some outputs
+    NaN. None for an all-MoE config (every released Qwen3-MoE)."""
+    if arch.all_layers_moe:
+        return None
+    dense_layers = [i for i in range(arch.num_layers) if not arch.is_moe_layer(i)]
+    return (f"layers {dense_layers} of this mixture-of-experts model are dense (config.json mlp_only_layers / "
+            "decoder_sparse_step), which SGLang 0.5.23 cannot serve: its qwen3_moe builds every layer sparse "
+            "(sglang/srt/models/qwen3_moe.py:877) and drops the dense layers' weights on load (:1224), a silently "
+            "wrong model. Use an all-MoE config (mlp_only_layers [] and decoder_sparse_step 1, as every released "
+            "Qwen3-MoE checkpoint is) or the embedded engine (--rollout-engine embedded)")
+
+
 FAMILY = dense.dense_family(
     model_type="qwen3_moe",
     hf_class_prefix="Qwen3Moe",
@@ -41,6 +58,7 @@ FAMILY = dense.dense_family(
     arch_defaults={"qkv_bias": False, "qk_layernorm": True},
     mapping=moe.with_moe_entries(dense.MAPPING),
     transformer_config_fields=transformer_config_fields,
+    sglang_refusal=sglang_refusal,
     # Every layer MoE, as every released Qwen3-MoE (and the only layout SGLang 0.5.23 serves); the mixed
     # dense / MoE layout has its own tests. head_dim 24 != 64 / 4: the explicit-head_dim path.
     tiny_config=dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

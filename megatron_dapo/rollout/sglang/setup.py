@@ -15,24 +15,15 @@ DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 
 def check_sglang_serves(arch: Any, where: str) -> None:
-    """Raises ValueError if SGLang 0.5.23 would serve this model wrong without saying so.
-
-    An MoE model with dense layers (config.json `mlp_only_layers` non-empty, or `decoder_sparse_step` != 1): SGLang
-    0.5.23's qwen3_moe builds every decoder layer sparse (sglang/srt/models/qwen3_moe.py:877, `is_layer_sparse =
-    True`) and its load_weights drops the dense layers' mlp.{gate,up,down}_proj weights (:1224, `if name not in
-    params_dict: continue`): those layers run experts that no weight ever reaches (uninitialised memory). The server
-    starts and logs nothing; measured on a tiny model: log-probs off by 4.7 nats, some outputs NaN
-    (/work/probes/sglang-moe/FINDINGS.md). `arch`: the model's ModelArch; `where`: the config.json path, named in
-    the error. Pure and cheap (no server asked): called before any server is launched or attached.
-    """
-    if arch.is_moe and not arch.all_layers_moe:
-        dense = [i for i in range(arch.num_layers) if not arch.is_moe_layer(i)]
-        raise ValueError(
-            f"{where}: layers {dense} of this mixture-of-experts model are dense (config.json mlp_only_layers / "
-            f"decoder_sparse_step), which SGLang 0.5.23 cannot serve: its qwen3_moe builds every layer sparse "
-            f"(sglang/srt/models/qwen3_moe.py:877) and drops the dense layers' weights on load (:1224), a silently "
-            f"wrong model. Use an all-MoE config (mlp_only_layers [] and decoder_sparse_step 1, as every released "
-            f"Qwen3-MoE checkpoint is) or the embedded engine (--rollout-engine embedded)")
+    """Raises ValueError if SGLang 0.5.23 would serve this model wrong without saying so: the family's
+    `sglang_refusal` (e.g. a Qwen3-MoE config with dense layers, which SGLang's qwen3_moe builds sparse and leaves
+    unloaded; a DeepSeek-V3 config's dense first layers it serves right). `arch`: the model's ModelArch; `where`: the
+    config.json path, named in the error. Pure and cheap (no server asked): called before any server is launched or
+    attached."""
+    hook = arch.family.sglang_refusal
+    why = hook(arch) if hook is not None else None
+    if why:
+        raise ValueError(f"{where}: {why}")
 
 
 def gpu_list(spec: str) -> list[str]:

@@ -61,6 +61,9 @@ def make_tiny_hf(path: Path, *, tied: bool, seed: int = 0, model_type: str = "qw
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0.0, 0.5 if "embed" in name or "lm_head" in name else 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: saved, and it changes the routing
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
     return model.eval()
 
@@ -101,6 +104,44 @@ def load_common(ckpt_iter_dir: Path) -> dict:
         return torch.load(ckpt_iter_dir / "common.pt", weights_only=True)
 
 
+def expected_layer_tensors(full: dict[str, torch.Tensor], layers: int) -> dict[str, torch.Tensor]:
+    """The decoder-layer tensors a torch_dist checkpoint of megatron-core 0.16.1's TE model holds, from
+    `hf_to_full_mcore` output, written out here from megatron-core's naming: stacked on a leading layer axis
+    (`decoder.layers.<name>`) unless some layers are dense and some MoE (then `decoder.layers.<L>.<name>`); GQA's
+    fused qkv with the input norm fused in (`linear_qkv.layer_norm_weight`), MLA's TENorm input norm and its latent
+    norms fused into the up projections; a dense MLP's norm fused into linear_fc1, an MoE layer's own
+    `pre_mlp_layernorm`, its experts on a leading expert axis, its shared experts' fc1 [gate; up]."""
+    per_layer: list[dict[str, torch.Tensor]] = []
+    for i in range(layers):
+        m, out = f"decoder.layers.{i}.", {}
+        for key, tensor in full.items():
+            if not key.startswith(m) or ".local_experts." in key:
+                continue
+            name = key[len(m):]
+            if name == "input_layernorm.weight" and m + "self_attention.linear_qkv.weight" in full:
+                name = "self_attention.linear_qkv.layer_norm_weight"
+            elif name == "pre_mlp_layernorm.weight" and m + "mlp.router.weight" not in full:
+                name = "mlp.linear_fc1.layer_norm_weight"
+            elif name.endswith("linear_fc1.gate"):
+                name, tensor = name.replace(".gate", ".weight"), torch.cat([tensor, full[key[:-4] + "up"]])
+            elif name.endswith("linear_fc1.up"):
+                continue
+            out[name] = tensor
+        experts = sorted({int(k.split(".local_experts.")[1].split(".")[0]) for k in full
+                          if k.startswith(m) and ".local_experts." in k})
+        if experts:
+            x = m + "mlp.experts.local_experts."
+            out["mlp.experts.experts.linear_fc1.weight"] = torch.stack(
+                [torch.cat([full[f"{x}{e}.linear_fc1.gate"], full[f"{x}{e}.linear_fc1.up"]]) for e in experts])
+            out["mlp.experts.experts.linear_fc2.weight"] = torch.stack([full[f"{x}{e}.linear_fc2.weight"]
+                                                                        for e in experts])
+        per_layer.append(out)
+    moe = ["mlp.router.weight" in layer for layer in per_layer]
+    if all(moe) or not any(moe):  # stacked
+        return {f"decoder.layers.{name}": torch.stack([layer[name] for layer in per_layer]) for name in per_layer[0]}
+    return {f"decoder.layers.{i}.{name}": t for i, layer in enumerate(per_layer) for name, t in layer.items()}
+
+
 # The full TP/PP x tie matrix for the first family, TP2 x PP2 tied and untied for the others (the layout code
 # is shared; what differs per family is which tensors exist and their shapes).
 ROUND_TRIPS = [(FAMILIES[0], 1, 1, False), (FAMILIES[0], 1, 1, True)] + [
@@ -122,45 +163,21 @@ def test_torch_dist_layout_and_bit_exact_round_trip(tmp_path: Path, model_type: 
     common = load_common(release)
     args = common["args"]
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
-    assert (args.num_layers, args.num_query_groups, args.padded_vocab_size) == (4, 2, 256)
+    fields = tiny_fields(model_type)
+    assert (args.num_layers, args.num_query_groups, args.padded_vocab_size) == (
+        4, fields["num_key_value_heads"], 256)
     assert args.untie_embeddings_and_output_weights == (not tied) and common["iteration"] == 0
-    # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping, layers stacked.
+    # Stored tensors (read by torch DCP) against an independent HF -> megatron mapping
     stored = dcp_tensors(release)
     full = hf_to_full_mcore(model.state_dict(), ModelArch.from_hf(tmp_path / "hf"))
     emb = stored["embedding.word_embeddings.weight"]
     assert emb.shape == (256, hidden) and torch.equal(emb[:200], full["embedding.word_embeddings.weight"])
     assert not emb[200:].any()  # padding rows are zero
     assert ("output_layer.weight" in stored) == (not tied)
-    optional = ("self_attention.linear_qkv.bias", "self_attention.q_layernorm.weight",
-                "self_attention.k_layernorm.weight")
-    for key in optional:  # stored exactly when the HF model has the tensor (bias: qwen2; q/k norm: qwen3)
-        assert ("decoder.layers." + key in stored) == ("decoder.layers.0." + key in full), key
-    moe = "decoder.layers.0.mlp.router.weight" in full  # the tiny Qwen3-MoE: every layer MoE, layers stacked
-    assert ("decoder.layers.mlp.linear_fc1.weight" in stored) == (not moe)
-    for i in range(4):
-        m = f"decoder.layers.{i}."
-        if moe:  # router [E, H]; experts on a global expert axis: fc1 [E, 2I, H] (gate rows, then up), fc2 [E, H, I]
-            experts = range(tiny_fields(model_type)["num_experts"])
-            mlp = [("mlp.router.weight", full[m + "mlp.router.weight"]),
-                   ("mlp.experts.experts.linear_fc1.weight", torch.stack([torch.cat(
-                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc1.{half}"] for half in ("gate", "up")])
-                       for e in experts])),
-                   ("mlp.experts.experts.linear_fc2.weight", torch.stack(
-                       [full[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in experts]))]
-        else:
-            fc1 = torch.cat([full[m + "mlp.linear_fc1.gate"], full[m + "mlp.linear_fc1.up"]])
-            mlp = [("mlp.linear_fc1.weight", fc1), ("mlp.linear_fc2.weight", full[m + "mlp.linear_fc2.weight"])]
-        for key, ref in [
-            ("self_attention.linear_qkv.weight", full[m + "self_attention.linear_qkv.weight"]),
-            *[(key, full[m + key]) for key in optional if m + key in full],
-            ("self_attention.linear_qkv.layer_norm_weight", full[m + "input_layernorm.weight"]),
-            # the pre-MLP norm: a TE MoE layer's own TENorm, fused into linear_fc1 in a dense layer
-            ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight",
-             full[m + "pre_mlp_layernorm.weight"]),
-            ("self_attention.linear_proj.weight", full[m + "self_attention.linear_proj.weight"]),
-            *mlp,
-        ]:
-            assert torch.equal(stored["decoder.layers." + key][i], ref), (i, key)
+    want = expected_layer_tensors(full, 4)
+    assert sorted(k for k in stored if k.startswith("decoder.layers.")) == sorted(want)
+    for key, ref in want.items():
+        assert torch.equal(stored[key], ref), key
     convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
     original, back = read_all(tmp_path / "hf"), read_all(tmp_path / "hf2")
     assert set(back) == set(original)
@@ -874,3 +891,88 @@ def test_killed_run_leaves_no_temporary_after_the_next_run(tmp_path: Path, sig: 
     assert left == (tmp if sig == signal.SIGKILL else [])
     convert(*argv)
     assert os.listdir(tmp_path / "out") == ["mc"]
+
+
+def _add_mtp_layer(hf_dir: Path, layer: int) -> int:
+    """Append a DeepSeek-V3 multi-token-prediction layer `layer` (= num_hidden_layers) to `hf_dir`'s one safetensors
+    file as the release stores it: a decoder layer (layer 1's tensors, renamed) plus eh_proj, enorm, hnorm and the
+    shared head's norm. Returns how many tensors were added."""
+    from safetensors.torch import load_file, save_file
+
+    (path,) = hf_dir.glob("*.safetensors")
+    tensors = load_file(path)
+    mtp = {k.replace("model.layers.1.", f"model.layers.{layer}."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.1.")}
+    hidden = tensors["model.norm.weight"].shape[0]
+    for name, shape in (("eh_proj.weight", (hidden, 2 * hidden)), ("enorm.weight", (hidden,)),
+                        ("hnorm.weight", (hidden,)), ("shared_head.norm.weight", (hidden,))):
+        mtp[f"model.layers.{layer}.{name}"] = torch.randn(shape)
+    save_file({**tensors, **mtp}, path, metadata={"format": "pt"})
+    return len(mtp)
+
+
+def test_deepseek_v3_mtp_layer_is_left_out_and_said(tmp_path: Path, capsys) -> None:
+    """A DeepSeek-V3 checkpoint with its multi-token-prediction layer (num_nextn_predict_layers 1: tensors under
+    model.layers.{num_hidden_layers}.): hf-to-mcore writes exactly what it writes without them and says it left them
+    out, naming the prefix and why; the same tensors under a config.json with num_nextn_predict_layers 0 are
+    refused as tensors with no place. (transformers 5.19's DeepseekV3Config defaults it to 1, as DeepSeek-V3 ships.)"""
+    make_tiny_hf(tmp_path / "plain", tied=False, model_type="deepseek_v3", overrides={"num_nextn_predict_layers": 0})
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "plain"), "--save", str(tmp_path / "mc_plain"))
+    capsys.readouterr()
+    make_tiny_hf(tmp_path / "mtp", tied=False, model_type="deepseek_v3", overrides={"num_nextn_predict_layers": 1})
+    added = _add_mtp_layer(tmp_path / "mtp", 4)
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "mtp"), "--save", str(tmp_path / "mc_mtp"))
+    out = capsys.readouterr().out
+    assert f"not loading {added} tensor(s) under model.layers.4.: DeepSeek-V3's multi-token-prediction layer" in out
+    plain, mtp = dcp_tensors(tmp_path / "mc_plain" / "release"), dcp_tensors(tmp_path / "mc_mtp" / "release")
+    assert set(plain) == set(mtp) and all(torch.equal(plain[k], mtp[k]) for k in plain)
+    _add_mtp_layer(tmp_path / "plain", 4)
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "plain"), "--save", str(tmp_path / "mc_bad")]) != 0
+    err = capsys.readouterr().err
+    assert f"{added} tensor(s) this model has no place for" in err and "model.layers.4." in err
+
+
+def test_deepseek_v3_bf16_checkpoint_keeps_its_fp32_router_bias(tmp_path: Path) -> None:
+    """DeepSeek-V3's release dtype mix: bf16 weights, fp32 e_score_correction_bias. hf-to-mcore takes it as a bf16
+    checkpoint (no --dtype), stores the bias as megatron-core's fp32 expert_bias bit for bit (bf16 would round it),
+    and mcore-to-hf gives the same mix back, bit-exact."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="deepseek_v3")
+    (path,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)
+               for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    convert("hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"), "--tp", "2")
+    stored = dcp_tensors(tmp_path / "mc" / "release")
+    for i in (1, 2, 3):  # the MoE layers (per-layer keys: layer 0 is dense)
+        bias = stored[f"decoder.layers.{i}.mlp.router.expert_bias"]
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"])
+    assert stored["decoder.layers.1.mlp.router.weight"].dtype == torch.bfloat16
+    convert("mcore-to-hf", "--load", str(tmp_path / "mc"), "--save", str(tmp_path / "hf2"))
+    back = read_all(tmp_path / "hf2")
+    assert set(back) == set(tensors)
+    for name, tensor in tensors.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+def test_fp8_block_quantized_checkpoint_is_refused_by_name(tmp_path: Path, capsys) -> None:
+    """DeepSeek-V3's release format (fp8 weights, each with a weight_scale_inv of block scales) is refused in one line
+    naming the scale tensors and how to get a bf16 copy, not as a dtype mix or a list of unplaceable tensors."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_hf(tmp_path / "hf", tied=False, model_type="deepseek_v3")
+    (path,) = (tmp_path / "hf").glob("*.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace("weight", "weight_scale_inv")] = torch.ones(1, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc")]) != 0
+    err = capsys.readouterr().err
+    assert "FP8 block-quantized checkpoint (1 tensor(s) named *weight_scale_inv" in err and "fp8_cast_bf16" in err
+    assert not (tmp_path / "mc").exists()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from checkpoint_convert.cli import main as convert_main
 from megatron_dapo.models.hf_params import hf_state_dict
+from megatron_dapo.models.registry import families
 from tests.dist.actor_common import FAMILIES
 from tests.ports import free_port
 from tests.te_standins import patch_te_build
@@ -65,14 +66,42 @@ def moe_config(config: dict) -> dict:
                 moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
 
 
+def mla_config(config: dict) -> dict:
+    """megatron-core's multi-head latent attention and DeepSeek-V3 MoE fields of a DeepSeek-V3 config.json, written
+    out (MLATransformerConfig): the latent ranks and head dims, plain RoPE (megatron-core's MLA default is YaRN);
+    the first `first_k_dense_replace` layers dense; sigmoid scores with the correction bias (`expert_bias`, not
+    updated), group-limited top-k where groups are dropped, renormalised and scaled by routed_scaling_factor; the
+    shared experts; the allgather dispatcher."""
+    if "kv_lora_rank" not in config:
+        return {}
+    n, first, groups, keep = (config[k] for k in ("num_hidden_layers", "first_k_dense_replace", "n_group",
+                                                   "topk_group"))
+    return dict(multi_latent_attention=True, q_lora_rank=config["q_lora_rank"], kv_lora_rank=config["kv_lora_rank"],
+                qk_head_dim=config["qk_nope_head_dim"], qk_pos_emb_head_dim=config["qk_rope_head_dim"],
+                v_head_dim=config["v_head_dim"], rope_type="rope", rotary_base=rope_kwargs(config)["rotary_base"],
+                mscale_all_dim=0.0, qk_layernorm=True,
+                num_moe_experts=config["n_routed_experts"], moe_router_topk=config["num_experts_per_tok"],
+                moe_ffn_hidden_size=config["moe_intermediate_size"], moe_layer_freq=[int(i >= first) for i in range(n)],
+                moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                moe_router_num_groups=groups if keep < groups else None,
+                moe_router_group_topk=keep if keep < groups else None,
+                moe_router_topk_scaling_factor=config["routed_scaling_factor"],
+                moe_shared_expert_intermediate_size=config["n_shared_experts"] * config["moe_intermediate_size"],
+                moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather")
+
+
 def transformer_config(config: dict, hf_names: set[str], **parallel):
-    """megatron-core TransformerConfig of an HF decoder (dense or Qwen3-MoE), written out field by field;
-    `parallel`: its parallel sizes (e.g. expert_model_parallel_size)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """megatron-core TransformerConfig of an HF decoder (dense, Qwen3-MoE, or DeepSeek-V3's MLATransformerConfig),
+    written out field by field; `parallel`: its parallel sizes (e.g. expert_model_parallel_size)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     heads = config["num_attention_heads"]
-    return TransformerConfig(
-        **moe_config(config), **parallel,
+    mla = mla_config(config)
+    qk_norm = "model.layers.0.self_attn.q_norm.weight" in hf_names
+    fields = mla if mla else dict(qk_layernorm=qk_norm, **moe_config(config))
+    return (MLATransformerConfig if mla else TransformerConfig)(
+        **fields, **parallel,
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads,
         num_query_groups=config.get("num_key_value_heads") or heads,
@@ -80,7 +109,6 @@ def transformer_config(config: dict, hf_names: set[str], **parallel):
         normalization="RMSNorm", layernorm_epsilon=config["rms_norm_eps"],
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         add_qkv_bias="model.layers.0.self_attn.q_proj.bias" in hf_names,
-        qk_layernorm="model.layers.0.self_attn.q_norm.weight" in hf_names,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -97,12 +125,19 @@ def rope_kwargs(config: dict) -> dict:
     return kwargs
 
 
-CASES = ([(f, tied, {}, "local") for f in FAMILIES for tied in (False, True)]
+MLA_FAMILIES = tuple(f for f in FAMILIES if "kv_lora_rank" in families()[f].tiny_config)
+"""Families with multi-head latent attention: megatron-core's own local MLA layer names its latent norms otherwise
+than its TE layer (`q_layernorm` vs `linear_q_up_proj.layer_norm_weight`) and keys every pre-MLP norm apart; the
+converter writes the TE layer's keys (megatron_dapo's local MLA layer takes those too, but for an MoE layer's
+pre-MLP norm under --transformer-impl local: models/mla_local.py), so their case is megatron-core's TE spec."""
+CASES = ([(f, tied, {}, "transformer_engine" if f in MLA_FAMILIES else "local")
+          for f in FAMILIES for tied in (False, True)]
          + [("qwen3_moe", False, {"mlp_only_layers": [1]}, "local")]
          + [("qwen3_moe", False, overrides, "transformer_engine") for overrides in ({}, {"mlp_only_layers": [1]})])
 """Every family tied and untied; Qwen3-MoE also with a dense layer among MoE ones (per-layer checkpoint keys); each
 into megatron-core's local spec, and Qwen3-MoE into its TE spec too (an MoE layer's pre-MLP norm is the one key
-that differs: hf-to-mcore writes TE's by default, the local spec's under --transformer-impl local)."""
+that differs: hf-to-mcore writes TE's by default, the local spec's under --transformer-impl local); an MLA family
+into the TE spec only (MLA_FAMILIES)."""
 
 
 @pytest.mark.parametrize(("model_type", "tied", "overrides", "impl"), CASES,
@@ -116,8 +151,9 @@ def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_wo
     from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 
     hf = make_tiny_hf(tmp_path / "hf", tied=tied, model_type=model_type, overrides=overrides)
-    experts = ["--ep", "2"] if model_type == "qwen3_moe" else []
-    keys = ["--transformer-impl", "local"] if impl == "local" and model_type == "qwen3_moe" else []
+    moe = "num_experts_per_tok" in families()[model_type].tiny_config
+    experts = ["--ep", "2"] if moe else []
+    keys = ["--transformer-impl", "local"] if impl == "local" and moe else []
     assert convert_main(["hf-to-mcore", "--hf-path", str(tmp_path / "hf"), "--save", str(tmp_path / "mc"),
                          "--tp", "2", "--pp", "2", *experts, *keys]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -133,6 +169,9 @@ def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_wo
         monkeypatch.setattr("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, raising=False)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
+    # megatron-core's rotary embedding allocates on torch.cuda.current_device() (MLA's at build, GPTModel's in the
+    # forward): point it at the CPU (the one CUDA call on this path; megatron_dapo's CPU shims are not used here)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     padded_vocab = load_common(tmp_path / "mc" / "release")["args"].padded_vocab_size  # Megatron-LM reads it so
     model = GPTModel(tconfig, spec, vocab_size=padded_vocab,
                      max_sequence_length=config["max_position_embeddings"],
@@ -145,9 +184,6 @@ def test_megatron_core_gpt_model_loads_converter_output(tmp_path: Path, mcore_wo
     model.eval()
     ids = torch.randint(0, config["vocab_size"], (2, 13), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(1, 1, 13, 13, dtype=torch.bool).triu(1)
-    # megatron-core's rotary embedding allocates on torch.cuda.current_device(): point it at the CPU (the one
-    # CUDA call on this path; megatron_dapo's CPU shims are not used here)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     with torch.no_grad():
         got = model(ids, torch.arange(13).expand(2, 13), mask)[..., :config["vocab_size"]]
         want = hf(ids).logits

@@ -42,6 +42,16 @@ def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[lis
     return argv[: split - 1], argv[split + 1:]
 
 
+CONTEXT_BOUND = {"examples/run_moonlight_16b_a3b_multinode.sh": (6144, 1024)}
+"""Launchers whose responses (and AIME evaluation) stop short of DAPO's 20480 (overlong buffer 4096): the model's
+context minus the 2048 prompt tokens, and the buffer scaled with it."""
+MOE_LAYOUTS = {  # (TP, SP, PP, first / last stage layers, EP, ETP), actor nodes
+    "examples/run_qwen3_30b_a3b_multinode.sh": ((1, False, 1, None, None, 8, 1), "4"),  # experts over a node's 8 GPUs
+    "examples/run_moonlight_16b_a3b_multinode.sh": ((1, False, 1, None, None, 8, 1), "2"),
+    "examples/run_deepseek_v3_671b_multinode.sh": ((8, True, 12, 7, 4, 16, 1), "24"),  # 61 layers: 7 + 10 x 5 + 4
+}
+
+
 @pytest.mark.parametrize(
     "script,env,nproc",
     [
@@ -57,9 +67,15 @@ def launcher_args(tmp_path: Path, script: str, env: dict[str, str]) -> tuple[lis
         ("examples/run_qwen3_30b_a3b_multinode.sh",
          {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
          "8"),
+        ("examples/run_moonlight_16b_a3b_multinode.sh",
+         {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
+         "8"),
+        ("examples/run_deepseek_v3_671b_multinode.sh",
+         {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000 http://r1:30000"},
+         "8"),
     ],
     ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node", "32b-multinode",
-         "qwen3-30b-a3b-multinode"],
+         "qwen3-30b-a3b-multinode", "moonlight-16b-a3b-multinode", "deepseek-v3-671b-multinode"],
 )
 def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     torchrun_args, train_args = launcher_args(tmp_path, script, env)
@@ -72,7 +88,8 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
     # DAPO Sec. 4.1: warm-up over 20 rollout steps; AIME avg@32 at temperature 1.0, top-p 0.7, 20480 tokens
     assert (actor_cfg.lr_warmup_steps, actor_cfg.lr_decay_style) == (20, "constant")
     eval_sampling = trainer_cfg.eval_sampling
-    assert (eval_sampling.temperature, eval_sampling.top_p, eval_sampling.max_new_tokens) == (1.0, 0.7, 20480)
+    max_response, overlong_buffer = CONTEXT_BOUND.get(script, (20480, 4096))
+    assert (eval_sampling.temperature, eval_sampling.top_p, eval_sampling.max_new_tokens) == (1.0, 0.7, max_response)
     assert trainer_cfg.eval_n_samples == 32
     if "32b" in script:
         # DAPO's published setting
@@ -80,12 +97,15 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
         assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
         assert args.sglang_server_urls == ["http://r0:30000", "http://r1:30000"]
         assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (8, 2)
-    if "30b_a3b" in script:  # DAPO's setting on the MoE model; experts over the 8 GPUs of a node
+    if script in MOE_LAYOUTS:  # DAPO's setting on the MoE models, at the layout their recipe's plan gives
         assert (args.rollout_batch_size, args.n_samples_per_prompt, args.global_batch_size) == (512, 16, 512)
-        assert (args.max_response_length, args.overlong_buffer_length, args.lr) == (20480, 4096, 1e-6)
-        assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
-        assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (8, 1)
-        assert torchrun_args[torchrun_args.index("--nnodes") + 1] == "4"
+        assert args.lr == 1e-6 and args.max_prompt_length == 2048
+        assert (args.max_response_length, args.overlong_buffer_length) == (max_response, overlong_buffer)
+        layout, nodes = MOE_LAYOUTS[script]
+        assert (args.tensor_model_parallel_size, args.sequence_parallel, args.pipeline_model_parallel_size,
+                args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+                args.expert_model_parallel_size, args.expert_tensor_parallel_size) == layout
+        assert torchrun_args[torchrun_args.index("--nnodes") + 1] == nodes
 
 
 @pytest.mark.parametrize("script,env", [
@@ -98,8 +118,12 @@ def test_gpu_launchers_parse_and_validate(tmp_path, script, env, nproc):
      {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
     ("examples/run_qwen3_30b_a3b_multinode.sh",
      {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
+    ("examples/run_moonlight_16b_a3b_multinode.sh",
+     {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
+    ("examples/run_deepseek_v3_671b_multinode.sh",
+     {"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "SGLANG_URLS": "http://r0:30000"}),
 ], ids=["qwen3-8b-single-node", "llama3.1-8b-single-node", "qwen3-32b-multinode", "7b-single-node",
-        "32b-multinode", "qwen3-30b-a3b-multinode"])
+        "32b-multinode", "qwen3-30b-a3b-multinode", "moonlight-16b-a3b-multinode", "deepseek-v3-671b-multinode"])
 def test_gpu_launchers_set_the_cuda_environment(tmp_path, monkeypatch, script, env):
     """Expandable segments and one CUDA connection (Megatron-LM's settings for sequence-parallel overlap)
     reach the trainer, and the servers' placement passes the CUDA-only checks of make_rollout_engine."""

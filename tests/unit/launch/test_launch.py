@@ -280,11 +280,15 @@ def test_split_sbatch_dry_run_prints_the_roles_and_a_plan_that_fits():
     assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak ")
 
 
-def test_split_sbatch_attached_to_running_servers_plans_the_actor_on_every_node():
-    out = _job("split.sbatch", "qwen2.5-32b", DRY_RUN="1", NODES="8",
+@pytest.mark.parametrize("recipe,nodes", [("qwen2.5-32b", 8), ("deepseek-v3-671b", 24)],
+                         ids=["qwen2.5-32b", "deepseek-v3-671b"])
+def test_split_sbatch_attached_to_running_servers_plans_the_actor_on_every_node(recipe, nodes):
+    """DeepSeek-V3 671B runs only so: its servers span several nodes, which the job does not start."""
+    out = _job("split.sbatch", recipe, DRY_RUN="1", NODES=str(nodes),
                SGLANG_URLS="http://r0:30000 http://r0:30001", SGLANG_ROUTER_URL="http://r0:30002")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "split run on 8 nodes: 8 actor node(s) x 8 ranks = 64 actor ranks, its SGLang servers already" in out.stdout
+    assert (f"split run on {nodes} nodes: {nodes} actor node(s) x 8 ranks = {nodes * 8} actor ranks, its SGLang "
+            "servers already") in out.stdout
     assert "attached to 2 server(s) already running: http://r0:30000 http://r0:30001" in out.stdout
     assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak ")
 
@@ -302,19 +306,29 @@ def test_colocated_sbatch_dry_run_plans_both_phases_on_every_node():
      "is a colocated run: submit examples/slurm/colocated"),
     ("split.sbatch", ["qwen9"], {"DRY_RUN": "1"}, "RECIPE 'qwen9' is not one of: cpu-rehearsal"),
     ("split.sbatch", ["qwen2.5-32b"], {}, "not inside a Slurm job"),
-], ids=["too-few-nodes", "wrong-mode", "unknown-recipe", "outside-slurm"])
+    ("split.sbatch", ["deepseek-v3-671b"], {"NODES": "28"},
+     "start multi-node SGLang servers apart (e.g. --tp 32 --nnodes 4) and pass their URLs in SGLANG_URLS"),
+], ids=["too-few-nodes", "wrong-mode", "unknown-recipe", "outside-slurm", "671b-servers-not-attached"])
 def test_sbatch_scripts_refuse_naming_the_fix(script, args, env, match):
     out = _job(script, *args, **env)
     assert out.returncode == 2 and match in out.stderr, out.stderr
 
 
-def test_per_node_launcher_dry_run_needs_no_node_environment():
-    out = subprocess.run(["bash", "examples/run_qwen3_30b_a3b_multinode.sh", "--dry-run"], cwd=REPO,
-                         env={k: v for k, v in os.environ.items() if k not in ("NODE_RANK", "MASTER_ADDR")},
+@pytest.mark.parametrize("script,roles,peak", [
+    ("run_qwen3_30b_a3b_multinode.sh", "split run on 8 nodes: 4 actor node(s) x 8 ranks = 32 actor ranks", "58."),
+    ("run_moonlight_16b_a3b_multinode.sh", "split run on 4 nodes: 2 actor node(s) x 8 ranks = 16 actor ranks", "46."),
+    ("run_deepseek_v3_671b_multinode.sh", "split run on 25 nodes: 24 actor node(s) x 8 ranks = 192 actor ranks",
+     "70."),
+], ids=["qwen3-30b-a3b", "moonlight-16b-a3b", "deepseek-v3-671b"])
+def test_per_node_launcher_dry_run_needs_no_node_environment(script, roles, peak):
+    """The plans the recipes' headers quote (the peak's whole GiB), from the shipped config.json."""
+    out = subprocess.run(["bash", f"examples/{script}", "--dry-run"], cwd=REPO,
+                         env={k: v for k, v in os.environ.items()
+                              if k not in ("NODE_RANK", "MASTER_ADDR", "SGLANG_URLS", "ACTOR_NODES", "ROLLOUT_NODES")},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "split run on 8 nodes: 4 actor node(s) x 8 ranks = 32 actor ranks" in out.stdout
-    assert out.stdout.rstrip().splitlines()[-1].startswith("plan: peak 58.")
+    assert roles in out.stdout
+    assert out.stdout.rstrip().splitlines()[-1].startswith(f"plan: peak {peak}")
 
 
 def test_single_node_launcher_dry_run_through_a_model_wrapper():

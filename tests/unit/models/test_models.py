@@ -89,7 +89,8 @@ def test_logits_match_hf(model_type, tie):
             build_gpt_model(arch, tp=2)
         shards = mcore_shards_for_rank(hf_to_full_mcore(hf.state_dict(), arch), arch, tp=1, tp_rank=0, pp=1,
                                        pp_rank=0, padded_vocab=padded_vocab_size(arch.vocab_size, 1))
-        params = dict(model.named_parameters())
+        params = {**dict(model.named_parameters()),  # and DeepSeek-V3's router bias, a buffer
+                  **{n: b for n, b in model.named_buffers() if n.endswith("expert_bias")}}
         assert sorted(params) == sorted(shards)
         assert params["embedding.word_embeddings.weight"].shape[0] == padded_vocab_size(arch.vocab_size, 1)
         with torch.no_grad():

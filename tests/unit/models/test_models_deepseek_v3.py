@@ -1,8 +1,6 @@
 """The deepseek_v3 family (models/deepseek_v3/): config.json parsing and its refusals, the name table against the
 tensors transformers saves, and megatron-core's MLA + sigmoid-routed MoE GPTModel (local spec, one process, fp32)
-loaded through the table giving HF's logits.
-
-The family is not registered yet (`DRAFT_FAMILY`): the `deepseek` fixture registers it for these tests only."""
+loaded through the table giving HF's logits."""
 
 from __future__ import annotations
 
@@ -10,10 +8,9 @@ import pytest
 import torch
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.models import registry
-from megatron_dapo.models.deepseek_v3 import DRAFT_FAMILY as FAM
+from megatron_dapo.models.deepseek_v3 import FAMILY as FAM
 from megatron_dapo.models.hf_config import ModelArch
-from tests.hf_reference import assert_logits_close, forward_with_gate_hooks
+from tests.hf_reference import assert_logits_close, router_topk_margin
 
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32, beta_fast=32,
             beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
@@ -25,26 +22,25 @@ CASES = [
     pytest.param(dict(q_lora_rank=None), 5, id="no-q-lora"),
     pytest.param(dict(rope_parameters=YARN), 5, id="yarn"),
     # V2-Lite-like: no q bottleneck, one group (no group choice), routed_scaling_factor 1, every layer MoE, top-2.
-    # Sigmoid scores squeeze the routers' gaps: seed 7 is one whose top-k margins clear 1e-4 (1.1e-3).
+    # Sigmoid scores squeeze the routers' gaps: seed 7 (3 layers) is one whose top-k margins clear 1e-4 (1.1e-3).
     pytest.param(dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=1.0, first_k_dense_replace=0,
-                      num_experts_per_tok=2, rope_parameters=YARN), 7, id="v2-lite-like-ungrouped-yarn"),
+                      num_experts_per_tok=2, num_hidden_layers=3, rope_parameters=YARN), 7,
+                 id="v2-lite-like-ungrouped-yarn"),
+    # Moonlight-16B-A3B's norms: rms_norm_eps 1e-5, but HF's q_a / kv_a layernorms keep 1e-6; latents of RMS ~0.01
+    # (mean square ~1e-4), where 1e-5 instead of 1e-6 moves the normalised latent by ~4.5%.
+    pytest.param(dict(rms_norm_eps=1e-5, latent_scale=0.01, n_group=1, topk_group=1), 5, id="moonlight-eps"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deepseek(monkeypatch):
-    """deepseek_v3 in the registry for one test (`registry.families()` read first: the others stay found)."""
-    monkeypatch.setattr(registry, "_FAMILIES", {**registry.families(), "deepseek_v3": FAM})
 
 
 def _config(**overrides) -> dict:
     return {**FAM.tiny_config, "model_type": "deepseek_v3", **overrides}
 
 
-def _hf_model(seed: int, **overrides):
+def _hf_model(seed: int, latent_scale: float = 1.0, **overrides):
     """A tiny random DeepseekV3ForCausalLM (fp32, eager) with weights that make each feature show in the logits:
     projections N(0, 1 / fan_in) (tests.hf_reference.sharpen_weights' rule), norms off 1, routers at std 0.3 (top-k
-    decided by clear margins) and a non-zero e_score_correction_bias (std 0.1: it changes which experts are chosen)."""
+    decided by clear margins) and a non-zero e_score_correction_bias (std 0.1: it changes which experts are chosen);
+    the q / kv down projections x `latent_scale` (small latents make the latent norms' eps show)."""
     torch.manual_seed(seed)
     fields = {k: v for k, v in _config(**overrides).items() if k != "model_type"}
     hf = FAM.hf_causal_lm()(FAM.hf_config(**fields, attn_implementation="eager")).float().eval()
@@ -56,6 +52,8 @@ def _hf_model(seed: int, **overrides):
                 p.normal_(0.0, p.shape[-1] ** -0.5)
             elif "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+                p.mul_(latent_scale)
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
@@ -69,32 +67,13 @@ def _hf_tensors(hf) -> dict[str, torch.Tensor]:
     return {**{n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}, **hf_state_dict(hf)}
 
 
-def _choice_margin(hf, ids: torch.Tensor) -> float:
-    """The smallest gap, over tokens and MoE layers, between the k-th and (k+1)-th biased sigmoid score among the
-    experts of the chosen groups (what HF's top-k ranks): a smaller gap could flip under either's rounding."""
-    k, gaps = hf.config.num_experts_per_tok, []
-
-    def hook(module, inputs, _output) -> None:
-        x = inputs[0].reshape(-1, module.hidden_dim).float()
-        scores = torch.sigmoid(x @ module.weight.float().T) + module.e_score_correction_bias
-        groups = scores.view(len(x), module.num_group, -1)
-        keep = groups.topk(2, dim=-1).values.sum(-1).topk(module.topk_group, dim=-1).indices
-        mask = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, keep, True)
-        masked = groups.masked_fill(~mask[..., None], float("-inf")).view(len(x), -1)
-        top = masked.topk(k + 1, dim=-1).values
-        gaps.append((top[:, k - 1] - top[:, k]).nan_to_num(posinf=1.0, neginf=1.0).min())
-
-    forward_with_gate_hooks(hf, ids, hook)
-    return float(torch.stack(gaps).min())
-
-
 def test_parse_reads_the_mla_and_routing_fields():
     arch = ModelArch.from_hf(_config())
     o = dict(arch.family_options)
     assert (arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.q_size) == (4, 4, 24, 96)
     assert (o["q_lora_rank"], o["kv_lora_rank"], o["kv_down_rows"], o["kv_up_rows"], o["o_cols"]) == (48, 32, 40,
                                                                                                       112, 48)
-    assert arch.moe_layers == (1, 2) and arch.num_experts == 8 and arch.num_experts_per_tok == 4
+    assert arch.moe_layers == (1, 2, 3) and arch.num_experts == 8 and arch.num_experts_per_tok == 4
     assert (o["n_group"], o["topk_group"], o["routed_scaling_factor"], o["shared_expert_size"]) == (4, 2, 2.5, 32)
     assert o["rope_type"] == "rope" and o["q_lora"] and not o["no_q_lora"]
     lite = ModelArch.from_hf(_config(q_lora_rank=None, rope_parameters=YARN))
@@ -104,12 +83,11 @@ def test_parse_reads_the_mla_and_routing_fields():
 @pytest.mark.parametrize(("field", "value", "match"), [
     pytest.param("norm_topk_prob", False, "norm_topk_prob false is not supported", id="norm-topk"),
     pytest.param("rope_interleave", False, "rope_interleave false", id="rope-interleave"),
-    pytest.param("rms_norm_eps", 1e-5, "rms_norm_eps 1e-05 is not supported", id="eps"),
     pytest.param("attention_bias", True, "attention_bias true", id="attention-bias"),
     pytest.param("topk_group", 1, "topk_group 1 with num_experts_per_tok 4", id="group-top2"),
     pytest.param("topk_group", 5, "topk_group 5 exceeds n_group 4", id="group-count"),
     pytest.param("n_routed_experts", 10, "n_routed_experts 10 must be a positive multiple of n_group", id="groups"),
-    pytest.param("first_k_dense_replace", 3, "first_k_dense_replace 3 leaves no MoE layer", id="all-dense"),
+    pytest.param("first_k_dense_replace", 4, "first_k_dense_replace 4 leaves no MoE layer", id="all-dense"),
     pytest.param("n_shared_experts", 0, "n_shared_experts 0", id="no-shared"),
     pytest.param("scoring_func", "softmax", "scoring_func 'softmax'", id="scoring"),
     pytest.param("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_type 'llama3'", id="llama3-rope"),
@@ -148,15 +126,34 @@ def test_logits_match_hf(overrides, seed):
     """megatron-core's MLA GPTModel (local spec, one process, fp32), loaded through the family's table
     (`weights.plan.iter_rank_shards`), gives HF's logits within `assert_logits_close`'s 1e-4 of their scale
     (tests/hf_reference.py argues it from fp32 summation orders; measured <= 2e-6 relative here)."""
+    hf = _hf_model(seed, **overrides)
+    arch = ModelArch.from_hf(hf.config)
+    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    assert router_topk_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
+    got, want = _megatron_logits(hf, ids), hf(ids).logits.detach()
+    print(f"max |logit diff| {(got - want).abs().max().item():.3g} of scale {want.abs().max().item():.3g}")
+    assert_logits_close(got, want)
+
+
+def test_latent_norms_keep_hf_eps_under_another_rms_norm_eps(monkeypatch):
+    """The moonlight-eps case's model, built with the latent norms at rms_norm_eps (1e-5) as megatron-core alone
+    would: its logits leave HF's tolerance, so test_logits_match_hf[moonlight-eps] checks the eps."""
+    hf = _hf_model(5, rms_norm_eps=1e-5, latent_scale=0.01, n_group=1, topk_group=1)
+    ids = torch.randint(0, hf.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr("megatron_dapo.models.deepseek_v3.HF_NORM_EPS", 1e-5)  # the latent norms at rms_norm_eps
+    with pytest.raises(AssertionError):
+        assert_logits_close(_megatron_logits(hf, ids), hf(ids).logits.detach())
+
+
+def _megatron_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    """[b, s, vocab] logits of megatron-core's GPTModel for `hf` (local spec, one process, fp32), its weights loaded
+    through the family's table (`weights.plan.iter_rank_shards`)."""
     from megatron_dapo.actor import destroy_parallel, init_parallel
     from megatron_dapo.distributed.parallel import ParallelLayout
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.weights.plan import iter_rank_shards
 
-    hf = _hf_model(seed, **overrides)
     arch = ModelArch.from_hf(hf.config)
-    ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    assert _choice_margin(hf, ids) > 1e-4  # no top-k decision the two implementations' rounding could flip
     tensors = _hf_tensors(hf)
     init_parallel(seed=0)
     try:
@@ -167,9 +164,58 @@ def test_logits_match_hf(overrides, seed):
         with torch.no_grad():
             model.load_state_dict({**state, **shards})
             got = model(ids, torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1))
-            want = hf(ids).logits
     finally:
         destroy_parallel()
-    print(f"max |logit diff| {(got[..., :arch.vocab_size] - want).abs().max().item():.3g} "
-          f"of scale {want.abs().max().item():.3g}")
-    assert_logits_close(got[..., :arch.vocab_size], want)
+    return got[..., :arch.vocab_size]
+
+
+@pytest.mark.parametrize(("rope", "fused"), [({}, False), (dict(rope_parameters=YARN), True)], ids=["rope", "yarn"])
+def test_gpu_config_fuses_rope_only_for_yarn(monkeypatch, rope, fused):
+    """On a CUDA + TE machine megatron-core's fused RoPE is on (models/config.py fusion_settings) except for MLA with
+    plain RoPE, which MLATransformerConfig refuses ("apply_rope_fusion for MLA only works with YARN RoPE"): the GPU
+    config of a plain-RoPE DeepSeek model (Moonlight, V2-Lite) must build, with the fusion off."""
+    from megatron_dapo.models import config as config_module
+
+    monkeypatch.setattr(config_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config_module, "te_available", lambda: True)
+    monkeypatch.setattr(config_module, "apex_wgrad_available", lambda: False)
+    tc = config_module.transformer_config_from_arch(ModelArch.from_hf(_config(**rope)))
+    assert tc.multi_latent_attention and tc.apply_rope_fusion is fused
+    assert tc.rope_type == ("yarn" if fused else "rope")
+
+
+@pytest.mark.parametrize("use_te", [False, True], ids=["local", "te"])
+def test_latent_norm_eps_on_both_layer_implementations(monkeypatch, use_te):
+    """Under rms_norm_eps 1e-5 (Moonlight) the latent norms fused into the up projections are built at HF's 1e-6 on
+    the local spec and on megatron-core's TE spec (here with tests/te_standins.py's CPU twin of
+    TELayerNormColumnParallelLinear, which reads its eps off the config as TE's does); every other norm at 1e-5."""
+    from megatron_dapo.actor import destroy_parallel, init_parallel
+    from megatron_dapo.models import build_gpt_model
+    from tests.te_standins import patch_te_build
+
+    if use_te:
+        patch_te_build(monkeypatch)
+        monkeypatch.setattr("megatron.core.transformer.moe.moe_utils.te_general_gemm", None, raising=False)
+    arch = ModelArch.from_hf(_config(rms_norm_eps=1e-5))
+    init_parallel(seed=0)
+    try:
+        model = build_gpt_model(arch, use_te=use_te)
+    finally:
+        destroy_parallel()
+    eps = {name: getattr(m, "eps", getattr(m, "norm_eps", None)) for name, m in model.named_modules()}
+    latent = {n: e for n, e in eps.items() if n.endswith(("linear_q_up_proj", "linear_kv_up_proj"))}
+    assert len(latent) == 2 * arch.num_layers and set(latent.values()) == {1e-6}
+    dense_norm = eps["decoder.layers.0.mlp.linear_fc1" if use_te else "decoder.layers.0.pre_mlp_layernorm"]
+    assert dense_norm == 1e-5
+
+
+def test_mla_at_tp2_needs_sequence_parallel():
+    """MLA at TP > 1 without SP is refused before any model is built (the rope key's gradient would stay partial per
+    TP rank: Megatron-LM issue #1699), naming the flag; with SP the layout passes."""
+    from megatron_dapo.distributed.parallel import ParallelLayout, validate_layout
+
+    arch = ModelArch.from_hf(_config())
+    with pytest.raises(ValueError, match=r"multi-head latent attention at --tensor-model-parallel-size 2 needs "
+                                         r"--sequence-parallel.*#1699"):
+        validate_layout(arch, ParallelLayout(tp=2, dp=2, ep=2, etp=1))
+    validate_layout(arch, ParallelLayout(tp=2, dp=2, ep=2, etp=1, sp=True))

@@ -121,7 +121,8 @@ def test_one_checkpoint_loads_at_tp_pp_1_2_and_training_checkpoints_convert_back
         overrides = {"mlp_only_layers": [1]} if tie == "moe_mixed" else None
         models[tie] = make_tiny_hf(tmp_path / f"hf_{tie}", tied=tied, seed=len(tie), model_type=model_type,
                                    overrides=overrides)
-        seq = 10 if model_type == "qwen3_moe" else 9  # MoE at TP2 runs sequence-parallel: a length TP divides
+        moe = ModelArch.from_hf(models[tie].config).is_moe
+        seq = 10 if moe else 9  # MoE at TP2 runs sequence-parallel: a length TP divides
         ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             save_file({"ids": ids, "logits": models[tie](ids).logits.contiguous()}, tmp_path / f"ref_{tie}.safetensors")

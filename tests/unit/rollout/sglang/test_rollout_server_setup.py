@@ -185,3 +185,20 @@ def test_sglang_refuses_moe_model_with_dense_layers_before_launch(tmp_path, monk
         with pytest.raises(ValueError, match="--moe-routing-replay needs a mixture-of-experts model"):
             check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "dense"),
                                         "--rollout-engine", kind, "--moe-routing-replay"]))
+
+
+def test_sglang_takes_deepseek_v3_dense_first_layers(tmp_path):
+    """The dense-layer refusal is Qwen3-MoE's (the family's `sglang_refusal`): SGLang's deepseek_v2 builds
+    first_k_dense_replace dense layers as HF does (tests/sglang/test_sglang_families.py serves one), so a DeepSeek-V3
+    config with a dense first layer goes to SGLang, routing replay included."""
+    import json
+
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.models.registry import family
+    from megatron_dapo.rollout.build import check_rollout_model
+
+    fields = {**family("deepseek_v3").tiny_config, "model_type": "deepseek_v3"}
+    assert not ModelArch.from_hf(fields).all_layers_moe
+    (tmp_path / "dsv3").mkdir()
+    (tmp_path / "dsv3" / "config.json").write_text(json.dumps(fields))
+    check_rollout_model(engine([*BASE, "--hf-checkpoint", str(tmp_path / "dsv3"), "--moe-routing-replay"]))

@@ -158,6 +158,33 @@ def test_buckets_bound_size_split_dtype_and_roundtrip():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t)
 
 
+def test_buckets_keep_a_pair_together_past_the_size():
+    """A pair the server fuses only within one request (DeepSeek-V3's q_a_proj / kv_a_proj_with_mqa) stays in one
+    bucket past bucket_bytes, with what comes between; a partner that never comes, or a dtype change in between,
+    is an error naming the pair; `weights.mapping.keep_together` lists the family's pairs for every layer."""
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.models.registry import family
+    from megatron_dapo.weights.mapping import keep_together
+
+    named = [(n, torch.zeros(100)) for n in ("a", "q_a", "q_b", "kv_a", "kv_b", "o")]  # 400 B each
+    buckets = list(iter_buckets(iter(named), bucket_bytes=1000, keep_together={"q_a": "kv_a"}))
+    assert [[m.name for m in b.metas] for b in buckets] == [["a", "q_a", "q_b", "kv_a"], ["kv_b", "o"]]
+    assert [[m.name for m in b.metas] for b in iter_buckets(iter(named), bucket_bytes=1000)] == \
+        [["a", "q_a"], ["q_b", "kv_a"], ["kv_b", "o"]]
+    with pytest.raises(ValueError, match="never came"):
+        list(iter_buckets(iter(named[:3]), bucket_bytes=1000, keep_together={"q_a": "kv_a"}))
+    mixed = [named[1], ("bias", torch.zeros(3, dtype=torch.float64)), named[3]]
+    with pytest.raises(ValueError, match="q_a|kv_a"):
+        list(iter_buckets(iter(mixed), bucket_bytes=1000, keep_together={"q_a": "kv_a"}))
+    fam = family("deepseek_v3")
+    arch = ModelArch.from_hf({**fam.tiny_config, "model_type": "deepseek_v3"})
+    assert keep_together(arch) == {f"model.layers.{i}.self_attn.q_a_proj.weight":
+                                   f"model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight" for i in range(4)}
+    lite = ModelArch.from_hf({**fam.tiny_config, "model_type": "deepseek_v3", "q_lora_rank": None})
+    assert keep_together(lite) == {}  # no q_a_proj: SGLang loads kv_a_proj_with_mqa alone
+    assert keep_together(ModelArch.from_hf({**family("qwen3_moe").tiny_config, "model_type": "qwen3_moe"})) == {}
+
+
 def test_generate_order_parsing_and_spread(fakes):
     engine = SGLangEngine(server_urls=[_url(s) for s, _ in fakes], client=ClientConfig(max_concurrency=4))
     reqs = _reqs(6, n=3, max_new=4, seed=5)
