@@ -125,7 +125,7 @@ SEQ = 128
 def test_logits_match_hf(overrides, seed):
     """megatron-core's MLA GPTModel (local spec, one process, fp32), loaded through the family's table
     (`weights.plan.iter_rank_shards`), gives HF's logits within `assert_logits_close`'s 1e-4 of their scale
-    (tests/hf_reference.py argues it from fp32 summation orders; measured <= 2e-6 relative here)."""
+    (tests/hf_reference.py argues it from fp32 summation orders; measured <= 3.3e-6 relative here)."""
     hf = _hf_model(seed, **overrides)
     arch = ModelArch.from_hf(hf.config)
     ids = torch.randint(0, arch.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
