@@ -368,6 +368,9 @@ class EmbeddedEngine(RolloutEngine):
     # ---- decode loop ---------------------------------------------------------------------------
 
     def _rows(self, req: RolloutRequest) -> list[_Row]:
+        if req.sampling.stop and self.tokenizer is None:
+            raise ValueError(f"request {req.request_id!r} has stop strings {req.sampling.stop!r} but the embedded "
+                             "engine has no tokenizer to decode the response with: pass EmbeddedEngine(tokenizer=)")
         base = req.sampling.seed
         rows = []
         for i in range(req.first_index, req.first_index + req.n):
@@ -398,6 +401,14 @@ class EmbeddedEngine(RolloutEngine):
             for rid in owned:
                 self._live.discard(rid)
                 self._aborted.discard(rid)
+
+    def _stop_string_ends(self, row: _Row) -> bool:
+        """True when the row's decoded response tail (SamplingParams.stop_window tokens) holds a stop string."""
+        sampling = row.req.sampling
+        if not sampling.stop:
+            return False
+        tail = self.tokenizer.decode(row.response[-sampling.stop_window:])
+        return any(s in tail for s in sampling.stop)
 
     def _to_sample(self, row: _Row) -> Sample:
         return Sample(
@@ -459,7 +470,7 @@ class EmbeddedEngine(RolloutEngine):
                 row.response.append(tok)
                 row.logprobs.append(float(chosen_lp[i]))
                 row.versions.append(batch.version)
-                if tok in row.stop_ids:
+                if tok in row.stop_ids or self._stop_string_ends(row):
                     row.finish = "stop"
                 elif len(row.response) >= row.req.sampling.max_new_tokens:
                     row.finish = "length"

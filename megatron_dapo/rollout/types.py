@@ -70,6 +70,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens that end a response with 'stop' (the model's eos always does). The stop token is kept
     as the last response token, with its log-prob, as SGLang does."""
+    stop: tuple[str, ...] = ()
+    """Stop strings (SGLang's `stop`): the response ends with 'stop' at the first token after which the decoded
+    tail of the response contains one of them; that token is kept as the last, with its log-prob (SGLang's
+    output_ids and ours are the same ids). The tail is the last `stop_window` tokens, so a match is found at the
+    token that completes it whatever the tokenization (a multi-turn tool call ends at its closing string:
+    rollout/multi_turn.py). Needs the engine's tokenizer."""
     seed: int | None = None
     """Makes sampling reproducible; sample i of a request draws from a stream seeded by (seed, i), so the
     result does not depend on how requests were batched. None = drawn from the engine's generator."""
@@ -92,12 +98,23 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
+        stop = tuple(self.stop)
+        if any(not isinstance(t, str) or not t for t in stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {stop!r}")
+        object.__setattr__(self, "stop", stop)
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stop_window(self) -> int:
+        """Tokens of the response tail decoded to look for a stop string: the longest one's characters + 1. A token
+        decodes to at least one character, so a string completed by the last token lies within it. (SGLang decodes
+        the stop string's own token count + 1 and, past that, its whole decoded text: the same first match.)"""
+        return max((len(t) for t in self.stop), default=0) + 1
 
     def to_sglang(self) -> dict[str, Any]:
         """The `sampling_params` object of SGLang's /generate for these parameters."""
@@ -109,6 +126,8 @@ class SamplingParams:
         }
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
         if self.seed is not None:
             params["sampling_seed"] = self.seed
         return params
@@ -187,6 +206,11 @@ class Sample:
     """Per response token, the weight version that generated it; empty = every token came from
     `weight_version`. Set when tokens come from several versions (a partial-rollout prefix continued after a
     weight update); read it through `versions()`."""
+    loss_mask: list[int] = field(default_factory=list)
+    """Multi-turn rollouts (rollout/multi_turn.py): per response token 1 if the policy generated it, 0 if a tool's
+    output put it there (its log-prob is 0.0 and never read); empty = every token was generated."""
+    tool_calls: int = 0
+    """Tool calls run in this response (multi-turn rollouts)."""
     routed_experts: torch.Tensor | None = None
     """MoE models with --moe-routing-replay: [len(prompt_ids) + len(response_ids) - 1, num_layers, top_k] expert
     ids (RoutingShape.dtype: uint8 up to 256 experts) the engine routed input token i to in each layer, best first;
@@ -210,6 +234,14 @@ class Sample:
                 f"Sample {self.request_id!r}[{self.index}]: {len(self.token_versions)} token_versions for "
                 f"{len(self.response_ids)} response tokens"
             )
+        if self.loss_mask and (len(self.loss_mask) != len(self.response_ids) or set(self.loss_mask) - {0, 1}):
+            raise ValueError(
+                f"Sample {self.request_id!r}[{self.index}]: loss_mask must hold one 0 or 1 per response token "
+                f"({len(self.response_ids)}), got {len(self.loss_mask)} values"
+            )
+        if not isinstance(self.tool_calls, int) or self.tool_calls < 0:
+            raise ValueError(f"Sample {self.request_id!r}[{self.index}]: tool_calls must be an int >= 0, got "
+                             f"{self.tool_calls!r}")
         routed = self.routed_experts
         rows = len(self.prompt_ids) + len(self.response_ids) - 1
         if routed is not None and (routed.dim() != 3 or routed.shape[0] != rows):
@@ -221,6 +253,10 @@ class Sample:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def generated(self) -> list[int]:
+        """1 per response token the policy generated, 0 per tool-output token (len == len(response_ids))."""
+        return list(self.loss_mask) if self.loss_mask else [1] * len(self.response_ids)
 
     def versions(self) -> list[int]:
         """The weight version of each response token (len == len(response_ids))."""
