@@ -4,7 +4,8 @@ Global rank 0 collects the step's groups, computes advantages, loss masks and th
 each DP rank's rows into four CPU tensors (five or six with the options below) and sends them over gloo groups
 made once at start with a `--rollout-timeout` (hours) timeout:
 
-    header    int64   [5]                      status, minibatches, rows, token ids, N (the step table's responses)
+    header    int64   [6]                      status, minibatches, rows, token ids, N (the step table's responses),
+                                               1 if `generated` follows
     ints      int32   [3 * rows + ids]         per row (minibatch, prompt_len, response_len), then ids
     row_vals  float64 [2 * rows]               per row (advantage, loss-mask value)
     logp      float32 [sum(response_len)]      rollout engine log-probs of the response tokens
@@ -12,14 +13,20 @@ made once at start with a `--rollout-timeout` (hours) timeout:
                                                then the step's N rewards and their N prompt groups (`StepRewards`,
                                                every response of the step, those without tokens too); absent when
                                                N = 0
+    generated uint8   [sum(response_len)]      multi-turn rollouts only (header[5] = 1): 1 on a response token the
+                                               policy generated, 0 on a tool's output (rollout/multi_turn.py), out
+                                               of the loss, its denominator and the mismatch metrics; absent when
+                                               every token was generated
     routes    uint8   [sum(len(tokens) - 1) * L * K]   --moe-routing-replay only: the experts the rollout routed
                                                each fed-in token to (TrainSample.routed_experts; int32 above 256
                                                experts); absent otherwise (chosen once, when the DataPlane is made)
 
 Route: rank 0 -> the lowest global rank of each DP replica (`send`/`recv` on the world gloo group), then
 that leader -> the replica's other ranks (TP/PP/CP peers need the same rows; `broadcast` on the
-replica's gloo group). The loss mask of a row is constant (1, or 0 for an overlong-filtered row), so one
-value per row carries it.
+replica's gloo group). The loss mask of a row is its overlong-filter value (1, or 0 for a filtered row), one value
+per row, times `generated` where a conversation had tool calls (1 byte a token more: at the production setting
+below, 44.8 MB more over all shares beside 0.35 GB; the share says whether it follows, so single-turn shares carry
+nothing more).
 
 The step table is what each DP rank needs to recompute every advantage from the rewards less the KL penalty
 (trainer/loop.py `Trainer._kl_reward`): at 512 prompts x 16 responses it is 128 KiB (+ 8 bytes a row) per DP leader,
@@ -66,8 +73,9 @@ from megatron_dapo.rollout.types import RoutingShape
 from megatron_dapo.trainer.stop import StopRequested
 
 OK, ABORT, STOP = 0, 1, 2
-HEADER = 5
-"""int64 entries of a share's header: status, minibatches, rows, token ids, N (the step table's responses)."""
+HEADER = 6
+"""int64 entries of a share's header: status, minibatches, rows, token ids, N (the step table's responses), whether
+the `generated` masks follow."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,10 +113,13 @@ class PackedShare:
     table: torch.Tensor | None = None
     """--kl-in-reward: float64 [rows + 2 N], each row's index in the step, then the StepRewards' rewards and group
     ids (N = header[4]); None otherwise."""
+    generated: torch.Tensor | None = None
+    """uint8 [sum(response_len)]: 1 on the tokens the policy generated, 0 on tool outputs (header[5] = 1); None:
+    every token was generated."""
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.header, self.ints, self.row_vals, self.logp, self.routes, self.table)
+        tensors = (self.header, self.ints, self.row_vals, self.logp, self.routes, self.table, self.generated)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -122,18 +133,24 @@ def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -
     """Rows (trainer `Rollout`s: .sample, .rollout_log_probs, .index, .step_rewards) of each mini-batch -> the wire
     tensors; with `routing` (--moe-routing-replay) each row's sample.routed_experts too, which every row must then
     have; when the rows carry their step's StepRewards (--kl-in-reward: all of them the same one, each with its
-    index), the step table too."""
+    index), the step table too; when a row has a `generated` mask (a multi-turn conversation), every row's mask.
+    """
     rows = [(m, r) for m, mb in enumerate(minibatches) for r in mb]
     meta = torch.tensor([(m, r.sample.prompt_len, r.sample.response_len) for m, r in rows],
                         dtype=torch.int32).reshape(-1)
     ids = [torch.tensor(r.sample.tokens, dtype=torch.int32) for _, r in rows]
     ints = torch.cat([meta, *ids])
-    row_vals = torch.tensor([(r.sample.advantage, _mask_value(r.sample)) for _, r in rows],
+    row_vals = torch.tensor([(r.sample.advantage, _mask_value(r)) for _, r in rows],
                             dtype=torch.float64).reshape(-1)
     logp = torch.cat([torch.zeros(0), *(r.rollout_log_probs.float() for _, r in rows)])
     table = _table([r for _, r in rows])
     n_step = 0 if table is None else (table.numel() - len(rows)) // 2
-    header = torch.tensor([OK, len(minibatches), len(rows), ints.numel() - meta.numel(), n_step], dtype=torch.int64)
+    generated = None
+    if any(r.generated is not None for _, r in rows):
+        generated = torch.cat([torch.ones(r.sample.response_len, dtype=torch.uint8) if r.generated is None
+                               else r.generated.to(torch.uint8) for _, r in rows])
+    header = torch.tensor([OK, len(minibatches), len(rows), ints.numel() - meta.numel(), n_step,
+                           int(generated is not None)], dtype=torch.int64)
     routes = None
     if routing is not None:
         want = (routing.num_layers, routing.top_k)
@@ -145,7 +162,7 @@ def pack(minibatches: Sequence[Sequence], routing: RoutingShape | None = None) -
                                  f"(the rollout engine must return them: Sample.routed_experts)")
         routes = torch.cat([torch.zeros(0, dtype=routing.dtype),
                             *(r.sample.routed_experts.to(routing.dtype).reshape(-1) for _, r in rows)])
-    return PackedShare(header, ints, row_vals, logp, routes, table)
+    return PackedShare(header, ints, row_vals, logp, routes, table, generated)
 
 
 def _table(rows: Sequence) -> torch.Tensor | None:
@@ -164,13 +181,13 @@ def _table(rows: Sequence) -> torch.Tensor | None:
 def abort_share(what: str) -> PackedShare:
     """The share rank 0 sends instead of a batch: status ABORT, no rows, `what` (UTF-8 bytes) in place of the ids."""
     text = torch.tensor(list(what.encode()), dtype=torch.int32)
-    return PackedShare(torch.tensor([ABORT, 0, 0, text.numel(), 0], dtype=torch.int64), text,
+    return PackedShare(torch.tensor([ABORT, 0, 0, text.numel(), 0, 0], dtype=torch.int64), text,
                        torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
 
 
 def stop_share() -> PackedShare:
     """The share rank 0 sends when it abandoned the rollout on a stop signal: status STOP, no rows."""
-    return PackedShare(torch.tensor([STOP, 0, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
+    return PackedShare(torch.tensor([STOP, 0, 0, 0, 0, 0], dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
                        torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.float32))
 
 
@@ -179,10 +196,16 @@ def abort_reason(share: PackedShare) -> str:
     return bytes(share.ints.tolist()).decode(errors="replace")
 
 
-def _mask_value(sample: TrainSample) -> float:
-    mask = sample.loss_mask
+def _mask_value(row) -> float:
+    """A row's one loss-mask value on the wire: that of its generated tokens, the same on each (the overlong filter's;
+    a tool's tokens are 0 through `generated`)."""
+    mask = row.sample.loss_mask
     if mask is None:
         return 1.0
+    if row.generated is not None:
+        mask = mask[row.generated.bool()]
+        if mask.numel() == 0:
+            return 0.0
     value = float(mask[0])
     if not bool((mask == value).all()):
         raise ValueError("the data plane carries one loss-mask value per row; this row's mask varies")
@@ -192,8 +215,9 @@ def _mask_value(sample: TrainSample) -> float:
 def unpack(share: PackedShare, rollout_cls, routing: RoutingShape | None = None) -> list[list]:
     """The wire tensors -> mini-batches of `rollout_cls(sample, rollout_log_probs)`, in the sent order; with
     `routing` the samples get their routed_experts (views of share.routes); with a step table (--kl-in-reward) each
-    row gets its `index` and the step's one StepRewards (`step_rewards`)."""
-    _, n_mb, n_rows, _, n_step = share.header.tolist()
+    row gets its `index` and the step's one StepRewards (`step_rewards`); with `generated` masks each row gets its own
+    (`generated`) and a loss mask of its row value times it."""
+    _, n_mb, n_rows, _, n_step, _ = share.header.tolist()
     meta = share.ints[:3 * n_rows].reshape(n_rows, 3).tolist()
     ids = share.ints[3 * n_rows:]
     vals = share.row_vals.reshape(n_rows, 2).tolist()
@@ -211,9 +235,15 @@ def unpack(share: PackedShare, rollout_cls, routing: RoutingShape | None = None)
         if routing is not None:
             routed = share.routes[rt:rt + (p + r - 1) * row].view(p + r - 1, routing.num_layers, routing.top_k)
             rt += (p + r - 1) * row
-        sample = TrainSample(tokens=ids[tok:tok + p + r].tolist(), prompt_len=p, advantage=adv,
-                             loss_mask=torch.full((r,), keep), routed_experts=routed)
+        mask, generated = torch.full((r,), keep), None
+        if share.generated is not None:
+            generated = share.generated[lp:lp + r].clone()
+            mask = mask * generated
+        sample = TrainSample(tokens=ids[tok:tok + p + r].tolist(), prompt_len=p, advantage=adv, loss_mask=mask,
+                             routed_experts=routed)
         extra = {} if step is None else {"index": index, "step_rewards": step}
+        if generated is not None:
+            extra["generated"] = generated
         out[m].append(rollout_cls(sample, share.logp[lp:lp + r].clone(), **extra))
         tok, lp = tok + p + r, lp + r
     return out
@@ -303,6 +333,8 @@ class DataPlane:
             comm.send(t, dst, group=self.wait_group)
         if int(share.header[4]):
             comm.send(share.table, dst, group=self.wait_group)
+        if int(share.header[5]):
+            comm.send(share.generated, dst, group=self.wait_group)
         if self.routing is not None:
             comm.send(self._routes_of(share), dst, group=self.wait_group)
 
@@ -322,10 +354,13 @@ class DataPlane:
         logp = torch.empty(int(ints[:3 * n_rows].reshape(n_rows, 3)[:, 2].sum()), dtype=torch.float32)
         comm.recv(logp, src, group=group)
         table = comm.recv(_table_buffer(header), src, group=group) if int(header[4]) else None
+        generated = None
+        if int(header[5]):
+            generated = comm.recv(torch.empty(logp.numel(), dtype=torch.uint8), src, group=group)
         routes = None
         if self.routing is not None:
             routes = comm.recv(self._routes_buffer(header, ints), src, group=group)
-        return PackedShare(header, ints, row_vals, logp, routes, table)
+        return PackedShare(header, ints, row_vals, logp, routes, table, generated)
 
     def _broadcast(self, share: PackedShare | None) -> PackedShare:
         src = self.replica_ranks[0]
@@ -346,11 +381,15 @@ class DataPlane:
         if int(header[4]):
             table = share.table if share is not None else _table_buffer(header)
             comm.broadcast(table, src, group=group)
+        generated = None
+        if int(header[5]):
+            generated = share.generated if share is not None else torch.empty(logp.numel(), dtype=torch.uint8)
+            comm.broadcast(generated, src, group=group)
         routes = None
         if self.routing is not None:
             routes = self._routes_of(share) if share is not None else self._routes_buffer(header, ints)
             comm.broadcast(routes, src, group=group)
-        return PackedShare(header, ints, row_vals, logp, routes, table)
+        return PackedShare(header, ints, row_vals, logp, routes, table, generated)
 
 
 def _table_buffer(header: torch.Tensor) -> torch.Tensor:

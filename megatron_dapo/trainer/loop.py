@@ -83,6 +83,9 @@ class Rollout:
     step_rewards: StepRewards | None = None
     """--kl-in-reward: every response's reward and group of the step, one object shared by the step's rows, from
     which `Trainer._kl_reward` recomputes the advantages; None otherwise."""
+    generated: torch.Tensor | None = None
+    """[response_len] uint8, multi-turn rollouts: 1 on the tokens the policy generated, 0 on a tool's output (out of
+    the loss through sample.loss_mask, out of the mismatch metrics through this); None: every token was generated."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -557,9 +560,10 @@ class Trainer:
         rollouts = [
             Rollout(
                 TrainSample(tokens=list(s.prompt_ids) + list(s.response_ids), prompt_len=len(s.prompt_ids),
-                            advantage=float(a), loss_mask=torch.full((len(s.response_ids),), float(k)),
+                            advantage=float(a), loss_mask=float(k) * torch.tensor(s.generated(), dtype=torch.float32),
                             routed_experts=s.routed_experts if self.routing is not None else None),
                 torch.tensor(s.logprobs, dtype=torch.float32), index=i, step_rewards=step,
+                generated=torch.tensor(s.loss_mask, dtype=torch.uint8) if s.loss_mask else None,
             )
             for i, ((_, s, _), a, k) in enumerate(zip(flat, adv.tolist(), keep.tolist(), strict=True))
             if len(s.response_ids) > 0
@@ -740,7 +744,8 @@ class Trainer:
         peak = torch.zeros(len(MAX_KEYS), dtype=torch.float64)
         for r, old in zip(local, actor_logp, strict=True):
             old, rollout = old.detach().float().cpu().unsqueeze(0), r.rollout_log_probs.unsqueeze(0)
-            sums = mismatch_sums(old, rollout, torch.ones_like(old), cfg)
+            generated = torch.ones_like(old) if r.generated is None else r.generated.float().unsqueeze(0)
+            sums = mismatch_sums(old, rollout, generated, cfg)  # a tool's tokens have no rollout log-prob
             stats += torch.tensor([float(sums[k]) for k in SUM_KEYS], dtype=torch.float64)
             peak = torch.maximum(peak, torch.tensor([float(sums[k]) for k in MAX_KEYS], dtype=torch.float64))
             if cfg.enabled:

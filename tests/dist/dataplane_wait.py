@@ -93,7 +93,8 @@ def digest(minibatches) -> list:
               None if r.sample.routed_experts is None else (str(r.sample.routed_experts.dtype),
                                                             r.sample.routed_experts.tolist()),
               r.index, None if r.step_rewards is None else (r.step_rewards.rewards.tolist(),
-                                                            r.step_rewards.group_ids.tolist()))
+                                                            r.step_rewards.group_ids.tolist()),
+              None if r.generated is None else r.generated.tolist())
              for r in mb] for mb in minibatches]
 
 
@@ -119,6 +120,29 @@ def with_routes(minibatches, shape, seed: int) -> list:
     return [[type(r)(dataclasses.replace(r.sample, routed_experts=torch.randint(
         0, shape.num_experts, (len(r.sample.tokens) - 1, shape.num_layers, shape.top_k), generator=g).to(shape.dtype)),
         r.rollout_log_probs) for r in mb] for mb in minibatches]
+
+
+def with_tool_tokens(shares, seed: int) -> list:
+    """The same rows as multi-turn conversations: a random run of each longer response's tokens a tool's output
+    (`generated` 0 there, the loss mask 0 there too), the rest generated."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for share in shares:
+        out.append([])
+        for mb in share:
+            rows = []
+            for r in mb:
+                n = r.sample.response_len
+                gen = torch.ones(n, dtype=torch.uint8)
+                if n > 2:
+                    start = int(torch.randint(1, n - 1, (1,), generator=g))
+                    gen[start:start + int(torch.randint(1, n - start, (1,), generator=g))] = 0
+                sample = dataclasses.replace(r.sample, loss_mask=r.sample.loss_mask * gen)
+                rows.append(dataclasses.replace(r, sample=sample, generated=gen))
+            out[-1].append(rows)
+    return out
 
 
 def main() -> None:
@@ -148,13 +172,16 @@ def main() -> None:
     routing = RoutingShape(num_layers=3, top_k=2, num_experts=8)
     routed = [with_routes(s, routing, seed=d) for d, s in enumerate(shares)]
     tabled = with_table(shares, seed=5)
+    tooled = with_tool_tokens(shares, seed=6)
     for name, dp_rank, expect, route, sent in (
             ("two_replicas", parallel_state.get_data_parallel_rank(), rank, None, shares),
             ("one_replica", 0, 0, None, shares),
             ("two_replicas_routes", parallel_state.get_data_parallel_rank(), rank, routing, routed),
             ("one_replica_routes", 0, 0, routing, routed),
             ("two_replicas_table", parallel_state.get_data_parallel_rank(), rank, None, tabled),
-            ("one_replica_table", 0, 0, None, tabled)):
+            ("one_replica_table", 0, 0, None, tabled),
+            ("two_replicas_tools", parallel_state.get_data_parallel_rank(), rank, None, tooled),
+            ("one_replica_tools", 0, 0, None, tooled)):
         plane = DataPlane(dp_rank, timeout=hour, routing=route)
         dp = plane.dp_size
         got = unpack(plane.exchange([pack(s, route) for s in sent[:dp]] if rank == 0 else None), Rollout, route)

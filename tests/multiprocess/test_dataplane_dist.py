@@ -50,6 +50,10 @@ def test_each_dp_rank_gets_exactly_its_share(checks):
         assert [c["equal"] for c in _both(checks, name)] == [True, True], name
         assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] == \
             checks[1][name[:-6]]["bytes"] + 8 * 5 + 16 * 13  # 5 rows, 13 responses in the step
+    # multi-turn rollouts: each row's generated mask (tool tokens 0) arrives exactly, 1 byte a response token more
+    for name in ("two_replicas_tools", "one_replica_tools"):
+        assert [c["equal"] for c in _both(checks, name)] == [True, True], name
+        assert checks[1][name]["bytes"] == checks[1][name]["expected_bytes"] > checks[1][name[:-6]]["bytes"]
 
 
 def test_abort_reaches_the_waiting_rank(checks):

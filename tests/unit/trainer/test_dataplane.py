@@ -43,7 +43,8 @@ def test_pack_unpack_roundtrip_is_exact():
     n_tok = sum(len(r.sample.tokens) for mb in minibatches for r in mb)
     n_resp = sum(r.sample.response_len for mb in minibatches for r in mb)
     assert packed.ints.dtype == torch.int32 and packed.logp.dtype == torch.float32
-    assert packed.nbytes == 40 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
+    assert packed.nbytes == 48 + 7 * 28 + 4 * n_tok + 4 * n_resp  # header, per row, per token
+    assert int(packed.header[5]) == 0 and packed.generated is None  # single-turn: no mask on the wire
     back = unpack(packed, Rollout)
     assert [len(mb) for mb in back] == [3, 0, 4]
     for want_mb, got_mb in zip(minibatches, back, strict=True):
@@ -85,6 +86,30 @@ def test_a_row_with_a_varying_loss_mask_is_refused():
                   torch.zeros(3))
     with pytest.raises(ValueError, match="one loss-mask value per row"):
         pack([[row]])
+
+
+def test_tool_tokens_travel_as_a_mask_and_stay_out_of_the_loss():
+    """Multi-turn rows: `generated` (tool tokens 0) comes back exactly, 1 byte a response token more on the wire, and
+    the unpacked loss mask is the row's filter value times it; a row without tool tokens in a share with some gets
+    ones."""
+    import dataclasses
+
+    rows = _rows(4, 3)
+    gen = torch.tensor([1, 0, 0, 1, 1, 1, 1, 1][:rows[1].sample.response_len], dtype=torch.uint8)
+    rows[1] = dataclasses.replace(rows[1], sample=dataclasses.replace(rows[1].sample,
+                                                                      loss_mask=rows[1].sample.loss_mask * gen),
+                                  generated=gen)
+    assert gen.numel() > 2
+    plain, packed = pack([_rows(4, 3)]), pack([rows])
+    n_resp = sum(r.sample.response_len for r in rows)
+    assert int(packed.header[5]) == 1 and packed.nbytes == plain.nbytes + n_resp
+    (back,) = unpack(packed, Rollout)
+    for want, got in zip(rows, back, strict=True):
+        keep = float(want.sample.loss_mask.max())
+        ones = torch.ones(want.sample.response_len, dtype=torch.uint8)
+        assert torch.equal(got.generated, ones if want.generated is None else want.generated)
+        assert torch.equal(got.sample.loss_mask, keep * got.generated.float())
+    assert back[1].sample.loss_mask.tolist()[:3] == [1.0 * float(rows[1].sample.loss_mask[0]), 0.0, 0.0]
 
 
 def test_rollout_timeout_flag_reaches_the_trainer_config():
@@ -184,3 +209,42 @@ def test_build_samples_gives_each_row_once_with_its_group_advantage_and_mask(mon
                 assert row.sample.advantage == pytest.approx(adv, rel=1e-6)
                 assert torch.equal(row.sample.loss_mask, torch.full((row.sample.response_len,), keep))
                 assert row.sample.tokens[:3] == [2, 3, row.sample.tokens[3] // 10 - 1]
+
+
+@pytest.mark.parametrize("overlong_filter", [True, False], ids=["filter", "no-filter"])
+def test_build_samples_keeps_a_conversations_tool_tokens_out_of_the_loss(monkeypatch, overlong_filter):
+    """A multi-turn Sample (rollout/multi_turn.py) becomes a row whose loss mask is 0 on the tool's tokens and the
+    filter's value on the policy's (a truncated conversation under --overlong-filter: 0 everywhere), carrying its
+    `generated` mask for the mismatch metrics; a single-turn row of the same step carries none."""
+    from megatron_dapo.algorithm import grpo_advantages
+    from megatron_dapo.rollout.collect import Prompt, ScoredGroup
+    from megatron_dapo.rollout.types import Sample
+    from megatron_dapo.trainer import loop
+
+    monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    mask = [1, 1, 0, 0, 0, 1, 1, 1]
+    samples = [Sample(request_id="g", index=0, prompt_ids=[2, 3], response_ids=list(range(10, 18)),
+                      logprobs=[-0.5 if m else 0.0 for m in mask], finish_reason="length", weight_version=0,
+                      loss_mask=mask, tool_calls=1),
+               Sample(request_id="g", index=1, prompt_ids=[2, 3], response_ids=[20, 21, 22], logprobs=[-0.1] * 3,
+                      finish_reason="stop", weight_version=0)]
+    group = ScoredGroup(prompt=Prompt(prompt_ids=[2, 3], ground_truth="", index=0), samples=samples,
+                        accs=[True, False], rewards=[1.0, -1.0])
+    from megatron_dapo.models.hf_config import ModelArch
+    from megatron_dapo.models.registry import families
+
+    arch = ModelArch.from_hf(dict(families()["qwen2"].tiny_config, model_type="qwen2"))
+    trainer = SimpleNamespace(actor=SimpleNamespace(arch=arch), routing=None,
+                              config=SimpleNamespace(advantage_estimator=grpo_advantages,
+                                                                   global_batch_size=0, kl_reward=None),
+                              collect=SimpleNamespace(overlong=OverlongConfig(max_response_length=8,
+                                                                              filter_truncated=overlong_filter)))
+    trainer.dp_split = lambda mb, dp: Trainer.dp_split(trainer, mb, dp)
+    ((rows,),), _ = Trainer.build_samples(trainer, [group])
+    conv, plain = sorted(rows, key=lambda r: -r.sample.response_len)
+    keep = 0.0 if overlong_filter else 1.0
+    assert conv.sample.loss_mask.tolist() == [keep * m for m in mask]
+    assert conv.generated.tolist() == mask and plain.generated is None
+    assert plain.sample.loss_mask.tolist() == [1.0] * 3
+    (back,) = unpack(pack([rows]), Rollout)
+    assert [r.sample.loss_mask.tolist() for r in back] == [r.sample.loss_mask.tolist() for r in rows]
