@@ -24,6 +24,7 @@ from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 from megatron_dapo.rollout import ENGINE_KINDS
 from megatron_dapo.rollout.async_rollout import ASYNC_ROLLOUT_DEPTHS
 from megatron_dapo.rollout.stream import STALE_POLICIES
+from megatron_dapo.tool_use.templates import tool_template_help
 from megatron_dapo.weight_sync.transports import transport_names
 
 
@@ -324,6 +325,27 @@ def _weight_sync_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--weight-sync-master-port", type=int, default=29650)
 
 
+def _tool_flags(p: argparse.ArgumentParser) -> None:
+    """The "tool use" group: rank 0's ToolUseConfig (rollout/multi_turn.py), its sandbox's SandboxLimits
+    (tool_use/sandbox.py)."""
+    g = p.add_argument_group("tool use (multi-turn rollouts with a Python interpreter)",
+                             "off unless --tool-template is given; docs/TOOL_USE.md")
+    g.add_argument("--tool-template", default=None, metavar="NAME",
+                   help="the tool-call format the policy writes: " + tool_template_help() + ". Each sample becomes "
+                        "a conversation: generate until a call ends, run its code in the sandbox, append the output "
+                        "(masked out of the loss), continue; --max-response-length bounds the whole response, the "
+                        "tool's tokens included")
+    g.add_argument("--max-turns", type=int, default=4,
+                   help="assistant turns per conversation; a call made at the last one is not run")
+    g.add_argument("--tool-output-max-chars", type=int, default=1024,
+                   help="characters of a tool's output the policy reads; the rest is cut with a marker")
+    g.add_argument("--tool-workers", type=int, default=None,
+                   help="programs run at once on global rank 0's host (default: its CPU count)")
+    g.add_argument("--tool-cpu-s", type=float, default=5.0, help="CPU seconds a program may use")
+    g.add_argument("--tool-timeout-s", type=float, default=10.0, help="wall seconds a program may run")
+    g.add_argument("--tool-memory-mib", type=int, default=1024, help="address space a program may map, MiB")
+
+
 def _dapo_flags(p: argparse.ArgumentParser) -> None:
     """The "DAPO" group: the ActorConfig's policy loss, CollectConfig's dynamic sampling and overlong shaping, the
     TrainerConfig's advantage estimator, the reward function."""
@@ -474,7 +496,7 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_GROUPS = (_checkpoint_flags, _parallel_flags, _moe_flags, _optimizer_flags, _batching_flags, _rollout_flags,
-               _dapo_flags, _off_policy_flags, _reference_flags, _data_flags, _eval_flags, _logging_flags)
+               _tool_flags, _dapo_flags, _off_policy_flags, _reference_flags, _data_flags, _eval_flags, _logging_flags)
 """The --help groups, in their order; each adds one group of flags, named after the config it fills."""
 
 

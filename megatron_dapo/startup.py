@@ -339,7 +339,30 @@ def engine_config(args: argparse.Namespace, arch: ModelArch | None, *, api_key: 
         sglang_deterministic_inference=args.sglang_deterministic_inference,
         weight_sync_mode=args.weight_sync_mode, weight_sync_bucket_mb=args.weight_sync_bucket_mb,
         weight_sync_master_addr=args.weight_sync_master_addr, weight_sync_master_port=args.weight_sync_master_port,
+        tools=tool_use_config(args),
     )
+
+
+def tool_use_config(args: argparse.Namespace):
+    """The "tool use" flags -> ToolUseConfig, None without --tool-template. Refuses the combinations a conversation does
+    not support yet, naming the flags: --partial-rollout and --max-staleness (a conversation cut mid-turn cannot yet
+    be resumed: its tool tokens and turn count are not carried), --moe-routing-replay (a conversation's routed experts
+    are not assembled across turns)."""
+    if args.tool_template is None:
+        return None
+    from megatron_dapo.rollout.multi_turn import MultiTurnConfig, ToolUseConfig
+    from megatron_dapo.tool_use.sandbox import SandboxLimits
+
+    for flag, given in (("--partial-rollout", args.partial_rollout), ("--max-staleness", args.max_staleness),
+                        ("--moe-routing-replay", args.moe_routing_replay)):
+        if given:
+            raise UserError(f"--tool-template and {flag} cannot be combined yet: multi-turn conversations are not "
+                            "carried across a cut or assembled with routed experts (docs/TOOL_USE.md)")
+    return ToolUseConfig(
+        template=args.tool_template,
+        turns=MultiTurnConfig(max_turns=args.max_turns, max_output_chars=args.tool_output_max_chars),
+        workers=args.tool_workers if args.tool_workers is not None else max(1, os.cpu_count() or 1),
+        limits=SandboxLimits(cpu_s=args.tool_cpu_s, wall_s=args.tool_timeout_s, memory_mib=args.tool_memory_mib))
 
 
 def inputs_config(args: argparse.Namespace) -> InputsConfig:

@@ -108,6 +108,8 @@ def _train(args: argparse.Namespace) -> None:
     frozen = [m for m in (ref, None if served else teacher) if m is not None]  # offloaded while generating
     phases, weight_sync = (colocate.make_colocated(run.engine, actor, engine, frozen) if run.engine.colocate
                            else (None, None))
+    if rank0:  # conversations with a code tool (--tool-template) wrap the engine the sync and phases drive
+        engine = rollout_build.with_tools(engine, run.engine.tools, tokenizer)
     trainer = Trainer(config=run.trainer, collect=run.collect, actor=actor, engine=engine,
                       next_prompts=(lambda k: [prompts[i] for i in sampler.next_batch(k)]) if rank0 else None,
                       eval_prompts=inputs.eval_prompts, reward_fn=reward_fn, logger=logger,

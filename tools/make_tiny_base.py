@@ -5,7 +5,9 @@ files in the DAPO schema, so `python -m megatron_dapo.train --hf-checkpoint DIR/
 DIR/train.jsonl` treats it like any Qwen2.5 checkpoint and dataset.
 
 The task: two-digit addition ("37+45=") answered by column addition, one digit per line, then
-"Answer: 82" (the DAPO verifier reads the last Answer: line).
+"Answer: 82" (the DAPO verifier reads the last Answer: line). `--task remainder` is the ablation's
+(megatron_dapo/data/remainder.py), `--task tool` the tool demo's: products of 3-4 digit numbers, which the model
+can only get right by calling the Python tool (megatron_dapo/data/tool_task.py, examples/run_tool_demo.sh).
 
 Why a noisy warm-up: RL sharpens what a policy can already sample; it does not teach arithmetic from
 a reward of -1 on nearly every sample. The warm-up is supervised training on the worked format with
@@ -41,9 +43,17 @@ from megatron_dapo.data.remainder import (  # noqa: E402
     warmup_response,
 )
 from megatron_dapo.data.synthetic import (  # noqa: E402
+    TOOL_CHARACTERS,
     ArithmeticTask,
     build_char_tokenizer,
     make_arithmetic_problems,
+)
+from megatron_dapo.data.tool_task import (  # noqa: E402
+    TOOL_MAX_RESPONSE_LENGTH,
+    ToolTask,
+    ToolWarmup,
+    make_tool_problems,
+    warmup_segments,
 )
 from megatron_dapo.reward import get_reward_fn  # noqa: E402
 
@@ -86,35 +96,53 @@ def tiny_qwen2_config(vocab_size: int, eos_id: int, *, hidden: int, layers: int,
     )
 
 
-def addition_warmup(correct_fraction: float) -> Callable[[PromptRecord, random.Random], str]:
+Segments = list[tuple[str, bool]]
+"""A warm-up response as (text, trained) segments, each tokenized on its own: a tool's output is not trained on."""
+
+
+def addition_warmup(correct_fraction: float) -> Callable[[PromptRecord, random.Random], Segments]:
     """The addition task's warm-up response: worked column sums, a final answer right `correct_fraction`
     of the time (otherwise off by 1-3)."""
-    def response(r: PromptRecord, rng: random.Random) -> str:
+    def response(r: PromptRecord, rng: random.Random) -> Segments:
         answer = int(r.ground_truth)
         if rng.random() >= correct_fraction:
             answer += rng.choice((-3, -2, -1, 1, 2, 3))
-        return worked_response(r.extra["expression"], answer)
+        return [(worked_response(r.extra["expression"], answer), True)]
     return response
 
 
-def remainder_warmup(style: WarmupStyle) -> Callable[[PromptRecord, random.Random], str]:
+def remainder_warmup(style: WarmupStyle) -> Callable[[PromptRecord, random.Random], Segments]:
     """The remainder task's warm-up response (megatron_dapo/data/remainder.py: slips and repeats)."""
-    return lambda r, rng: warmup_response(r.extra["a"], r.extra["b"], rng, style)
+    return lambda r, rng: [(warmup_response(r.extra["a"], r.extra["b"], rng, style), True)]
+
+
+def tool_warmup(style: ToolWarmup, tokenizer) -> Callable[[PromptRecord, random.Random], Segments]:
+    """The tool task's warm-up (megatron_dapo/data/tool_task.py): a call, its output and the answer, or a guess."""
+    from megatron_dapo.tool_use.templates import tool_template
+
+    template = tool_template("code_fence", tokenizer)
+    return lambda r, rng: warmup_segments(r, rng, style, template)
 
 
 def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random,
-              response_fn: Callable[[PromptRecord, random.Random], str],
+              response_fn: Callable[[PromptRecord, random.Random], Segments],
               batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids [B, S], attention [B, S], loss mask [B, S]) of prompt + warm-up response + eos, right-padded."""
+    """(ids [B, S], attention [B, S], loss mask [B, S]) of prompt + warm-up response + eos, right-padded; the mask is
+    1 on the trained segments' tokens and the eos."""
     seqs, masks = [], []
     for r in rng.sample(records, batch_size):
         prompt = render_prompt(r, tokenizer)
-        text = response_fn(r, rng)
-        response = tokenizer.encode(text, add_special_tokens=False)
-        if "Answer:" in text.rsplit("\n", 1)[-1]:  # one without its answer line was cut off: it has no end
+        segments = response_fn(r, rng)
+        response, mask = [], []
+        for text, trained in segments:
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            response += ids
+            mask += [int(trained)] * len(ids)
+        if "Answer:" in segments[-1][0].rsplit("\n", 1)[-1]:  # one without its answer line was cut off: no end
             response.append(tokenizer.eos_token_id)
+            mask.append(1)
         seqs.append(prompt + response)
-        masks.append([0] * len(prompt) + [1] * len(response))
+        masks.append([0] * len(prompt) + mask)
     width = max(map(len, seqs))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
@@ -151,9 +179,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-train", type=int, default=20000, help="training prompts")
     ap.add_argument("--num-eval", type=int, default=200, help="held-out prompts (none shared with train)")
-    ap.add_argument("--task", choices=("addition", "remainder"), default="addition",
+    ap.add_argument("--task", choices=("addition", "remainder", "tool"), default="addition",
                     help="addition: the demo's two-digit sums; remainder: the ablation's 'a mod b' by repeated "
-                         "subtraction (megatron_dapo/data/remainder.py), whose warm-up slips and rambles")
+                         "subtraction (megatron_dapo/data/remainder.py), whose warm-up slips and rambles; tool: "
+                         "products of 3-4 digit numbers, solved by calling the Python tool "
+                         "(megatron_dapo/data/tool_task.py)")
+    ap.add_argument("--call-prob", type=float, default=0.3,
+                    help="tool task: share of warm-up responses that call the tool (the rest guess)")
     ap.add_argument("--min-operand", type=int, default=10, help="addition task")
     ap.add_argument("--max-operand", type=int, default=99, help="addition task")
     ap.add_argument("--max-response-length", type=int, default=None,
@@ -173,9 +205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0.0 < args.correct_fraction <= 1.0:
         raise SystemExit("--correct-fraction must be in (0, 1]")
     if args.sft_steps is None:
-        args.sft_steps = 600 if args.task == "addition" else 500
+        args.sft_steps = {"addition": 600, "remainder": 500, "tool": 400}[args.task]
     if args.max_response_length is None:
-        args.max_response_length = 40 if args.task == "addition" else ABLATION_MAX_RESPONSE_LENGTH
+        args.max_response_length = {"addition": 40, "remainder": ABLATION_MAX_RESPONSE_LENGTH,
+                                    "tool": TOOL_MAX_RESPONSE_LENGTH}[args.task]
     return args
 
 
@@ -184,21 +217,26 @@ class TaskData:
     """The base's prompts and warm-up: pure Python from --seed (no torch RNG, no float kernel), so the same on every
     machine."""
 
-    task: ArithmeticTask | RemainderTask
+    task: ArithmeticTask | RemainderTask | ToolTask
     train: list[PromptRecord]
     eval: list[PromptRecord]
     """Held-out: expressions never in train."""
-    response_fn: Callable[[PromptRecord, random.Random], str]
+    response_fn: Callable[[PromptRecord, random.Random], Segments]
     max_positions: int
 
 
-def task_data(args: argparse.Namespace) -> TaskData:
+def task_data(args: argparse.Namespace, tokenizer) -> TaskData:
     """The task's problems for `args`, split into train and held-out prompts, with its warm-up response."""
     if args.task == "addition":
         task = ArithmeticTask(min_operand=args.min_operand, max_operand=args.max_operand, min_operations=1,
                               max_operations=1, operators=("+",), prompt_template="{expression}=")
         pool = make_arithmetic_problems(args.num_train + 4 * args.num_eval, seed=args.seed, difficulty=task)
         response_fn = addition_warmup(args.correct_fraction)
+        max_positions = 128
+    elif args.task == "tool":
+        task = ToolTask()
+        pool = make_tool_problems(args.num_train + 4 * args.num_eval, seed=args.seed, task=task)
+        response_fn = tool_warmup(ToolWarmup(call_prob=args.call_prob), tokenizer)
         max_positions = 128
     else:
         task = RemainderTask()
@@ -245,12 +283,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     (out / "model").mkdir(parents=True, exist_ok=True)
-    data = task_data(args)
+    tokenizer = build_char_tokenizer(str(out / "model"), extra_characters=TOOL_CHARACTERS if args.task == "tool"
+                                     else "")
+    data = task_data(args, tokenizer)
     task, train_records, eval_records = data.task, data.train, data.eval
     write_prompts(out / "train.jsonl", train_records)
     write_prompts(out / "eval.jsonl", eval_records)
 
-    tokenizer = build_char_tokenizer(str(out / "model"))
     config = tiny_qwen2_config(len(tokenizer), tokenizer.eos_token_id, hidden=args.hidden_size,
                                layers=args.num_layers, heads=args.num_heads, kv_heads=args.num_kv_heads,
                                ffn=args.ffn_hidden_size, max_len=data.max_positions)

@@ -137,7 +137,14 @@ def _byte_level_name(char: str) -> str:
     return chr(256 + code) if code <= 32 else chr(289)
 
 
-def build_char_tokenizer(save_dir: str | None = None, *, with_chat_template: bool = False):
+TOOL_CHARACTERS = "`_%"
+"""The characters a tool call needs beyond `CHARACTERS` (code fences, Python's % and names): the tool task's tokenizer
+(`build_char_tokenizer(extra_characters=TOOL_CHARACTERS)`) has them after the others, so every id of the demo's
+tokenizer keeps its meaning."""
+
+
+def build_char_tokenizer(save_dir: str | None = None, *, with_chat_template: bool = False,
+                         extra_characters: str = ""):
     """A character-level `PreTrainedTokenizerFast` (len 80): specials get ids 0-3, then one id per char.
 
     `<|endoftext|>` is both eos and pad; characters outside `CHARACTERS` map to `<|unk|>`. The characters are
@@ -146,12 +153,17 @@ def build_char_tokenizer(save_dir: str | None = None, *, with_chat_template: boo
     vocabulary but byte-level encodes the text, and would drop a plain ' ' or '\\n' entry's text (prompts with
     spaces lost them). With `save_dir`, the files are written there and `AutoTokenizer.from_pretrained(save_dir)`
     then encodes and decodes every text with the same ids. `with_chat_template` adds a ChatML template (longer
-    prompts), otherwise prompts are rendered as plain text.
+    prompts), otherwise prompts are rendered as plain text. `extra_characters` (ASCII, none of `CHARACTERS`) get the
+    ids after the others (the tool task's backticks: `TOOL_CHARACTERS`).
     """
+    extra = "".join(dict.fromkeys(extra_characters))
+    if any(c in CHARACTERS or ord(c) >= 128 for c in extra):
+        raise ValueError(f"build_char_tokenizer: extra_characters must be ASCII characters not already in the "
+                         f"tokenizer, got {extra_characters!r}")
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *map(_byte_level_name, CHARACTERS)))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *map(_byte_level_name, CHARACTERS + extra)))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     # Every character (newline included) is its own pre-token, then named by its byte.
     backend.pre_tokenizer = pre_tokenizers.Sequence([

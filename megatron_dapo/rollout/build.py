@@ -14,7 +14,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ from megatron_dapo.models.hf_config import ModelArch, require_arch
 
 if TYPE_CHECKING:
     from megatron_dapo.planner.report import Plan
+    from megatron_dapo.rollout.multi_turn import ToolUseConfig
 
 
 def rollout_engine_kind(requested: str | None) -> str:
@@ -77,6 +78,10 @@ class RolloutEngineConfig:
     """--sglang-gpus"""
     sglang_server_urls: tuple[str, ...] | None
     """--sglang-server-urls: attach mode"""
+    tools: ToolUseConfig | None = None
+    """The "tool use" flags (--tool-template ...): rollouts become conversations with a code tool
+    (rollout/multi_turn.py, `with_tools`); None: single-turn. Launched SGLang servers then load the tokenizer (the
+    templates' stop strings are matched on decoded text)."""
     sglang_router_url: str | None
     """--sglang-router-url"""
     sglang_max_concurrency: int
@@ -316,5 +321,24 @@ def make_rollout_engine(cfg: RolloutEngineConfig, tokenizer):
                           device="cuda" if cuda else "cpu", python=python,
                           log_dir=str(Path(cfg.log_dir) / "sglang"), env=server_env,
                           api_key=api_key, allow_no_api_key=cfg.sglang_allow_no_api_key,
-                          return_routed_experts=routing is not None)
+                          return_routed_experts=routing is not None,
+                          skip_tokenizer_init=cfg.tools is None)  # stop strings need the servers' tokenizer
     return make_engine("sglang", server, client=client)
+
+
+def with_tools(engine: Any, cfg: ToolUseConfig | None, tokenizer: Any) -> Any:
+    """Rank 0's engine for rollouts and evaluation: `engine` itself without tool use, else a ToolRolloutEngine over it
+    with the --tool-template built for `tokenizer` and a SandboxPool of --tool-workers. The sandbox is tried first
+    (tool_use/sandbox.py check_sandbox): a host that cannot jail a program refuses the run here, naming why, before
+    any step (never a program run unjailed)."""
+    if cfg is None:
+        return engine
+    from megatron_dapo.rollout.multi_turn import ToolRolloutEngine
+    from megatron_dapo.tool_use.pool import SandboxPool
+    from megatron_dapo.tool_use.sandbox import check_sandbox
+    from megatron_dapo.tool_use.templates import tool_template
+
+    template = tool_template(cfg.template, tokenizer)
+    check_sandbox()
+    return ToolRolloutEngine(engine, template=template, tokenizer=tokenizer, tools=SandboxPool(cfg.workers, cfg.limits),
+                             config=cfg.turns)

@@ -109,6 +109,12 @@ class RolloutEngine(abc.ABC):
         return None
 
     @property
+    def base(self) -> RolloutEngine:
+        """The engine that holds the model: itself, or the one a wrapper runs on (rollout/multi_turn.py's
+        ToolRolloutEngine). The weight sync and the colocated phases drive it."""
+        return self
+
+    @property
     @abc.abstractmethod
     def weight_version(self) -> int:
         """Version of the last successful weight update (0 for the initial weights)."""

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from megatron_dapo.rollout.engine import RolloutEngine, check_unique_ids
 from megatron_dapo.rollout.types import FinishReason, RolloutRequest, Sample, SamplingParams
+from megatron_dapo.tool_use.sandbox import SandboxLimits
 
 
 class ToolTemplate(Protocol):
@@ -86,6 +87,26 @@ class MultiTurnConfig:
         if not isinstance(self.max_output_chars, int) or self.max_output_chars < 1:
             raise ValueError("MultiTurnConfig.max_output_chars (--tool-output-max-chars) must be an int >= 1, got "
                              f"{self.max_output_chars!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolUseConfig:
+    """Rank 0's multi-turn rollouts with a code tool (the "tool use" flags); None in a run without."""
+
+    template: str
+    """--tool-template: a name of tool_use/templates.py's registry or a dotted path."""
+    turns: MultiTurnConfig
+    workers: int
+    """--tool-workers: programs run at once (SandboxPool)."""
+    limits: SandboxLimits
+    """--tool-cpu-s, --tool-timeout-s, --tool-memory-mib and the fixed limits of tool_use/sandbox.py."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.template, str) or not self.template:
+            raise ValueError(f"ToolUseConfig.template (--tool-template) must be a non-empty name, got "
+                             f"{self.template!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"ToolUseConfig.workers (--tool-workers) must be an int >= 1, got {self.workers!r}")
 
 
 @dataclass
@@ -160,7 +181,17 @@ class ToolRolloutEngine(RolloutEngine):
         return self.inner.health()
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
+        """Stops the inner engine and the tool pool (what a pool still runs is killed). Idempotent."""
+        try:
+            self.inner.shutdown()
+        finally:
+            close = getattr(self.tools, "close", None)
+            if close is not None:
+                close()
+
+    @property
+    def base(self) -> RolloutEngine:
+        return self.inner.base
 
     def take_metrics(self) -> dict[str, float]:
         with self._lock:
