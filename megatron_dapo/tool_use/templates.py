@@ -19,7 +19,7 @@ Templates (--tool-template; docs/TOOL_TEMPLATES.md):
   smollm2     SmolLM2-Instruct, which has no tool format: ```python fences, the output a `tool` message of its ChatML
               template.
 The chat-template text around the output is derived from the tokenizer's own template when the template is built
-(`_output_frame`), never written by hand, and checked to extend the generation prompt.
+(`output_frame`), never written by hand, and checked to extend the generation prompt.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def _check_writes(tokenizer: Any, text: str, name: str) -> None:
                         "it needs '`' (the demo's char tokenizer has none)")
 
 
-def _output_frame(tokenizer: Any, call_message: dict, call_end: str, name: str) -> tuple[str, str]:
+def output_frame(tokenizer: Any, call_message: dict, call_end: str, name: str) -> tuple[str, str]:
     """(output_prefix, output_suffix): the text the tokenizer's own chat template renders between the end of an
     assistant message with a call (`call_message`, whose rendering ends in `call_end`) and the output, and from the
     output to the next generation prompt, when a `tool` message follows. UserError when the tokenizer has no chat
@@ -203,7 +203,7 @@ def qwen(tokenizer: Any) -> ToolTemplate:
                         f"{close_ids}); Qwen2.5 and Qwen3 have it as 151658")
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": "pass"}}}]}
-    prefix, suffix = _output_frame(tokenizer, call, QWEN_CALL_CLOSE, "qwen")
+    prefix, suffix = output_frame(tokenizer, call, QWEN_CALL_CLOSE, "qwen")
     return ToolTemplate(name="qwen", stop=(QWEN_CALL_CLOSE,), stop_token_ids=(close_ids[0],),
                         call_open=QWEN_CALL_OPEN, output_prefix=prefix, output_suffix=suffix,
                         parse_call=python_tool_call)
@@ -217,6 +217,6 @@ def smollm2(tokenizer: Any) -> ToolTemplate:
     `tool` role works. UserError when the tokenizer cannot write the fences or has no chat template."""
     _check_writes(tokenizer, CODE_OPEN + "print(1)" + CODE_CLOSE, "smollm2")
     call = {"role": "assistant", "content": CODE_OPEN + "pass" + CODE_CLOSE}
-    prefix, suffix = _output_frame(tokenizer, call, CODE_CLOSE, "smollm2")
+    prefix, suffix = output_frame(tokenizer, call, CODE_CLOSE, "smollm2")
     return ToolTemplate(name="smollm2", stop=(CODE_CLOSE,), call_open=CODE_OPEN, output_prefix=prefix,
                         output_suffix=suffix, parse_call=fenced_code)
