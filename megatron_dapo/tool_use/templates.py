@@ -11,7 +11,7 @@ once, on its own. Those ids are the tool's, masked out of the loss; every other 
 conversation is never re-tokenized, so the policy is trained on exactly the ids it sampled (tokenizing the whole text
 again may merge tokens across a turn's boundary; docs/TOOL_TEMPLATES.md).
 
-Templates (--tool-template; docs/TOOL_TEMPLATES.md):
+Templates, chosen by name (`tool_template`; docs/TOOL_TEMPLATES.md):
   code_fence  ```python fences inside one assistant message, ```output blocks appended (ReTool, ToRL); any tokenizer
               that can write a backtick.
   qwen        Qwen2.5 / Qwen3's <tool_call> JSON </tool_call>; the output is a `tool` message as the tokenizer's own
@@ -34,7 +34,8 @@ from megatron_dapo.errors import UserError
 
 TOOL_TEMPLATE_SIGNATURE = "fn(tokenizer) -> ToolTemplate"
 TEMPLATES = Registry("--tool-template", TOOL_TEMPLATE_SIGNATURE, "megatron_dapo.tool_use")
-"""--tool-template's names: each template of megatron_dapo/tool_use/ registered with `@TEMPLATES.register`."""
+"""The tool templates by name: each of megatron_dapo/tool_use/ registered with `@TEMPLATES.register`. Its `flag` is
+the one place the flag that chooses them is named (messages read it from there)."""
 
 CODE_OPEN = "```python\n"
 """Opens a fenced call. A call is only a ```python fence: a bare ``` fence in an answer is text."""
@@ -55,7 +56,7 @@ class ToolTemplate:
     """How one chat format writes a Python tool call and takes the output back (module docstring)."""
 
     name: str
-    """The --tool-template name."""
+    """The registered name (`TEMPLATES`)."""
     stop: tuple[str, ...]
     """Stop strings (SGLang's `stop`): generation ends once the decoded turn contains one; the token that completes it
     is the turn's last. Each closes a call: `find_call` looks for the call that the last of them ends."""
@@ -117,11 +118,11 @@ class ToolTemplate:
 
 
 def tool_template(name: str, tokenizer: Any) -> ToolTemplate:
-    """The --tool-template `name` (a registered name or a dotted path to fn(tokenizer) -> ToolTemplate) built for
+    """The tool template `name` (a registered name or a dotted path to fn(tokenizer) -> ToolTemplate) built for
     `tokenizer`; UserError (a ValueError) naming the valid names for an unknown one."""
     template = TEMPLATES.resolve(name)(tokenizer)
     if not isinstance(template, ToolTemplate):
-        raise UserError(f"--tool-template {name!r} returned a {type(template).__name__}, not a ToolTemplate "
+        raise UserError(f"{TEMPLATES.flag} {name!r} returned a {type(template).__name__}, not a ToolTemplate "
                         f"({TOOL_TEMPLATE_SIGNATURE})")
     return template
 
@@ -151,7 +152,7 @@ def _check_writes(tokenizer: Any, text: str, name: str) -> None:
     """UserError unless `tokenizer` encodes and decodes `text` back unchanged (a char tokenizer without '`' cannot)."""
     back = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
     if back != text:
-        raise UserError(f"--tool-template {name}: the tokenizer cannot write {text!r} (it decodes back as {back!r}): "
+        raise UserError(f"{TEMPLATES.flag} {name}: the tokenizer cannot write {text!r} (it decodes back as {back!r}): "
                         "it needs '`' (the demo's char tokenizer has none)")
 
 
@@ -162,12 +163,12 @@ def output_frame(tokenizer: Any, call_message: dict, call_end: str, name: str) -
     template, the template drops the call or the tool message, or the history does not extend the generation prompt
     (then prompt + the model's ids + output_ids would not be the template's rendering)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(f"--tool-template {name}: the tokenizer has no chat template to render the tool's turn with")
+        raise UserError(f"{TEMPLATES.flag} {name}: the tokenizer has no chat template to render the tool's turn with")
     user = {"role": "user", "content": "question"}
     prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
     text = tokenizer.apply_chat_template([user, call_message, {"role": TOOL_ROLE, "content": _SENTINEL}],
                                          tokenize=False, add_generation_prompt=True)
-    where = f"--tool-template {name}: the tokenizer's chat template"
+    where = f"{TEMPLATES.flag} {name}: the tokenizer's chat template"
     if text.count(_SENTINEL) != 1:
         raise UserError(f"{where} does not render a {TOOL_ROLE!r} message's content once")
     at = text.index(_SENTINEL)
@@ -199,7 +200,7 @@ def qwen(tokenizer: Any) -> ToolTemplate:
     <|im_start|>assistant\\n). UserError when </tool_call> is not one token or the template renders no tool calls."""
     close_ids = tokenizer.encode(QWEN_CALL_CLOSE, add_special_tokens=False)
     if len(close_ids) != 1:
-        raise UserError(f"--tool-template qwen: {QWEN_CALL_CLOSE!r} is not one token of this tokenizer (it encodes as "
+        raise UserError(f"{TEMPLATES.flag} qwen: {QWEN_CALL_CLOSE!r} is not one token of this tokenizer (it encodes as "
                         f"{close_ids}); Qwen2.5 and Qwen3 have it as 151658")
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": {"code": "pass"}}}]}
