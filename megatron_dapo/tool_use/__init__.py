@@ -1,0 +1,1 @@
+"""Tool use: the policy writes Python code, a sandbox runs it, and its output joins the conversation."""
