@@ -313,6 +313,8 @@ class _Step:
         carried / resumed / stale-dropped group counts."""
         metrics = self.filler.stats.as_metrics()
         metrics.update(rollout_stats(self.decided, self.config.sampling.max_new_tokens))
+        if engine.tool_use:
+            metrics.update(tool_stats([s for g in self.decided for s in g.samples], "rollout"))
         metrics["rollout/aborted_groups"] = float(self.aborted)
         metrics.update(self.tally.as_metrics())
         batch = self.filler.batch()
@@ -378,6 +380,22 @@ def seeded(sampling: SamplingParams, base_seed: int | None, request_id: str) -> 
     if base_seed is None:
         return sampling
     return dataclasses.replace(sampling, seed=request_seed(base_seed, request_id))
+
+
+def tool_stats(samples: Sequence[Sample], prefix: str) -> dict[str, float]:
+    """Multi-turn rollouts (rollout/multi_turn.py): <prefix>/tool_call_rate (share of responses with a call run),
+    tool_calls_mean (calls per response), tool_token_share (tool-output tokens / response tokens) and
+    generated_len_mean (the policy's own tokens per response). {} for no samples."""
+    if not samples:
+        return {}
+    tokens = sum(len(s.response_ids) for s in samples)
+    generated = sum(sum(s.generated()) for s in samples)
+    return {
+        f"{prefix}/tool_call_rate": sum(s.tool_calls > 0 for s in samples) / len(samples),
+        f"{prefix}/tool_calls_mean": sum(s.tool_calls for s in samples) / len(samples),
+        f"{prefix}/tool_token_share": (tokens - generated) / tokens if tokens else 0.0,
+        f"{prefix}/generated_len_mean": generated / len(samples),
+    }
 
 
 def rollout_stats(groups: Sequence[ScoredGroup], max_len: int) -> dict[str, float]:

@@ -109,6 +109,12 @@ class RolloutEngine(abc.ABC):
         return None
 
     @property
+    def tool_use(self) -> bool:
+        """True when samples are multi-turn conversations with a tool (rollout/multi_turn.py): their tool_* metrics
+        are reported."""
+        return False
+
+    @property
     def base(self) -> RolloutEngine:
         """The engine that holds the model: itself, or the one a wrapper runs on (rollout/multi_turn.py's
         ToolRolloutEngine). The weight sync and the colocated phases drive it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from math import comb
 
-from megatron_dapo.rollout.collect import Prompt, RewardFn, seeded
+from megatron_dapo.rollout.collect import Prompt, RewardFn, seeded, tool_stats
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 
@@ -52,6 +52,8 @@ def evaluate(
         lengths.extend(len(s.response_ids) for s in samples)
     out = {f"{prefix}/avg@{n_samples}": sum(per_prompt_acc) / len(per_prompt_acc),
            f"{prefix}/response_len_mean": sum(lengths) / len(lengths)}
+    if engine.tool_use:
+        out |= tool_stats([s for g in groups for s in g], prefix)
     for k in pass_ks:
         if k <= n_samples:
             out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n_samples, c, k) for c in correct_counts) / len(prompts)

@@ -193,6 +193,10 @@ class ToolRolloutEngine(RolloutEngine):
     def base(self) -> RolloutEngine:
         return self.inner.base
 
+    @property
+    def tool_use(self) -> bool:
+        return True
+
     def take_metrics(self) -> dict[str, float]:
         with self._lock:
             counts, self._counts = self._counts, {}

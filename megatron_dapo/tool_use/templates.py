@@ -221,3 +221,8 @@ def smollm2(tokenizer: Any) -> ToolTemplate:
     prefix, suffix = output_frame(tokenizer, call, CODE_CLOSE, "smollm2")
     return ToolTemplate(name="smollm2", stop=(CODE_CLOSE,), call_open=CODE_OPEN, output_prefix=prefix,
                         output_suffix=suffix, parse_call=fenced_code)
+
+
+def tool_template_help() -> str:
+    """--tool-template's help text: each registered template with its description, then the dotted path's contract."""
+    return f"{TEMPLATES.describe()}, or a dotted path 'pkg.module:function' to {TOOL_TEMPLATE_SIGNATURE}"
