@@ -1,0 +1,1 @@
+"""Tool use: running the code a policy writes in a sandbox."""
