@@ -243,7 +243,7 @@ def child_main(cfg: dict, code: str, status_fd: int, to_l: int, from_l: int, lau
     """C: enter the new namespaces, take the mapped ids, fork I and reap it."""
     try:
         die_with_parent(launcher)
-        if os.geteuid() == 0:
+        if host_root():
             os.setgroups([])  # the trainer's supplementary groups (root's) stay behind
         flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
         try:
@@ -289,10 +289,16 @@ def read_line(fd: int) -> str:
     return buf.decode().strip()
 
 
+def host_root() -> bool:
+    """Whether this process is root of the initial user namespace (the host's uid 0), which may map any id."""
+    with open("/proc/self/uid_map") as f:
+        return os.geteuid() == 0 and f.read().split() == ["0", "0", "4294967295"]
+
+
 def write_maps(child: int) -> None:
     """Map SANDBOX_ID in the child's user namespace to host uid/gid 65534 when this process is root (RLIMIT_NPROC
     is not enforced for host root), else to this process's own ids (all an unprivileged process may map)."""
-    host_uid, host_gid = (65534, 65534) if os.geteuid() == 0 else (os.geteuid(), os.getegid())
+    host_uid, host_gid = (65534, 65534) if host_root() else (os.geteuid(), os.getegid())
     for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_ID} {host_uid} 1"),
                        ("gid_map", f"{SANDBOX_ID} {host_gid} 1")):
         with open(f"/proc/{child}/{name}", "w") as f:

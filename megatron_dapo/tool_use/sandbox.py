@@ -169,7 +169,7 @@ def jail_config(limits: SandboxLimits, status_fd: int) -> dict:
             "parent_pid": os.getpid()}
 
 
-@dataclass
+@dataclass(eq=False)
 class Execution:
     """One running execution: `stop()` (any thread) ends it, `wait()` (one thread) collects its ToolResult."""
 
@@ -199,9 +199,13 @@ class Execution:
         self.status_r = status_r
 
     def stop(self) -> None:
-        """Ask the launcher to kill the jail (closes its control pipe); idempotent, thread-safe."""
+        """Cancel: ask the launcher to kill the jail (the result says 'cancelled'); idempotent, thread-safe."""
+        self.stopped = True
+        self._close_control()
+
+    def _close_control(self) -> None:
+        """Close the launcher's control pipe: it kills the jail's init, and with it every process of the jail."""
         with self._lock:
-            self.stopped = True
             if self.proc is not None and self.proc.stdin is not None and not self.proc.stdin.closed:
                 self.proc.stdin.close()
 
@@ -244,11 +248,11 @@ class Execution:
                             out[fd] += chunk[:room]
                             if len(chunk) > room:
                                 truncated = True
-                                self.stop()
+                                self._close_control()
                     if not chunk:
                         sel.unregister(fd)
         os.close(self.status_r)
-        self.stop()
+        self._close_control()
         try:
             self.proc.wait(timeout=LAUNCHER_GRACE_S)
         except subprocess.TimeoutExpired:

@@ -169,7 +169,7 @@ def test_weight_sync_and_sglang_import_one_way():
 LAYERS = (
     ("", "errors", "dotted_path", "flag_field", "compat", "distributed", "models", "ops"),
     ("weights", "checkpoint", "planner"),
-    ("actor", "algorithm", "data", "reward"),
+    ("actor", "algorithm", "data", "reward", "tool_use"),
     ("rollout",),
     ("weight_sync",),
     ("trainer", "simulate"),
@@ -178,9 +178,9 @@ LAYERS = (
 """The library's layers, lowest first, by top-level package or module of megatron_dapo/ ("": the package itself), as
 docs/ARCHITECTURE.md describes them: the model, its parallel layout and kernels; what reads and writes their weights
 and checkpoints, and the memory planner (config.json and the layout, nothing built); the actor and the maths of
-DAPO, its data and rewards; rank 0's rollout; the weight sync, which drives rollout/'s SGLang servers; the trainer,
-which wires them, and the simulation of its schedules at the production setting; the entry points and the command
-line. A module imports its own layer and those below."""
+DAPO, its data, rewards and the tool-use sandbox; rank 0's rollout; the weight sync, which drives rollout/'s SGLang
+servers; the trainer, which wires them, and the simulation of its schedules at the production setting; the entry
+points and the command line. A module imports its own layer and those below."""
 UPWARD_IMPORTS = {
     "megatron_dapo.data.prompt_set -> megatron_dapo.rollout.types":
         "a prompt file becomes the engine's `Prompt`: rollout/types.py is the plain data crossing the engine "
