@@ -5,7 +5,8 @@ continuation, each with the resubmitted context's prefix cached (hit) or re-pref
     .venv/bin/python tools/sim_multi_turn.py [--tool-s 0.2 --calls 3 --workers 128 --seed 0]
     .venv/bin/python tools/sim_multi_turn.py --quick      # 1/8 of the batch and of the servers: a few seconds
 
-The full step takes ~20 s of one core: 5 schedules, each with its tool-free twin, and the continuous worker search.
+The full step takes ~25 s of one core: 5 schedules, each with its tool-free twin, and the continuous worker search.
+docs/BENCHMARKS.md, "Multi-turn rollouts (simulated)", gives the numbers and what they mean for the round scheduler.
 
 The schedules (one step, 512 prompts x 16 = 8,192 conversations, no dynamic sampling):
 - single: each response one request of its whole length, no tools (the baseline).
