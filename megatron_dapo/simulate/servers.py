@@ -5,7 +5,9 @@ requests takes `t0 + t1 * n` seconds (weights read once per iteration, each requ
 memory-bound decode regime). At most `max_running` requests run per server; the others queue in arrival order.
 A request's prefill is not timed (DAPO prompts are a few hundred tokens against thousands decoded), except the
 re-prefill after a weight update in retract mode (docs/ASYNC.md), which holds the server for
-(prompt + generated tokens of every running request) / prefill_tps.
+(prompt + generated tokens of every running request) / prefill_tps, and a request's own `prefill` tokens (a
+multi-turn conversation's context resubmitted without a cached prefix, tools/sim_multi_turn.py), which hold the
+server prefill / prefill_tps when it is admitted.
 
 Exact event times, not a tick loop: all running requests of a server advance at the same rate, so each server
 keeps one progress counter (tokens decoded by a request running since the start); a request admitted at progress
@@ -65,6 +67,10 @@ class SimRequest:
     """Simulated time of completion (or abort)."""
     generated: int = 0
     """Tokens generated when it ended (length unless aborted)."""
+    prefill: int = 0
+    """Tokens prefilled at admission, holding the whole server prefill / prefill_tps seconds (0: not timed)."""
+    server: int = -1
+    """Index of the server it was sent to."""
 
     def spans(self) -> tuple[tuple[int, int], ...]:
         """((version, tokens), ...) of the `generated` tokens; the counts sum to `generated` exactly."""
@@ -113,9 +119,13 @@ class _Server:
                 self.progress += (to - start) * self.rate()
                 self.busy_s += to - start
 
-    def admit(self, version: int) -> None:
+    def admit(self, version: int, now: float) -> None:
         while self.queue and len(self.running) < self.model.max_running:
             req = self.queue.popleft()
+            if req.prefill:  # every running request waits while it is prefilled (no chunked prefill)
+                hold = req.prefill / self.model.prefill_tps
+                self.held_until = max(self.held_until, now) + hold
+                self.busy_s += hold
             req.start = self.progress
             req.marks = [(version, self.progress)]
             self.running[req.rid] = req
@@ -136,14 +146,15 @@ class ServerPool:
         self._ids = itertools.count()
         self.generated_tokens = 0
 
-    def submit(self, requests: list[tuple[int, int, object]]) -> list[SimRequest]:
-        """One group: (length, prompt tokens, tag) per response, all to the least-loaded server (SGLang's router
-        sends an n-sample request to one server)."""
-        server = min(self.servers, key=lambda s: s.load)
-        out = [SimRequest(rid=next(self._ids), length=max(0, length), prompt=prompt, tag=tag)
-               for length, prompt, tag in requests]
-        server.queue.extend(out)
-        server.admit(self.version)
+    def submit(self, requests: list[tuple[int, int, object]], *, server: int | None = None,
+               prefill: int = 0) -> list[SimRequest]:
+        """One group: (length, prompt tokens, tag) per response, all to `server` or else the least-loaded one
+        (SGLang's router sends an n-sample request to one server); each prefills `prefill` tokens when admitted."""
+        index = min(range(len(self.servers)), key=lambda i: self.servers[i].load) if server is None else server
+        out = [SimRequest(rid=next(self._ids), length=max(0, length), prompt=prompt, tag=tag, prefill=prefill,
+                          server=index) for length, prompt, tag in requests]
+        self.servers[index].queue.extend(out)
+        self.servers[index].admit(self.version, self.now)
         return out
 
     def next_event(self) -> float:
@@ -166,7 +177,7 @@ class ServerPool:
                     req.done_at, req.generated = self.now, req.length
                     self.generated_tokens += req.length
                     done.append(req)
-                s.admit(self.version)
+                s.admit(self.version, self.now)
             if t >= to:
                 return done
 

@@ -47,6 +47,20 @@ def test_a_retract_push_holds_each_server_for_the_push_and_its_re_prefill_and_sp
     assert c.spans() == ((1, 5),)
 
 
+def test_a_request_prefilled_at_admission_holds_its_server_and_goes_to_the_server_named():
+    pool = ServerPool(MODEL, servers=2)
+    (a,) = pool.submit([(100, 10, "a")], server=1)
+    pool.advance(20 * 0.011)
+    (b,) = pool.submit([(40, 10, "b")], server=1, prefill=500)  # a waits while b's 500 tokens are prefilled
+    (c,) = pool.submit([(10, 10, "c")])  # the least-loaded: server 0
+    assert (a.server, b.server, c.server) == (1, 1, 0)
+    _run(pool)
+    assert c.done_at == pytest.approx(20 * 0.011 + 10 * 0.011)
+    assert b.done_at == pytest.approx(20 * 0.011 + 0.5 + 40 * 0.012)
+    assert a.done_at == pytest.approx(b.done_at + 40 * 0.011)
+    assert pool.busy_seconds() == pytest.approx(a.done_at + 10 * 0.011)
+
+
 def test_abort_ends_running_with_their_tokens_and_queued_with_none():
     pool = ServerPool(MODEL, servers=1)
     pool.submit([(100, 1, "a"), (100, 1, "b"), (100, 1, "q")])
