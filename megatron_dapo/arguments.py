@@ -23,6 +23,7 @@ from megatron_dapo.flag_field import argparse_spec, flag_fields
 from megatron_dapo.reward.registry import BUILTIN_REWARD_FNS
 from megatron_dapo.rollout import ENGINE_KINDS
 from megatron_dapo.rollout.async_rollout import ASYNC_ROLLOUT_DEPTHS
+from megatron_dapo.rollout.multi_turn import SCHEDULES as TOOL_SCHEDULES
 from megatron_dapo.rollout.stream import STALE_POLICIES
 from megatron_dapo.tool_use.templates import tool_template_help
 from megatron_dapo.weight_sync.transports import transport_names
@@ -339,9 +340,14 @@ def _tool_flags(p: argparse.ArgumentParser) -> None:
                    help="assistant turns per conversation; a call made at the last one is not run")
     g.add_argument("--tool-output-max-chars", type=int, default=1024,
                    help="characters of a tool's output the policy reads; the rest is cut with a marker")
+    g.add_argument("--tool-schedule", choices=TOOL_SCHEDULES, default="continuous",
+                   help="continuous: a conversation goes back to the engine as soon as its tool returns (tools run "
+                        "while other turns generate); rounds: every waiting turn in one batch, then that round's "
+                        "calls at once (reproducible batches, each round waits for its slowest turn: 1.6x the "
+                        "step at the production setting, docs/BENCHMARKS.md)")
     g.add_argument("--tool-workers", type=int, default=None,
                    help="programs run at once on global rank 0's host (default: its CPU count)")
-    g.add_argument("--tool-cpu-s", type=float, default=5.0, help="CPU seconds a program may use")
+    g.add_argument("--tool-cpu-s", type=int, default=5, help="CPU seconds a program may use")
     g.add_argument("--tool-timeout-s", type=float, default=10.0, help="wall seconds a program may run")
     g.add_argument("--tool-memory-mib", type=int, default=1024, help="address space a program may map, MiB")
 

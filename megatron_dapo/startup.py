@@ -360,7 +360,8 @@ def tool_use_config(args: argparse.Namespace):
                             "carried across a cut or assembled with routed experts (docs/TOOL_USE.md)")
     return ToolUseConfig(
         template=args.tool_template,
-        turns=MultiTurnConfig(max_turns=args.max_turns, max_output_chars=args.tool_output_max_chars),
+        turns=MultiTurnConfig(max_turns=args.max_turns, max_output_chars=args.tool_output_max_chars,
+                              schedule=args.tool_schedule),
         workers=args.tool_workers if args.tool_workers is not None else max(1, os.cpu_count() or 1),
         limits=SandboxLimits(cpu_s=args.tool_cpu_s, wall_s=args.tool_timeout_s, memory_mib=args.tool_memory_mib))
 

@@ -153,8 +153,10 @@ def sft_batch(records: list[PromptRecord], tokenizer, rng: random.Random,
 
 @torch.no_grad()
 def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperature: float,
-                     max_new_tokens: int, seed: int) -> float:
-    """Fraction of records answered correctly by one sample each (greedy when temperature == 0).
+                     max_new_tokens: int, seed: int, tool: bool = False) -> dict[str, float]:
+    """eval/avg@1 (fraction of records answered correctly by one sample each, greedy when temperature == 0) and,
+    with `tool`, eval/tool_call_rate: the samples are conversations with the Python tool (--tool-template
+    code_fence, two turns, the real sandbox).
 
     The same engine and metric as the trainer's eval (seeded avg@1), so the numbers compare."""
     from megatron_dapo.rollout.collect import Prompt
@@ -167,9 +169,20 @@ def sampled_accuracy(model, tokenizer, records: list[PromptRecord], *, temperatu
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                               stop_token_ids=(tokenizer.eos_token_id,))
     with EmbeddedEngine(model, tokenizer=tokenizer, seed=seed, max_batch_size=len(prompts)) as engine:
-        result = evaluate(engine, prompts, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                          get_reward_fn("math_dapo"), n_samples=1, sampling=sampling, seed=seed)
-    return result["eval/avg@1"]
+        if tool:
+            from megatron_dapo.rollout.multi_turn import MultiTurnConfig, ToolRolloutEngine
+            from megatron_dapo.tool_use.pool import SandboxPool
+            from megatron_dapo.tool_use.sandbox import SandboxLimits
+            from megatron_dapo.tool_use.templates import tool_template
+
+            engine = ToolRolloutEngine(engine, template=tool_template("code_fence", tokenizer), tokenizer=tokenizer,
+                                       tools=SandboxPool(2, SandboxLimits()), config=MultiTurnConfig(max_turns=2))
+        try:
+            result = evaluate(engine, prompts, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                              get_reward_fn("math_dapo"), n_samples=1, sampling=sampling, seed=seed)
+        finally:
+            engine.shutdown()
+    return {k: v for k, v in result.items() if k in ("eval/avg@1", "eval/tool_call_rate")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -300,9 +313,9 @@ def main(argv: list[str] | None = None) -> None:
     max_new = args.max_response_length
     report = {
         "eval_accuracy_sampled": sampled_accuracy(model, tokenizer, eval_records, temperature=1.0,
-                                                  max_new_tokens=max_new, seed=args.seed),
+                                                  max_new_tokens=max_new, seed=args.seed)["eval/avg@1"],
         "eval_accuracy_greedy": sampled_accuracy(model, tokenizer, eval_records, temperature=0.0,
-                                                 max_new_tokens=max_new, seed=args.seed),
+                                                 max_new_tokens=max_new, seed=args.seed)["eval/avg@1"],
         "sft_seconds": time.perf_counter() - t0,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "train_prompts": len(train_records),
@@ -310,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
         "task": asdict(task),
         "args": vars(args),
     }
+    if args.task == "tool":  # with the tool: the accuracy the RL run starts from, and how often it calls
+        with_tool = sampled_accuracy(model, tokenizer, eval_records, temperature=1.0, max_new_tokens=max_new,
+                                     seed=args.seed, tool=True)
+        report["eval_accuracy_sampled_with_tool"] = with_tool["eval/avg@1"]
+        report["eval_tool_call_rate"] = with_tool["eval/tool_call_rate"]
     if args.task == "remainder":
         from megatron_dapo.rollout.embedded import EmbeddedEngine
         from megatron_dapo.rollout.remainder_eval import remainder_sample_stats

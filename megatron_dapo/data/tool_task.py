@@ -1,16 +1,17 @@
 """The tool task: products of large numbers, which a tiny model cannot compute in its head and a one-line program can.
 
-A problem is "4821*9375=" (each factor `ToolTask.min_digits`..`max_digits` digits, the product up to 8 digits; the
-verifier reads the last "Answer:" line). A two-layer model of ~0.4 M parameters cannot multiply 4-digit numbers: its
-direct answers are right about never. With the Python tool (`--tool-template code_fence`) the problem is a copy:
+A problem is "482*937=" (each factor `ToolTask.min_digits`..`max_digits` digits, 3 by default: a product of 5 or 6
+digits; the verifier reads the last "Answer:" line). A two-layer model of ~0.3 M parameters cannot multiply 3-digit
+numbers: its direct answers are right about never. With the Python tool (`--tool-template code_fence`) the problem
+is a copy:
 
     ```python
-    print(4821*9375)
+    print(482*937)
     ```
     ```output            <- the tool's tokens (the sandbox's stdout, appended by rollout/multi_turn.py;
-    45196875                masked out of the loss)
+    451634                  masked out of the loss)
     ```
-    Answer: 45196875
+    Answer: 451634
 
 The warm-up (ReTool's cold start, `warmup_segments`): a share `ToolWarmup.call_prob` of the supervised responses call
 the tool as above, the rest answer at once with a guess of the right number of digits. The base policy then calls
@@ -39,7 +40,7 @@ class ToolTask:
     """Which problems are drawn: "a*b=" with a and b of min_digits..max_digits digits each, uniform."""
 
     min_digits: int = 3
-    max_digits: int = 4
+    max_digits: int = 3
     prompt_template: str = "{expression}="
 
     def __post_init__(self) -> None:

@@ -313,8 +313,9 @@ class _Step:
         carried / resumed / stale-dropped group counts."""
         metrics = self.filler.stats.as_metrics()
         metrics.update(rollout_stats(self.decided, self.config.sampling.max_new_tokens))
-        if engine.tool_use:
+        if engine.tool_use:  # the conversations' share of calls, and the engine's multi_turn/* counters
             metrics.update(tool_stats([s for g in self.decided for s in g.samples], "rollout"))
+            metrics.update(engine.take_metrics())
         metrics["rollout/aborted_groups"] = float(self.aborted)
         metrics.update(self.tally.as_metrics())
         batch = self.filler.batch()

@@ -52,8 +52,9 @@ def evaluate(
         lengths.extend(len(s.response_ids) for s in samples)
     out = {f"{prefix}/avg@{n_samples}": sum(per_prompt_acc) / len(per_prompt_acc),
            f"{prefix}/response_len_mean": sum(lengths) / len(lengths)}
-    if engine.tool_use:
+    if engine.tool_use:  # the calls' share, and the engine's multi_turn/* counters of this evaluation
         out |= tool_stats([s for g in groups for s in g], prefix)
+        out |= {f"{prefix}/{key.split('/', 1)[1]}": value for key, value in engine.take_metrics().items()}
     for k in pass_ks:
         if k <= n_samples:
             out[f"{prefix}/pass@{k}"] = sum(pass_at_k(n_samples, c, k) for c in correct_counts) / len(prompts)

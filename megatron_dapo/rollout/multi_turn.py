@@ -21,20 +21,27 @@ version of each generated id, a tool id carrying its call's; `tool_calls` the ca
 `multi_turn/capped_calls`), 'length' (the budget ran out, in a turn or in a tool's output, which is then cut to
 fit), 'abort'.
 
-Scheduling: rounds. Every conversation that waits for the model is submitted in one inner `stream`; as each turn
-comes back its call is queued; when the round's stream ends, the round's calls run in the pool at once and the next
-round starts. Deterministic (the batch of each round is fixed), at the cost of a round's stragglers: a conversation
-whose tool is done waits for the slowest turn of its round. At the production setting (512 prompts x 16 x ~3 calls,
-20k-token responses) the straggler turn dominates each round, as in a single-turn rollout; overlapping tools with
-generation (each conversation resubmitted the moment its tool returns, through `OpenStream.add`) is the next step.
+Scheduling (`MultiTurnConfig.schedule`, --tool-schedule):
+- **continuous** (the default): each call is handed to the pool the moment its turn comes back, and each
+  conversation is resubmitted the moment its tool returns, into the running inner stream (`OpenStream.add`, checked
+  each time a turn comes back; a new stream when the last one drained). Tools run while other turns generate.
+  Which turns share a batch then depends on when tools finish, so the embedded engine's batches (and its low bits)
+  are not reproducible run to run.
+- **rounds**: every conversation waiting for the model in one inner `stream`; when it ends, that round's calls run in
+  the pool at once, then the next round. Reproducible (each round's batch is fixed: the CPU tests' choice), at the
+  cost of each round's straggler: a conversation whose tool is done waits for the slowest turn of its round.
+At the production setting (512 prompts x 16 responses, 3 calls of 0.2 s each, 16 TP4 servers; tools/sim_multi_turn.py,
+docs/BENCHMARKS.md) a step's rollout takes 1.62x the single-turn one by rounds and 0.94x continuously.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,6 +78,13 @@ class ToolRunner(Protocol):
     def run_many(self, codes: Sequence[str]) -> list[Any]:
         """One ToolOutcome per code, in order."""
 
+    def submit(self, code: str) -> Future:
+        """A Future of the code's ToolOutcome."""
+
+
+SCHEDULES = ("continuous", "rounds")
+"""--tool-schedule's values (the module docstring)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class MultiTurnConfig:
@@ -80,13 +94,18 @@ class MultiTurnConfig:
     """Assistant turns per conversation (--max-turns): a call made at the last one is not run."""
     max_output_chars: int = 1024
     """Characters of a tool's output the policy reads (--tool-output-max-chars); the rest is cut with a marker."""
+    schedule: str = "continuous"
+    """--tool-schedule: 'continuous' (a conversation resubmitted as soon as its tool returns) or 'rounds'."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_turns, int) or self.max_turns < 1:
             raise ValueError(f"MultiTurnConfig.max_turns (--max-turns) must be an int >= 1, got {self.max_turns!r}")
-        if not isinstance(self.max_output_chars, int) or self.max_output_chars < 1:
-            raise ValueError("MultiTurnConfig.max_output_chars (--tool-output-max-chars) must be an int >= 1, got "
-                             f"{self.max_output_chars!r}")
+        if not isinstance(self.max_output_chars, int) or self.max_output_chars < 64:
+            raise ValueError("MultiTurnConfig.max_output_chars (--tool-output-max-chars) must be an int >= 64 (room "
+                             f"for the cut marker), got {self.max_output_chars!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"MultiTurnConfig.schedule (--tool-schedule) must be one of {SCHEDULES}, got "
+                             f"{self.schedule!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,9 +217,13 @@ class ToolRolloutEngine(RolloutEngine):
         return True
 
     def take_metrics(self) -> dict[str, float]:
+        """multi_turn/* since the last call: turns, tool_calls, tool_errors, tool_tokens, tool_time_s (seconds of the
+        pool's calls, wall), capped_calls. Only this wrapper's: the inner engine's counters are its weight sync's,
+        which holds the inner engine (`base`). The rollout and the evaluation each take them (rollout/collect.py,
+        rollout/evaluation.py)."""
         with self._lock:
             counts, self._counts = self._counts, {}
-        return self.inner.take_metrics() | counts
+        return counts
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Stops the given requests' conversations (None: all): the turn in flight is aborted in the inner engine,
@@ -238,7 +261,7 @@ class ToolRolloutEngine(RolloutEngine):
                 raise ValueError(f"request ids {sorted(overlap)[:5]} are already in flight")
             self._live.update(convs)
         try:
-            yield from self._rounds(convs)
+            yield from (self._rounds(convs) if self.config.schedule == "rounds" else self._continuous(convs))
         finally:
             with self._lock:
                 for rid in convs:
@@ -247,7 +270,9 @@ class ToolRolloutEngine(RolloutEngine):
                 if not self._live:
                     self._abort_all = False
 
-    def _rounds(self, convs: dict[str, list[_Conversation]]) -> Iterator[list[Sample]]:
+    @staticmethod
+    def _emitter(convs: dict[str, list[_Conversation]]):
+        """A function yielding each request's group of samples once, as soon as all its conversations have ended."""
         emitted: set[str] = set()
 
         def done_groups() -> Iterator[list[Sample]]:
@@ -255,7 +280,87 @@ class ToolRolloutEngine(RolloutEngine):
                 if rid not in emitted and all(c.finish is not None for c in group):
                     emitted.add(rid)
                     yield [c.to_sample() for c in group]
+        return done_groups
 
+    def _start_turns(self, convs: Sequence[_Conversation], turns: dict[str, _Conversation]) -> list[RolloutRequest]:
+        """The next turn's request of each conversation (registered in `turns` by its inner request id)."""
+        for conv in convs:
+            conv.turn_id = f"{conv.req.request_id}#{conv.index}.t{conv.turns}"
+            turns[conv.turn_id] = conv
+        self._count("multi_turn/turns", len(convs))
+        return [self._turn_request(c) for c in convs]
+
+    def _continuous(self, convs: dict[str, list[_Conversation]]) -> Iterator[list[Sample]]:
+        """Each call to the pool as its turn ends, each conversation back to the engine as its tool returns."""
+        done_groups = self._emitter(convs)
+        turns: dict[str, _Conversation] = {}
+        returned: queue.SimpleQueue[tuple[_Conversation, Future]] = queue.SimpleQueue()
+        in_tools = 0
+        ready = [c for group in convs.values() for c in group]
+
+        def settle(conv: _Conversation, future: Future) -> None:
+            """A returned call: its output appended, or the conversation ended when aborted meanwhile."""
+            conv.code = None
+            if self._is_aborted(conv):
+                conv.finish = "abort"
+                future.cancel()
+                return
+            self._append_output(conv, future.result())
+            if conv.finish is None:
+                ready.append(conv)
+
+        def drain(block: bool) -> None:
+            nonlocal in_tools
+            while in_tools:
+                try:
+                    conv, future = returned.get(block=block)
+                except queue.Empty:
+                    return
+                in_tools -= 1
+                settle(conv, future)
+                block = False
+
+        while True:
+            for conv in ready:
+                if self._is_aborted(conv):
+                    conv.finish = "abort"
+            ready[:] = [c for c in ready if c.finish is None]
+            yield from done_groups()
+            if not ready:
+                if not in_tools:
+                    return
+                drain(block=True)
+                continue
+            stream = self.inner.open_stream(self._start_turns(ready, turns))
+            ready.clear()
+            for group in stream:
+                (sample,) = group
+                conv = turns.pop(sample.request_id)
+                conv.turn_id = None
+                self._end_turn(conv, sample)
+                if conv.code is not None:
+                    if self._is_aborted(conv):
+                        conv.finish, conv.code = "abort", None
+                    else:
+                        in_tools += 1
+                        t0 = time.perf_counter()
+                        future = self.tools.submit(conv.code)
+                        future.add_done_callback(
+                            lambda f, c=conv, t=t0: (self._count("multi_turn/tool_time_s", time.perf_counter() - t),
+                                                     returned.put((c, f))))
+                yield from done_groups()
+                drain(block=False)
+                if ready and stream.accepts_additions:
+                    stream.add(self._start_turns([c for c in ready if not self._is_aborted(c)], turns))
+                    for conv in ready:
+                        if self._is_aborted(conv):
+                            conv.finish = "abort"
+                    ready.clear()
+                    yield from done_groups()
+
+    def _rounds(self, convs: dict[str, list[_Conversation]]) -> Iterator[list[Sample]]:
+        """Every waiting conversation's turn in one stream, then the round's calls at once, round after round."""
+        done_groups = self._emitter(convs)
         while True:
             waiting = [c for group in convs.values() for c in group if c.finish is None]
             for conv in waiting:
@@ -266,11 +371,7 @@ class ToolRolloutEngine(RolloutEngine):
             if not waiting:
                 return
             turns: dict[str, _Conversation] = {}
-            for conv in waiting:
-                conv.turn_id = f"{conv.req.request_id}#{conv.index}.t{conv.turns}"
-                turns[conv.turn_id] = conv
-            requests = [self._turn_request(c) for c in waiting]
-            self._count("multi_turn/turns", len(requests))
+            requests = self._start_turns(waiting, turns)
             for group in self.inner.stream(requests):
                 (sample,) = group
                 conv = turns[sample.request_id]
@@ -317,17 +418,23 @@ class ToolRolloutEngine(RolloutEngine):
         self._count("multi_turn/tool_time_s", time.perf_counter() - t0)
         for conv, result in zip(calling, results, strict=True):
             conv.code = None
-            conv.tool_calls += 1
-            self._count("multi_turn/tool_calls", 1)
-            self._count("multi_turn/tool_errors", result.error is not None)
-            ids = self.template.output_ids(self.tokenizer, result.for_policy(self.config.max_output_chars))
-            room = conv.budget
-            if len(ids) >= room:
-                ids = ids[:room]
-                conv.finish = "length"
-            self._count("multi_turn/tool_tokens", len(ids))
-            version = conv.versions[-1] if conv.versions else conv.weight_version
-            conv.response += ids
-            conv.logprobs += [0.0] * len(ids)
-            conv.mask += [0] * len(ids)
-            conv.versions += [version] * len(ids)
+            self._append_output(conv, result)
+
+    def _append_output(self, conv: _Conversation, result: Any) -> None:
+        """A call's output, as the policy reads it, appended as the tool's ids (cut to the budget: then 'length')."""
+        conv.tool_calls += 1
+        self._count("multi_turn/tool_calls", 1)
+        self._count("multi_turn/tool_errors", result.error is not None)
+        # without print()'s last newline: the templates close the output on a line of their own
+        text = result.for_policy(self.config.max_output_chars).removesuffix("\n")
+        ids = self.template.output_ids(self.tokenizer, text)
+        room = conv.budget
+        if len(ids) >= room:
+            ids = ids[:room]
+            conv.finish = "length"
+        self._count("multi_turn/tool_tokens", len(ids))
+        version = conv.versions[-1] if conv.versions else conv.weight_version
+        conv.response += ids
+        conv.logprobs += [0.0] * len(ids)
+        conv.mask += [0] * len(ids)
+        conv.versions += [version] * len(ids)

@@ -42,7 +42,9 @@ def served(tmp_path_factory):
     engine.shutdown()
 
 
-def test_every_turn_is_fed_and_kept_as_token_ids(served, monkeypatch):
+@pytest.mark.parametrize("schedule", ["continuous", "rounds"])
+def test_every_turn_is_fed_and_kept_as_token_ids(served, monkeypatch, schedule):
+    """Both schedules: continuous adds each conversation's next turn to the running stream as its tool returns."""
     engine, model = served
     sent: dict[str, list[int]] = {}
     build = sglang_engine.generate_payload
@@ -55,7 +57,7 @@ def test_every_turn_is_fed_and_kept_as_token_ids(served, monkeypatch):
     monkeypatch.setattr(sglang_engine, "generate_payload", recording)
     runner = LengthRunner()
     tools = ToolRolloutEngine(engine, template=ParenTemplate(), tokenizer=TOKENIZER, tools=runner,
-                              config=MultiTurnConfig(max_turns=5))
+                              config=MultiTurnConfig(max_turns=5, schedule=schedule))
     requests = [RolloutRequest(prompt_ids=TOKENIZER.encode(f"{i}*{i}="), n=4, request_id=f"m{i}",
                                sampling=SamplingParams(max_new_tokens=48, seed=20 + i,
                                                        stop_token_ids=(TOKENIZER.eos_token_id,)))

@@ -15,6 +15,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_dapo.data.synthetic import build_char_tokenizer
 from megatron_dapo.rollout.embedded import EmbeddedEngine
+from megatron_dapo.rollout.engine import OpenStream
 from megatron_dapo.rollout.multi_turn import MultiTurnConfig, ToolRolloutEngine, turn_sampling
 from megatron_dapo.rollout.types import RolloutRequest, SamplingParams
 
@@ -48,27 +49,62 @@ class Outcome:
 
 
 class LengthRunner:
-    """A deterministic tool: the number of characters of the code (an error for codes longer than 20)."""
+    """A deterministic tool: the number of characters of the code (an error for codes longer than 20), returned after
+    `delay_s` from a thread of its own (submit), as a pool's would."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self.calls: list[str] = []
+        self.delay_s = delay_s
+
+    @staticmethod
+    def outcome(code: str) -> Outcome:
+        return Outcome(str(len(code)), None if len(code) <= 20 else "too long")
 
     def run_many(self, codes):
         self.calls += codes
-        return [Outcome(str(len(c)), None if len(c) <= 20 else "too long") for c in codes]
+        return [self.outcome(c) for c in codes]
+
+    def submit(self, code):
+        import threading
+        import time
+        from concurrent.futures import Future
+
+        self.calls.append(code)
+        future = Future()
+
+        def finish():
+            time.sleep(self.delay_s)
+            future.set_result(self.outcome(code))
+        threading.Thread(target=finish, daemon=True).start()
+        return future
 
 
 class Recording:
-    """Wraps an engine and records every turn request and the sample it gave."""
+    """Wraps an engine and records every turn request and the sample it gave, and how each request was submitted
+    (("open" | "add", request id), in order)."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.turns = engine, {}
+        self.engine, self.turns, self.events = engine, {}, []
 
-    def stream(self, requests):
-        by_id = {r.request_id: r for r in requests}
-        for group in self.engine.stream(requests):
+    def _record(self, groups, by_id):
+        for group in groups:
             self.turns[group[0].request_id] = (by_id[group[0].request_id], group[0])
             yield group
+
+    def stream(self, requests):
+        self.events += [("open", r.request_id) for r in requests]
+        yield from self._record(self.engine.stream(requests), {r.request_id: r for r in requests})
+
+    def open_stream(self, requests):
+        by_id = {r.request_id: r for r in requests}
+        self.events += [("open", r.request_id) for r in requests]
+        inner = self.engine.open_stream(requests)
+
+        def add(more):
+            by_id.update((r.request_id, r) for r in more)
+            self.events.extend(("add", r.request_id) for r in more)
+            inner.add(more)
+        return OpenStream(self._record(inner, by_id), add if inner.accepts_additions else None)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -85,6 +121,9 @@ def _model(seed: int = 0) -> Qwen2ForCausalLM:
 @pytest.fixture(scope="module")
 def model():
     return _model()
+
+
+SCHEDULES = pytest.mark.parametrize("schedule", ["continuous", "rounds"])
 
 
 def _engine(model, tools=None, **cfg):
@@ -106,8 +145,9 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
     return logits.log_softmax(-1)[len(prompt) - 1:-1].gather(1, torch.tensor(response).unsqueeze(1)).squeeze(1)
 
 
-def test_conversations_are_the_ids_the_engine_saw_and_produced(model):
-    engine, inner, tools = _engine(model, max_turns=6)
+@SCHEDULES
+def test_conversations_are_the_ids_the_engine_saw_and_produced(model, schedule):
+    engine, inner, tools = _engine(model, max_turns=6, schedule=schedule)
     groups = engine.generate(_requests(3, n=4, max_new=60))
     samples = [s for g in groups for s in g]
     assert sum(s.tool_calls for s in samples) >= 3, "the random model should end some turns with ')'"
@@ -139,8 +179,9 @@ def test_conversations_are_the_ids_the_engine_saw_and_produced(model):
     assert len(tools.calls) == sum(s.tool_calls for s in samples)
 
 
-def test_tool_tokens_are_masked_and_counted_against_the_budget(model):
-    engine, _, _ = _engine(model, max_turns=8)
+@SCHEDULES
+def test_tool_tokens_are_masked_and_counted_against_the_budget(model, schedule):
+    engine, _, _ = _engine(model, max_turns=8, schedule=schedule)
     samples = [s for g in engine.generate(_requests(4, n=4, max_new=24)) for s in g]
     for s in samples:
         assert len(s.response_ids) <= 24
@@ -168,8 +209,9 @@ def test_without_calls_a_conversation_is_the_single_turn_sample(model):
             assert a.loss_mask == [] and a.tool_calls == 0
 
 
-def test_abort_ends_every_conversation_and_loses_no_group(model):
-    engine, _, _ = _engine(model, max_turns=6)
+@SCHEDULES
+def test_abort_ends_every_conversation_and_loses_no_group(model, schedule):
+    engine, _, _ = _engine(model, LengthRunner(delay_s=0.05), max_turns=6, schedule=schedule)
     reqs = _requests(4, n=2, max_new=200)
     seen = []
     for group in engine.stream(reqs):
@@ -193,7 +235,38 @@ def test_bad_config_names_the_flag():
     with pytest.raises(ValueError, match="--max-turns"):
         MultiTurnConfig(max_turns=0)
     with pytest.raises(ValueError, match="--tool-output-max-chars"):
-        MultiTurnConfig(max_output_chars=0)
+        MultiTurnConfig(max_output_chars=63)
+    with pytest.raises(ValueError, match="--tool-schedule"):
+        MultiTurnConfig(schedule="greedy")
+
+
+def test_the_two_schedules_give_the_same_conversations(model):
+    """Rounds and continuous differ only in when a turn is submitted: every conversation's ids are the same (the
+    embedded engine samples each row from its own seeded stream; its batches differ, so log-probs agree to float
+    rounding, and the ids unless a rounding flips a draw, which these few rows at fp32 do not)."""
+    got = {}
+    for schedule in ("rounds", "continuous"):
+        engine, _, _ = _engine(model, LengthRunner(delay_s=0.01), max_turns=4, schedule=schedule)
+        got[schedule] = {(s.request_id, s.index): s for g in engine.generate(_requests(3, n=3, max_new=50)) for s in g}
+    assert sum(s.tool_calls for s in got["rounds"].values()) >= 2
+    for key, a in got["rounds"].items():
+        b = got["continuous"][key]
+        assert (a.response_ids, a.loss_mask, a.finish_reason, a.tool_calls) == \
+            (b.response_ids, b.loss_mask, b.finish_reason, b.tool_calls)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_continuous_turns_go_back_while_other_turns_generate(model):
+    """A conversation whose tool returned is resubmitted into the running stream (OpenStream.add) instead of waiting
+    for the round: with an instant tool, some second turn is added while first turns are still generating."""
+    engine, inner, _ = _engine(model, max_turns=6, schedule="continuous")
+    samples = [s for g in engine.generate(_requests(4, n=4, max_new=60)) for s in g]
+    assert sum(s.tool_calls for s in samples) >= 1
+    added = [rid for kind, rid in inner.events if kind == "add"]
+    assert added and all(not rid.endswith(".t0") for rid in added), inner.events[:12]
+    rounds, rinner, _ = _engine(model, max_turns=6, schedule="rounds")
+    rounds.generate(_requests(4, n=4, max_new=60))
+    assert all(kind == "open" for kind, _ in rinner.events)
 
 
 def test_the_embedded_engine_stops_at_the_token_that_completes_a_stop_string(model):
