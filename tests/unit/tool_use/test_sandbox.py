@@ -296,6 +296,35 @@ def test_a_fork_bomb_stays_within_max_processes() -> None:
     assert forked == SMALL.max_processes - 1 and visible == SMALL.max_processes + 1  # the code, its forks, pid 1
 
 
+def real_uid(pid: int) -> int | None:
+    """The real uid of `pid` (None once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+
+
+def test_a_fork_bomb_counted_from_the_host_runs_as_the_unprivileged_uid() -> None:
+    """Counted from outside while it runs: the bomb's processes (the code's and its forks, found by the call's tag)
+    number at most max_processes, and as root they run as host uid 65534, not as root (whom RLIMIT_NPROC exempts)."""
+    code, tag = tagged("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    with SandboxPool(1, SMALL) as pool:
+        future = pool.submit(code)
+        time.sleep(1.0)
+        jail = []
+        for pid in processes_with(tag):
+            with contextlib.suppress(OSError):
+                jail.append((pid, real_uid(pid), Path(f"/proc/{pid}/cmdline").read_bytes()))
+        result = future.result()
+    code_procs = [(pid, uid) for pid, uid, cmdline in jail if b"\0-c\0" in cmdline]
+    assert result.error in {"timeout", "cpu limit"}
+    assert SMALL.max_processes // 2 <= len(code_procs) <= SMALL.max_processes, code_procs
+    if os.geteuid() == 0:
+        assert {uid for _, uid in code_procs} <= {65534, None}, code_procs
+    assert not processes_with(tag)
+
+
 # -- the pool ------------------------------------------------------------------------------------------------------
 
 
