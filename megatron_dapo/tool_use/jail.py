@@ -1,4 +1,6 @@
-"""The jail's launcher: a stdlib-only script that sandbox.py runs as `<base python> -I -S jail.py <config> <code>`.
+"""The jail's launcher: a stdlib-only script that sandbox.py runs as `<base python> -I -S jail.py <config> <code>`
+(<config>: a marshal-encoded dict in hex, from the trusted trainer; marshal needs no import, json would cost ~5 ms of
+start-up).
 
 It is a script of its own, never imported by the trainer, because the namespaces must be made by a single-threaded
 process: unshare(CLONE_NEWUSER) fails with EINVAL in a multithreaded one (the trainer has torch's threads and the
@@ -11,7 +13,7 @@ Four processes, each waiting on the next:
 - L, this script on the host: writes the child's uid/gid maps (from outside, so that a root trainer can map the
   sandbox to the unprivileged host uid 65534: RLIMIT_NPROC does not apply to host uid 0), then waits for the
   child, the wall deadline (config `wall_s`) or EOF on its stdin (the trainer's control pipe: the trainer asked
-  to stop, or died); on the deadline or EOF it SIGKILLs I and reports `timeout` on the status pipe.
+  to stop, or died); on either it SIGKILLs I, and on the deadline it reports `timeout` on the status pipe.
 - C, L's child: unshare(user, mount, pid, net, IPC, UTS), takes the in-namespace uid/gid SANDBOX_ID (mapped to
   the host id), forks I and reaps it. A SIGKILL of L kills C (PR_SET_PDEATHSIG), of C kills I.
 - I, pid 1 of the new pid namespace: builds the root file system (read-only binds of /usr, /lib*, /bin and the
@@ -28,9 +30,8 @@ The status pipe (config `status_fd`) carries lines `exit <wait status>`, `timeou
 from __future__ import annotations
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
 import select
 import signal
@@ -50,7 +51,7 @@ MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 1, 4, 24, 28
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
 SECUREBITS_LOCKED_DOWN = 0xEF
-"""NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE and KEEP_CAPS off, each locked."""
+"""NOROOT, NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE set, KEEP_CAPS clear, all four locked."""
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 STATVFS_TO_MS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -173,7 +174,7 @@ def build_root(cfg: dict, binds: list[tuple[str, str | int]]) -> None:
           f"size={cfg['max_file_mib']}m,nr_inodes=4096,mode=0700,uid={SANDBOX_ID},gid={SANDBOX_ID}")
     check(LIBC.sethostname(b"sandbox", 7), "sethostname")
     os.chdir(root)
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in SYS_PIVOT_ROOT:
         raise OSError(f"pivot_root: no syscall number known for {machine}")
     check(LIBC.syscall(ctypes.c_long(SYS_PIVOT_ROOT[machine]), b".", b"."), "pivot_root")
@@ -296,8 +297,9 @@ def host_root() -> bool:
 
 
 def write_maps(child: int) -> None:
-    """Map SANDBOX_ID in the child's user namespace to host uid/gid 65534 when this process is root (RLIMIT_NPROC
-    is not enforced for host root), else to this process's own ids (all an unprivileged process may map)."""
+    """Map SANDBOX_ID in the child's user namespace to host uid/gid 65534 when this process is host root
+    (RLIMIT_NPROC is not enforced for host uid 0), else to this process's own ids (all an unprivileged process may
+    map); setgroups is denied first (required of an unprivileged writer, and the code has no use for it)."""
     host_uid, host_gid = (65534, 65534) if host_root() else (os.geteuid(), os.getegid())
     for name, text in (("setgroups", "deny"), ("uid_map", f"{SANDBOX_ID} {host_uid} 1"),
                        ("gid_map", f"{SANDBOX_ID} {host_gid} 1")):
@@ -307,7 +309,7 @@ def write_maps(child: int) -> None:
 
 def main() -> int:
     """L (see the module docstring); returns the launcher's exit status."""
-    cfg, code = json.loads(sys.argv[1]), sys.argv[2]
+    cfg, code = marshal.loads(bytes.fromhex(sys.argv[1])), sys.argv[2]
     status_fd = cfg["status_fd"]
     deadline = time.monotonic() + cfg["wall_s"]
     die_with_parent(cfg["parent_pid"])

@@ -31,7 +31,7 @@ Needs: Linux user namespaces (`check_sandbox` says which sysctl to change when t
 from __future__ import annotations
 
 import contextlib
-import json
+import marshal
 import math
 import os
 import selectors
@@ -186,9 +186,10 @@ class Execution:
             self.reject = "code too long" if "\0" not in self.code else "code contains a NUL character"
             return
         status_r, status_w = os.pipe()
+        config = marshal.dumps(jail_config(self.limits, status_w)).hex()
         try:
             self.proc = subprocess.Popen(
-                [base_python(), "-I", "-S", str(JAIL), json.dumps(jail_config(self.limits, status_w)), self.code],
+                [base_python(), "-I", "-S", str(JAIL), config, self.code],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
                 start_new_session=True, env={})
         except OSError:
