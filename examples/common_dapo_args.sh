@@ -13,6 +13,13 @@ if [[ -n "${MAX_STALENESS:-}" ]]; then
 else
     DAPO_ARGS+=(--max-num-gen-batches 10)           # refill at most 10 rounds a step
 fi
+# TOOL_TEMPLATE=qwen (unset: single-turn): every sample a conversation with the sandboxed Python interpreter
+# (docs/TOOL_USE.md; ReTool's setting: Qwen2.5-Instruct's <tool_call> format, up to 8 calls). The sandbox runs on
+# global rank 0's host, --tool-workers programs at once; not with MAX_STALENESS (refused at start-up).
+if [[ -n "${TOOL_TEMPLATE:-}" ]]; then
+    DAPO_ARGS+=(--tool-template "$TOOL_TEMPLATE" --max-turns 9 --tool-output-max-chars 1024 --tool-workers 16
+                --tool-cpu-s 5 --tool-timeout-s 10 --tool-memory-mib 1024)
+fi
 # --lr-warmup-steps counts ROLLOUT steps: rollout step k (1..20) trains all its updates at 1e-6 * k / 20, then
 # constant (DAPO Sec. 4.1: 20 rollout steps of 16 optimizer updates each at 512 of 8192 responses).
 OPTIM_ARGS=(--lr 1e-6 --lr-warmup-steps 20 --lr-decay-style constant --weight-decay 0.1 --clip-grad 1.0

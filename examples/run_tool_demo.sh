@@ -2,8 +2,9 @@
 # DAPO with a Python interpreter on CPU (docs/TOOL_USE.md): the tool task, with the tool and without it.
 #
 # 1. tools/make_tiny_base.py --task tool builds a tiny Qwen2 (2 layers, hidden 128, char tokenizer with backticks)
-#    warmed up on products of 3-digit numbers ("482*937="): 30% of its warm-up answers call the tool
-#    (```python print(482*937) ```, the output block, "Answer: 451634"), the rest guess (ReTool's cold start).
+#    warmed up on products of 3-digit numbers ("482*937="): half its warm-up answers call the tool
+#    (```python print(482*937) ```, the output block, "Answer: 451634"), the rest guess (ReTool's cold start);
+#    1500 SFT steps, ~6 min on 2 cores. Its samples call the tool ~1/3 of the time, right ~0.28 with the tool, 0 without.
 # 2. DAPO trains it twice from the same base and seed: with --tool-template code_fence (each sample a conversation:
 #    a call runs in the sandbox, its output is appended and masked out of the loss) and without (a call gets no
 #    output). Held-out avg@4 and the tool-call rate every 5 steps; tools/plot_tool_demo.py draws both runs.

@@ -29,6 +29,7 @@ from megatron_dapo.planner.report import (
     print_plan,
     served_teacher_line,
     stream_state_line,
+    tool_use_line,
 )
 from megatron_dapo.planner.stages import PlanInputs
 from megatron_dapo.rollout.build import RolloutEngineConfig, rollout_engine_kind
@@ -452,6 +453,14 @@ def dry_run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | N
                                         max_prompt_length=args.max_prompt_length,
                                         max_response_length=args.max_response_length, dp=plan.layout.dp,
                                         max_concurrency=args.teacher_max_concurrency))
+    if args.tool_template:
+        from megatron_dapo.tool_use.sandbox import SandboxLimits
+
+        fixed = SandboxLimits()
+        host.append(tool_use_line(workers=args.tool_workers or os.cpu_count() or 1, memory_mib=args.tool_memory_mib,
+                                  max_processes=fixed.max_processes, max_file_mib=fixed.max_file_mib,
+                                  batch_groups=args.rollout_batch_size, n_samples=args.n_samples_per_prompt,
+                                  max_turns=args.max_turns, max_response_length=args.max_response_length))
     return print_plan(plan, weight_sync_mode=mode, out=out, err=err, host_lines=host)
 
 

@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "subtraction (megatron_dapo/data/remainder.py), whose warm-up slips and rambles; tool: "
                          "products of 3-4 digit numbers, solved by calling the Python tool "
                          "(megatron_dapo/data/tool_task.py)")
-    ap.add_argument("--call-prob", type=float, default=0.3,
+    ap.add_argument("--call-prob", type=float, default=0.5,
                     help="tool task: share of warm-up responses that call the tool (the rest guess)")
     ap.add_argument("--min-operand", type=int, default=10, help="addition task")
     ap.add_argument("--max-operand", type=int, default=99, help="addition task")
@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0.0 < args.correct_fraction <= 1.0:
         raise SystemExit("--correct-fraction must be in (0, 1]")
     if args.sft_steps is None:
-        args.sft_steps = {"addition": 600, "remainder": 500, "tool": 400}[args.task]
+        args.sft_steps = {"addition": 600, "remainder": 500, "tool": 1500}[args.task]
     if args.max_response_length is None:
         args.max_response_length = {"addition": 40, "remainder": ABLATION_MAX_RESPONSE_LENGTH,
                                     "tool": TOOL_MAX_RESPONSE_LENGTH}[args.task]

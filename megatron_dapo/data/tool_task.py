@@ -55,7 +55,7 @@ class ToolTask:
 class ToolWarmup:
     """How the supervised warm-up answers: a call with share call_prob, else a guess."""
 
-    call_prob: float = 0.3
+    call_prob: float = 0.5
     """Share of warm-up responses that call the tool (the rest guess)."""
 
     def __post_init__(self) -> None:

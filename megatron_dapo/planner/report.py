@@ -276,6 +276,30 @@ def stream_state_line(*, max_staleness: int, batch_groups: int, n_samples: int, 
             f"{tokens * STATE_TOKEN_BYTES / GIB:.1f} GiB in a checkpoint")
 
 
+SANDBOX_CPU_S = 0.0335
+"""CPU seconds of one trivial sandboxed call (interpreter start, jail, print): tools/bench_sandbox.py, 2-core x86_64."""
+
+
+def tool_use_line(*, workers: int, memory_mib: int, max_processes: int, max_file_mib: int, batch_groups: int,
+                  n_samples: int, max_turns: int, max_response_length: int) -> str:
+    """The plan's rank-0 host line for --tool-template (rollout/multi_turn.py, tool_use/): the sandbox's worst case in
+    memory (--tool-workers programs, each --tool-memory-mib of address space per process, its processes, its tmpfs),
+    and per step the calls at most (B x G x (--max-turns - 1)), their CPU at the measured cost of a trivial call, and
+    the turns' request bodies if every turn resubmitted the whole --max-response-length context (ID_JSON_BYTES an id).
+    Qwen2.5-32B DAPO with TOOL_TEMPLATE=qwen (B 512, G 16, 9 turns, 16 workers of 1 GiB): 65,536 calls at most, 36.6
+    core-minutes of trivial calls, 288 GiB of address space in the worst case (RLIMIT_AS bounds each process, no
+    cgroup bounds a program's processes together: a program that forks its 16 and fills each is that large)."""
+    calls = batch_groups * n_samples * (max_turns - 1)
+    turns = batch_groups * n_samples * max_turns
+    address = workers * (memory_mib * (max_processes + 2) + max_file_mib) / 1024
+    body = turns * max_response_length * ID_JSON_BYTES / 1e9
+    return (f"rank 0 host: tool sandbox (--tool-template) {workers} programs at once, at most {address:.1f} GiB of "
+            f"address space and tmpfs ({memory_mib} MiB x {max_processes + 2} processes + {max_file_mib} MiB each); "
+            f"per step at most {calls:,} calls ({calls * SANDBOX_CPU_S / 60:.1f} core-minutes at "
+            f"{SANDBOX_CPU_S * 1e3:.1f} ms a trivial call) and {body:.1f} GB of turn requests if every one of "
+            f"{turns:,} turns resent --max-response-length ids")
+
+
 ID_JSON_BYTES = 7.3
 """A token id in a JSON request body: ~7.3 B with its separator (Qwen's 151,665 ids, uniform; measured)."""
 LOGPROB_JSON_BYTES = 36.4

@@ -935,6 +935,23 @@ def test_fully_async_host_line_counts_what_rank_0_holds(tmp_path):
     assert "in flight" not in uncapped and "GiB as lists" in uncapped
 
 
+def test_tool_use_adds_the_sandbox_line_with_its_worst_cases(tmp_path):
+    """--tool-template: the 32B launcher's plan gains the sandbox's host line, its numbers written out: B x G x
+    (turns - 1) calls at the measured CPU of a trivial call, every process of every worker at --tool-memory-mib plus
+    its tmpfs, every turn resending --max-response-length ids as JSON."""
+    b, g, turns, workers, mib, length = 512, 16, 9, 16, 1024, 20480
+    args = _launcher_train_args(tmp_path, *LAUNCHERS[1].values)
+    rc, lines = _dry_run(args + ["--tool-template", "qwen", "--max-turns", str(turns), "--tool-workers",
+                                 str(workers), "--tool-memory-mib", str(mib)])
+    (line,) = [x for x in lines if x.startswith("rank 0 host: tool sandbox")]
+    calls = b * g * (turns - 1)
+    assert f"at most {calls:,} calls ({calls * 0.0335 / 60:.1f} core-minutes" in line
+    assert f"at most {workers * (mib * 18 + 16) / 1024:.1f} GiB of address space" in line
+    assert f"{b * g * turns * length * 7.3 / 1e9:.1f} GB of turn requests" in line
+    _, plain = _dry_run(args)
+    assert not [x for x in plain if "tool sandbox" in x]
+
+
 def test_a_reference_model_adds_its_weights_and_nothing_else(tmp_path):
     """--ref-load: the 32B launcher's plan gains one row per stage, the frozen reference's bf16 weights on the actor's
     layout (TP8 x PP2: 32.8e9 params x 2 B / 16 = 3.8 GiB), and every other row is unchanged (no grads, no optimizer,
