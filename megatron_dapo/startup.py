@@ -346,19 +346,19 @@ def engine_config(args: argparse.Namespace, arch: ModelArch | None, *, api_key: 
 
 def tool_use_config(args: argparse.Namespace):
     """The "tool use" flags -> ToolUseConfig, None without --tool-template. Refuses the combinations a conversation does
-    not support yet, naming the flags: --partial-rollout and --max-staleness (a conversation cut mid-turn cannot yet
-    be resumed: its tool tokens and turn count are not carried), --moe-routing-replay (a conversation's routed experts
-    are not assembled across turns)."""
+    not support yet, naming the flags: --max-staleness (the fully async rollout's cuts and refills are not wired to
+    conversations), --moe-routing-replay (a conversation's routed experts are not assembled across turns)."""
     if args.tool_template is None:
         return None
     from megatron_dapo.rollout.multi_turn import MultiTurnConfig, ToolUseConfig
     from megatron_dapo.tool_use.sandbox import SandboxLimits
 
-    for flag, given in (("--partial-rollout", args.partial_rollout), ("--max-staleness", args.max_staleness),
-                        ("--moe-routing-replay", args.moe_routing_replay)):
+    for flag, given, why in (("--max-staleness", args.max_staleness, "the fully async rollout's cuts and refills "
+                              "are not wired to conversations"),
+                             ("--moe-routing-replay", args.moe_routing_replay, "a conversation's routed experts are "
+                              "not assembled across its turns")):
         if given:
-            raise UserError(f"--tool-template and {flag} cannot be combined yet: multi-turn conversations are not "
-                            "carried across a cut or assembled with routed experts (docs/TOOL_USE.md)")
+            raise UserError(f"--tool-template and {flag} cannot be combined yet: {why} (docs/TOOL_USE.md)")
     return ToolUseConfig(
         template=args.tool_template,
         turns=MultiTurnConfig(max_turns=args.max_turns, max_output_chars=args.tool_output_max_chars,

@@ -146,10 +146,18 @@ class _Conversation:
     """The call waiting for the tool (set at the end of a turn, cleared when its output is appended)."""
     turn_id: str | None = None
     """The inner request id of the turn in flight."""
+    head: list[int] = field(default_factory=list)
+    """A continuation (partial rollout): the ids of the turn the prefix was cut in, read with the first turn's to find
+    its call."""
 
     @property
     def budget(self) -> int:
         return self.req.sampling.max_new_tokens - len(self.response)
+
+    @property
+    def context(self) -> int:
+        """Tokens of the response before the next turn: a continuation's prefix and everything since."""
+        return self.req.resumed_tokens + len(self.response)
 
     def to_sample(self) -> Sample:
         versions = self.versions if len(set(self.versions)) > 1 else []
@@ -250,11 +258,7 @@ class ToolRolloutEngine(RolloutEngine):
     def stream(self, requests: Sequence[RolloutRequest]) -> Iterator[list[Sample]]:
         """Yields each request's group of n conversations once all n have ended (completion order)."""
         check_unique_ids(requests)
-        for req in requests:
-            if req.resumed_tokens:
-                raise ValueError(f"request {req.request_id!r}: a multi-turn conversation cannot continue from a "
-                                 "response prefix yet (partial rollout with --tool-template)")
-        convs = {r.request_id: [_Conversation(r, r.first_index + i) for i in range(r.n)] for r in requests}
+        convs = {r.request_id: [self._conversation(r, r.first_index + i) for i in range(r.n)] for r in requests}
         with self._lock:
             overlap = set(convs) & set(self._live)
             if overlap:
@@ -269,6 +273,34 @@ class ToolRolloutEngine(RolloutEngine):
                     self._aborted.discard(rid)
                 if not self._live:
                     self._abort_all = False
+
+    def _conversation(self, req: RolloutRequest, index: int) -> _Conversation:
+        """Sample `index` of `req` as a conversation. A continuation (req.resumed_tokens > 0: partial rollout) starts
+        where its prefix was cut: its calls so far counted from req.resumed_mask; a prefix that ends with a call the
+        tool never answered (cut between the turn and the tool) gets that call run first; one cut inside a turn
+        keeps that turn's ids (`head`) so the call it may end with is found whole. The Sample then holds the
+        continuation only, as a single-turn engine's (partial_rollout.extend joins them)."""
+        conv = _Conversation(req, index)
+        k = req.resumed_tokens
+        if not k:
+            return conv
+        prefix, mask = list(req.prompt_ids[-k:]), list(req.resumed_mask) or [1] * k
+        conv.turns = sum(1 for a, b in zip(mask, mask[1:], strict=False) if a == 1 and b == 0)
+        if mask[-1] == 0:  # cut right after a tool's output: the next turn is a new one
+            return conv
+        start = k - next((j for j, m in enumerate(reversed(mask)) if m == 0), k)
+        head = prefix[start:]
+        code = self.template.find_call(self.tokenizer.decode(head))
+        if code is None:
+            conv.head = head
+        elif conv.turns + 1 >= self.config.max_turns:
+            conv.turns += 1
+            conv.finish = "stop"  # the last allowed turn's call: not run, as uncut
+            self._count("multi_turn/capped_calls", 1)
+        else:
+            conv.turns += 1
+            conv.code = code
+        return conv
 
     @staticmethod
     def _emitter(convs: dict[str, list[_Conversation]]):
@@ -296,7 +328,19 @@ class ToolRolloutEngine(RolloutEngine):
         turns: dict[str, _Conversation] = {}
         returned: queue.SimpleQueue[tuple[_Conversation, Future]] = queue.SimpleQueue()
         in_tools = 0
-        ready = [c for group in convs.values() for c in group]
+        ready = [c for group in convs.values() for c in group if c.finish is None and c.code is None]
+
+        def launch(conv: _Conversation) -> None:
+            """The conversation's call to the pool; its return queued for the loop."""
+            nonlocal in_tools
+            in_tools += 1
+            t0 = time.perf_counter()
+            future = self.tools.submit(conv.code)
+            future.add_done_callback(lambda f, c=conv, t=t0: (
+                self._count("multi_turn/tool_time_s", time.perf_counter() - t), returned.put((c, f))))
+
+        for conv in (c for group in convs.values() for c in group if c.code is not None):
+            launch(conv)  # continuations cut between a call and its output
 
         def settle(conv: _Conversation, future: Future) -> None:
             """A returned call: its output appended, or the conversation ended when aborted meanwhile."""
@@ -342,12 +386,7 @@ class ToolRolloutEngine(RolloutEngine):
                     if self._is_aborted(conv):
                         conv.finish, conv.code = "abort", None
                     else:
-                        in_tools += 1
-                        t0 = time.perf_counter()
-                        future = self.tools.submit(conv.code)
-                        future.add_done_callback(
-                            lambda f, c=conv, t=t0: (self._count("multi_turn/tool_time_s", time.perf_counter() - t),
-                                                     returned.put((c, f))))
+                        launch(conv)
                 yield from done_groups()
                 drain(block=False)
                 if ready and stream.accepts_additions:
@@ -361,6 +400,7 @@ class ToolRolloutEngine(RolloutEngine):
     def _rounds(self, convs: dict[str, list[_Conversation]]) -> Iterator[list[Sample]]:
         """Every waiting conversation's turn in one stream, then the round's calls at once, round after round."""
         done_groups = self._emitter(convs)
+        self._run_calls([c for group in convs.values() for c in group if c.code is not None])  # cut before the tool
         while True:
             waiting = [c for group in convs.values() for c in group if c.finish is None]
             for conv in waiting:
@@ -383,7 +423,7 @@ class ToolRolloutEngine(RolloutEngine):
     def _turn_request(self, conv: _Conversation) -> RolloutRequest:
         return RolloutRequest(prompt_ids=list(conv.req.prompt_ids) + conv.response, n=1,
                               sampling=turn_sampling(conv.req.sampling, self.template, conv.budget),
-                              request_id=conv.turn_id, first_index=conv.index, resumed_tokens=len(conv.response))
+                              request_id=conv.turn_id, first_index=conv.index, resumed_tokens=conv.context)
 
     def _end_turn(self, conv: _Conversation, sample: Sample) -> None:
         """Appends a turn's ids as the engine gave them and decides what follows: a call for the tool, or the end."""
@@ -397,7 +437,8 @@ class ToolRolloutEngine(RolloutEngine):
         if sample.finish_reason != "stop":
             conv.finish = sample.finish_reason
             return
-        code = self.template.find_call(self.tokenizer.decode(sample.response_ids))
+        code = self.template.find_call(self.tokenizer.decode(conv.head + sample.response_ids))
+        conv.head = []
         if code is None:
             conv.finish = "stop"
         elif self._is_aborted(conv):

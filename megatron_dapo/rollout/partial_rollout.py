@@ -74,8 +74,9 @@ import torch
 from megatron_dapo.checkpoint.state import CommonState, Holder
 from megatron_dapo.rollout.types import Prompt, RolloutRequest, Sample, SamplingParams
 
-STATE_VERSION = 1
-"""Layout version of `state()` (checked by `from_state`)."""
+STATE_VERSION = 2
+"""Layout version of `state()` (checked by `from_state`; 2 added a conversation's tool-token mask and calls, a
+version-1 checkpoint still reads: its samples had none)."""
 
 DEFAULT_MAX_STALENESS = 1
 """--partial-rollout-max-staleness when --partial-rollout is given without it (see the module docstring)."""
@@ -142,12 +143,13 @@ def continuation_request(prompt_ids: Sequence[int], prefix: Sample, sampling: Sa
     return RolloutRequest(
         prompt_ids=list(prompt_ids) + list(prefix.response_ids), n=1, request_id=request_id,
         sampling=dataclasses.replace(sampling, seed=seed, max_new_tokens=sampling.max_new_tokens - k),
-        first_index=prefix.index, resumed_tokens=k,
+        first_index=prefix.index, resumed_tokens=k, resumed_mask=tuple(prefix.loss_mask),
     )
 
 
 def extend(prefix: Sample | None, continuation: Sample, prompt_ids: Sequence[int]) -> Sample:
-    """prefix + continuation as one sample of `prompt_ids` (the original prompt), with per-token versions.
+    """prefix + continuation as one sample of `prompt_ids` (the original prompt), with per-token versions; a
+    conversation's (rollout/multi_turn.py) tool-token masks joined and its calls added up.
 
     `prefix` None (or empty): the continuation is the whole response, returned with its own fields."""
     if prefix is None or not prefix.response_ids:
@@ -160,6 +162,9 @@ def extend(prefix: Sample | None, continuation: Sample, prompt_ids: Sequence[int
         logprobs=list(prefix.logprobs) + list(continuation.logprobs),
         finish_reason=continuation.finish_reason, weight_version=prefix.weight_version,
         token_versions=prefix.versions() + continuation.versions(),
+        loss_mask=prefix.generated() + continuation.generated() if prefix.loss_mask or continuation.loss_mask
+        else [],
+        tool_calls=prefix.tool_calls + continuation.tool_calls,
         # the continuation re-routed prompt + prefix in its prefill: its rows already cover the whole sequence
         routed_experts=continuation.routed_experts,
     )
@@ -209,6 +214,9 @@ def state(groups: Sequence[CarriedGroup]) -> dict[str, Any]:
                      "versions": torch.tensor(s.versions(), dtype=torch.int32),
                      "finish_reason": s.finish_reason, "weight_version": s.weight_version,
                      "request_id": s.request_id}
+                    # a multi-turn conversation: which tokens were a tool's (1 B a token) and the calls made
+                    | ({"loss_mask": torch.tensor(s.loss_mask, dtype=torch.uint8), "tool_calls": s.tool_calls}
+                       if s.loss_mask else {})
                     # --moe-routing-replay: a finished sample of a carried group keeps its routes (384 B a token
                     # at 30B-A3B); a continued one gets new rows for its whole sequence anyway
                     | ({"routed_experts": s.routed_experts} if s.routed_experts is not None else {})
@@ -220,7 +228,7 @@ def from_state(data: dict[str, Any] | None) -> list[CarriedGroup]:
     """Inverse of `state` (None: a checkpoint written without --partial-rollout, nothing carried)."""
     if data is None:
         return []
-    if data.get("version") != STATE_VERSION:
+    if data.get("version") not in (1, STATE_VERSION):
         raise ValueError(f"checkpoint's carried groups have layout version {data.get('version')!r}, this code "
                          f"reads {STATE_VERSION}")
     groups = []
@@ -236,6 +244,8 @@ def from_state(data: dict[str, Any] | None) -> list[CarriedGroup]:
                                   logprobs=[float(x) for x in s["logprobs"].tolist()],
                                   finish_reason=s["finish_reason"], weight_version=int(s["weight_version"]),
                                   token_versions=[] if uniform else versions,
+                                  loss_mask=[int(m) for m in s["loss_mask"].tolist()] if "loss_mask" in s else [],
+                                  tool_calls=int(s.get("tool_calls", 0)),
                                   routed_experts=s.get("routed_experts")))
         groups.append(CarriedGroup(prompt=prompt, samples=samples, seed=g["seed"], first_step=int(g["first_step"])))
     return groups

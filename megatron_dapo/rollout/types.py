@@ -154,6 +154,10 @@ class RolloutRequest:
     unchanged weights prefix + continuation is what one uninterrupted generation draws (SGLang keys its
     seeded noise by (seed, absolute position) and needs nothing more; the embedded engine skips the
     draws). 0 = a fresh request; > 0 needs n == 1."""
+    resumed_mask: tuple[int, ...] = ()
+    """A multi-turn conversation's continuation: per token of the resumed prefix, 1 if the policy generated it, 0 if
+    a tool's output put it there (the prefix's Sample.loss_mask); empty = every prefix token was generated. Only
+    rollout/multi_turn.py reads it (to count the calls made and find one left unanswered)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -176,6 +180,11 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest {self.request_id!r}: resumed_tokens must be an int in [0, "
                              f"{len(self.prompt_ids)}) (a response prefix inside prompt_ids), got "
                              f"{self.resumed_tokens!r}")
+        mask = tuple(self.resumed_mask)
+        if mask and (len(mask) != self.resumed_tokens or set(mask) - {0, 1}):
+            raise ValueError(f"RolloutRequest {self.request_id!r}: resumed_mask must hold one 0 or 1 per resumed "
+                             f"token ({self.resumed_tokens}), got {len(mask)} values")
+        self.resumed_mask = mask
         if self.resumed_tokens and self.n != 1:
             raise ValueError(f"RolloutRequest {self.request_id!r}: a continuation (resumed_tokens > 0) is one "
                              f"sample's prefix, so n must be 1, got {self.n}")

@@ -223,12 +223,69 @@ def test_abort_ends_every_conversation_and_loses_no_group(model, schedule):
     assert any(s.finish_reason == "abort" for g in seen[1:] for s in g)
 
 
-def test_a_continuation_request_is_refused_with_its_reason(model):
-    engine, _, _ = _engine(model)
-    req = RolloutRequest(prompt_ids=[5, 6, 7], n=1, sampling=SamplingParams(max_new_tokens=4), request_id="c",
-                         resumed_tokens=1)
-    with pytest.raises(ValueError, match="partial rollout"):
-        list(engine.stream([req]))
+class AbortingRunner(LengthRunner):
+    """LengthRunner that aborts every conversation of `engine` when its `at`-th call arrives (that call and the ones
+    after it still run): cuts between a turn and its output, right after an output, and inside turns."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(delay_s=0.01)
+        self.at, self.engine = at, None
+
+    def _maybe_abort(self) -> None:
+        if len(self.calls) >= self.at and self.engine is not None:
+            self.engine.abort()
+
+    def run_many(self, codes):
+        out = super().run_many(codes)
+        self._maybe_abort()
+        return out
+
+    def submit(self, code):
+        future = super().submit(code)
+        self._maybe_abort()
+        return future
+
+
+@SCHEDULES
+@pytest.mark.parametrize("trigger", ["first-group", "at-a-call"])
+def test_a_conversation_cut_anywhere_continues_to_the_uncut_one(model, schedule, trigger):
+    """Partial rollout of conversations: abort everything (once the first group is back, or when the 3rd call
+    arrives), continue each cut sample from its prefix (partial_rollout.continuation_request: the prefix's ids and
+    tool mask) and join the two (partial_rollout.extend). Cut mid-turn, between a call and its output, or after an
+    output, every continued conversation is the uninterrupted one: the same ids, tool mask and calls (each sample
+    draws from its own seeded stream, a continuation skipping the draws of its prefix), the log-probs to float
+    rounding."""
+    from megatron_dapo.rollout.partial_rollout import continuation_request, extend
+
+    reqs = _requests(6, n=3, max_new=90)
+    whole, _, _ = _engine(model, LengthRunner(delay_s=0.01), max_turns=4, schedule=schedule)
+    want = {(s.request_id, s.index): s for g in whole.generate(reqs) for s in g}
+    runner = AbortingRunner(at=3 if trigger == "at-a-call" else 10**9)
+    cut_engine, _, _ = _engine(model, runner, max_turns=4, schedule=schedule)
+    runner.engine = cut_engine
+    cut = []
+    for group in cut_engine.stream(reqs):
+        if not cut and trigger == "first-group":
+            cut_engine.abort()
+        cut += group
+    prompts = {r.request_id: r for r in reqs}
+    partial = [s for s in cut if s.finish_reason == "abort"]
+    assert len(partial) >= 3, [s.finish_reason for s in cut]
+    if trigger == "at-a-call":
+        assert any(s.loss_mask for s in partial), "no cut conversation had a tool's output"
+    runner.engine = None
+    continued = cut_engine.generate([
+        continuation_request(prompts[s.request_id].prompt_ids, s, prompts[s.request_id].sampling,
+                             prompts[s.request_id].sampling.seed, f"{s.request_id}-c{s.index}") for s in partial])
+    done = {(s.request_id, s.index): s for s in cut if s.finish_reason != "abort"}
+    for s, (cont,) in zip(partial, continued, strict=True):
+        done[(s.request_id, s.index)] = extend(s, cont, prompts[s.request_id].prompt_ids)
+    assert done.keys() == want.keys()
+    for key, w in want.items():
+        got = done[key]
+        assert (got.response_ids, got.generated(), got.tool_calls, got.finish_reason) == \
+            (w.response_ids, w.generated(), w.tool_calls, w.finish_reason), key
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(w.logprobs), rtol=0, atol=1e-5)
 
 
 def test_bad_config_names_the_flag():

@@ -260,6 +260,24 @@ def test_checkpoint_state_round_trips(partial_run):
         from_state({"version": 99, "groups": []})
 
 
+def test_a_carried_conversation_keeps_its_tool_tokens_and_calls():
+    """A multi-turn conversation carried in a checkpoint (rollout/multi_turn.py): its tool-token mask (1 B a token) and
+    calls come back, and a version-1 checkpoint (before conversations) still reads, its samples without them."""
+    prompt = _prompts(1)[0]
+    conv = Sample(request_id="r", index=0, prompt_ids=prompt.prompt_ids, response_ids=[5, 6, 7, 8, 9],
+                  logprobs=[-0.5, -0.25, 0.0, 0.0, -1.0], finish_reason="abort", weight_version=2,
+                  loss_mask=[1, 1, 0, 0, 1], tool_calls=1)
+    plain = Sample(request_id="r", index=1, prompt_ids=prompt.prompt_ids, response_ids=[5], logprobs=[-0.5],
+                   finish_reason="stop", weight_version=2)
+    data = state([CarriedGroup(prompt=prompt, samples=[conv, plain], seed=3, first_step=1)])
+    (back,) = from_state(data)
+    assert (back.samples[0].loss_mask, back.samples[0].tool_calls) == ([1, 1, 0, 0, 1], 1)
+    assert (back.samples[1].loss_mask, back.samples[1].tool_calls) == ([], 0)
+    old = {"version": 1, "groups": [{**data["groups"][0], "samples": [
+        {k: v for k, v in s.items() if k not in ("loss_mask", "tool_calls")} for s in data["groups"][0]["samples"]]}]}
+    assert [s.loss_mask for s in from_state(old)[0].samples] == [[], []]
+
+
 def test_simulated_engine_partial_progress_and_the_bench_shape():
     """tests/sim_engine.py with partial_progress (what tools/bench_partial_rollout.py runs at 32B shape): the
     token accounting closes and every carried prefix comes back as the start of a kept or re-carried response."""
