@@ -297,8 +297,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "packed budget exclusive"),
     m("loop-dp-share", "megatron_dapo/trainer/loop.py", "[[[mb[i] for i in split[d]] for mb, split",
       "[[[mb[i] for i in split[0]] for mb, split", DATA, "every DP rank gets rank 0's rows"),
-    m("loop-keep-mask", "megatron_dapo/trainer/loop.py", "loss_mask=torch.full((len(s.response_ids),), float(k))",
-      "loss_mask=torch.full((len(s.response_ids),), 1.0)", DATA, "overlong filter mask not applied"),
+    m("loop-keep-mask", "megatron_dapo/trainer/loop.py",
+      "loss_mask=float(k) * torch.tensor(s.generated(), dtype=torch.float32)",
+      "loss_mask=1.0 * torch.tensor(s.generated(), dtype=torch.float32)", DATA, "overlong filter mask not applied"),
+    m("loop-tool-mask", "megatron_dapo/trainer/loop.py",
+      "loss_mask=float(k) * torch.tensor(s.generated(), dtype=torch.float32)",
+      "loss_mask=torch.full((len(s.response_ids),), float(k))", DATA, "a tool's tokens in the loss"),
     # ---- the code behind the docs' numbers (issue 39 item 11) ---------------------------------------------------
     m("conv-pad-one-chunk", "checkpoint_convert/hf_to_mcore.py",
       "            for lo in range(arch.vocab_size, padded_vocab, step):\n"

@@ -219,7 +219,7 @@ class Trainer:
             self._plane = DataPlane(parallel_state.get_data_parallel_rank(),
                                     timeout=timedelta(hours=self.config.rollout_timeout_h), routing=self.routing)
         if self.weight_sync is None:  # collective when world > 1: rank 0 tells the others its engine's kind, once
-            engine = None if self.engine is None else self.engine.base  # the one holding the model
+            engine = getattr(self.engine, "base", self.engine)  # the one holding the model (a wrapper's inner)
             self.weight_sync = build_weight_sync(engine, transport=self.weight_sync_mode, wait_group=self.wait_group)
 
     @cached_property
