@@ -67,6 +67,8 @@ class ToolOutcome(Protocol):
     """One execution's result (megatron_dapo/tool_use/sandbox.py ToolResult)."""
 
     error: str | None
+    wall_s: float
+    """Seconds the execution took (from its start in a worker, not its wait in the pool's queue)."""
 
     def for_policy(self, max_chars: int) -> str:
         """The text the policy reads, at most max_chars characters."""
@@ -225,8 +227,9 @@ class ToolRolloutEngine(RolloutEngine):
         return True
 
     def take_metrics(self) -> dict[str, float]:
-        """multi_turn/* since the last call: turns, tool_calls, tool_errors, tool_tokens, tool_time_s (seconds of the
-        pool's calls, wall), capped_calls. Only this wrapper's: the inner engine's counters are its weight sync's,
+        """multi_turn/* since the last call: turns, tool_calls, tool_errors, tool_tokens, tool_exec_s (the executions'
+        seconds, summed: worker-seconds), round_tool_s (rounds: the seconds generation waited for the calls),
+        capped_calls. Only this wrapper's: the inner engine's counters are its weight sync's,
         which holds the inner engine (`base`). The rollout and the evaluation each take them (rollout/collect.py,
         rollout/evaluation.py)."""
         with self._lock:
@@ -334,10 +337,8 @@ class ToolRolloutEngine(RolloutEngine):
             """The conversation's call to the pool; its return queued for the loop."""
             nonlocal in_tools
             in_tools += 1
-            t0 = time.perf_counter()
             future = self.tools.submit(conv.code)
-            future.add_done_callback(lambda f, c=conv, t=t0: (
-                self._count("multi_turn/tool_time_s", time.perf_counter() - t), returned.put((c, f))))
+            future.add_done_callback(lambda f, c=conv: returned.put((c, f)))
 
         for conv in (c for group in convs.values() for c in group if c.code is not None):
             launch(conv)  # continuations cut between a call and its output
@@ -456,7 +457,7 @@ class ToolRolloutEngine(RolloutEngine):
             return
         t0 = time.perf_counter()
         results = self.tools.run_many([c.code for c in calling])
-        self._count("multi_turn/tool_time_s", time.perf_counter() - t0)
+        self._count("multi_turn/round_tool_s", time.perf_counter() - t0)  # generation waits for this
         for conv, result in zip(calling, results, strict=True):
             conv.code = None
             self._append_output(conv, result)
@@ -466,6 +467,7 @@ class ToolRolloutEngine(RolloutEngine):
         conv.tool_calls += 1
         self._count("multi_turn/tool_calls", 1)
         self._count("multi_turn/tool_errors", result.error is not None)
+        self._count("multi_turn/tool_exec_s", result.wall_s)
         # without print()'s last newline: the templates close the output on a line of their own
         text = result.for_policy(self.config.max_output_chars).removesuffix("\n")
         ids = self.template.output_ids(self.tokenizer, text)

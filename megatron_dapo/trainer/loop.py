@@ -568,7 +568,7 @@ class Trainer:
             for i, ((_, s, _), a, k) in enumerate(zip(flat, adv.tolist(), keep.tolist(), strict=True))
             if len(s.response_ids) > 0
         ]
-        gbs = self.config.global_batch_size or len(rollouts)
+        gbs = self.config.global_batch_size or max(1, len(rollouts))
         minibatches = [rollouts[i:i + gbs] for i in range(0, len(rollouts), gbs)]
         dp = parallel_state.get_data_parallel_world_size()
         if any(len(mb) < dp for mb in minibatches):
@@ -576,7 +576,8 @@ class Trainer:
                 f"a mini-batch has fewer responses than the {dp} data-parallel ranks; raise "
                 f"--global-batch-size or --rollout-batch-size x --n-samples-per-prompt"
             )
-        metrics = {"train/advantage_abs_mean": float(adv.abs().mean()), "train/minibatches": len(minibatches),
+        metrics = {"train/advantage_abs_mean": float(adv.abs().mean()) if adv.numel() else 0.0,
+                   "train/minibatches": len(minibatches),
                    "train/responses": float(len(rollouts))}
         splits = [self.dp_split(mb, dp) for mb in minibatches]  # [minibatch][dp][row index]
         shares = [[[mb[i] for i in split[d]] for mb, split in zip(minibatches, splits, strict=True)] for d in range(dp)]
@@ -594,7 +595,10 @@ class Trainer:
         """Old log-probs on the pre-update policy (+ rollout mismatch; with --ref-load the reference model's, and
         with --kl-in-reward every advantage recomputed from the penalised rewards; with --teacher-load the
         distillation term, whose --distill-only zeroes the verifier's advantage after that), then one step per
-        mini-batch, all at the LR of rollout step `step`."""
+        mini-batch, all at the LR of rollout step `step`. No mini-batch (--on-gen-exhausted partial kept no group,
+        every rank alike): no update, `train/empty_batch` 1 (every advantage would have been 0)."""
+        if not minibatches:
+            return {"train/empty_batch": 1.0}
         t0 = time.perf_counter()
         local = [r for mb in minibatches for r in mb]
         old = self.actor.compute_log_probs([r.sample for r in local])

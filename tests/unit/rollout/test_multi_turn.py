@@ -43,6 +43,7 @@ class ParenTemplate:
 class Outcome:
     text: str
     error: str | None = None
+    wall_s: float = 0.001
 
     def for_policy(self, max_chars: int) -> str:
         return self.text[:max_chars]
@@ -192,6 +193,7 @@ def test_tool_tokens_are_masked_and_counted_against_the_budget(model, schedule):
     metrics = engine.take_metrics()
     assert metrics["multi_turn/tool_calls"] == sum(s.tool_calls for s in samples)
     assert metrics["multi_turn/tool_tokens"] == sum(s.generated().count(0) for s in samples)
+    assert metrics["multi_turn/tool_exec_s"] == pytest.approx(0.001 * metrics["multi_turn/tool_calls"])
 
 
 def test_without_calls_a_conversation_is_the_single_turn_sample(model):

@@ -248,3 +248,20 @@ def test_build_samples_keeps_a_conversations_tool_tokens_out_of_the_loss(monkeyp
     assert plain.sample.loss_mask.tolist() == [1.0] * 3
     (back,) = unpack(pack([rows]), Rollout)
     assert [r.sample.loss_mask.tolist() for r in back] == [r.sample.loss_mask.tolist() for r in rows]
+
+
+def test_a_step_that_kept_no_group_trains_nothing_and_says_so(monkeypatch):
+    """--on-gen-exhausted partial with every group all right or all wrong: no mini-batch, no update (the actor is not
+    called: every advantage would be 0), `train/empty_batch` logged, instead of the actor refusing an empty share."""
+    from megatron_dapo.algorithm import grpo_advantages
+    from megatron_dapo.trainer import loop
+
+    monkeypatch.setattr(loop.parallel_state, "get_data_parallel_world_size", lambda: 1)
+    trainer = SimpleNamespace(routing=None, config=SimpleNamespace(advantage_estimator=grpo_advantages,
+                                                                   global_batch_size=0, kl_reward=None),
+                              collect=SimpleNamespace(overlong=OverlongConfig(max_response_length=8)))
+    trainer.dp_split = lambda mb, dp: Trainer.dp_split(trainer, mb, dp)
+    shares, metrics = Trainer.build_samples(trainer, [])
+    assert shares == [[]] and metrics["train/advantage_abs_mean"] == 0.0 and metrics["train/responses"] == 0
+    trainer.actor = None  # any call into it would fail
+    assert Trainer.train(trainer, shares[0], step=3) == {"train/empty_batch": 1.0}
