@@ -25,7 +25,7 @@ DAPO_ARGS=(
     --overlong-buffer-length 8 --overlong-penalty-factor 1.0 --reward-fn math_dapo
 )
 OPTIM_ARGS=(--lr 5e-4 --lr-warmup-steps 3 --weight-decay 0.0 --clip-grad 1.0 --global-batch-size 64 --seed 1234)
-if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced (tests/e2e/test_tool_demo.py reads the arrays)
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then  # sourced: only the arrays above
     return 0
 fi
 

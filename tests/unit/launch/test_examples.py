@@ -173,3 +173,28 @@ def test_smollm2_cpu_launcher_parses_and_validates(tmp_path):
     _, _, trainer_cfg = build_configs(args)
     assert (trainer_cfg.eval_sampling.greedy, trainer_cfg.eval_n_samples, trainer_cfg.num_steps) == (True, 1, 12)
     assert any(c[0] == "tools/eval.py" for c in calls)
+
+
+def test_tool_demo_launcher_runs_both_arms_with_flags_that_validate(tmp_path):
+    """examples/run_tool_demo.sh with a stand-in $PY that records each call: it builds the tool task's base when the
+    base directory has none, trains twice from it, the first arm with --tool-template code_fence (its ToolUseConfig
+    validates) and the second without, then draws both."""
+    from megatron_dapo.startup import tool_use_config
+
+    out = tmp_path / "calls.jsonl"
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PY.format(out=str(out)))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    subprocess.run(["bash", "examples/run_tool_demo.sh", str(tmp_path / "out"), str(tmp_path / "base")], cwd=REPO,
+                   env=dict(os.environ, PY=str(fake)), check=True, capture_output=True, timeout=60)
+    calls = [json.loads(line) for line in out.read_text().splitlines()]
+    assert calls[0][:3] == ["tools/make_tiny_base.py", "--task", "tool"]
+    arms = [build_parser().parse_args(c[2:]) for c in calls if c[:2] == ["-m", "megatron_dapo.train"]]
+    assert [a.tool_template for a in arms] == ["code_fence", None]
+    tools = tool_use_config(arms[0])
+    assert (tools.template, tools.turns.max_turns, tools.turns.schedule) == ("code_fence", 2, "continuous")
+    assert tool_use_config(arms[1]) is None
+    for a in arms:
+        build_configs(a)
+        assert (a.num_steps, a.seed, a.hf_checkpoint) == (20, 1234, str(tmp_path / "base" / "model"))
+    assert calls[-1][0] == "tools/plot_tool_demo.py"
